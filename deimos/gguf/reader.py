@@ -70,6 +70,7 @@ _MIN_ARRAY_BYTES = 4 + 8  # item type, count
 _MAX_ARRAY_DEPTH = 8  # nesting deeper than this is refused (llama.cpp allows none)
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _INT64_MAX = 2**63 - 1
+_CORRUPT = " (corrupt count or truncated file)"
 
 
 class TensorInfo(NamedTuple):
@@ -171,14 +172,14 @@ class _Parser:
             if count > left // dtype.itemsize:
                 raise self.fail(
                     f"{what} claims {count} items of {item_type.name} "
-                    f"({count * dtype.itemsize} bytes), past the end of the file", count_at
+                    f"({count * dtype.itemsize} bytes), past the end of the file{_CORRUPT}", count_at
                 )
             return self.fixed_array(dtype, count, what)
         min_item = 8 if item_type == GGUFValueType.STRING else _MIN_ARRAY_BYTES
         if count > left // min_item:
             raise self.fail(
                 f"{what} claims {count} items of {item_type.name}, "
-                f"more than fit in the {left} bytes left", count_at
+                f"more than fit in the {left} bytes left{_CORRUPT}", count_at
             )
         if item_type == GGUFValueType.STRING:
             return self.string_array(count, what)
@@ -262,13 +263,13 @@ class GGUFFile:
         n_kv = p.u64("metadata key/value count")
         left = p.size - p.pos
         if n_kv > left // _MIN_KV_BYTES:
-            raise p.fail(f"metadata count {n_kv} cannot fit in the {left} bytes left", 16)
+            raise p.fail(f"metadata count {n_kv} cannot fit in the {left} bytes left{_CORRUPT}", 16)
         if n_tensors > left // _MIN_TENSOR_INFO_BYTES:
-            raise p.fail(f"tensor count {n_tensors} cannot fit in the {left} bytes left", 8)
+            raise p.fail(f"tensor count {n_tensors} cannot fit in the {left} bytes left{_CORRUPT}", 8)
         if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_INFO_BYTES > left:
             raise p.fail(
                 f"{n_kv} metadata entries and {n_tensors} tensor infos cannot fit "
-                f"in the {left} bytes left", 8
+                f"in the {left} bytes left{_CORRUPT}", 8
             )
         self._parse_metadata(p, n_kv)
         self.alignment = self._alignment()
