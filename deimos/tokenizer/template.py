@@ -175,6 +175,12 @@ def _raise_exception(message: Any) -> None:
 class _Sandbox(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "**", "+", "%"})
 
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+        # Jinja returns an Undefined that prints as ''; an escape attempt should fail loudly.
+        raise jinja2.sandbox.SecurityError(
+            f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe"
+        )
+
     def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any):
         budget = _budget(context)
         if operator == "**":
@@ -337,13 +343,22 @@ class ChatTemplate:
 
     def _probe_system_role(self) -> bool:
         """Whether a system message's content reaches the output (llama.cpp's caps check:
-        common/jinja/caps.cpp). Templates such as gemma-2's raise on a system role."""
+        common/jinja/caps.cpp). Templates such as gemma-2's raise on a system role. A template
+        that fails even on a lone user message (e.g. one that requires tools) tells us nothing
+        about system roles and is assumed to support them."""
         needle = "DeimosSystemProbe7f3a"
-        probe = [{"role": "system", "content": needle}, {"role": "user", "content": "User message"}]
-        try:
-            return needle in self._render(probe, add_generation_prompt=False, tools=None)
-        except TemplateError:
-            return False
+        user = {"role": "user", "content": "User message"}
+        for tools in (None, []):
+            try:
+                self._render([user], add_generation_prompt=False, tools=tools)
+            except TemplateError:
+                continue
+            try:
+                probe = [{"role": "system", "content": needle}, user]
+                return needle in self._render(probe, add_generation_prompt=False, tools=tools)
+            except TemplateError:
+                return False
+        return True
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any], tokens: Sequence[str]) -> ChatTemplate:

@@ -1,0 +1,316 @@
+"""Chat templates. Oracles: llama.cpp's own chat-template test expectations (parsed from
+tests/test-chat-template.cpp), the real templates shipped in llama.cpp/models/templates, the
+SmolLM2 GGUF's template, and ChatML/gemma strings spelled out from llama.cpp's C++ formats."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime
+
+import pytest
+from chat_support import (
+    LLAMA_CONVERSATION,
+    llama_chat_cases,
+    llama_cpp_dir,
+    model_path,
+    read_vocab,
+    required,
+)
+
+from deimos.tokenizer.template import (
+    CHATML_TEMPLATE,
+    GEMMA_TEMPLATE,
+    PLAIN_TEMPLATE,
+    ChatTemplate,
+    TemplateError,
+)
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "Weather in Paris?"},
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "description": "City name"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+# -- llama.cpp's expected outputs ---------------------------------------------------------------
+
+_CASES = llama_chat_cases()
+
+
+@pytest.mark.parametrize("case", [c for c in _CASES if c.supported_with_jinja], ids=lambda c: c.name)
+def test_llama_cpp_chat_template_cases(case):
+    msgs = LLAMA_CONVERSATION + [{"role": r, "content": c} for r, c in case.extra_conversation]
+    out = ChatTemplate(case.template_str, case.bos_token, case.eos_token).render(msgs)
+    assert out == case.expected
+
+
+def test_llama_cpp_cases_were_parsed():
+    # the parser must not silently lose cases: the C++ file has 36, 35 renderable with jinja
+    assert len(_CASES) >= 30
+    assert all(c.template_str and c.expected for c in _CASES)
+
+
+# -- real templates -----------------------------------------------------------------------------
+
+_TEMPLATE_DIR = llama_cpp_dir() / "models" / "templates"
+_TEMPLATES = sorted(p.name for p in _TEMPLATE_DIR.glob("*.jinja"))
+
+# Templates whose legitimate response to our plain input is an error (checked to be a
+# TemplateError naming the cause): tool_use variants iterate `tools` unconditionally,
+# firefunction reads a `functions` variable.
+_NEEDS_TOOLS = {
+    "CohereForAI-c4ai-command-r-plus-tool_use.jinja",
+    "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja",
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja",
+}
+_NEEDS_FUNCTIONS_VAR = {"fireworks-ai-llama-3-firefunction-v2.jinja"}
+
+
+def test_template_dir_present():
+    required(_TEMPLATE_DIR)
+    assert len(_TEMPLATES) > 50
+
+
+@pytest.mark.parametrize("name", _TEMPLATES)
+def test_real_template_renders(name):
+    t = ChatTemplate((_TEMPLATE_DIR / name).read_text("utf-8"), "<s>", "</s>")
+    for tools in (None, TOOLS):
+        if name in _NEEDS_FUNCTIONS_VAR or (tools is None and name in _NEEDS_TOOLS):
+            with pytest.raises(TemplateError, match="undefined|not iterable|NoneType"):
+                t.render(CONVERSATION, tools=tools)
+            continue
+        out = t.render(CONVERSATION, tools=tools)
+        # every message's text reaches the prompt (system possibly merged into the user turn)
+        for m in CONVERSATION:
+            assert m["content"] in out, (name, m)
+        if tools is not None and "tools" in t.source:
+            assert "get_weather" in out
+        # the generation prompt only ever adds text
+        assert len(t.render(CONVERSATION, tools=tools, add_generation_prompt=False)) <= len(out)
+
+
+def test_gemma2_requires_no_system_and_merges_like_llama_cpp():
+    t = ChatTemplate((_TEMPLATE_DIR / "google-gemma-2-2b-it.jinja").read_text("utf-8"), "<bos>", "")
+    assert not t.supports_system_role
+    out = t.render(CONVERSATION)
+    assert "<start_of_turn>user\nYou are terse.\nHi<end_of_turn>" in out
+    # what the template itself says about a system role, when called directly
+    with pytest.raises(TemplateError, match="System role not supported") as info:
+        t._render(CONVERSATION, add_generation_prompt=True, tools=None)
+    assert info.value.raised_by_template
+
+
+def test_alternation_error_is_template_error():
+    src = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    t = ChatTemplate(src)
+    with pytest.raises(TemplateError, match="Conversation roles must alternate") as info:
+        t.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    assert info.value.raised_by_template
+
+
+def test_enable_thinking_passthrough():
+    t = ChatTemplate((_TEMPLATE_DIR / "Qwen-Qwen3-0.6B.jinja").read_text("utf-8"))
+    on = t.render(CONVERSATION[1:2])
+    off = t.render(CONVERSATION[1:2], enable_thinking=False)
+    assert off == on + "<think>\n\n</think>\n\n"
+
+
+# -- the SmolLM2 model's own template -------------------------------------------------------------
+
+
+def test_smollm2_template_from_gguf():
+    md, tokens, _ = read_vocab(model_path("SmolLM2-135M-Instruct.Q4_1.gguf"))
+    t = ChatTemplate.from_metadata(md, tokens)
+    assert t.source == md["tokenizer.chat_template"]
+    assert (t.bos_token, t.eos_token) == ("<|im_start|>", "<|im_end|>")
+    out = t.render([{"role": "user", "content": "What is 2+2?"}])
+    assert out == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        "<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    out = t.render(CONVERSATION[:3], add_generation_prompt=False)
+    assert out == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello!<|im_end|>\n"
+    )
+
+
+def test_gemma3_base_has_no_template_and_gets_gemma_turns():
+    md, tokens, _ = read_vocab(model_path("gemma-3-270m-q4_k_m.gguf"))
+    assert "tokenizer.chat_template" not in md
+    t = ChatTemplate.from_metadata(md, tokens)
+    assert t.source == GEMMA_TEMPLATE
+    assert (t.bos_token, t.eos_token) == ("<bos>", "<eos>")
+    # llama.cpp's gemma format (llm_chat_apply_template, LLM_CHAT_TEMPLATE_GEMMA) on the
+    # conversation of its test: system trimmed and joined to the first user turn by "\n\n",
+    # contents trimmed, assistant called "model"
+    assert t.render(LLAMA_CONVERSATION) == (
+        "<start_of_turn>user\nYou are a helpful assistant\n\nHello<end_of_turn>\n"
+        "<start_of_turn>model\nHi there<end_of_turn>\n<start_of_turn>user\nWho are you"
+        "<end_of_turn>\n<start_of_turn>model\nI am an assistant<end_of_turn>\n"
+        "<start_of_turn>user\nAnother question<end_of_turn>\n<start_of_turn>model\n"
+    )
+
+
+# -- defaults -----------------------------------------------------------------------------------
+
+
+def test_default_chatml_exact():
+    md = {"tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 2}
+    t = ChatTemplate.from_metadata(md, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a"])
+    assert t.source == CHATML_TEMPLATE
+    assert t.render(CONVERSATION) == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert t.render(CONVERSATION[:1], add_generation_prompt=False) == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n"
+    )
+
+
+def test_default_plain():
+    t = ChatTemplate.from_metadata({}, ["a", "b"])
+    assert t.source == PLAIN_TEMPLATE
+    assert t.render(CONVERSATION[:2]) == "system: You are terse.\nuser: Hi\nassistant: "
+
+
+def test_from_metadata_rejects_bad_token_id():
+    with pytest.raises(TemplateError, match="eos_token_id = 9"):
+        ChatTemplate.from_metadata({"tokenizer.ggml.eos_token_id": 9}, ["a"])
+
+
+# -- helpers templates use ------------------------------------------------------------------------
+
+
+def test_tojson_follows_hf():
+    data = {"b": "é<x>", "a": [1, 2]}
+    t = ChatTemplate(
+        "{{ d | tojson }}|{{ d | tojson(indent=2) }}|{{ d | tojson(ensure_ascii=True) }}|"
+        "{{ d | tojson(separators=[',', ':']) }}|{{ d | tojson(sort_keys=true) }}"
+    )
+    out = t.render([], d=data)
+    assert out.split("|") == [
+        json.dumps(data, ensure_ascii=False),
+        json.dumps(data, ensure_ascii=False, indent=2),
+        json.dumps(data, ensure_ascii=True),
+        json.dumps(data, ensure_ascii=False, separators=(",", ":")),
+        json.dumps(data, ensure_ascii=False, sort_keys=True),
+    ]
+
+
+def test_strftime_now_and_loop_controls():
+    t = ChatTemplate(
+        "{{ strftime_now('%d %b %Y') }}:{% for i in range(10) %}{% if i == 2 %}{% continue %}"
+        "{% endif %}{% if i == 4 %}{% break %}{% endif %}{{ i }}{% endfor %}",
+        now=lambda: datetime(2024, 7, 26),
+    )
+    assert t.render([]) == "26 Jul 2024:013"
+
+
+def test_trim_and_lstrip_blocks():
+    t = ChatTemplate("  {% if true %}\nA\n  {% endif %}\nB")
+    assert t.render([]) == "A\nB"
+
+
+def test_generation_tag_renders_body():
+    t = ChatTemplate("{% generation %}X{{ 1 }}{% endgeneration %}Y")
+    assert t.render([]) == "X1Y"
+
+
+# -- errors and the sandbox ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "src, match",
+    [
+        ("{{ ''.__class__.__mro__ }}", "unsafe"),
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "unsafe"),
+        ("{{ messages.__class__ }}", "unsafe"),
+        ("{{ raise_exception.__globals__ }}", "unsafe"),
+        ("{{ cycler.__init__.__globals__.os }}", "unsafe"),
+        ("{% set x = [] %}{{ x.append(1) }}", "unsafe"),
+        ("{{ (messages[0]).update({'role': 'x'}) }}", "unsafe"),
+    ],
+)
+def test_sandbox_escapes_refused(src, match):
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(TemplateError, match=match):
+        ChatTemplate(src).render(msgs)
+    assert msgs == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "src, match",
+    [
+        ("{% for m in messages %}{{ m }", "syntax error at line 1"),
+        ("{% if %}", "syntax error"),
+        ("{% endfor %}", "syntax error"),
+        ("{{ x | no_such_filter }}", "no_such_filter"),
+    ],
+)
+def test_syntax_errors(src, match):
+    with pytest.raises(TemplateError, match=match):
+        ChatTemplate(src)
+
+
+def test_undefined_misuse_and_python_errors():
+    with pytest.raises(TemplateError, match="undefined value"):
+        ChatTemplate("{{ nothing.attr }}").render([])
+    with pytest.raises(TemplateError, match="ZeroDivisionError"):
+        ChatTemplate("{{ 1 // 0 }}").render([])
+    assert ChatTemplate("[{{ nothing }}]").render([]) == "[]"  # lenient like HF
+
+
+@pytest.mark.parametrize(
+    "src",
+    [
+        "{% for i in range(10**9) %}{% endfor %}",
+        "{% for i in range(20000) %}{% for j in range(20000) %}{% endfor %}{% endfor %}",
+        "{% set xs = range(20000) | list %}{% for i in xs %}{% for j in xs %}{% endfor %}"
+        "{% endfor %}",
+        "{{ 'a' * 10**10 }}",
+        "{{ [0] * 10**10 }}",
+        "{{ 10 ** 1000000 }}",
+        "{% set ns = namespace(s='ab') %}{% for i in range(200) %}{% set ns.s = ns.s ~ ns.s %}"
+        "{% endfor %}",
+        "{% set ns = namespace(s='ab') %}{% for i in range(200) %}{% set ns.s = ns.s + ns.s %}"
+        "{% endfor %}",
+        "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+        "{% for i in range(20000) %}{{ 'x' * 2000 }}{% endfor %}",
+    ],
+    ids=["huge-range", "nested-range", "nested-list", "str-mul", "list-mul", "pow",
+         "concat-doubling", "plus-doubling", "recursion", "long-output"],
+)
+def test_pathological_templates_fail_fast(src):
+    t0 = time.perf_counter()
+    with pytest.raises(TemplateError, match="limit|too large|recursed|longer"):
+        ChatTemplate(src).render([])
+    assert time.perf_counter() - t0 < 5
+
+
+def test_bad_messages():
+    t = ChatTemplate(CHATML_TEMPLATE)
+    with pytest.raises(TemplateError, match=r"messages\[1\] needs a string 'role'"):
+        t.render([{"role": "user", "content": "a"}, {"content": "b"}])
+    with pytest.raises(TemplateError, match="list of dicts"):
+        t.render("hello")
