@@ -51,7 +51,8 @@ def test_accepts_bytes_and_2d_raw_and_keeps_shape() -> None:
     blocks = f.random_blocks(6, np.random.default_rng(0))
     want = f.decode_blocks(blocks).reshape(3, 2, 32)
     assert np.array_equal(dequantize(blocks, GGMLType.Q8_0, (3, 2, 32)), want)
-    assert np.array_equal(dequantize(blocks.tobytes(), int(GGMLType.Q8_0), (3, 64)), want.reshape(3, 64))
+    got = dequantize(blocks.tobytes(), int(GGMLType.Q8_0), (3, 64))
+    assert np.array_equal(got, want.reshape(3, 64))
     assert dequantize(b"", GGMLType.Q4_K, (0, 256)).shape == (0, 256)
 
 

@@ -20,7 +20,8 @@ def test_model_tensors_bit_exact(model: str) -> None:
         smallest = {}  # per type: the smallest tensor, decoded whole
         for info in f.tensors.values():
             fmt = get_format(info.ggml_type, info.name)
-            if len(info.shape) >= 2 and info.n_elements < smallest.get(info.ggml_type, (1 << 62, ""))[0]:
+            best = smallest.get(info.ggml_type, (1 << 62, ""))[0]
+            if len(info.shape) >= 2 and info.n_elements < best:
                 smallest[info.ggml_type] = (info.n_elements, info.name)
             raw = f.tensor_bytes(info.name)
             ne0 = info.shape[-1]

@@ -62,10 +62,11 @@ def encode_grid(c_name: str) -> str:
     packed = np.zeros(idx.shape[0], dtype=np.uint8)
     for k in range(idx.shape[1]):
         packed |= idx[:, k] << (bits * k)
-    lines = textwrap.wrap(base64.b64encode(packed.tobytes()).decode(), 92)
+    lines = textwrap.wrap(base64.b64encode(packed.tobytes()).decode(), 88)
     body = "\n".join(f'        "{line}"' for line in lines)
     rows, cols = raw.shape
-    return f"_{c_name.upper()} = _Grid(\n    {rows}, {cols}, {values!r}, {bits},\n    (\n{body}\n    ),\n)\n"
+    head = f"_{c_name.upper()} = _Grid(\n    {rows}, {cols}, {values!r}, {bits},\n"
+    return head + f"    (\n{body}\n    ),\n)\n"
 
 
 def test_encoding_round_trips() -> None:

@@ -20,7 +20,9 @@ import numpy as np
 
 from deimos.gguf.constants import GGMLType
 
-FETCH_HINT = "run `python tools/fetch_test_data.py` (or set DEIMOS_TEST_DATA to a directory holding it)"
+FETCH_HINT = (
+    "run `python tools/fetch_test_data.py` (or set DEIMOS_TEST_DATA to a directory holding it)"
+)
 
 
 def data_dir() -> Path:
@@ -70,7 +72,9 @@ def ggml_traits(t: GGMLType) -> _TypeTraits:
 
 
 def ggml_to_float(t: GGMLType, blocks: np.ndarray) -> np.ndarray | None:
-    """ggml's to_float on ``[n, type_size]`` blocks -> float32 ``[n, block_size]``; None if absent."""
+    """ggml's to_float on ``[n, type_size]`` blocks -> float32 ``[n, block_size]``.
+
+    None if ggml has no to_float for the type."""
     tr = ggml_traits(t)
     if not tr.to_float:
         return None

@@ -156,7 +156,9 @@ def random_bytes(n: int, type_size: int, rng: np.random.Generator) -> np.ndarray
     return words.view(np.uint8)[:total].reshape(n, type_size)
 
 
-def random_f16_bits(rng: np.random.Generator, size: tuple[int, ...], lo: float, hi: float) -> np.ndarray:
+def random_f16_bits(
+    rng: np.random.Generator, size: tuple[int, ...], lo: float, hi: float
+) -> np.ndarray:
     """uint16 bit patterns of float16 values uniform in ``[lo, hi)`` (finite by construction)."""
     v = lo + (hi - lo) * rng.random(size, dtype=np.float32)
     return v.astype(np.float16).view(np.uint16)

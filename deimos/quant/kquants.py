@@ -48,7 +48,8 @@ def _by_sub(y: np.ndarray, n_sub: int) -> np.ndarray:
 
 
 class Q2_K(QuantFormat, ggml_type=GGMLType.Q2_K):
-    # 0 scales[16] (low nibble scale, high nibble min) | 16 qs[64] 2-bit | 80 d (f16) | 82 dmin (f16)
+    # 0 scales[16] (low nibble scale, high nibble min) | 16 qs[64] 2-bit
+    # 80 d (f16) | 82 dmin (f16)
     # w = (d * sc) * q - (dmin * m), per sub-block of 16
 
     def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
@@ -148,7 +149,8 @@ class Q5_K(QuantFormat, ggml_type=GGMLType.Q5_K):
 class Q6_K(QuantFormat, ggml_type=GGMLType.Q6_K):
     # 0 ql[128] nibbles | 128 qh[64] 2-bit | 192 scales[16] int8 | 208 d (f16)
     # element h*128 + g*32 + l (g 0..3): low 4 bits = nibble g // 2 of ql[h*64 + (g % 2)*32 + l],
-    # high 2 bits = bits 2g..2g+1 of qh[h*32 + l]; w = (d * sc) * (q - 32), sub-block = element // 16
+    # high 2 bits = bits 2g..2g+1 of qh[h*32 + l];
+    # w = (d * sc) * (q - 32), sub-block = element // 16
 
     def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
         n = blocks.shape[0]

@@ -25,7 +25,7 @@ class MXFP4(QuantFormat, ggml_type=GGMLType.MXFP4):
     def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
         d = e8m0_to_f32_half(blocks[:, 0:1])
         qs = blocks[:, 1:17]
-        q = KVALUES_MXFP4[np.concatenate([qs & 0x0F, qs >> 4], axis=1)]
+        q = KVALUES_MXFP4.take(np.concatenate([qs & 0x0F, qs >> 4], axis=1))
         return as_f32(q) * d
 
     def random_blocks(self, n: int, rng: np.random.Generator) -> np.ndarray:

@@ -8,6 +8,7 @@ from deimos.gguf.constants import GGMLType
 from deimos.quant.base import QuantFormat, as_f32, f16_at, put_f16_scale, random_bytes
 
 _POW3_5 = np.array([1, 3, 9, 27, 81], dtype=np.uint8)
+_SHIFT4 = np.array([0, 2, 4, 6], dtype=np.uint8)
 
 
 def _trits(packed: np.ndarray, k: int) -> np.ndarray:
@@ -60,12 +61,12 @@ class TQ2_0(QuantFormat, ggml_type=GGMLType.TQ2_0):
     def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
         n = blocks.shape[0]
         d = f16_at(blocks, 64)
-        q = blocks[:, 0:64].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+        q = blocks[:, 0:64].reshape(n, 2, 1, 32) >> _SHIFT4.reshape(1, 1, 4, 1)
         return as_f32((q & 3).reshape(n, 256).astype(np.int8) - 1) * d
 
     def random_blocks(self, n: int, rng: np.random.Generator) -> np.ndarray:
         b = random_bytes(n, self.type_size, rng)
-        t = rng.integers(0, 3, (n, 64, 4), dtype=np.uint8) << np.array([0, 2, 4, 6], np.uint8)
+        t = rng.integers(0, 3, (n, 64, 4), dtype=np.uint8) << _SHIFT4
         b[:, 0:64] = t[..., 0] | t[..., 1] | t[..., 2] | t[..., 3]
         put_f16_scale(b, 64, rng, 0.1)
         return b
