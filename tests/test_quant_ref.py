@@ -1,7 +1,7 @@
 """Oracles for the quant tests (support module, no tests of its own).
 
 * ``ggml_to_float``: ggml's own C ``dequantize_row_*``, called through ctypes from llama.cpp's
-  libggml-base.so ($DEIMOS_TEST_DATA/llama-cpu).
+  libggml-base.so ($LLAMA_CPU_DIR, default $DEIMOS_TEST_DATA/llama-cpu).
 * ``gguf_dequantize``: the ``gguf`` package's numpy decoders (tested bit for bit against ggml by
   its authors); ``None`` for types it does not implement.
 * Scalar references transcribed line by line from ggml-quants.c for the types gguf lacks.
@@ -61,7 +61,12 @@ _TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_in
 
 @cache
 def _libggml() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(need("llama-cpu/libggml-base.so")))
+    # same lookup as tools/llama_ref: $LLAMA_CPU_DIR, else $DEIMOS_TEST_DATA/llama-cpu
+    lib_dir = Path(os.environ.get("LLAMA_CPU_DIR", data_dir() / "llama-cpu"))
+    path = lib_dir / "libggml-base.so"
+    if not path.exists():
+        raise FileNotFoundError(f"ggml C library {path} is missing: {FETCH_HINT}")
+    lib = ctypes.CDLL(str(path))
     lib.ggml_get_type_traits.restype = ctypes.POINTER(_TypeTraits)
     lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
     return lib
