@@ -74,7 +74,8 @@ def arr(item_type: int, items: list[bytes], count: int | None = None) -> bytes:
 
 
 def tinfo(name: str | bytes, dims: list[int], ggml_type: int, offset: int) -> bytes:
-    return gstr(name) + u32(len(dims)) + b"".join(u64(d) for d in dims) + u32(ggml_type) + u64(offset)
+    encoded_dims = b"".join(u64(d) for d in dims)
+    return gstr(name) + u32(len(dims)) + encoded_dims + u32(ggml_type) + u64(offset)
 
 
 def pad(n: int, align: int) -> int:
@@ -109,7 +110,8 @@ def int_fields(buf: bytes) -> list[tuple[int, int, str]]:
 
     def string(label: str) -> None:
         nonlocal pos
-        pos += take(8, f"len {label}")
+        n = take(8, f"len {label}")
+        pos += n
 
     def value(vt: int, label: str) -> None:
         nonlocal pos

@@ -99,7 +99,8 @@ SCALARS = [
     ("t.u8", VT.UINT8, 200), ("t.i8", VT.INT8, -100), ("t.u16", VT.UINT16, 60000),
     ("t.i16", VT.INT16, -30000), ("t.u32", VT.UINT32, 4_000_000_000),
     ("t.i32", VT.INT32, -2_000_000_000), ("t.f32", VT.FLOAT32, 1.5e-5), ("t.bool", VT.BOOL, True),
-    ("t.bool0", VT.BOOL, False), ("t.str", VT.STRING, "héllo ✓ 日本"), ("t.u64", VT.UINT64, 2**64 - 1),
+    ("t.bool0", VT.BOOL, False), ("t.str", VT.STRING, "héllo ✓ 日本"),
+    ("t.u64", VT.UINT64, 2**64 - 1),
     ("t.i64", VT.INT64, -(2**63)), ("t.f64", VT.FLOAT64, math.pi),
 ]
 NUMERIC_ARRAYS = [
@@ -257,7 +258,8 @@ def test_wrong_magic(tmp_path):
 
 @pytest.mark.parametrize("version", [0, 1, 4, 0xFFFFFFFF])
 def test_unsupported_version(tmp_path, version):
-    _bad(tmp_path, build(KVS, TENSORS, DATA, version=version), f"unsupported GGUF version {version}")
+    data = build(KVS, TENSORS, DATA, version=version)
+    _bad(tmp_path, data, f"unsupported GGUF version {version}")
 
 
 def test_big_endian_is_refused(tmp_path):
@@ -331,7 +333,9 @@ def test_string_array_item_length_past_end(tmp_path):
          r"value of metadata key 'tok'\[1\] has length 4611686018427387904, past the end")
 
 
-@pytest.mark.parametrize("field,value", [("n_tensors", 2**62), ("n_kv", 2**40), ("n_kv", 2**64 - 1)])
+@pytest.mark.parametrize(
+    "field,value", [("n_tensors", 2**62), ("n_kv", 2**40), ("n_kv", 2**64 - 1)]
+)
 def test_absurd_header_counts(tmp_path, field, value):
     data = build(KVS, TENSORS, DATA, **{field: value})
     _bad(tmp_path, data, r"count .* cannot fit in the \d+ bytes left")
@@ -366,7 +370,8 @@ def test_custom_alignment_applies(tmp_path):
     kvs = [*KVS, kv_u32("general.alignment", 64)]
     data = build(kvs, [tinfo("a", [4], T_F32, 0), tinfo("b", [4], T_F32, 32)], DATA, alignment=64)
     _bad(tmp_path, data, r"tensor 'b' has data offset 32, not a multiple of the alignment 64")
-    good = build(kvs, [tinfo("a", [4], T_F32, 0), tinfo("b", [4], T_F32, 64)], DATA * 5, alignment=64)
+    tis = [tinfo("a", [4], T_F32, 0), tinfo("b", [4], T_F32, 64)]
+    good = build(kvs, tis, DATA * 5, alignment=64)
     with _open(tmp_path, good, "ok.gguf") as f:
         assert f.alignment == 64 and f.data_offset % 64 == 0
         assert f.tensors["b"].offset == f.data_offset + 64
@@ -414,7 +419,8 @@ def test_bad_alignment(tmp_path, payload, match):
 
 @pytest.mark.parametrize("t", [4, 5, 31, 1000, 2**32 - 1])
 def test_unknown_tensor_type(tmp_path, t):
-    _bad(tmp_path, build(KVS, [tinfo("a", [32], t, 0)], DATA), f"tensor 'a' has unknown GGML type {t}")
+    data = build(KVS, [tinfo("a", [32], t, 0)], DATA)
+    _bad(tmp_path, data, f"tensor 'a' has unknown GGML type {t}")
 
 
 @pytest.mark.parametrize("vt", [13, 255, 2**32 - 1])
@@ -435,7 +441,8 @@ def test_invalid_utf8_key(tmp_path):
 
 
 def test_invalid_utf8_and_empty_tensor_name(tmp_path):
-    _bad(tmp_path, build(KVS, [tinfo(b"\xff", [4], T_F32, 0)], DATA), r"name of tensor #0 is not valid")
+    data = build(KVS, [tinfo(b"\xff", [4], T_F32, 0)], DATA)
+    _bad(tmp_path, data, r"name of tensor #0 is not valid")
     _bad(tmp_path, build(KVS, [tinfo(b"", [4], T_F32, 0)], DATA), r"name of tensor #0 is empty")
 
 
@@ -469,3 +476,40 @@ def test_close_is_idempotent_and_metadata_survives(tmp_path):
     f.close()
     assert scores.tolist()[0] == 0.5  # the view keeps the mapping alive
     assert os.path.exists(p)
+
+
+# -- inspect ---------------------------------------------------------------------------------
+
+def test_inspect_report_matches_gguf_py(real_pair):
+    from deimos.gguf.inspect import inspect_gguf, inspect_text
+
+    f, r = real_pair
+    rep = inspect_gguf(f)
+    assert rep.data_offset == r.data_offset and len(rep.tensors) == len(r.tensors)
+    by_type: dict[str, list[int]] = {}
+    for t in r.tensors:
+        acc = by_type.setdefault(t.tensor_type.name, [0, 0, 0])
+        acc[0] += 1
+        acc[1] += int(t.n_elements)
+        acc[2] += int(t.n_bytes)
+    assert {t.type: [t.n_tensors, t.n_elements, t.nbytes] for t in rep.totals} == by_type
+    assert rep.tensor_bytes == sum(v[2] for v in by_type.values())
+    rows = {m.key: m for m in rep.metadata}
+    tokens = r.fields["tokenizer.ggml.tokens"]
+    tok_row = rows["tokenizer.ggml.tokens"]
+    assert tok_row.type == "arr[str]" and tok_row.count == len(tokens.data)
+    assert tok_row.value.startswith("[" + ", ".join(repr(tokens.contents(i)) for i in range(3)))
+    assert tok_row.value.endswith(", …]") and len(tok_row.value) < 400
+    text = inspect_text(rep, width=200)
+    for t in r.tensors:
+        assert t.name in text
+
+
+def test_inspect_text_does_not_interpret_markup(tmp_path):
+    from deimos.gguf.inspect import inspect_gguf, inspect_text
+
+    p = tmp_path / "m.gguf"
+    p.write_bytes(build([kv("tok", ARRAY, arr(STRING, [gstr("[bold]x[/bold]"), gstr("[INST]")])),
+                         kv("eps", FLOAT32, u32(0x3727C5AC))], []))  # 1e-05 as float32
+    text = inspect_text(inspect_gguf(p), width=200)
+    assert "'[bold]x[/bold]'" in text and "'[INST]'" in text and "1e-05" in text

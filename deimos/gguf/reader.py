@@ -4,14 +4,16 @@ File layout (GGUF v2/v3, little-endian; v1 used u32 counts and is not supported)
 
     magic "GGUF" | version u32 | n_tensors u64 | n_kv u64
     n_kv      x  key: string | value_type u32 | value
-    n_tensors x  name: string | n_dims u32 | dims u64[n_dims] (ne0 first) | ggml_type u32 | offset u64
+    n_tensors x  name: string | n_dims u32 | dims u64[n_dims] (ne0 first) | ggml_type u32
+                 | offset u64
     padding to `alignment` (metadata `general.alignment`, default 32)
     data section: tensor `offset`s are relative to its start and multiples of `alignment`
 
     string = len u64 | bytes[len] (UTF-8, not NUL-terminated)
     array  = item_type u32 | count u64 | items (no per-item type; nested arrays repeat this header)
 
-Everything is validated in ``GGUFFile.__init__``; after that the tensor byte ranges are known to
+Everything is validated in ``GGUFFile.__init__`` (bounds-checked reads and value decoding live
+in ``cursor.py``); after that the tensor byte ranges are known to
 be inside the file, aligned and disjoint. Before any allocation whose size comes from the file
 (a count, a length), the reader checks that the smallest possible encoding of that many items
 still fits in the bytes left, so a forged count is an error, never a huge allocation.
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import struct
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -43,34 +44,20 @@ from .constants import (
     GGMLType,
     GGUFValueType,
 )
+from .cursor import CORRUPT, U32, Cursor
 from .errors import GGUFError
-
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-
-# Fixed-size value types: (struct for a scalar, little-endian numpy dtype for an array).
-_FIXED: dict[GGUFValueType, tuple[struct.Struct, np.dtype]] = {
-    GGUFValueType.UINT8: (struct.Struct("<B"), np.dtype("<u1")),
-    GGUFValueType.INT8: (struct.Struct("<b"), np.dtype("<i1")),
-    GGUFValueType.UINT16: (struct.Struct("<H"), np.dtype("<u2")),
-    GGUFValueType.INT16: (struct.Struct("<h"), np.dtype("<i2")),
-    GGUFValueType.UINT32: (struct.Struct("<I"), np.dtype("<u4")),
-    GGUFValueType.INT32: (struct.Struct("<i"), np.dtype("<i4")),
-    GGUFValueType.FLOAT32: (struct.Struct("<f"), np.dtype("<f4")),
-    GGUFValueType.BOOL: (struct.Struct("<B"), np.dtype("?")),
-    GGUFValueType.UINT64: (struct.Struct("<Q"), np.dtype("<u8")),
-    GGUFValueType.INT64: (struct.Struct("<q"), np.dtype("<i8")),
-    GGUFValueType.FLOAT64: (struct.Struct("<d"), np.dtype("<f8")),
-}
 
 # Smallest encodings, used to reject counts that cannot fit in the rest of the file.
 _MIN_KV_BYTES = 8 + 1 + 4 + 1  # key len, 1-byte key, value type, 1-byte value
 _MIN_TENSOR_INFO_BYTES = 8 + 1 + 4 + 8 + 4 + 8  # name len, 1-byte name, n_dims, 1 dim, type, offset
-_MIN_ARRAY_BYTES = 4 + 8  # item type, count
-_MAX_ARRAY_DEPTH = 8  # nesting deeper than this is refused (llama.cpp allows none)
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _INT64_MAX = 2**63 - 1
-_CORRUPT = " (corrupt count or truncated file)"
+_INT_TYPES = frozenset(
+    {
+        GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
+        GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64,
+    }
+)
 
 
 class TensorInfo(NamedTuple):
@@ -84,140 +71,6 @@ class TensorInfo(NamedTuple):
 
 
 _MISSING: Any = object()
-
-
-class _Parser:
-    """One pass over the header, metadata and tensor infos; ``pos`` only moves forward."""
-
-    def __init__(self, path: str, buf: mmap.mmap, size: int):
-        self.path, self.buf, self.size, self.pos = path, buf, size, 0
-
-    def fail(self, problem: str, offset: int | None = None) -> GGUFError:
-        return GGUFError(self.path, problem, offset)
-
-    def need(self, n: int, what: str) -> None:
-        if n > self.size - self.pos:
-            raise self.fail(
-                f"truncated file: {what} needs {n} bytes at byte {self.pos}, "
-                f"but the file ends at byte {self.size}"
-            )
-
-    def u32(self, what: str) -> int:
-        self.need(4, what)
-        (v,) = _U32.unpack_from(self.buf, self.pos)
-        self.pos += 4
-        return v
-
-    def u64(self, what: str) -> int:
-        self.need(8, what)
-        (v,) = _U64.unpack_from(self.buf, self.pos)
-        self.pos += 8
-        return v
-
-    def raw_string(self, what: str) -> bytes:
-        start = self.pos
-        n = self.u64(f"length of {what}")
-        if n > self.size - self.pos:
-            raise self.fail(
-                f"{what} has length {n}, past the end of the file ({self.size} bytes)", start
-            )
-        data = self.buf[self.pos : self.pos + n]
-        self.pos += n
-        return data
-
-    def name(self, what: str) -> str:
-        """A key or tensor name: non-empty, strict UTF-8."""
-        start = self.pos
-        data = self.raw_string(what)
-        if not data:
-            raise self.fail(f"{what} is empty", start)
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError:
-            raise self.fail(f"{what} is not valid UTF-8: {data[:64]!r}", start) from None
-
-    def value_type(self, what: str) -> GGUFValueType:
-        start = self.pos
-        t = self.u32(what)
-        try:
-            return GGUFValueType(t)
-        except ValueError:
-            raise self.fail(f"{what} is {t}, not a known GGUF value type", start) from None
-
-    def value(self, vtype: GGUFValueType, what: str, depth: int = 0) -> Any:
-        if vtype == GGUFValueType.STRING:
-            return self.raw_string(what).decode("utf-8", "surrogateescape")
-        if vtype == GGUFValueType.ARRAY:
-            return self.array(what, depth)
-        st, _ = _FIXED[vtype]
-        start = self.pos
-        self.need(st.size, what)
-        (v,) = st.unpack_from(self.buf, self.pos)
-        self.pos += st.size
-        if vtype == GGUFValueType.BOOL:
-            if v > 1:
-                raise self.fail(f"{what} is a bool stored as {v} (must be 0 or 1)", start)
-            return bool(v)
-        return v
-
-    def array(self, what: str, depth: int) -> Any:
-        if depth >= _MAX_ARRAY_DEPTH:
-            raise self.fail(f"{what} nests arrays deeper than {_MAX_ARRAY_DEPTH}", self.pos)
-        item_type = self.value_type(f"item type of {what}")
-        count_at = self.pos
-        count = self.u64(f"length of {what}")
-        left = self.size - self.pos
-        if item_type in _FIXED:
-            _, dtype = _FIXED[item_type]
-            if count > left // dtype.itemsize:
-                raise self.fail(
-                    f"{what} claims {count} items of {item_type.name} "
-                    f"({count * dtype.itemsize} bytes), past the end of the file{_CORRUPT}", count_at
-                )
-            return self.fixed_array(dtype, count, what)
-        min_item = 8 if item_type == GGUFValueType.STRING else _MIN_ARRAY_BYTES
-        if count > left // min_item:
-            raise self.fail(
-                f"{what} claims {count} items of {item_type.name}, "
-                f"more than fit in the {left} bytes left{_CORRUPT}", count_at
-            )
-        if item_type == GGUFValueType.STRING:
-            return self.string_array(count, what)
-        return [self.array(f"{what}[{i}]", depth + 1) for i in range(count)]
-
-    def fixed_array(self, dtype: np.dtype, count: int, what: str) -> np.ndarray:
-        start, nbytes = self.pos, count * dtype.itemsize
-        if count == 0:
-            arr = np.empty(0, dtype)
-        else:
-            arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=start)
-            if dtype == np.bool_ and int(np.frombuffer(self.buf, np.uint8, nbytes, start).max()) > 1:
-                raise self.fail(f"{what} holds a bool that is not 0 or 1", start)
-        arr.flags.writeable = False
-        self.pos += nbytes
-        return arr
-
-    def string_array(self, count: int, what: str) -> list[str]:
-        # The hot loop of a vocabulary (100k+ strings): locals only, one bounds check per item.
-        buf, size, pos = self.buf, self.size, self.pos
-        unpack = _U64.unpack_from
-        out: list[str] = []
-        append = out.append
-        for i in range(count):
-            if pos + 8 > size:
-                self.pos = pos
-                self.need(8, f"length of {what}[{i}]")
-            (n,) = unpack(buf, pos)
-            pos += 8
-            end = pos + n
-            if end > size:
-                raise self.fail(
-                    f"{what}[{i}] has length {n}, past the end of the file ({size} bytes)", pos - 8
-                )
-            append(buf[pos:end].decode("utf-8", "surrogateescape"))
-            pos = end
-        self.pos = pos
-        return out
 
 
 class GGUFFile:
@@ -236,14 +89,14 @@ class GGUFFile:
         except OSError as e:
             raise GGUFError(self.path, f"cannot open: {e.strerror or e}") from None
         try:
-            self._parse(_Parser(self.path, self._mm, self.file_size))
+            self._parse(Cursor(self.path, self._mm, self.file_size))
         except BaseException:
             self.close()
             raise
 
     # -- parsing ---------------------------------------------------------------------------
 
-    def _parse(self, p: _Parser) -> None:
+    def _parse(self, p: Cursor) -> None:
         magic = bytes(p.buf[:4])
         if magic != GGUF_MAGIC:
             if len(magic) < 4 and GGUF_MAGIC.startswith(magic):
@@ -263,13 +116,15 @@ class GGUFFile:
         n_kv = p.u64("metadata key/value count")
         left = p.size - p.pos
         if n_kv > left // _MIN_KV_BYTES:
-            raise p.fail(f"metadata count {n_kv} cannot fit in the {left} bytes left{_CORRUPT}", 16)
+            raise p.fail(f"metadata count {n_kv} cannot fit in the {left} bytes left{CORRUPT}", 16)
         if n_tensors > left // _MIN_TENSOR_INFO_BYTES:
-            raise p.fail(f"tensor count {n_tensors} cannot fit in the {left} bytes left{_CORRUPT}", 8)
+            raise p.fail(
+                f"tensor count {n_tensors} cannot fit in the {left} bytes left{CORRUPT}", 8
+            )
         if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_INFO_BYTES > left:
             raise p.fail(
                 f"{n_kv} metadata entries and {n_tensors} tensor infos cannot fit "
-                f"in the {left} bytes left{_CORRUPT}", 8
+                f"in the {left} bytes left{CORRUPT}", 8
             )
         self._parse_metadata(p, n_kv)
         self.alignment = self._alignment()
@@ -277,7 +132,7 @@ class GGUFFile:
         self.data_offset = -(-p.pos // self.alignment) * self.alignment
         self.tensors = self._place_tensors(p, infos)
 
-    def _parse_metadata(self, p: _Parser, n_kv: int) -> None:
+    def _parse_metadata(self, p: Cursor, n_kv: int) -> None:
         self.metadata: dict[str, Any] = {}
         # (value type,) for scalars, (ARRAY, item type) for arrays; the metadata values lose
         # the width of integers, and inspect/config code sometimes wants it.
@@ -291,7 +146,7 @@ class GGUFFile:
             value_at = p.pos
             self.metadata[key] = p.value(vtype, f"value of metadata key '{key}'")
             if vtype == GGUFValueType.ARRAY:  # the item type was validated by p.value
-                item = GGUFValueType(_U32.unpack_from(p.buf, value_at)[0])
+                item = GGUFValueType(U32.unpack_from(p.buf, value_at)[0])
                 self.value_types[key] = (vtype, item)
             else:
                 self.value_types[key] = (vtype,)
@@ -306,7 +161,7 @@ class GGUFFile:
             raise GGUFError(self.path, f"general.alignment is {a}, not a nonzero power of two")
         return a
 
-    def _parse_tensor_infos(self, p: _Parser, n_tensors: int) -> list[tuple]:
+    def _parse_tensor_infos(self, p: Cursor, n_tensors: int) -> list[tuple]:
         infos: list[tuple] = []
         seen: set[str] = set()
         for i in range(n_tensors):
@@ -349,7 +204,7 @@ class GGUFFile:
             infos.append((name, ggml_type, dims, n_elements, rel, nbytes, off_at))
         return infos
 
-    def _place_tensors(self, p: _Parser, infos: list[tuple]) -> dict[str, TensorInfo]:
+    def _place_tensors(self, p: Cursor, infos: list[tuple]) -> dict[str, TensorInfo]:
         tensors: dict[str, TensorInfo] = {}
         for name, ggml_type, dims, n_elements, rel, nbytes, off_at in infos:
             if rel % self.alignment:
@@ -444,11 +299,3 @@ class GGUFFile:
     def __repr__(self) -> str:
         state = "closed" if self._mm is None else f"{len(self.tensors)} tensors"
         return f"GGUFFile({self.path!r}, v{getattr(self, 'version', '?')}, {state})"
-
-
-_INT_TYPES = frozenset(
-    {
-        GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
-        GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64,
-    }
-)
