@@ -1,0 +1,281 @@
+"""CPU reference sampler (torch), following llama.cpp's default sampler chain.
+
+Order (llama.cpp common defaults, src/llama-sampler.cpp):
+    penalties -> top_k -> top_p -> min_p -> temperature -> draw
+``temperature == 0`` is greedy: argmax after penalties, ties to the lowest id.
+
+The filters never sort the whole vocabulary (V is 262144 for gemma3):
+- top_k is one ``torch.topk``;
+- top_p without top_k grows a ``topk`` window (64, 256, 1024, 4096) until its cumulative
+  probability (normalized over the full vocabulary, as llama.cpp's softmax is) reaches top_p;
+  a flatter distribution falls back to a probability-weighted histogram of the logits that
+  locates the cut's value bin in a few O(V) passes, then sorts only that bin;
+- min_p is a threshold (``logit >= max + log(min_p)``) and needs no order at all.
+Ties at a top_k/top_p boundary keep the lowest ids (llama.cpp's partial sort is unspecified).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["Sampler", "SamplingParams", "TokenLogprobs", "filter_candidates", "logprobs"]
+
+_WINDOWS = (64, 256, 1024, 4096)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings; defaults are llama.cpp's (common/common.h)."""
+
+    temperature: float = 0.8  # 0 = greedy
+    top_k: int = 40  # 0 = off
+    top_p: float = 0.95  # 1 = off
+    min_p: float = 0.05  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64  # tokens of history the penalties see; -1 = all, 0 = none
+    seed: int | None = None  # None = random
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name} = {getattr(self, name)!r}: {why}")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(name, "must be a finite number")
+        for name in ("top_k", "penalty_last_n"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise bad(name, "must be an integer")
+        if self.temperature < 0:
+            raise bad("temperature", "must be >= 0 (0 means greedy)")
+        if self.top_k < 0:
+            raise bad("top_k", "must be >= 0 (0 means off)")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1] (1 means off)")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1] (0 means off)")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be > 0 (1 means off)")
+        if self.penalty_last_n < -1:
+            raise bad("penalty_last_n", "must be >= -1 (-1 means the whole context)")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not
+            0 <= self.seed < 2**64
+        ):
+            raise bad("seed", "must be None or an integer in [0, 2**64)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalties_enabled(self) -> bool:
+        return self.penalty_last_n != 0 and not (
+            self.repetition_penalty == 1 and self.presence_penalty == 0
+            and self.frequency_penalty == 0
+        )
+
+
+def apply_penalties(logits: torch.Tensor, counts: Counter[int], p: SamplingParams) -> torch.Tensor:
+    """llama.cpp's penalties sampler on a copy of ``logits`` [V] float32: for each token seen
+    ``c`` times in the window, divide a positive logit by the repetition penalty (multiply a
+    non-positive one), then subtract ``c * frequency + (c > 0) * presence``."""
+    if not counts or not p.penalties_enabled:
+        return logits
+    ids = torch.tensor(list(counts.keys()), dtype=torch.long)
+    cnt = torch.tensor(list(counts.values()), dtype=torch.float32)
+    out = logits.clone()
+    sel = out[ids]
+    sel = torch.where(sel <= 0, sel * p.repetition_penalty, sel / p.repetition_penalty)
+    sel = sel - (cnt * p.frequency_penalty + (cnt > 0).float() * p.presence_penalty)
+    out[ids] = sel
+    return out
+
+
+def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest logits, descending, equal values ordered by id and a tie across the k-th
+    place cut keeping the lowest ids (torch.topk promises neither). Sorts only k elements."""
+    V = logits.numel()
+    vals, ids = torch.topk(logits, min(k + 1, V))
+    if k < V and vals[k] == vals[k - 1]:
+        # rare: a tie straddles the cut; take every id above the k-th value, then the
+        # lowest ids equal to it
+        kth = vals[k - 1]
+        above = torch.nonzero(logits > kth).squeeze(1)
+        tied = torch.nonzero(logits == kth).squeeze(1)[: k - above.numel()]
+        ids = torch.cat([above, tied])
+    else:
+        ids = ids[:k]
+    ids = torch.sort(ids).values
+    vals, order = torch.sort(logits[ids], descending=True, stable=True)
+    return vals, ids[order]
+
+
+def _top_p_cut(probs: torch.Tensor, top_p: float) -> int | None:
+    """How many leading (descending) probabilities to keep: up to and including the first
+    index where the running sum reaches top_p, as in llama.cpp; None if it never does."""
+    hit = torch.nonzero(torch.cumsum(probs, 0) >= top_p)
+    return int(hit[0]) + 1 if hit.numel() else None
+
+
+def _top_p_histogram(logits: torch.Tensor, lse: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Ids of the top-p set of the whole vocabulary without sorting it: bucket the logits into
+    4096 value bins (monotone in the logit), sum probability per bin, find the bin where the
+    running mass from the top reaches top_p, and sort only that bin's members."""
+    x = logits.double()
+    probs = torch.exp(x - lse)
+    lo, hi = float(x.min()), float(x.max())
+    n_bins = 4096
+    scale = n_bins / (hi - lo) if hi > lo else 0.0
+    b = ((x - lo) * scale).long().clamp_(0, n_bins - 1)
+    mass = torch.bincount(b, weights=probs, minlength=n_bins)
+    from_top = torch.flip(torch.cumsum(torch.flip(mass, (0,)), 0), (0,))  # mass of bins >= j
+    j = int(torch.nonzero(from_top >= top_p)[-1]) if bool((from_top >= top_p).any()) else 0
+    above = torch.nonzero(b > j).squeeze(1)
+    member = torch.nonzero(b == j).squeeze(1)  # ascending ids
+    _, order = torch.sort(x[member], descending=True, stable=True)
+    member = member[order]
+    n = _top_p_cut(torch.cat([probs[above].sum().reshape(1), probs[member]]), top_p)
+    need = member.numel() if n is None else max(n - 1, 1)
+    return torch.cat([above, member[:need]])
+
+
+def filter_candidates(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Token ids surviving top_k -> top_p -> min_p on ``logits`` [V] (penalties already applied,
+    temperature not yet). Order of the returned ids is unspecified."""
+    V = logits.numel()
+    ids: torch.Tensor | None = None  # None: the whole vocabulary
+    vals: torch.Tensor | None = None  # logits of ids, descending when ids came from topk
+    if 0 < p.top_k < V:
+        vals, ids = _topk(logits, p.top_k)
+
+    min_logit = None
+    if p.min_p > 0:
+        # the maximum survives every filter, so this is the threshold llama.cpp applies
+        min_logit = logits.max() + math.log(p.min_p)
+
+    if p.top_p < 1:
+        if ids is not None:
+            n = _top_p_cut(torch.softmax(vals.double(), 0), p.top_p)
+            if n is not None:
+                ids, vals = ids[:n], vals[:n]
+        else:
+            lse = torch.logsumexp(logits.double(), 0)
+            # min_p keeps a prefix of the sorted order too: no window needs to exceed it
+            cap = V if min_logit is None else int((logits >= min_logit).sum())
+            for w in _WINDOWS:
+                k = min(w, cap)
+                vals, ids = _topk(logits, k)
+                n = _top_p_cut(torch.exp(vals.double() - lse), p.top_p)
+                if n is not None:
+                    ids, vals = ids[:n], vals[:n]
+                    break
+                if k == cap:  # min_p's set is smaller than the top-p set
+                    break
+            else:
+                ids = _top_p_histogram(logits, lse, p.top_p)
+                vals = logits[ids]
+
+    if min_logit is not None:
+        if ids is None:
+            ids = torch.nonzero(logits >= min_logit).squeeze(1)
+        else:
+            keep = vals >= min_logit
+            keep[torch.argmax(vals)] = True  # at least one token
+            ids = ids[keep]
+    if ids is None:
+        ids = torch.arange(V)
+    return ids
+
+
+class TokenLogprobs(NamedTuple):
+    token: int
+    logprob: float
+    top_ids: list[int]  # the k most likely tokens, most likely first
+    top_logprobs: list[float]
+
+
+def logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """Log-probability of ``token`` and the ``k`` most likely alternatives under the model's
+    distribution ``log_softmax(logits)`` (before penalties, filters and temperature)."""
+    if logits.dim() != 1:
+        raise ValueError(f"logits must be 1-D [V], got shape {tuple(logits.shape)}")
+    if not 0 <= token < logits.numel():
+        raise ValueError(f"token {token} is outside the vocabulary (0..{logits.numel() - 1})")
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    lp = torch.log_softmax(logits.float(), 0)
+    if k:
+        vals, ids = _topk(lp, min(k, lp.numel()))
+    else:
+        vals, ids = lp[:0], torch.zeros(0, dtype=torch.long)
+    return TokenLogprobs(token, float(lp[token]), ids.tolist(), vals.tolist())
+
+
+class Sampler:
+    """One request's sampler: its own seeded generator and penalty history."""
+
+    __slots__ = ("params", "vocab_size", "seed", "_gen", "_window", "_counts")
+
+    def __init__(self, params: SamplingParams, vocab_size: int) -> None:
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size must be > 0, got {vocab_size}")
+        self.params = params
+        self.vocab_size = vocab_size
+        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self._gen = torch.Generator(device="cpu")
+        self._gen.manual_seed(self.seed)
+        n = params.penalty_last_n
+        self._window: deque[int] = deque(maxlen=None if n == -1 else n)
+        self._counts: Counter[int] = Counter()
+
+    def accept(self, token: int) -> None:
+        """Record a token (prompt or generated) in the penalty window."""
+        if not 0 <= token < self.vocab_size:
+            raise ValueError(f"token {token} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if self.params.penalty_last_n == 0:
+            return
+        if self._window.maxlen is not None and len(self._window) == self._window.maxlen:
+            old = self._window[0]
+            self._counts[old] -= 1
+            if not self._counts[old]:
+                del self._counts[old]
+        self._window.append(token)
+        self._counts[token] += 1
+
+    def penalized(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` after the penalty step (a copy when anything changes)."""
+        self._check(logits)
+        return apply_penalties(logits, self._counts, self.params)
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """Draw the next token from ``logits`` [V] float32. Does not call ``accept``."""
+        logits = self.penalized(logits)
+        p = self.params
+        if p.greedy:
+            return int(torch.argmax(logits))  # first maximum: ties to the lowest id
+        ids = filter_candidates(logits, p)
+        probs = torch.softmax(logits[ids].double() / p.temperature, 0)
+        cum = torch.cumsum(probs, 0)
+        u = torch.rand(1, generator=self._gen, dtype=torch.float64) * cum[-1]
+        i = min(int(torch.searchsorted(cum, u, right=True)), ids.numel() - 1)
+        return int(ids[i])
+
+    def _check(self, logits: torch.Tensor) -> None:
+        if logits.dim() != 1 or logits.numel() != self.vocab_size:
+            raise ValueError(
+                f"logits must have shape [{self.vocab_size}], got {tuple(logits.shape)}"
+            )
+        if logits.dtype != torch.float32:
+            raise ValueError(f"logits must be float32, got {logits.dtype}")
+        if math.isnan(float(logits.max())):  # max propagates NaN: one pass
+            raise ValueError("logits contain NaN")
