@@ -66,7 +66,7 @@ CONFIGS = [
 @pytest.mark.parametrize("scale", [0.3, 3.0])
 def test_candidates_equal_sorted_oracle(v, cfg, scale):
     p = SamplingParams(temperature=0.7, **cfg)
-    for seed in range(3):
+    for seed in range(2):
         logits = _logits(v, seed, scale)
         got = filter_candidates(logits, p)
         want, _ = oracle(logits.numpy(), p)
@@ -131,7 +131,7 @@ def test_draw_frequencies_match_oracle(cfg):
     expected = np.zeros(8)
     expected[ids] = probs
     s = Sampler(p, 8)
-    n = 20000
+    n = 12000
     counts = Counter(s.sample(logits) for _ in range(n))
     freq = np.array([counts[i] / n for i in range(8)])
     assert set(counts) <= set(ids.tolist())  # nothing outside the candidate set, ever
@@ -167,7 +167,7 @@ def test_seed_determinism():
     def run(params):
         s = Sampler(params, 3000)
         out = []
-        for _ in range(50):
+        for _ in range(25):
             t = s.sample(x)
             s.accept(t)
             out.append(t)
