@@ -80,7 +80,7 @@ class BPEEncoder:
         def push(left: int, right: int) -> None:
             if left < 0 or right < 0:
                 return
-            r = ranks.get((syms[left], syms[right]))
+            r = ranks.get(syms[left] + " " + syms[right])
             if r is not None:
                 heap.append((r, left, right, syms[left] + syms[right]))
 
@@ -100,7 +100,7 @@ class BPEEncoder:
                 prv[nxt[right]] = left
             for l2, r2 in ((prv[left], left), (left, nxt[left])):
                 if l2 >= 0 and r2 >= 0:
-                    r = ranks.get((syms[l2], syms[r2]))
+                    r = ranks.get(syms[l2] + " " + syms[r2])
                     if r is not None:
                         heapq.heappush(heap, (r, l2, r2, syms[l2] + syms[r2]))
         return [s for s in syms if s]

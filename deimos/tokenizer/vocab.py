@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .pretok import PRE_TOKENIZERS, PreTokenizer
 
 log = logging.getLogger(__name__)
@@ -190,26 +192,30 @@ class Vocab:
         n = len(tokens)
         if n == 0:
             raise err(f"'{_K}tokens' is empty")
-        if not all(isinstance(t, str) for t in tokens):
+        if not all(type(t) is str for t in tokens):
             raise err(f"'{_K}tokens' must hold strings")
         token_to_id = {t: i for i, t in enumerate(tokens)}
         if len(token_to_id) != n:
             raise err(f"'{_K}tokens' has {n - len(token_to_id)} duplicate token texts")
 
         scores = _numeric_array(md, _K + "scores", n, err)
-        scores_l = [0.0] * n if scores is None else [float(x) for x in scores[:n]]
+        scores_l = [0.0] * n if scores is None else np.asarray(scores[:n], dtype=np.float64).tolist()
         types = _numeric_array(md, _K + "token_type", n, err)
         if types is None:
             attrs = [int(TokenAttr.NORMAL)] * n
         else:
-            attrs = [int(_TYPE_TO_ATTR.get(int(t), TokenAttr.UNDEFINED)) for t in types[:n]]
+            t = np.asarray(types[:n], dtype=np.int64)
+            lut = np.zeros(8, dtype=np.int64)  # unknown type values -> UNDEFINED (0)
+            for ty, at in _TYPE_TO_ATTR.items():
+                lut[ty] = at
+            attrs = np.where((t >= 0) & (t < 8), lut[np.clip(t, 0, 7)], 0).tolist()
 
         merges: Sequence[str] = ()
         if kind == "bpe":
             merges = md.get(_K + "merges")
             if merges is None:
                 raise err(f"missing '{_K}merges' (required by the BPE tokenizer)")
-            if isinstance(merges, str | bytes) or not all(isinstance(m, str) for m in merges):
+            if isinstance(merges, str | bytes) or not all(type(m) is str for m in merges):
                 raise err(f"'{_K}merges' must be a string array")
 
         if _K + "add_space_prefix" in md:
@@ -296,19 +302,22 @@ class Vocab:
         return token_id in self.eog_ids
 
     @functools.cached_property
-    def bpe_ranks(self) -> dict[tuple[str, str], int]:
-        """{(left, right): rank}; the first occurrence of a pair wins (C++ emplace)."""
-        pairs = []
-        for m in self.merges:
-            p = m.find(" ", 1)
-            pairs.append((m[:p], m[p + 1 :]) if p != -1 else ("", ""))
-        ranks = dict(zip(reversed(pairs), range(len(pairs) - 1, -1, -1)))
-        return ranks
+    def bpe_ranks(self) -> dict[str, int]:
+        """{"left right": rank}, the first occurrence of a merge winning (C++ emplace).
+
+        llama.cpp keys on the pair (left, right) cut at the first space after index 0.
+        Keying on the merge text is the same map for every query the encoder makes,
+        because its symbols never hold U+0020 (byte-encoding maps it to U+0120 "Ġ";
+        SPM-style BPE escapes it to U+2581): for a space-free, non-empty left symbol the
+        first space of "left right" from index 1 is the one between them.
+        """
+        m = self.merges
+        return dict(zip(reversed(m), range(len(m) - 1, -1, -1)))
 
     @functools.cached_property
     def special_token_ids(self) -> tuple[int, ...]:
         """Control / user-defined / unknown tokens, longest text first (tokenizer_st_partition)."""
-        mask = TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN
+        mask = int(TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN)
         ids = [i for i, a in enumerate(self.attrs) if a & mask]
         ids.sort(key=lambda i: -len(self.tokens[i].encode("utf-8")))
         return tuple(ids)
@@ -345,8 +354,7 @@ def _detect_special_texts(
     """EOT/EOM/FIM auto-detection by text, then the end-of-generation set (llama.cpp load)."""
 
     def mark_control(tid: int) -> None:
-        if not attrs[tid] & TokenAttr.CONTROL:
-            attrs[tid] |= TokenAttr.CONTROL
+        attrs[tid] = attrs[tid] | int(TokenAttr.CONTROL)
 
     # llama.cpp scans an unordered_map, so with several candidates its pick depends on hash
     # order; we take the first in its list order, which is deterministic.
@@ -363,9 +371,10 @@ def _detect_special_texts(
                 special[name] = tid
                 mark_control(tid)
 
+    control, unused = int(TokenAttr.CONTROL), int(TokenAttr.UNUSED)
     for tid, a in enumerate(attrs):
-        if a & TokenAttr.CONTROL and "unused" in tokens[tid]:
-            attrs[tid] |= TokenAttr.UNUSED
+        if a & control and "unused" in tokens[tid]:
+            attrs[tid] = a | unused
 
     eog: set[int] = {special[k] for k in ("fim_pad", "fim_rep", "fim_sep") if special[k] is not None}  # type: ignore[misc]
     for text in _EOG_TEXTS:
@@ -398,12 +407,13 @@ def _fix_attrs_by_name(
     """Per-model attribute fix-ups llama.cpp applies by ``general.name`` (Phi-3 rstrip)."""
     name = str(md.get("general.name", "")).lower()
     if "phi-3" in name or "phi3" in name:
-        mask = TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN
+        mask = int(TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN)
+        rstrip = int(TokenAttr.RSTRIP)
         for tid, a in enumerate(attrs):
             if a & mask:
-                attrs[tid] |= TokenAttr.RSTRIP
+                attrs[tid] = a | rstrip
         if "</s>" in token_to_id:
-            attrs[token_to_id["</s>"]] |= TokenAttr.RSTRIP
+            attrs[token_to_id["</s>"]] |= rstrip
         for t in ("<unk>", "<s>", "<|endoftext|>"):
             if t in token_to_id:
-                attrs[token_to_id[t]] &= ~TokenAttr.RSTRIP
+                attrs[token_to_id[t]] &= ~rstrip
