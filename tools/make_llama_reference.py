@@ -47,20 +47,8 @@ def write_reference(exe: Path, model: Path, n_predict: int, top_k: int) -> Path:
     }
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     path = OUT_DIR / f"{model.stem}.json"
-    path.write_text(_dump(doc))
+    path.write_text(driver.dump_json(doc))
     return path
-
-
-def _dump(doc: dict) -> str:
-    """JSON with one line per case field, so diffs of the reference stay readable."""
-    head = {k: v for k, v in doc.items() if k != "cases"}
-    text = json.dumps(head, ensure_ascii=False, indent=1)[:-2]
-    cases = ",\n".join(
-        "  {\n" + ",\n".join(f"   {json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}"
-                             for k, v in c.items()) + "\n  }"
-        for c in doc["cases"]
-    )
-    return f'{text},\n "cases": [\n{cases}\n ]\n}}\n'
 
 
 def main() -> None:

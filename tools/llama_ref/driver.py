@@ -126,3 +126,19 @@ def forced(exe: Path, model: Path, sequences: list[list[int]], top_k: int = 8) -
     for r in out["results"]:
         r["top"] = _pairs(r["top"])
     return out
+
+
+def dump_json(doc: object) -> str:
+    """Indented JSON in which each list of scalars or of [id, logit] pairs stays on one line,
+    so that reference files are compact and their diffs readable."""
+
+    def fmt(v: object, pad: str) -> str:
+        inner = pad + " "
+        if isinstance(v, dict):
+            items = [f"{inner}{json.dumps(k)}: {fmt(x, inner)}" for k, x in v.items()]
+            return "{\n" + ",\n".join(items) + "\n" + pad + "}" if items else "{}"
+        if isinstance(v, list) and v and isinstance(v[0], dict):
+            return "[\n" + ",\n".join(inner + fmt(x, inner) for x in v) + "\n" + pad + "]"
+        return json.dumps(v, ensure_ascii=False)
+
+    return fmt(doc, "") + "\n"

@@ -1,0 +1,93 @@
+"""Tensor names, shapes and metadata keys of each architecture, as llama.cpp loads them.
+
+Names and shapes follow llama.cpp src/models/<arch>.cpp (load_arch_tensors); shapes are in
+ggml order (ne0 first: a matrix mapping n_in -> n_out is [n_in, n_out]).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import NamedTuple
+
+from deimos.synth.presets import SynthPreset
+
+
+class Kind(Enum):
+    MATRIX = "matrix"  # 2-D weight in the requested GGML type
+    NORM = "norm"  # RMSNorm gain of the hidden state, F32
+    HEAD_NORM = "head_norm"  # RMSNorm gain over one head (q/k norms), F32
+    OUTPUT_NORM = "output_norm"  # final RMSNorm gain, F32, large (see writer.py)
+    BIAS = "bias"  # F32
+
+
+class TensorSpec(NamedTuple):
+    name: str
+    dims: tuple[int, ...]  # ggml order
+    kind: Kind
+
+
+def tensor_specs(p: SynthPreset, n_vocab: int) -> list[TensorSpec]:
+    """All tensors of preset ``p``, in the order they are written."""
+    M, N, B = Kind.MATRIX, Kind.NORM, Kind.BIAS
+    d, q_dim, kv_dim = p.n_embd, p.n_head * p.head_dim, p.n_head_kv * p.head_dim
+    specs = [TensorSpec("token_embd.weight", (d, n_vocab), M)]
+    for i in range(p.n_layer):
+        b = f"blk.{i}."
+        specs += [
+            TensorSpec(b + "attn_norm.weight", (d,), N),
+            TensorSpec(b + "attn_q.weight", (d, q_dim), M),
+            TensorSpec(b + "attn_k.weight", (d, kv_dim), M),
+            TensorSpec(b + "attn_v.weight", (d, kv_dim), M),
+        ]
+        if p.arch == "qwen2":
+            specs += [
+                TensorSpec(b + "attn_q.bias", (q_dim,), B),
+                TensorSpec(b + "attn_k.bias", (kv_dim,), B),
+                TensorSpec(b + "attn_v.bias", (kv_dim,), B),
+            ]
+        if p.arch in ("qwen3", "gemma3"):
+            specs += [
+                TensorSpec(b + "attn_q_norm.weight", (p.head_dim,), Kind.HEAD_NORM),
+                TensorSpec(b + "attn_k_norm.weight", (p.head_dim,), Kind.HEAD_NORM),
+            ]
+        specs.append(TensorSpec(b + "attn_output.weight", (q_dim, d), M))
+        if p.arch == "gemma3":
+            specs.append(TensorSpec(b + "post_attention_norm.weight", (d,), N))
+        specs += [
+            TensorSpec(b + "ffn_norm.weight", (d,), N),
+            TensorSpec(b + "ffn_gate.weight", (d, p.n_ff), M),
+            TensorSpec(b + "ffn_up.weight", (d, p.n_ff), M),
+            TensorSpec(b + "ffn_down.weight", (p.n_ff, d), M),
+        ]
+        if p.arch == "gemma3":
+            specs.append(TensorSpec(b + "post_ffw_norm.weight", (d,), N))
+    specs.append(TensorSpec("output_norm.weight", (d,), Kind.OUTPUT_NORM))
+    if not p.tied_embeddings:
+        specs.append(TensorSpec("output.weight", (d, n_vocab), M))
+    return specs
+
+
+def arch_metadata(p: SynthPreset, n_vocab: int) -> list[tuple[str, str, object]]:
+    """(suffix, GGUF scalar type, value) for the ``<arch>.`` keys, as the HF converter writes them."""
+    kv: list[tuple[str, str, object]] = [
+        ("context_length", "u32", p.context_length),
+        ("embedding_length", "u32", p.n_embd),
+        ("block_count", "u32", p.n_layer),
+        ("feed_forward_length", "u32", p.n_ff),
+        ("attention.head_count", "u32", p.n_head),
+        ("attention.head_count_kv", "u32", p.n_head_kv),
+        ("attention.layer_norm_rms_epsilon", "f32", p.rms_eps),
+        ("rope.freq_base", "f32", p.rope_base),
+    ]
+    if p.arch == "llama":
+        kv += [("vocab_size", "u32", n_vocab), ("rope.dimension_count", "u32", p.head_dim)]
+    if p.arch in ("qwen3", "gemma3"):
+        kv += [("attention.key_length", "u32", p.head_dim),
+               ("attention.value_length", "u32", p.head_dim)]
+    if p.sliding_window is not None:
+        kv.append(("attention.sliding_window", "u32", p.sliding_window))
+    if p.swa_pattern is not None:
+        kv.append(("attention.sliding_window_pattern", "u32", p.swa_pattern))
+    if p.rope_base_swa is not None:
+        kv.append(("rope.freq_base_swa", "f32", p.rope_base_swa))
+    return kv

@@ -1,0 +1,89 @@
+"""Shapes of the synthetic models: a tiny test size per architecture and the real sizes.
+
+The real sizes copy the published configs (layers, widths, heads, rope base, norm eps, window),
+so that a random-weight file of that preset has the tensor shapes and memory traffic of the
+real model; the vocabulary size comes from the donor tokenizer, not from the preset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+
+
+@dataclass(frozen=True)
+class SynthPreset:
+    name: str
+    arch: str  # one of ARCHS: the GGUF general.architecture
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int  # may differ from n_embd // n_head (qwen3, gemma3)
+    rope_base: float
+    rms_eps: float
+    context_length: int
+    tied_embeddings: bool  # no output.weight: llama.cpp then reuses token_embd as the output
+    sliding_window: int | None = None  # gemma3: window of the local layers
+    swa_pattern: int | None = None  # gemma3: every n-th layer global; None = key absent (6)
+    rope_base_swa: float | None = None  # gemma3: rope base of local layers; None = absent (1e4)
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"preset {self.name!r}: unknown arch {self.arch!r} (known: {ARCHS})")
+        if self.n_head % self.n_head_kv:
+            raise ValueError(f"preset {self.name!r}: n_head {self.n_head} is not a multiple of "
+                             f"n_head_kv {self.n_head_kv}")
+        if self.arch in ("llama", "qwen2") and self.head_dim * self.n_head != self.n_embd:
+            raise ValueError(f"preset {self.name!r}: {self.arch} needs head_dim * n_head == n_embd")
+        if (self.arch == "gemma3") != (self.sliding_window is not None):
+            raise ValueError(f"preset {self.name!r}: sliding_window is for gemma3 only, and needed")
+
+
+_PRESETS = [
+    # Tiny test models: a few layers, GQA, every width a multiple of 32 (Q8_0/Q4_0 blocks).
+    SynthPreset("llama-tiny", "llama", n_layer=2, n_embd=128, n_ff=256, n_head=4, n_head_kv=2,
+                head_dim=32, rope_base=500000.0, rms_eps=1e-5, context_length=2048,
+                tied_embeddings=False),
+    SynthPreset("qwen2-tiny", "qwen2", n_layer=2, n_embd=128, n_ff=256, n_head=4, n_head_kv=2,
+                head_dim=32, rope_base=1000000.0, rms_eps=1e-6, context_length=2048,
+                tied_embeddings=True),
+    SynthPreset("qwen3-tiny", "qwen3", n_layer=3, n_embd=64, n_ff=192, n_head=4, n_head_kv=2,
+                head_dim=32, rope_base=1000000.0, rms_eps=1e-6, context_length=2048,
+                tied_embeddings=True),
+    # Six layers so that the default pattern (every 6th layer global) has one global layer;
+    # a window of 8 so that a short test sequence already slides.
+    SynthPreset("gemma3-tiny", "gemma3", n_layer=6, n_embd=64, n_ff=128, n_head=2, n_head_kv=1,
+                head_dim=64, rope_base=1000000.0, rms_eps=1e-6, context_length=2048,
+                tied_embeddings=True, sliding_window=8),
+    # Real sizes.
+    SynthPreset("llama-1b", "llama", n_layer=16, n_embd=2048, n_ff=8192, n_head=32, n_head_kv=8,
+                head_dim=64, rope_base=500000.0, rms_eps=1e-5, context_length=131072,
+                tied_embeddings=True),
+    SynthPreset("llama-8b", "llama", n_layer=32, n_embd=4096, n_ff=14336, n_head=32, n_head_kv=8,
+                head_dim=128, rope_base=500000.0, rms_eps=1e-5, context_length=131072,
+                tied_embeddings=False),
+    SynthPreset("qwen2-0.5b", "qwen2", n_layer=24, n_embd=896, n_ff=4864, n_head=14, n_head_kv=2,
+                head_dim=64, rope_base=1000000.0, rms_eps=1e-6, context_length=32768,
+                tied_embeddings=True),
+    SynthPreset("qwen3-0.6b", "qwen3", n_layer=28, n_embd=1024, n_ff=3072, n_head=16, n_head_kv=8,
+                head_dim=128, rope_base=1000000.0, rms_eps=1e-6, context_length=40960,
+                tied_embeddings=True),
+    SynthPreset("qwen3-4b", "qwen3", n_layer=36, n_embd=2560, n_ff=9728, n_head=32, n_head_kv=8,
+                head_dim=128, rope_base=1000000.0, rms_eps=1e-6, context_length=40960,
+                tied_embeddings=True),
+    SynthPreset("gemma3-270m", "gemma3", n_layer=18, n_embd=640, n_ff=2048, n_head=4, n_head_kv=1,
+                head_dim=256, rope_base=1000000.0, rms_eps=1e-6, context_length=32768,
+                tied_embeddings=True, sliding_window=512),
+]
+
+PRESETS: dict[str, SynthPreset] = {p.name: p for p in _PRESETS}
+
+
+def get_preset(name: str) -> SynthPreset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown synth preset {name!r}; known: {', '.join(PRESETS)}") from None
