@@ -179,7 +179,9 @@ class Tokenizer:
         v = self.vocab
         if not 0 <= token_id < v.n_vocab:
             raise IndexError(f"token id {token_id} out of range [0, {v.n_vocab})")
-        piece = self._pieces[token_id]
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = self._make_piece(token_id)
         if not special and v.attrs[token_id] & _SPECIAL_OUT:
             return b""
         while lstrip > 0 and piece[:1] == b" ":
@@ -188,8 +190,8 @@ class Tokenizer:
         return piece
 
     @functools.cached_property
-    def _pieces(self) -> list[bytes]:
-        return [self._make_piece(i) for i in range(self.vocab.n_vocab)]
+    def _pieces(self) -> dict[int, bytes]:
+        return {}  # token id -> piece with special=True, filled on first use
 
     def _make_piece(self, tid: int) -> bytes:
         v = self.vocab
