@@ -1,0 +1,5 @@
+import sys
+
+from deimos.cli import main
+
+sys.exit(main())

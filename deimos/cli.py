@@ -1,0 +1,207 @@
+"""The ``deimos`` command: subcommands build a config from their flags and call down.
+
+Output contract: answers go to stdout, logs and errors to stderr. ``run --raw`` prints
+exactly the generated text on stdout and nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+log = logging.getLogger("deimos")
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (llama.cpp's defaults)")
+    g.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate at most")
+    g.add_argument("--temperature", "--temp", type=float, default=0.8, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=40, help="0 = off")
+    g.add_argument("--top-p", type=float, default=0.95, help="1 = off")
+    g.add_argument("--min-p", type=float, default=0.05, help="0 = off")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off")
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None, help="same seed, same output")
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="a GGUF file, or a known model name (see `deimos pull --list`)")
+
+
+def _add_engine(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size in tokens")
+
+
+def _sampling(args: argparse.Namespace):
+    from deimos.kernels.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed,
+    )
+
+
+def _llm(args: argparse.Namespace):
+    from deimos.engine import LLM
+
+    return LLM(args.model, n_ctx=args.ctx_size)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    sampling = _sampling(args)
+    llm = _llm(args)
+    out = sys.stdout
+    for piece in llm.stream(args.prompt, max_tokens=args.max_tokens, raw=args.raw, sampling=sampling):
+        out.write(piece)
+        out.flush()
+    if not args.raw:
+        out.write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    sampling = _sampling(args)
+    llm = _llm(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"deimos chat: {llm.path.name} (empty line or Ctrl-D to quit, /reset to start over)",
+              file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        reply: list[str] = []
+        for piece in llm.stream_chat(messages, max_tokens=args.max_tokens, sampling=sampling):
+            reply.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from deimos.gguf import GGUFFile
+    from deimos.registry import resolve
+    from deimos.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(GGUFFile(resolve(args.model)))
+    ids = tok.encode(args.text, add_special=not args.no_bos, parse_special=args.parse_special)
+    print(json.dumps(ids))
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from deimos.gguf.inspect import inspect_gguf, render_inspect
+    from deimos.registry import resolve
+
+    Console().print(render_inspect(inspect_gguf(resolve(args.model))))
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from deimos import registry
+
+    if args.list or not args.name:
+        for name in registry.known_names():
+            print(name)
+        return 0
+    print(registry.pull(args.name))
+    return 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from deimos.registry import resolve
+    from deimos.synth import get_preset, write_model
+
+    preset = get_preset(args.preset)
+    path = write_model(args.output, preset.arch, preset, args.type, resolve(args.vocab_from), args.seed)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deimos", description="Run GGUF language models.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="answer one prompt (streamed)")
+    _add_model(p)
+    p.add_argument("prompt")
+    p.add_argument("--raw", action="store_true",
+                   help="no chat template: the prompt as is; stdout holds exactly the generated text")
+    _add_engine(p)
+    _add_sampling(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat")
+    _add_model(p)
+    p.add_argument("--system", default=None, help="a system message")
+    _add_engine(p)
+    _add_sampling(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("tokenize", help="print token ids as a JSON array")
+    _add_model(p)
+    p.add_argument("text")
+    p.add_argument("--no-bos", action="store_true", help="do not add BOS/EOS")
+    p.add_argument("--parse-special", action="store_true", help="match special tokens in the text")
+    p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("inspect", help="metadata and tensor table of a GGUF file")
+    _add_model(p)
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("pull", help="fetch a known model into the local cache")
+    p.add_argument("name", nargs="?")
+    p.add_argument("--list", action="store_true", help="list known model names")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("synth", help="write a random-weight GGUF of a real architecture")
+    p.add_argument("preset", help="a preset name (e.g. llama-8b, qwen3-0.6b, qwen3-tiny)")
+    p.add_argument("output")
+    p.add_argument("--type", default="Q8_0", help="weight type (F16, Q8_0, Q4_K, ...)")
+    p.add_argument("--vocab-from", required=True, help="GGUF file whose tokenizer is copied")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_synth)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        stream=sys.stderr, format="deimos: %(levelname)s: %(message)s")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+    except (ValueError, OSError, RuntimeError, LookupError) as e:
+        # GGUFError, ConfigError, QuantError, TemplateError, RequestError, RegistryError...
+        # are all of these kinds: one clear line, no traceback (use -v for one).
+        if args.verbose:
+            log.exception("failed")
+        print(f"deimos: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

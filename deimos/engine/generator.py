@@ -1,0 +1,88 @@
+"""The generation loop of one sequence: prefill the prompt, then decode token by token.
+
+The KV cache belongs to the generator's single slot and outlives a request: the next
+request reuses the longest common prefix of its prompt with what the cache holds (a chat
+resends the whole conversation every turn) and prefills only the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from deimos.engine.request import Request, RequestError
+from deimos.kernels.sampling import Sampler
+from deimos.models.batch import Batch
+from deimos.models.blocks import DecoderModel
+from deimos.runtime.kv_cache import KVCache
+
+PREFILL_CHUNK = 512  # prompt tokens per forward step: bounds the attention score matrix
+
+
+class Generator:
+    def __init__(self, model: DecoderModel, n_ctx: int, device: str = "cpu"):
+        self.model = model
+        self.n_ctx = n_ctx
+        self.device = device
+        self.kv = KVCache(model.config, n_ctx, device=device)
+        self.cached: list[int] = []  # tokens whose entries the cache holds, in order
+
+    def _reuse_prefix(self, prompt: list[int]) -> int:
+        n = 0
+        limit = min(len(prompt) - 1, len(self.cached))  # always recompute the last prompt token
+        while n < limit and prompt[n] == self.cached[n]:
+            n += 1
+        self.kv.truncate(n)
+        del self.cached[n:]
+        return n
+
+    def _forward(self, tokens: list[int]) -> torch.Tensor:
+        start = self.kv.length
+        batch = Batch(
+            torch.tensor(tokens, dtype=torch.long, device=self.device),
+            torch.arange(start, start + len(tokens), device=self.device),
+            self.kv,
+        )
+        logits = self.model.forward(batch)[0]
+        self.cached.extend(tokens)
+        return logits
+
+    def run(self, req: Request) -> Iterator[int]:
+        """Yields each generated token id as soon as it is chosen; sets ``req.finish_reason``."""
+        n_vocab = self.model.config.n_vocab
+        bad = [t for t in req.prompt_ids if not 0 <= t < n_vocab]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {n_vocab})")
+        if len(req.prompt_ids) >= self.n_ctx:
+            raise RequestError(
+                f"the prompt has {len(req.prompt_ids)} tokens; the context holds {self.n_ctx} "
+                "(prompt plus at least one generated token)"
+            )
+        req.sampler = Sampler(req.sampling, n_vocab)
+        for t in req.prompt_ids:
+            req.sampler.accept(t)
+        if req.max_tokens == 0:
+            req.finish_reason = "length"
+            return
+        try:
+            req.cached_tokens = self._reuse_prefix(req.prompt_ids)
+            rest = req.prompt_ids[req.cached_tokens:]
+            for i in range(0, len(rest), PREFILL_CHUNK):
+                logits = self._forward(rest[i : i + PREFILL_CHUNK])
+            while True:
+                token = req.sampler.sample(logits)
+                req.sampler.accept(token)
+                req.output_ids.append(token)
+                if token in req.stop_ids:
+                    req.finish_reason = "stop"
+                elif len(req.output_ids) >= req.max_tokens or self.kv.length >= self.n_ctx:
+                    req.finish_reason = "length"
+                yield token
+                if req.finish_reason is not None:
+                    return
+                logits = self._forward([token])
+        except BaseException:
+            # a failed or abandoned step leaves the cache consistent with ``cached``
+            self.kv.truncate(min(self.kv.length, len(self.cached)))
+            raise

@@ -1,0 +1,123 @@
+"""The Python API: ``LLM(path_or_name).generate(prompt)`` and ``.chat(messages)``.
+
+    llm = LLM("smollm2")
+    print(llm.generate("The capital of France is", max_tokens=16, temperature=0, raw=True).text)
+    for piece in llm.stream_chat([{"role": "user", "content": "Hi!"}]):
+        print(piece, end="")
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deimos.engine.generator import Generator
+from deimos.engine.request import Request
+from deimos.gguf import GGUFFile
+from deimos.kernels.sampling import SamplingParams
+from deimos.models import load_model
+from deimos.tokenizer import Tokenizer
+from deimos.tokenizer.stops import end_of_generation_ids
+from deimos.tokenizer.template import ChatTemplate
+
+log = logging.getLogger("deimos")
+
+DEFAULT_CONTEXT = 4096
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    finish_reason: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class LLM:
+    def __init__(self, model: str | Path, *, n_ctx: int | None = None, device: str = "cpu"):
+        """``model``: a GGUF path or the short name of a known model (pulled if needed)."""
+        from deimos.registry import resolve  # registry sits at the top: imports lazily
+
+        self.path = resolve(model)
+        self.file = GGUFFile(self.path)
+        self.model = load_model(self.file, device=device)
+        self.config = self.model.config
+        self.tokenizer = Tokenizer.from_gguf(self.file)
+        md = self.file.metadata
+        tokens = md.get("tokenizer.ggml.tokens", [])
+        self.template = ChatTemplate.from_metadata(md, tokens)
+        self.stop_ids = end_of_generation_ids(md, tokens, md.get("tokenizer.ggml.token_type"))
+        n_ctx = n_ctx or min(self.config.context_length, DEFAULT_CONTEXT)
+        self.generator = Generator(self.model, n_ctx, device=device)
+
+    @property
+    def n_ctx(self) -> int:
+        return self.generator.n_ctx
+
+    # ---- prompts ---------------------------------------------------------------------
+
+    def encode_raw(self, prompt: str) -> list[int]:
+        """A raw prompt: BOS as the model's metadata says, special tokens as plain text."""
+        return self.tokenizer.encode(prompt, add_special=True, parse_special=False)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
+        text = self.template.render(messages, add_generation_prompt=True, **template_kwargs)
+        bos = self.tokenizer.bos_id
+        add_bos = self.tokenizer.add_bos
+        if add_bos and bos is not None:
+            bos_text = self.tokenizer.vocab.tokens[bos]
+            if text.startswith(bos_text):  # the template wrote BOS itself: don't add a second
+                text = text[len(bos_text):]
+        return self.tokenizer.encode(text, add_special=True, parse_special=True)
+
+    # ---- generation ------------------------------------------------------------------
+
+    def _request(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams | None,
+                 kw: dict[str, Any]) -> Request:
+        params = sampling or SamplingParams(**kw)
+        return Request(prompt_ids, max_tokens, params, self.stop_ids)
+
+    def stream_ids(self, req: Request) -> Iterator[str]:
+        """Text pieces of ``req``'s generated tokens (complete UTF-8 only; stop tokens not shown)."""
+        dec = self.tokenizer.stream_decoder()
+        for token in self.generator.run(req):
+            if req.finish_reason == "stop":
+                break
+            piece = dec.feed(token)
+            if piece:
+                yield piece
+        tail = dec.flush()
+        if tail:
+            yield tail
+
+    def stream(self, prompt: str, *, max_tokens: int = 256, raw: bool = False,
+               sampling: SamplingParams | None = None, **sampling_kw: Any) -> Iterator[str]:
+        """Streams the answer to ``prompt`` (chat template applied unless ``raw``)."""
+        ids = self.encode_raw(prompt) if raw else self.encode_chat([{"role": "user", "content": prompt}])
+        yield from self.stream_ids(self._request(ids, max_tokens, sampling, sampling_kw))
+
+    def generate(self, prompt: str, *, max_tokens: int = 256, raw: bool = False,
+                 sampling: SamplingParams | None = None, **sampling_kw: Any) -> Completion:
+        ids = self.encode_raw(prompt) if raw else self.encode_chat([{"role": "user", "content": prompt}])
+        return self._complete(self._request(ids, max_tokens, sampling, sampling_kw))
+
+    def stream_chat(self, messages: Sequence[Mapping[str, Any]], *, max_tokens: int = 256,
+                    sampling: SamplingParams | None = None, **sampling_kw: Any) -> Iterator[str]:
+        req = self._request(self.encode_chat(messages), max_tokens, sampling, sampling_kw)
+        yield from self.stream_ids(req)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], *, max_tokens: int = 256,
+             sampling: SamplingParams | None = None, **sampling_kw: Any) -> Completion:
+        return self._complete(self._request(self.encode_chat(messages), max_tokens, sampling, sampling_kw))
+
+    def _complete(self, req: Request) -> Completion:
+        text = "".join(self.stream_ids(req))
+        return Completion(text, list(req.output_ids), len(req.prompt_ids), req.cached_tokens,
+                          req.finish_reason or "length")

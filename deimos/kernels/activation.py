@@ -1,0 +1,15 @@
+"""Gated MLP activations: SwiGLU (llama, qwen) and GeGLU with tanh-approximated GELU (gemma)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """gate, up: [..., F] -> act(gate) * up."""
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    raise ValueError(f"gated_act: unknown activation {activation!r}")

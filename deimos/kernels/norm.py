@@ -1,0 +1,22 @@
+"""RMSNorm. Reference implementation in torch (float32); GPU kernels live beside it."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., D], weight: [D] -> [..., D]; y = x / sqrt(mean(x^2) + eps) * weight."""
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"rms_norm: x has width {x.shape[-1]}, weight has {weight.shape[-1]}")
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused residual step: residual' = x + residual (or x); returns (rms_norm(residual'), residual')."""
+    summed = x if residual is None else x + residual
+    return rms_norm(summed, weight, eps), summed

@@ -1,0 +1,32 @@
+"""llama, qwen2 and qwen3: pre-norm decoder layers with SwiGLU.
+
+qwen2 adds q/k/v biases and qwen3 q/k head norms; both are properties of the weights and
+the config, handled inside the shared Attention block.
+"""
+
+from __future__ import annotations
+
+from deimos.models.blocks import Attention, DecoderModel, GatedMLP, RMSNorm
+from deimos.models.config import ModelConfig
+from deimos.models.weights import WeightSource
+
+
+class LlamaLayer:
+    def __init__(self, cfg: ModelConfig, i: int, w: WeightSource):
+        self.attn_norm = RMSNorm(w.vector(f"blk.{i}.attn_norm.weight", cfg.n_embd), cfg.rms_eps)
+        self.attn = Attention(cfg, i, w)
+        self.ffn_norm = RMSNorm(w.vector(f"blk.{i}.ffn_norm.weight", cfg.n_embd), cfg.rms_eps)
+        self.mlp = GatedMLP(cfg, i, w)
+
+    def __call__(self, hidden, residual, batch, rope):
+        hidden, residual = self.attn_norm(hidden, residual)
+        hidden = self.attn(hidden, batch, rope)
+        hidden, residual = self.ffn_norm(hidden, residual)
+        hidden = self.mlp(hidden)
+        return hidden, residual
+
+
+class LlamaModel(DecoderModel):
+    def __init__(self, cfg: ModelConfig, w: WeightSource):
+        super().__init__(cfg, w)
+        self.layers = [LlamaLayer(cfg, i, w) for i in range(cfg.n_layer)]

@@ -1,0 +1,93 @@
+"""Weights of a model file, behind types that own their format.
+
+``Linear`` is chosen by the tensor's GGML type, never by the model code: the reference
+(CPU) path dequantizes to float32 once at load; GPU paths keep the blocks and run their own
+kernels behind the same ``__call__``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from deimos.gguf import GGUFFile
+from deimos.gguf.constants import GGMLType
+from deimos.quant import dequantize
+
+
+class WeightError(ValueError):
+    """A tensor the architecture needs is missing or has the wrong shape."""
+
+
+class Linear:
+    """y = x @ W^T (+ b). W: [out, in] as stored (ggml ne0 = in)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, name: str, ggml_type: GGMLType):
+        self.weight = weight
+        self.bias = bias
+        self.name = name
+        self.ggml_type = ggml_type
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight.T
+        return y if self.bias is None else y + self.bias
+
+
+class Embedding:
+    """Rows of a [vocab, dim] table; the table may also be the (tied) output projection."""
+
+    def __init__(self, table: torch.Tensor, name: str, ggml_type: GGMLType):
+        self.table = table
+        self.name = name
+        self.ggml_type = ggml_type
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = self.table.shape[0]
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= n):
+            raise ValueError(f"token id out of range [0, {n}) for {self.name}")
+        return self.table[tokens]
+
+    def as_linear(self) -> Linear:
+        return Linear(self.table, None, self.name, self.ggml_type)
+
+
+class WeightSource:
+    """Reads and checks the named tensors of one GGUF file."""
+
+    def __init__(self, file: GGUFFile, device: str = "cpu"):
+        self.file = file
+        self.device = device
+
+    def has(self, name: str) -> bool:
+        return name in self.file.tensors
+
+    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor ``name`` as float32 of numpy-order ``shape`` ([out, in] for matrices)."""
+        info = self.file.tensors.get(name)
+        if info is None:
+            raise WeightError(f"{self.file.path}: tensor '{name}' is missing")
+        if tuple(info.shape) != tuple(shape):
+            raise WeightError(
+                f"{self.file.path}: tensor '{name}' has shape {tuple(info.shape)}, expected {tuple(shape)}"
+            )
+        data = dequantize(self.file.tensor_bytes(name), info.ggml_type, tuple(info.shape), name=name)
+        return torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(self.device)
+
+    def vector(self, name: str, n: int) -> torch.Tensor:
+        return self.tensor(name, (n,))
+
+    def linear(self, name: str, n_out: int, n_in: int, bias: bool | None = False) -> Linear:
+        """bias=None: load ``<name>.bias`` if the file has it."""
+        weight = self.tensor(f"{name}.weight", (n_out, n_in))
+        b = None
+        if bias or (bias is None and self.has(f"{name}.bias")):
+            b = self.vector(f"{name}.bias", n_out)
+        return Linear(weight, b, f"{name}.weight", self.file.tensors[f"{name}.weight"].ggml_type)
+
+    def embedding(self, name: str, n_vocab: int, dim: int) -> Embedding:
+        table = self.tensor(f"{name}.weight", (n_vocab, dim))
+        return Embedding(table, f"{name}.weight", self.file.tensors[f"{name}.weight"].ggml_type)
