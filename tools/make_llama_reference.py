@@ -24,11 +24,13 @@ MODELS = ("SmolLM2-135M-Instruct.Q4_1.gguf", "gemma-3-270m-q4_k_m.gguf")
 
 
 def write_reference(exe: Path, model: Path, n_predict: int, top_k: int) -> Path:
-    command = f"python tools/make_llama_reference.py --n-predict {n_predict} --top-k {top_k} {model.name}"
+    command = (f"python tools/make_llama_reference.py --n-predict {n_predict} --top-k {top_k} "
+               f"{model.name}")
     prompts = json.loads(PROMPTS.read_text())
     out = driver.greedy(exe, model, [p["text"] for p in prompts], n_predict, top_k)
     cases = [
-        {"id": p["id"], "prompt": p["text"], **r} for p, r in zip(prompts, out["results"], strict=True)
+        {"id": p["id"], "prompt": p["text"], **r}
+        for p, r in zip(prompts, out["results"], strict=True)
     ]
     doc = {
         "generator": "tools/make_llama_reference.py",

@@ -54,7 +54,8 @@ def make(arch: str, exe: Path) -> Path:
     model.parent.mkdir(parents=True, exist_ok=True)
     write_model(model, arch, preset, wtype, donor, SEED)
 
-    prompts = {p["id"]: p["text"] for p in json.loads((REPO / "tests/data/prompts.json").read_text())}
+    prompt_list = json.loads((REPO / "tests" / "data" / "prompts.json").read_text())
+    prompts = {p["id"]: p["text"] for p in prompt_list}
     g = driver.greedy(exe, model, [prompts[i] for i in PROMPT_IDS], N_PREDICT)
     rng = np.random.default_rng(SEED)
     random_seq = rng.integers(0, g["n_vocab"], N_RANDOM).tolist()

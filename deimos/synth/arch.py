@@ -68,7 +68,7 @@ def tensor_specs(p: SynthPreset, n_vocab: int) -> list[TensorSpec]:
 
 
 def arch_metadata(p: SynthPreset, n_vocab: int) -> list[tuple[str, str, object]]:
-    """(suffix, GGUF scalar type, value) for the ``<arch>.`` keys, as the HF converter writes them."""
+    """(suffix, GGUF scalar type, value) of the ``<arch>.`` keys, as HF conversion writes them."""
     kv: list[tuple[str, str, object]] = [
         ("context_length", "u32", p.context_length),
         ("embedding_length", "u32", p.n_embd),

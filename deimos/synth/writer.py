@@ -82,8 +82,9 @@ def write_model(
         t = wtype if s.kind is Kind.MATRIX else GGMLType.F32
         fmt = get_format(t)
         n = int(np.prod(s.dims))
-        w.add_tensor_info(s.name, tuple(reversed(s.dims)), np.dtype(np.float32),
-                          n // fmt.block_size * fmt.type_size, raw_dtype=GGMLQuantizationType(int(t)))
+        nbytes = n // fmt.block_size * fmt.type_size
+        w.add_tensor_info(s.name, tuple(reversed(s.dims)), np.dtype(np.float32), nbytes,
+                          raw_dtype=GGMLQuantizationType(int(t)))
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()

@@ -57,7 +57,8 @@ def build(paths: LlamaPaths) -> Path:
     """Compiles llama_ref.c (again only when the source changed); returns the executable."""
     for need in (paths.src / "include" / "llama.h", paths.lib / "libllama.so"):
         if not need.exists():
-            raise FileNotFoundError(f"{need} is missing (llama.cpp source: tools/fetch_test_data.py)")
+            raise FileNotFoundError(f"{need} is missing (the llama.cpp source comes with "
+                                    "tools/fetch_test_data.py)")
     paths.build.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
     exe = paths.build / f"llama_ref-{digest}"
