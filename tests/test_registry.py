@@ -8,6 +8,7 @@ sizes and checksums: the real model files of the test data.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import zipfile
 from pathlib import Path
@@ -159,3 +160,15 @@ def test_assemble_names_a_missing_member(tmp_path):
                        (model.parts[0], WheelPart("pkg-part1", "1.0", "other/member")), "")
     with pytest.raises(RegistryError, match="pkg_part1-1.0-py3-none-any.whl has no member other/"):
         registry.assemble(wrong, wheels, tmp_path / "model.gguf")
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_llama_cpp_references_are_of_the_registry_files_and_all_prompts(name):
+    # tests/data/reference/<stem>.json must describe the file pull() gives, on every prompt.
+    data = Path(__file__).parent / "data"
+    model = registry.lookup(name)
+    ref = json.loads((data / "reference" / f"{Path(model.file).stem}.json").read_text())
+    assert ref["model"] == {"file": model.file, "sha256": model.sha256, "size": model.size}
+    prompts = json.loads((data / "prompts.json").read_text())
+    assert len(prompts) >= 24 and len({p["id"] for p in prompts}) == len(prompts)
+    assert [(c["id"], c["prompt"]) for c in ref["cases"]] == [(p["id"], p["text"]) for p in prompts]
