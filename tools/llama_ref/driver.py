@@ -143,3 +143,33 @@ def dump_json(doc: object) -> str:
         return json.dumps(v, ensure_ascii=False)
 
     return fmt(doc, "") + "\n"
+
+
+def main() -> None:
+    """CLI: python tools/llama_ref/driver.py MODEL INPUT.json [--forced] [--n-predict N] [--top-k K]
+
+    INPUT.json: a list of prompts (strings, or objects with "text"), or with --forced a list of
+    token-id lists. Prints the result JSON.
+    """
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(description="llama.cpp greedy / teacher-forced reference")
+    ap.add_argument("model", type=Path)
+    ap.add_argument("input", type=Path)
+    ap.add_argument("--forced", action="store_true", help="input is a list of token-id lists")
+    ap.add_argument("--n-predict", type=int, default=48)
+    ap.add_argument("--top-k", type=int, default=8)
+    args = ap.parse_args()
+    items = json.loads(args.input.read_text())
+    exe = build(LlamaPaths.default())
+    if args.forced:
+        out = forced(exe, args.model, items, args.top_k)
+    else:
+        prompts = [p["text"] if isinstance(p, dict) else p for p in items]
+        out = greedy(exe, args.model, prompts, args.n_predict, args.top_k)
+    sys.stdout.write(dump_json(out))
+
+
+if __name__ == "__main__":
+    main()
