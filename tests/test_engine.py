@@ -1,0 +1,142 @@
+"""The generation loop, the Python API and the CLI on the real default model.
+
+Oracles: llama.cpp's greedy tokens (committed reference), the model's own one-shot forward
+pass (incremental decoding with the KV cache must equal it), a fresh engine (prefix reuse
+must not change the answer), and the tokenizer (what `deimos tokenize` prints).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deimos.engine import LLM, RequestError
+from deimos.models.batch import Batch
+from deimos.runtime.kv_cache import KVCache
+from testdata import model_path, reference
+
+SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA = "gemma-3-270m-q4_k_m.gguf"
+
+
+@pytest.fixture(scope="module")
+def smol() -> LLM:
+    return LLM(model_path(SMOL), n_ctx=512)
+
+
+@pytest.fixture(scope="module")
+def gemma() -> LLM:
+    return LLM(model_path(GEMMA), n_ctx=512)
+
+
+def one_shot_argmax(llm: LLM, tokens: list[int], first: int) -> list[int]:
+    kv = KVCache(llm.config, len(tokens))
+    batch = Batch(torch.tensor(tokens), torch.arange(len(tokens)), kv,
+                  logits_at=torch.arange(first - 1, len(tokens) - 1))
+    return llm.model.forward(batch).argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("case_id", ["german", "python", "question"])
+def test_incremental_greedy_equals_one_shot_and_llama_cpp(smol, case_id):
+    case = next(c for c in reference("SmolLM2-135M-Instruct.Q4_1.json")["cases"] if c["id"] == case_id)
+    out = smol.generate(case["prompt"], max_tokens=len(case["tokens"]), temperature=0, raw=True)
+    prompt = smol.encode_raw(case["prompt"])
+    assert prompt == case["prompt_tokens"]
+    # the KV-cached loop computes what one forward pass over the whole text computes
+    assert out.token_ids == one_shot_argmax(smol, prompt + out.token_ids, len(prompt))
+    # and llama.cpp chose the same tokens (these prompts are identical in the reference test)
+    n = len(out.token_ids)
+    assert out.token_ids == case["tokens"][:n]
+    if out.finish_reason == "stop":
+        assert out.token_ids[-1] in smol.stop_ids
+
+
+def test_chat_stops_on_end_of_turn_and_reuses_prefix(smol):
+    first = [{"role": "user", "content": "What is the capital of France? One word."}]
+    a = smol.chat(first, max_tokens=64, temperature=0)
+    assert a.finish_reason == "stop" and a.text.strip()
+    assert "<|im_end|>" not in a.text
+    second = first + [{"role": "assistant", "content": a.text},
+                      {"role": "user", "content": "And of Germany?"}]
+    b = smol.chat(second, max_tokens=64, temperature=0)
+    assert b.cached_tokens > 20  # the first turn's prompt was not prefilled again
+    fresh = LLM(model_path(SMOL), n_ctx=512).chat(second, max_tokens=64, temperature=0)
+    assert fresh.cached_tokens == 0
+    assert fresh.token_ids == b.token_ids
+
+
+def test_same_seed_same_text(smol):
+    kw = dict(max_tokens=24, temperature=0.9, raw=True)
+    a = smol.generate("Once upon a time", seed=7, **kw)
+    b = smol.generate("Once upon a time", seed=7, **kw)
+    assert a.token_ids == b.token_ids
+    c = [smol.generate("Once upon a time", seed=s, **kw).token_ids for s in (1, 2, 3)]
+    assert any(x != a.token_ids for x in c)
+
+
+def test_context_limits(smol):
+    with pytest.raises(RequestError, match="context"):
+        smol.generate("word " * 600, max_tokens=4, raw=True)
+    out = smol.generate("word " * 505, max_tokens=100, temperature=0, raw=True)
+    assert out.finish_reason == "length" and out.prompt_tokens + len(out.token_ids) <= 512
+
+
+def test_gemma_runs_raw_and_chat(gemma):
+    case = reference("gemma-3-270m-q4_k_m.json")["cases"][0]
+    out = gemma.generate(case["prompt"], max_tokens=8, temperature=0, raw=True)
+    assert gemma.encode_raw(case["prompt"]) == case["prompt_tokens"]
+    assert out.token_ids == case["tokens"][:8]
+    reply = gemma.chat([{"role": "user", "content": "Say hello."}], max_tokens=16, temperature=0)
+    assert gemma.encode_chat([{"role": "user", "content": "hi"}])[:2] == [
+        gemma.tokenizer.bos_id, gemma.tokenizer.token_id("<start_of_turn>")]
+    assert reply.text and reply.finish_reason in ("stop", "length")
+
+
+# ---- the CLI, as a user runs it --------------------------------------------------------
+
+def deimos(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    return subprocess.run([sys.executable, "-m", "deimos", *args], capture_output=True, text=True,
+                          input=input, env=env, timeout=300)
+
+
+def test_cli_run_raw_prints_exactly_the_generated_text(smol):
+    case = next(c for c in reference("SmolLM2-135M-Instruct.Q4_1.json")["cases"] if c["id"] == "german")
+    r = deimos("run", str(model_path(SMOL)), case["prompt"], "--raw", "-n", "16", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    expected = smol.tokenizer.decode(case["tokens"][:16])
+    assert r.stdout == expected
+
+
+def test_cli_tokenize_and_inspect(smol):
+    r = deimos("tokenize", str(model_path(SMOL)), "Hello world, <|im_start|>!")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == smol.tokenizer.encode("Hello world, <|im_start|>!")
+    r = deimos("inspect", str(model_path(SMOL)))
+    assert r.returncode == 0, r.stderr
+    assert "token_embd.weight" in r.stdout and "Q4_1" in r.stdout
+
+
+def test_cli_chat_two_turns():
+    r = deimos("chat", str(model_path(SMOL)), "-n", "24", "--temperature", "0",
+               input="Hi!\nWhat did I just say?\n")
+    assert r.returncode == 0, r.stderr
+    assert len([line for line in r.stdout.splitlines() if line.strip()]) >= 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (("run", "no-such-file.gguf", "hi"), "no such file"),
+    (("run", "no-such-model", "hi"), "unknown model"),
+    (("run", __file__, "hi"), "GGUF"),
+    (("run", "smollm2", "hi", "--temperature", "-1"), "temperature"),
+])
+def test_cli_bad_input_is_one_clear_line(args, message):
+    r = deimos(*args)
+    assert r.returncode == 1
+    assert message.lower() in r.stderr.lower()
+    assert "Traceback" not in r.stderr
