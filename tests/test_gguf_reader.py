@@ -14,9 +14,10 @@ import pytest
 
 from deimos.gguf import GGMLType, GGUFError, GGUFFile, GGUFValueType
 from gguf_support import (
-    ARRAY, BOOL, FLOAT32, INT32, REAL_MODELS, STRING, T_F32, T_Q8_0, UINT8, UINT32,
-    arr, build, gstr, kv, kv_str, kv_u32, llama_cpp_vocab_path, model_path, tinfo, u32, u64,
+    ARRAY, BOOL, FLOAT32, INT32, STRING, T_F32, T_Q8_0, UINT8, UINT32,
+    arr, build, gstr, kv, kv_str, kv_u32, tinfo, u32, u64,
 )
+from testdata import REAL_MODELS, llama_cpp_path, model_path
 
 VT = gguf.GGUFValueType
 
@@ -36,7 +37,7 @@ def _oracle(path) -> gguf.GGUFReader:
 def real_pair(request):
     # ggml-vocab-aquila.gguf is a real GGUF v2 file (100k tokens, merges, no tensors).
     name = request.param
-    path = llama_cpp_vocab_path("aquila") if name == "vocab-aquila" else model_path(name)
+    path = llama_cpp_path("models/ggml-vocab-aquila.gguf") if name == "vocab-aquila" else model_path(name)
     with GGUFFile(path) as f:
         yield f, _oracle(path)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_quant_formats import assert_bits_equal
-from test_quant_ref import MODELS, ggml_to_float, gguf_dequantize, need
+from quant_support import ggml_to_float, gguf_dequantize
+from testdata import REAL_MODELS, model_path
 
 from deimos.gguf import GGUFFile
 from deimos.quant import dequantize, get_format
@@ -13,10 +14,10 @@ from deimos.quant import dequantize, get_format
 ROWS = 8  # rows checked from the start of every tensor
 
 
-@pytest.mark.parametrize("model", MODELS, ids=lambda m: m.split("/")[-1])
+@pytest.mark.parametrize("model", REAL_MODELS)
 def test_model_tensors_bit_exact(model: str) -> None:
     seen: dict[str, int] = {}
-    with GGUFFile(need(model)) as f:
+    with GGUFFile(model_path(model)) as f:
         smallest = {}  # per type: the smallest tensor, decoded whole
         for info in f.tensors.values():
             fmt = get_format(info.ggml_type, info.name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_quant_ref import (
+from quant_support import (
     c_grid,
     ggml_to_float,
     gguf_dequantize,

@@ -11,7 +11,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from test_quant_ref import c_grid, c_table
+from quant_support import c_grid, c_table
 
 from deimos.quant import iq_grids
 from deimos.quant.mxfp4 import KVALUES_MXFP4

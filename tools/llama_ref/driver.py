@@ -32,7 +32,9 @@ SETTINGS = {
 
 
 def test_data_dir() -> Path:
-    return Path(os.environ.get("DEIMOS_TEST_DATA", "/work/cache"))
+    # same default as tests/testdata.py and fetch_test_data.py (tools do not import tests/)
+    value = os.environ.get("DEIMOS_TEST_DATA")
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "deimos" / "test-data"
 
 
 @dataclass(frozen=True)
