@@ -19,7 +19,9 @@ from deimos.engine.request import Request
 from deimos.gguf import GGUFFile
 from deimos.kernels.sampling import SamplingParams
 from deimos.models import load_model
+from deimos.registry import resolve
 from deimos.tokenizer import Tokenizer
+from deimos.tokenizer.chat import encode_chat
 from deimos.tokenizer.stops import end_of_generation_ids
 from deimos.tokenizer.template import ChatTemplate
 
@@ -43,8 +45,6 @@ class Completion:
 class LLM:
     def __init__(self, model: str | Path, *, n_ctx: int | None = None, device: str = "cpu"):
         """``model``: a GGUF path or the short name of a known model (pulled if needed)."""
-        from deimos.registry import resolve  # registry sits at the top: imports lazily
-
         self.path = resolve(model)
         self.file = GGUFFile(self.path)
         self.model = load_model(self.file, device=device)
@@ -68,14 +68,8 @@ class LLM:
         return self.tokenizer.encode(prompt, add_special=True, parse_special=False)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
-        text = self.template.render(messages, add_generation_prompt=True, **template_kwargs)
-        bos = self.tokenizer.bos_id
-        add_bos = self.tokenizer.add_bos
-        if add_bos and bos is not None:
-            bos_text = self.tokenizer.vocab.tokens[bos]
-            if text.startswith(bos_text):  # the template wrote BOS itself: don't add a second
-                text = text[len(bos_text):]
-        return self.tokenizer.encode(text, add_special=True, parse_special=True)
+        """The chat template applied; special tokens parsed in the template's text only."""
+        return encode_chat(self.tokenizer, self.template, messages, **template_kwargs)
 
     # ---- generation ------------------------------------------------------------------
 

@@ -1,0 +1,61 @@
+"""Chat prompts to token ids: the template's own text may hold special tokens, message
+contents may not.
+
+The rendered prompt is split into the template's text (tokenized with special-token parsing:
+``<|im_start|>`` becomes one control token) and each message's content (tokenized as plain
+text, so a user who types ``<|im_end|>`` cannot close the turn), unless the caller asks for
+special tokens in contents too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .template import ChatTemplate
+from .tokenizer import Tokenizer
+
+
+def content_spans(text: str, messages: Sequence[Mapping[str, Any]]) -> list[tuple[int, int]]:
+    """(start, end) of each message content in the rendered ``text``, in order; a content the
+    template changed (e.g. trimmed) is found by its stripped form; one not found is skipped."""
+    spans: list[tuple[int, int]] = []
+    at = 0
+    for m in messages:
+        content = m.get("content")
+        if not isinstance(content, str) or not content:
+            continue
+        for needle in (content, content.strip()):
+            i = text.find(needle, at) if needle else -1
+            if i >= 0:
+                spans.append((i, i + len(needle)))
+                at = i + len(needle)
+                break
+    return spans
+
+
+def encode_chat(
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    special_in_content: bool = False,
+    **template_kwargs: Any,
+) -> list[int]:
+    text = template.render(messages, add_generation_prompt=True, **template_kwargs)
+    vocab = tokenizer.vocab
+    bos = tokenizer.bos_id
+    if vocab.add_bos and bos is not None and text.startswith(vocab.tokens[bos]):
+        text = text[len(vocab.tokens[bos]):]  # the template wrote BOS itself: add it once
+    ids: list[int] = [bos] if vocab.add_bos and bos is not None else []
+    pos = 0
+    spans = [] if special_in_content else content_spans(text, messages)
+    for start, end in spans + [(len(text), len(text))]:
+        if start > pos:
+            ids += tokenizer.encode(text[pos:start], add_special=False, parse_special=True)
+        if end > start:
+            ids += tokenizer.encode(text[start:end], add_special=False, parse_special=False)
+        pos = end
+    if vocab.add_eos and tokenizer.eos_id is not None:
+        ids.append(tokenizer.eos_id)
+    return ids
