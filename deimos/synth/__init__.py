@@ -7,6 +7,8 @@ the shapes (a tiny one per architecture and the real sizes).
 from __future__ import annotations
 
 from deimos.synth.presets import ARCHS, PRESETS, SynthPreset, get_preset
-from deimos.synth.writer import read_tokenizer, write_model
+from deimos.synth.mix import FTYPES, WeightTypes, weight_types
+from deimos.synth.writer import read_tokenizer, tensor_bytes, write_model
 
-__all__ = ["ARCHS", "PRESETS", "SynthPreset", "get_preset", "read_tokenizer", "write_model"]
+__all__ = ["ARCHS", "FTYPES", "PRESETS", "SynthPreset", "WeightTypes", "get_preset", "read_tokenizer",
+           "tensor_bytes", "weight_types", "write_model"]

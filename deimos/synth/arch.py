@@ -13,7 +13,8 @@ from deimos.synth.presets import SynthPreset
 
 
 class Kind(Enum):
-    MATRIX = "matrix"  # 2-D weight in the requested GGML type
+    MATRIX = "matrix"  # 2-D weight (3-D: one matrix per expert) in the requested GGML type
+    ROUTER = "router"  # MoE gate logits weight (ffn_gate_inp), F32 as llama-quantize leaves it
     NORM = "norm"  # RMSNorm gain of the hidden state, F32
     HEAD_NORM = "head_norm"  # RMSNorm gain over one head (q/k norms), F32
     OUTPUT_NORM = "output_norm"  # final RMSNorm gain, F32, large (see writer.py)
@@ -45,7 +46,7 @@ def tensor_specs(p: SynthPreset, n_vocab: int) -> list[TensorSpec]:
                 TensorSpec(b + "attn_k.bias", (kv_dim,), B),
                 TensorSpec(b + "attn_v.bias", (kv_dim,), B),
             ]
-        if p.arch in ("qwen3", "gemma3"):
+        if p.arch in ("qwen3", "gemma3", "qwen3moe"):
             specs += [
                 TensorSpec(b + "attn_q_norm.weight", (p.head_dim,), Kind.HEAD_NORM),
                 TensorSpec(b + "attn_k_norm.weight", (p.head_dim,), Kind.HEAD_NORM),
@@ -53,6 +54,16 @@ def tensor_specs(p: SynthPreset, n_vocab: int) -> list[TensorSpec]:
         specs.append(TensorSpec(b + "attn_output.weight", (q_dim, d), M))
         if p.arch == "gemma3":
             specs.append(TensorSpec(b + "post_attention_norm.weight", (d,), N))
+        if p.is_moe:
+            ff, e = p.n_ff_exp, p.n_expert
+            specs += [
+                TensorSpec(b + "ffn_norm.weight", (d,), N),
+                TensorSpec(b + "ffn_gate_inp.weight", (d, e), Kind.ROUTER),
+                TensorSpec(b + "ffn_gate_exps.weight", (d, ff, e), M),
+                TensorSpec(b + "ffn_up_exps.weight", (d, ff, e), M),
+                TensorSpec(b + "ffn_down_exps.weight", (ff, d, e), M),
+            ]
+            continue
         specs += [
             TensorSpec(b + "ffn_norm.weight", (d,), N),
             TensorSpec(b + "ffn_gate.weight", (d, p.n_ff), M),
@@ -81,9 +92,12 @@ def arch_metadata(p: SynthPreset, n_vocab: int) -> list[tuple[str, str, object]]
     ]
     if p.arch == "llama":
         kv += [("vocab_size", "u32", n_vocab), ("rope.dimension_count", "u32", p.head_dim)]
-    if p.arch in ("qwen3", "gemma3"):
+    if p.arch in ("qwen3", "gemma3", "qwen3moe"):
         kv += [("attention.key_length", "u32", p.head_dim),
                ("attention.value_length", "u32", p.head_dim)]
+    if p.is_moe:
+        kv += [("expert_count", "u32", p.n_expert), ("expert_used_count", "u32", p.n_expert_used),
+               ("expert_feed_forward_length", "u32", p.n_ff_exp)]
     if p.sliding_window is not None:
         kv.append(("attention.sliding_window", "u32", p.sliding_window))
     if p.swa_pattern is not None:

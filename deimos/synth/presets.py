@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,9 @@ class SynthPreset:
     sliding_window: int | None = None  # gemma3: window of the local layers
     swa_pattern: int | None = None  # gemma3: every n-th layer global; None = key absent (6)
     rope_base_swa: float | None = None  # gemma3: rope base of local layers; None = absent (1e4)
+    n_expert: int = 0  # qwen3moe: routed experts per layer (every layer is MoE)
+    n_expert_used: int = 0  # qwen3moe: experts per token
+    n_ff_exp: int = 0  # qwen3moe: hidden width of one expert (n_ff is then only metadata)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -40,6 +43,16 @@ class SynthPreset:
             raise ValueError(f"preset {self.name!r}: {self.arch} needs head_dim * n_head == n_embd")
         if (self.arch == "gemma3") != (self.sliding_window is not None):
             raise ValueError(f"preset {self.name!r}: sliding_window is for gemma3 only, and needed")
+        moe = self.arch == "qwen3moe"
+        if moe != (self.n_expert > 0) or (moe and not 0 < self.n_expert_used <= self.n_expert):
+            raise ValueError(f"preset {self.name!r}: experts (n_expert > 0, 0 < n_expert_used <= "
+                             f"n_expert, n_ff_exp) are for qwen3moe only, and needed")
+        if moe and self.n_ff_exp <= 0:
+            raise ValueError(f"preset {self.name!r}: qwen3moe needs n_ff_exp")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
 
 
 _PRESETS = [
@@ -58,6 +71,12 @@ _PRESETS = [
     SynthPreset("gemma3-tiny", "gemma3", n_layer=6, n_embd=64, n_ff=128, n_head=2, n_head_kv=1,
                 head_dim=64, rope_base=1000000.0, rms_eps=1e-6, context_length=2048,
                 tied_embeddings=True, sliding_window=8),
+    # MoE: 8 layers so that llama.cpp's layer-dependent mix rules (first/last eighth, every
+    # third layer) all occur; widths of 256 so that every block size fits (k-quants too).
+    SynthPreset("qwen3moe-tiny", "qwen3moe", n_layer=8, n_embd=256, n_ff=512, n_head=4,
+                n_head_kv=2, head_dim=64, rope_base=1000000.0, rms_eps=1e-6,
+                context_length=2048, tied_embeddings=False, n_expert=16, n_expert_used=4,
+                n_ff_exp=256),
     # Real sizes.
     SynthPreset("llama-1b", "llama", n_layer=16, n_embd=2048, n_ff=8192, n_head=32, n_head_kv=8,
                 head_dim=64, rope_base=500000.0, rms_eps=1e-5, context_length=131072,
@@ -77,6 +96,11 @@ _PRESETS = [
     SynthPreset("gemma3-270m", "gemma3", n_layer=18, n_embd=640, n_ff=2048, n_head=4, n_head_kv=1,
                 head_dim=256, rope_base=1000000.0, rms_eps=1e-6, context_length=32768,
                 tied_embeddings=True, sliding_window=512),
+    # Qwen3-30B-A3B: n_ff is the config's intermediate_size (metadata only, no dense layer).
+    SynthPreset("qwen3moe-30b-a3b", "qwen3moe", n_layer=48, n_embd=2048, n_ff=6144, n_head=32,
+                n_head_kv=4, head_dim=128, rope_base=1000000.0, rms_eps=1e-6,
+                context_length=40960, tied_embeddings=False, n_expert=128, n_expert_used=8,
+                n_ff_exp=768),
 ]
 
 PRESETS: dict[str, SynthPreset] = {p.name: p for p in _PRESETS}

@@ -14,13 +14,22 @@ on the tiny presets:
   stream, and with tied embeddings the logit of the input token itself then dominates, so
   greedy decoding repeats one token (90% of steps for qwen3-tiny); with 4 it rarely does;
 - q/k norm gains 1: attention scores of order 1, neither uniform nor one-hot.
-Biases are N(0, 0.2^2).
+Biases are N(0, 0.2^2); the MoE router weight (F32) is a random F32 matrix like the others.
+
+Writing streams: tensors are cut into chunks of ``CHUNK_ELEMENTS``, drawn by a thread pool
+(numpy releases the GIL in the bulk operations) with a bounded number in flight and written
+in file order, so memory stays at a few chunks whatever the model size. Chunk k > 0 of a tensor
+draws from its own generator seeded by (seed, crc32(name), k); chunk 0, and so any tensor of
+one chunk, from (seed, crc32(name)) as above.
 """
 
 from __future__ import annotations
 
 import os
 import zlib
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +39,7 @@ from deimos.gguf import GGUFFile
 from deimos.gguf.constants import GGMLType
 from deimos.quant import get_format
 from deimos.synth.arch import Kind, TensorSpec, arch_metadata, tensor_specs
+from deimos.synth.mix import WeightTypes, weight_types
 from deimos.synth.presets import SynthPreset, get_preset
 
 OUTPUT_GAIN = 16.0
@@ -37,8 +47,10 @@ NORM_GAIN = 4.0
 NORM_NOISE = 0.1
 BIAS_STD = 0.2
 
-# Types a weight matrix may have: floats and block quants (not the integer types, not F64).
-_NOT_WEIGHT_TYPES = {GGMLType.F64, GGMLType.I8, GGMLType.I16, GGMLType.I32, GGMLType.I64}
+# Elements per independently drawn chunk. Part of the file's definition (the bytes of a bigger
+# tensor depend on it); larger than every tensor of the tiny presets with their reference
+# donors (qwen2-tiny's embedding: 128 x 151936 = 19.4M), whose files llama.cpp checked.
+CHUNK_ELEMENTS = 1 << 25
 
 _SCALAR = {"u32": GGUFValueType.UINT32, "f32": GGUFValueType.FLOAT32}
 
@@ -47,53 +59,71 @@ def write_model(
     path: str | os.PathLike[str],
     arch: str,
     preset: str | SynthPreset,
-    ggml_type: GGMLType | str | int,
+    ggml_type: GGMLType | str | int | WeightTypes,
     vocab_from: str | os.PathLike[str],
     seed: int = 0,
+    *,
+    workers: int | None = None,
 ) -> Path:
     """Writes a random-weight model of ``preset`` (its arch must be ``arch``) to ``path``.
 
-    ``ggml_type``: type of every 2-D weight (norms and biases are F32); its block size must
-    divide the rows (n_embd, n_ff, head widths). ``vocab_from``: a GGUF whose ``tokenizer.*``
-    keys are copied; the vocabulary size is its token count. Returns the path.
+    ``ggml_type``: a llama.cpp mix name (Q4_K_M, Q8_0, IQ4_XS, ...: the per-tensor types that
+    llama-quantize would choose, see mix.py), a GGML type name or value (every 2-D weight that
+    type; its block size must divide the rows), or a ``WeightTypes``. Norms, biases and the MoE
+    router are F32. ``vocab_from``: a GGUF whose ``tokenizer.*`` keys are copied; the vocabulary
+    size is its token count. ``workers``: drawing threads (default: the CPU count). Returns the
+    path; a partly written file is removed on error.
     """
     p = get_preset(preset) if isinstance(preset, str) else preset
     if p.arch != arch:
         raise ValueError(f"preset {p.name!r} is a {p.arch} model, not {arch}")
-    wtype = _weight_type(ggml_type)
+    wt = ggml_type if isinstance(ggml_type, WeightTypes) else weight_types(ggml_type)
     tokenizer = read_tokenizer(vocab_from)
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"][2])
     specs = tensor_specs(p, n_vocab)
-    for s in specs:
-        if s.kind is Kind.MATRIX:
-            _check_rows(s, wtype)
+    types = wt.tensor_types(p, specs)
 
     path = Path(path)
     w = GGUFWriter(path, arch)
-    w.add_type("model")
-    w.add_name(f"deimos-synth {p.name} {wtype.name} seed {seed}")
-    if wtype not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
-        w.add_quantization_version(2)
-    for suffix, t, value in arch_metadata(p, n_vocab):
-        w.add_key_value(f"{arch}.{suffix}", value, _SCALAR[t])
-    for key, (vtype, sub, value) in tokenizer.items():
-        w.add_key_value(key, value, vtype, sub_type=sub)
-    for s in specs:
-        t = wtype if s.kind is Kind.MATRIX else GGMLType.F32
-        fmt = get_format(t)
-        n = int(np.prod(s.dims))
-        nbytes = n // fmt.block_size * fmt.type_size
-        w.add_tensor_info(s.name, tuple(reversed(s.dims)), np.dtype(np.float32), nbytes,
-                          raw_dtype=GGMLQuantizationType(int(t)))
     try:
+        w.add_type("model")
+        w.add_name(f"deimos-synth {p.name} {wt.name} seed {seed}")
+        if wt.is_mix:
+            w.add_file_type(wt.ftype)
+        if any(t not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16) for t in types):
+            w.add_quantization_version(2)
+        for suffix, t, value in arch_metadata(p, n_vocab):
+            w.add_key_value(f"{arch}.{suffix}", value, _SCALAR[t])
+        for key, (vtype, sub, value) in tokenizer.items():
+            w.add_key_value(key, value, vtype, sub_type=sub)
+        for s, t in zip(specs, types):
+            fmt = get_format(t)
+            nbytes = int(np.prod(s.dims)) // fmt.block_size * fmt.type_size
+            w.add_tensor_info(s.name, tuple(reversed(s.dims)), np.dtype(np.float32), nbytes,
+                              raw_dtype=GGMLQuantizationType(int(t)))
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for s in specs:
-            w.write_tensor_data(_tensor_bytes(s, wtype, seed))
+        align = w.data_alignment
     finally:
         w.close()
+    try:
+        with open(path, "ab") as f:
+            _pad(f, align)
+            for chunk in _drawn(_chunk_jobs(specs, types, seed), workers):
+                if chunk is None:  # end of a tensor
+                    _pad(f, align)
+                else:
+                    f.write(chunk.data)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
     return path
+
+
+def tensor_bytes(s: TensorSpec, t: GGMLType, seed: int) -> np.ndarray:
+    """All bytes of one tensor as ``write_model`` writes them (uint8; for tests and tools)."""
+    return np.concatenate([job() for job in _tensor_jobs(s, t, seed)])
 
 
 def read_tokenizer(donor: str | os.PathLike[str]) -> dict[str, tuple]:
@@ -128,35 +158,52 @@ def _writable(value: object) -> object:
     return value
 
 
-def _weight_type(t: GGMLType | str | int) -> GGMLType:
-    try:
-        wt = GGMLType[t.upper()] if isinstance(t, str) else GGMLType(t)
-    except (KeyError, ValueError):
-        raise ValueError(f"unknown GGML type {t!r}") from None
-    if wt in _NOT_WEIGHT_TYPES:
-        raise ValueError(f"GGML type {wt.name} is not a weight type")
-    get_format(wt)  # raises QuantError if deimos.quant has no such format
-    return wt
+def _pad(f, align: int) -> None:
+    f.write(b"\0" * (-f.tell() % align))
 
 
-def _check_rows(s: TensorSpec, t: GGMLType) -> None:
-    block = get_format(t).block_size
-    if s.dims[0] % block:
-        raise ValueError(
-            f"tensor {s.name}: row length {s.dims[0]} is not a multiple of the {t.name} block "
-            f"size {block}; pick a preset whose widths are multiples of {block}"
-        )
+def _chunk_jobs(specs: list[TensorSpec], types: list[GGMLType], seed: int) -> Iterator:
+    """Draw jobs in file order; ``None`` marks the end of each tensor."""
+    for s, t in zip(specs, types):
+        yield from _tensor_jobs(s, t, seed)
+        yield None
 
 
-def _tensor_bytes(s: TensorSpec, wtype: GGMLType, seed: int) -> np.ndarray:
-    rng = np.random.default_rng([seed, zlib.crc32(s.name.encode())])
+def _drawn(jobs: Iterator, workers: int | None) -> Iterator[np.ndarray | None]:
+    """Runs the jobs on a thread pool, at most ``2 * workers`` in flight; results in order."""
+    workers = workers or os.cpu_count() or 1
+    with ThreadPoolExecutor(workers, thread_name_prefix="synth") as pool:
+        pending: deque[Future | None] = deque()
+        for job in jobs:
+            pending.append(None if job is None else pool.submit(job))
+            while len(pending) > 2 * workers or (pending and pending[0] is None):
+                head = pending.popleft()
+                yield None if head is None else head.result()
+        for head in pending:
+            yield None if head is None else head.result()
+
+
+def _tensor_jobs(s: TensorSpec, t: GGMLType, seed: int) -> list:
+    name_crc = zlib.crc32(s.name.encode())
     n = int(np.prod(s.dims))
-    if s.kind is Kind.MATRIX:
-        fmt = get_format(wtype)
-        return fmt.random_blocks(n // fmt.block_size, rng).reshape(-1)
-    if s.kind is Kind.BIAS:
+    if s.kind not in (Kind.MATRIX, Kind.ROUTER):
+        return [lambda: _vector_bytes(s.kind, n, np.random.default_rng([seed, name_crc]))]
+    fmt = get_format(t)
+    n_blocks = n // fmt.block_size
+    per_chunk = CHUNK_ELEMENTS // fmt.block_size
+    jobs = []
+    for k, first in enumerate(range(0, n_blocks, per_chunk)):
+        key = [seed, name_crc] if k == 0 else [seed, name_crc, k]
+        count = min(per_chunk, n_blocks - first)
+        jobs.append(lambda key=key, count=count: fmt.random_blocks(
+            count, np.random.default_rng(key)).reshape(-1))
+    return jobs
+
+
+def _vector_bytes(kind: Kind, n: int, rng: np.random.Generator) -> np.ndarray:
+    if kind is Kind.BIAS:
         v = BIAS_STD * rng.standard_normal(n, dtype=np.float32)
     else:
-        gain = {Kind.OUTPUT_NORM: OUTPUT_GAIN, Kind.NORM: NORM_GAIN, Kind.HEAD_NORM: 1.0}[s.kind]
+        gain = {Kind.OUTPUT_NORM: OUTPUT_GAIN, Kind.NORM: NORM_GAIN, Kind.HEAD_NORM: 1.0}[kind]
         v = np.float32(gain) * (1.0 + NORM_NOISE * rng.standard_normal(n, dtype=np.float32))
     return v.astype("<f4").view(np.uint8)
