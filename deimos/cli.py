@@ -128,11 +128,32 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from deimos.registry import resolve
-    from deimos.synth import get_preset, write_model
+    import time
 
+    from deimos.registry import resolve
+    from deimos.synth import (PRESETS, TYPICAL_VOCAB, get_preset, planned_size, weight_types,
+                              write_model)
+
+    wt = weight_types(args.type, pure=args.pure)
+    if args.list:
+        print(f"{'preset':18} {'arch':9} {'layers':>6} {'n_embd':>6} {'experts':>7} "
+              f"{'params':>8} {wt.name + ' GB':>10}  (vocab of the real model)")
+        for p in PRESETS.values():
+            n, nbytes = planned_size(p, wt, TYPICAL_VOCAB[p.arch])
+            experts = f"{p.n_expert_used}/{p.n_expert}" if p.is_moe else "-"
+            print(f"{p.name:18} {p.arch:9} {p.n_layer:6} {p.n_embd:6} {experts:>7} "
+                  f"{n / 1e9:7.2f}B {nbytes / 1e9:10.3f}")
+        return 0
+    if args.preset is None or args.output is None or args.vocab_from is None:
+        raise ValueError("synth needs PRESET OUTPUT and --vocab-from (or --list)")
     preset = get_preset(args.preset)
-    path = write_model(args.output, preset.arch, preset, args.type, resolve(args.vocab_from), args.seed)
+    t0 = time.perf_counter()
+    path = write_model(args.output, preset.arch, preset, wt, resolve(args.vocab_from), args.seed,
+                       workers=args.workers)
+    dt = time.perf_counter() - t0
+    size = path.stat().st_size
+    print(f"deimos: wrote {preset.name} {wt.name}: {size / 1e9:.3f} GB in {dt:.1f} s "
+          f"({size / 1e9 / dt:.2f} GB/s)", file=sys.stderr)
     print(path)
     return 0
 
@@ -175,11 +196,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("synth", help="write a random-weight GGUF of a real architecture")
-    p.add_argument("preset", help="a preset name (e.g. llama-8b, qwen3-0.6b, qwen3-tiny)")
-    p.add_argument("output")
-    p.add_argument("--type", default="Q8_0", help="weight type (F16, Q8_0, Q4_K, ...)")
-    p.add_argument("--vocab-from", required=True, help="GGUF file whose tokenizer is copied")
+    p.add_argument("preset", nargs="?", help="a preset name (e.g. llama-8b, qwen3-0.6b; --list)")
+    p.add_argument("output", nargs="?")
+    p.add_argument("--type", default="Q8_0",
+                   help="a llama.cpp mix as llama-quantize makes it (Q4_K_M, Q4_K_S, Q5_K_M, Q6_K, "
+                        "Q8_0, Q4_0, IQ4_XS, ...) or one GGML type for every matrix (F16, Q4_K, ...)")
+    p.add_argument("--pure", action="store_true",
+                   help="every matrix exactly --type's base type, no mix rules or fallbacks")
+    p.add_argument("--vocab-from", help="GGUF file whose tokenizer is copied")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=None, help="drawing threads (default: CPUs)")
+    p.add_argument("--list", action="store_true", help="list the presets with sizes in --type")
     p.set_defaults(func=cmd_synth)
     return parser
 

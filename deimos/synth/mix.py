@@ -117,9 +117,9 @@ def weight_types(name: str | GGMLType | int, pure: bool = False) -> WeightTypes:
         try:
             t = T[name.upper()] if isinstance(name, str) else T(name)
         except (KeyError, ValueError):
-            raise ValueError(
-                f"unknown GGML type {name!r} (types: {', '.join(t.name for t in T)}; "
-                f"llama.cpp mixes: {', '.join(FTYPES)})") from None
+            known = [t.name for t in T if t not in _NOT_WEIGHT_TYPES]
+            raise ValueError(f"unknown GGML type {name!r} (types: {', '.join(known)}; "
+                             f"llama.cpp mixes: {', '.join(FTYPES)})") from None
     if t in _NOT_WEIGHT_TYPES:
         raise ValueError(f"GGML type {t.name} is not a weight type")
     get_format(t)  # raises QuantError if deimos.quant has no such format

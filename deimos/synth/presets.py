@@ -105,6 +105,11 @@ _PRESETS = [
 
 PRESETS: dict[str, SynthPreset] = {p.name: p for p in _PRESETS}
 
+# Token count of the real model's vocabulary (llama-bpe, qwen2, gemma3 donors): only for the
+# sizes that ``deimos synth --list`` reports; a written file takes its donor's count.
+TYPICAL_VOCAB = {"llama": 128256, "qwen2": 151936, "qwen3": 151936, "qwen3moe": 151936,
+                 "gemma3": 262144}
+
 
 def get_preset(name: str) -> SynthPreset:
     try:

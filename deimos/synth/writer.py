@@ -121,6 +121,17 @@ def write_model(
     return path
 
 
+def planned_size(p: SynthPreset, wt: WeightTypes, n_vocab: int) -> tuple[int, int]:
+    """(parameters, tensor bytes) of preset ``p`` written with ``wt`` and ``n_vocab`` tokens."""
+    specs = tensor_specs(p, n_vocab)
+    n_params = n_bytes = 0
+    for s, t in zip(specs, wt.tensor_types(p, specs)):
+        fmt, n = get_format(t), int(np.prod(s.dims))
+        n_params += n
+        n_bytes += n // fmt.block_size * fmt.type_size
+    return n_params, n_bytes
+
+
 def tensor_bytes(s: TensorSpec, t: GGMLType, seed: int) -> np.ndarray:
     """All bytes of one tensor as ``write_model`` writes them (uint8; for tests and tools)."""
     return np.concatenate([job() for job in _tensor_jobs(s, t, seed)])

