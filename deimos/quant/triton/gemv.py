@@ -1,0 +1,277 @@
+"""Fused dequant-GEMV for decode: y[b, n] = sum_k W[n, k] * x[b, k], W quantized (layout.py).
+
+Design (why not int8 dot products): a decode GEMV must read each weight byte once at ~4.3 TB/s.
+On an H200 (132 SMs, ~1.75 GHz) that is ~18.5 bytes per SM-clock, i.e. ~33 Q4_K weights per
+SM-clock to decode. An SM issues 128 thread-instructions a clock (64 of them integer), so the
+budget is ~4 instructions per weight. Each weight here costs: shift + and/or (make the float
+2^23 + q from the code: no int->float conversion, which runs at only 16 a clock), one fadd to
+remove 2^23 (and the format's offset), one FMA with x. Scales are applied once per 32-element
+group (the per-group dot product is summed inside one thread, so there are no shuffles), and a
+min term is min * sum(x over the group), with the group sums of x computed once per activation
+(``prepare_x``) and shared by every projection that reads it. An int8 path (x quantized to q8,
+integer dot products) needs dp4a or tensor-core MMA to be cheaper; Triton exposes neither for a
+GEMV without inline asm (which the interpreter cannot run) or M >= 16 padding, so fp32 FMA it is.
+
+Tile: ``[BLOCK_N rows, BLOCK_S groups, W words]``; W words = one group = one thread's 16-byte
+(Q8_0: 2 x 16-byte) load, so a warp reads 32 consecutive groups of a row, 512 contiguous bytes;
+the 4 warps of a program hold BLOCK_N rows, so a thread keeps BLOCK_N / 4 rows of one group and
+loads each x vector once for all of them. Batched x ([B, K], B <= 8) adds a leading BATCH axis:
+weights are decoded once and multiplied with every column.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from deimos.gguf.constants import GGMLType
+from deimos.quant.triton.layout import PackedWeight
+
+# The kernel's FMT constexpr: the formats in priority order.
+FMT_ID: dict[GGMLType, int] = {
+    t: i
+    for i, t in enumerate(
+        [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q5_K, GGMLType.Q4_0,
+         GGMLType.Q4_1, GGMLType.Q5_0]
+    )
+}  # fmt: skip
+Q4_K = tl.constexpr(FMT_ID[GGMLType.Q4_K])
+Q6_K = tl.constexpr(FMT_ID[GGMLType.Q6_K])
+Q8_0 = tl.constexpr(FMT_ID[GGMLType.Q8_0])
+Q5_K = tl.constexpr(FMT_ID[GGMLType.Q5_K])
+Q4_0 = tl.constexpr(FMT_ID[GGMLType.Q4_0])
+Q4_1 = tl.constexpr(FMT_ID[GGMLType.Q4_1])
+Q5_0 = tl.constexpr(FMT_ID[GGMLType.Q5_0])
+MAX_BATCH = 8
+NUM_WARPS = 4
+# 2^23 as float: for 0 <= q < 2^23 the bits (q | 0x4B000000) are the float 2^23 + q exactly.
+MAGIC_BITS = tl.constexpr(0x4B000000)
+MAGIC = tl.constexpr(8388608.0)
+
+
+@triton.jit
+def _code_float(q, OFFSET: tl.constexpr):
+    """int32 codes 0 <= q < 2^23 -> float32 q - OFFSET, exactly, without an int->float convert."""
+    return (q | MAGIC_BITS).to(tl.float32, bitcast=True) - (MAGIC + OFFSET)
+
+
+@triton.jit
+def _codes(b_w, b_h, k: tl.constexpr, FMT: tl.constexpr):
+    """Code number k of every word, as float32 with the format's zero point removed."""
+    if FMT == Q8_0:
+        # byte k, signed; ^ 0x80 maps -128..127 to 0..255
+        return _code_float(((b_w >> (8 * k)) & 0xFF) ^ 0x80, 128.0)
+    q = (b_w >> (4 * k)) & 0xF
+    if FMT == Q6_K:
+        return _code_float(q | (((b_h >> (2 * k)) & 3) << 4), 32.0)
+    if FMT == Q5_K:
+        return _code_float(q | (((b_h >> k) & 1) << 4), 0.0)
+    if FMT == Q5_0:
+        return _code_float(q | (((b_h >> k) & 1) << 4), 16.0)
+    if FMT == Q4_0:
+        return _code_float(q, 8.0)
+    return _code_float(q, 0.0)  # Q4_K, Q4_1
+
+
+@triton.jit
+def _f16_bits(v):
+    """Low 16 bits of int32 ``v`` read as float16, widened to float32."""
+    return (v & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _k4_scales(p_s, o_n, u, m, S_TOTAL):
+    """Q4_K/Q5_K: group u's scale d * sc and min dmin * m, float32 [BLOCK_N, BLOCK_S].
+
+    meta words of a block: 0 = d | dmin << 16; bytes 0..11 of words 1..3 = scales[12]:
+      scales[j], j < 4:  bits 0-5 scale j, bits 6-7 = bits 4-5 of scale j + 4
+      scales[4 + j]:     bits 0-5 min j,   bits 6-7 = bits 4-5 of min j + 4
+      scales[8 + j]:     bits 0-3 = bits 0-3 of scale j + 4, bits 4-7 = of min j + 4
+    """
+    p = p_s + o_n[:, None] * (S_TOTAL // 2) + (u // 8 * 4)[None, :]
+    w0 = tl.load(p, mask=m, other=0)
+    w1 = tl.load(p + 1, mask=m, other=0)
+    w2 = tl.load(p + 2, mask=m, other=0)
+    w3 = tl.load(p + 3, mask=m, other=0)
+    j = (u % 8)[None, :]
+    shift = (j % 4) * 8
+    s1 = (w1 >> shift) & 0xFF
+    s2 = (w2 >> shift) & 0xFF
+    s3 = (w3 >> shift) & 0xFF
+    sc = tl.where(j < 4, s1 & 63, (s3 & 0xF) | ((s1 >> 6) << 4))
+    mn = tl.where(j < 4, s2 & 63, (s3 >> 4) | ((s2 >> 6) << 4))
+    d = _f16_bits(w0)
+    dmin = _f16_bits(w0 >> 16)
+    return d * sc.to(tl.float32), dmin * mn.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(
+    p_qw, p_qh, p_s, p_d, p_m,  # weight arrays (unused ones get any pointer)
+    p_x, p_xs, p_y,  # x [B, K] f32, group sums of x [B, K/32] f32, y [B, N] f32
+    N, K, B,
+    FMT: tl.constexpr,
+    BATCH: tl.constexpr,  # power of two >= B
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    W: tl.constexpr = 8 if FMT == Q8_0 else 4  # int32 words per group of 32 elements
+    NK: tl.constexpr = 32 // W  # codes per word
+    HALF: tl.constexpr = NK // 2  # codes k < HALF are the group's first 16 elements
+    HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1
+    i_n = tl.program_id(0)
+    S_TOTAL = K // 32
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_n = o_n.to(tl.int64)
+    o_s = tl.arange(0, BLOCK_S)
+    o_w = tl.arange(0, W)
+    o_b = tl.arange(0, BATCH)
+    m_b = o_b < B
+    acc = tl.zeros([BATCH, BLOCK_N, BLOCK_S], dtype=tl.float32)
+    for s0 in range(0, S_TOTAL, BLOCK_S):
+        u = s0 + o_s
+        m_s = u < S_TOTAL
+        m_ns = m_n[:, None] & m_s[None, :]
+        m_w = m_ns[:, :, None]
+        # qw (and qh) entry of word w of group u; code k of it is element 32u + W k + w
+        o_q = o_n[:, None, None] * (S_TOTAL * W) + u[None, :, None] * W + o_w[None, None, :]
+        b_w = tl.load(p_qw + o_q, mask=m_w, other=0)
+        if FMT == Q6_K or FMT == Q5_K or FMT == Q5_0:
+            b_h = tl.load(p_qh + o_q, mask=m_w, other=0).to(tl.int32)
+        else:
+            b_h = b_w
+        p_xk = p_x + o_b[:, None, None] * K + u[None, :, None] * 32 + o_w[None, None, :]
+        m_x = m_b[:, None, None] & m_s[None, :, None]
+        part_lo = tl.zeros([BATCH, BLOCK_N, BLOCK_S, W], dtype=tl.float32)
+        part_hi = tl.zeros([BATCH, BLOCK_N, BLOCK_S, W], dtype=tl.float32)
+        for k in tl.static_range(NK):
+            q = _codes(b_w, b_h, k, FMT)
+            b_x = tl.load(p_xk + k * W, mask=m_x, other=0.0)
+            if k < HALF:
+                part_lo += b_x[:, None, :, :] * q[None, :, :, :]
+            else:
+                part_hi += b_x[:, None, :, :] * q[None, :, :, :]
+        # per-group scales [BLOCK_N, BLOCK_S]
+        if FMT == Q4_K or FMT == Q5_K:
+            s_lo, mn = _k4_scales(p_s, o_n, u, m_ns, S_TOTAL)
+            s_hi = s_lo
+            mn = -mn
+        elif FMT == Q6_K:
+            b_d = tl.load(p_d + o_n[:, None] * (S_TOTAL // 8) + (u // 8)[None, :], mask=m_ns, other=0.0)
+            p_sc = p_s + o_n[:, None] * (S_TOTAL * 2) + (u * 2)[None, :]
+            s_lo = b_d.to(tl.float32) * tl.load(p_sc, mask=m_ns, other=0).to(tl.float32)
+            s_hi = b_d.to(tl.float32) * tl.load(p_sc + 1, mask=m_ns, other=0).to(tl.float32)
+            mn = s_lo
+        else:
+            o_g = o_n[:, None] * S_TOTAL + u[None, :]
+            s_lo = tl.load(p_d + o_g, mask=m_ns, other=0.0).to(tl.float32)
+            s_hi = s_lo
+            if FMT == Q4_1:
+                mn = tl.load(p_m + o_g, mask=m_ns, other=0.0).to(tl.float32)
+            else:
+                mn = s_lo
+        dot = s_lo[None, :, :] * tl.sum(part_lo, axis=3) + s_hi[None, :, :] * tl.sum(part_hi, axis=3)
+        if HAS_MIN:
+            b_xs = tl.load(p_xs + o_b[:, None] * S_TOTAL + u[None, :], mask=m_b[:, None] & m_s[None, :], other=0.0)
+            dot += mn[None, :, :] * b_xs[:, None, :]
+        acc += dot
+    b_y = tl.sum(acc, axis=2)
+    p_y = p_y + o_b[:, None] * N + o_n[None, :]
+    tl.store(p_y, b_y, mask=m_b[:, None] & m_n[None, :])
+
+
+class PreparedX(NamedTuple):
+    """An activation made ready once for every projection that reads it.
+
+    x: float32 ``[B, K]`` contiguous; xsum: float32 ``[B, K/32]``, the sums of x over each group
+    of 32 (the min terms of Q4_K/Q5_K/Q4_1).
+    """
+
+    x: torch.Tensor
+    xsum: torch.Tensor
+
+
+def prepare_x(x: torch.Tensor) -> PreparedX:
+    """x ``[K]`` or ``[B, K]`` (fp16/bf16/fp32), K a multiple of 32, B <= 8 -> ``PreparedX``."""
+    if x.dim() not in (1, 2):
+        raise ValueError(f"prepare_x: x must be [K] or [B, K], got shape {tuple(x.shape)}")
+    x2 = x.reshape(1, -1) if x.dim() == 1 else x
+    b, k = x2.shape
+    if k % 32 or k == 0:
+        raise ValueError(f"prepare_x: K = {k} is not a positive multiple of 32")
+    if not 1 <= b <= MAX_BATCH:
+        raise ValueError(f"prepare_x: batch {b} not in 1..{MAX_BATCH}")
+    if not x2.dtype.is_floating_point:
+        raise ValueError(f"prepare_x: x must be floating point, got {x2.dtype}")
+    xf = x2.to(torch.float32).contiguous()
+    return PreparedX(xf, xf.view(b, k // 32, 32).sum(dim=2))
+
+
+class LaunchConfig(NamedTuple):
+    batch: int  # BATCH constexpr: next power of two >= B
+    block_n: int
+    block_s: int
+    num_warps: int
+
+
+def launch_config(ggml_type: GGMLType, n: int, k: int, b: int) -> LaunchConfig:
+    """The shape rule. A program's tile is fixed at 2048 int32 words of weights x batch:
+    16 words (64 bytes) per thread in flight per step for B = 1, enough with ~8 resident
+    programs per SM to cover HBM latency; 32 groups (Q8_0: 16) per row and step make a warp's
+    load 512 contiguous bytes. Rows shrink as the batch grows so accumulators stay in registers.
+    Small K gets a smaller step so few lanes are masked (matters only to the interpreter)."""
+    batch = triton.next_power_of_2(b)
+    block_n = max(2, 16 // batch)
+    groups = 16 if ggml_type == GGMLType.Q8_0 else 32
+    block_s = min(groups, triton.next_power_of_2(k // 32))
+    return LaunchConfig(batch, block_n, block_s, NUM_WARPS)
+
+
+def _kernel_args(w: PackedWeight, xp: PreparedX, y: torch.Tensor) -> tuple:
+    t = w.tensors
+    qw = t["qw"]
+    scales = t.get("meta", t.get("sc", qw))
+    return (qw, t.get("qh", qw), scales, t.get("d", qw), t.get("m", qw), xp.x, xp.xsum, y)
+
+
+def _launch(w: PackedWeight, xp: PreparedX, out: torch.Tensor | None) -> torch.Tensor:
+    b, k = xp.x.shape
+    if out is None:
+        out = torch.empty((b, w.n), dtype=torch.float32, device=xp.x.device)
+    elif out.shape != (b, w.n) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(
+            f"gemv: out must be contiguous float32 [{b}, {w.n}], got {out.dtype} {tuple(out.shape)}"
+        )
+    cfg = launch_config(w.ggml_type, w.n, k, b)
+    _gemv_kernel[(triton.cdiv(w.n, cfg.block_n),)](
+        *_kernel_args(w, xp, out), w.n, k, b,
+        FMT=FMT_ID[w.ggml_type], BATCH=cfg.batch, BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return out
+
+
+def gemv(w: PackedWeight, x: torch.Tensor | PreparedX, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = W x for a packed quantized W ``[n, k]``.
+
+    x: ``[k]`` or ``[B, k]`` (B <= 8) fp16/bf16/fp32, or a ``PreparedX`` from ``prepare_x``
+    (reuse it across the projections that read the same activation).
+    Returns float32 ``[n]`` for 1-D x, ``[B, n]`` otherwise. ``out``, if given, is a float32
+    ``[B, n]`` tensor written in full (used by tests to poison the output).
+    """
+    if w.ggml_type not in FMT_ID:
+        raise ValueError(f"gemv: no kernel for {w.ggml_type.name}")
+    one_d = isinstance(x, torch.Tensor) and x.dim() == 1
+    xp = x if isinstance(x, PreparedX) else prepare_x(x)
+    b, k = xp.x.shape
+    if k != w.k:
+        raise ValueError(f"gemv: x has K = {k}, the {w.ggml_type.name} weight has K = {w.k}")
+    if xp.x.device != w.device:
+        raise ValueError(f"gemv: x is on {xp.x.device}, the weight on {w.device}")
+    y = _launch(w, xp, out)
+    return y[0] if one_d else y
+

@@ -1,0 +1,222 @@
+"""GPU weight layouts: GGUF blocks repacked once at load into separate, aligned arrays.
+
+Every format is cut into groups of 32 consecutive elements of a row (group ``u`` holds row
+elements ``32u .. 32u+31``). The low 4 bits of a group's codes become four int32 words, and
+the element order inside the words is chosen so that one thread's 16-byte load holds a whole
+group and the activations it needs are contiguous::
+
+    word w (0..3) of group u, nibble k (0..7, bits 4k..4k+3)  <->  element 32u + 4k + w
+
+      bit 31        27        23        19        15        11         7         3      0
+          | e28+w   | e24+w   | e20+w   | e16+w   | e12+w   | e8+w    | e4+w    | e0+w  |
+
+So the kernel takes nibble k of all four words of a group at once and multiplies them with
+x[32u + 4k .. 32u + 4k + 3], a 16-byte vector. Q8_0 uses eight words per group, one byte per
+code (word w, byte b <-> element 32u + 8b + w). Extra code bits go to their own arrays in the
+same (group, word) order, scales to theirs. Bytes per weight stay exactly GGUF's: a repack
+moves bytes, it never widens them.
+
+``pack(blocks, ggml_type)`` works on CPU numpy (uint8 ``[rows, row_bytes]``, the raw GGUF tensor
+bytes) and returns a ``PackedWeight`` of torch CPU tensors; move it with ``.to(device)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deimos.gguf.constants import GGML_BLOCK, GGMLType
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A quantized matrix ``[n, k]`` (n output rows) in its GPU layout.
+
+    ``tensors`` maps array names to tensors; what each holds is drawn in the format's
+    ``_pack_*`` function below.
+    """
+
+    ggml_type: GGMLType
+    n: int
+    k: int
+    tensors: dict[str, torch.Tensor]
+
+    def to(self, device: torch.device | str) -> PackedWeight:
+        moved = {name: t.to(device) for name, t in self.tensors.items()}
+        return PackedWeight(self.ggml_type, self.n, self.k, moved)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.tensors.values())).device
+
+
+# ---- helpers: codes [m, 32] of each group -> words ----------------------------------------------
+
+_NIBBLE_SHIFT = (4 * np.arange(8, dtype=np.uint32)).reshape(1, 8, 1)
+
+
+def _nibble_words(codes: np.ndarray) -> np.ndarray:
+    """Low 4 bits of codes ``[g, 32]`` (element order) -> int32 ``[g, 4]`` (layout drawn above)."""
+    c = (codes.astype(np.uint32) & 0xF).reshape(-1, 8, 4)  # [g, k, w]: element 4k + w
+    return np.bitwise_or.reduce(c << _NIBBLE_SHIFT, axis=1).view(np.int32)
+
+
+def _bit_bytes(bits: np.ndarray, width: int) -> np.ndarray:
+    """Bits ``[g, 32]`` of ``width`` (1 or 2) per element -> ``[g, 4]`` uint8 (width 1) or
+    int16 (width 2, the uint16 bits): element 32u + 4k + w is at bits k*width.. of entry w."""
+    b = bits.astype(np.uint32).reshape(-1, 8, 4)
+    shift = (width * np.arange(8, dtype=np.uint32)).reshape(1, 8, 1)
+    out = np.bitwise_or.reduce(b << shift, axis=1)
+    return out.astype(np.uint8) if width == 1 else out.astype(np.uint16).view(np.int16)
+
+
+def _f16(blocks: np.ndarray, off: int) -> np.ndarray:
+    return np.ascontiguousarray(blocks[:, off : off + 2]).view(np.float16)[:, 0]
+
+
+def _torch(a: np.ndarray, rows: int, dtype: np.dtype | None = None) -> torch.Tensor:
+    a = np.ascontiguousarray(a if dtype is None else a.view(dtype))
+    return torch.from_numpy(a.reshape(rows, -1).copy())
+
+
+# ---- per format ---------------------------------------------------------------------------------
+
+
+def _pack_q4_k(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
+    # GGUF block (144 bytes / 256 elements): d f16 | dmin f16 | scales[12] | qs[128]
+    # element 32j + l (sub-block j) = nibble j % 2 of qs[32 * (j // 2) + l]
+    # qw   int32 [n, k/8]      codes, layout above
+    # meta int32 [n, k/64]    4 words per block: the block's first 16 bytes unchanged:
+    #      word 0 = d | dmin << 16 (f16 bits); words 1..3 = scales[0..11] (6-bit packed, see
+    #      deimos.quant.kquants._scale_min_k4), decoded per group in the kernel
+    qs = b[:, 16:144].reshape(-1, 4, 1, 32)
+    codes = np.concatenate([qs & 0xF, qs >> 4], axis=2).reshape(-1, 32)  # group 8*blk + j
+    return {
+        "qw": _torch(_nibble_words(codes), rows),
+        "meta": _torch(b[:, 0:16], rows, np.int32),
+    }
+
+
+def _pack_q5_k(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
+    # GGUF block (176 bytes): d | dmin | scales[12] | qh[32] | qs[128]
+    # element 32j + l: low 4 bits as Q4_K, bit 4 = bit j of qh[l]
+    # qw, meta as Q4_K; qh uint8 [n, k/8]: bit k of byte 4u + w = bit 4 of element 32u + 4k + w
+    qs = b[:, 48:176].reshape(-1, 4, 1, 32)
+    low = np.concatenate([qs & 0xF, qs >> 4], axis=2).reshape(-1, 32)
+    qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    return {
+        "qw": _torch(_nibble_words(low), rows),
+        "qh": _torch(_bit_bytes((qh & 1).reshape(-1, 32), 1), rows),
+        "meta": _torch(b[:, 0:16], rows, np.int32),
+    }
+
+
+def _pack_q6_k(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
+    # GGUF block (210 bytes): ql[128] | qh[64] | scales int8[16] | d f16
+    # element 128h + 32g + l: low 4 bits = nibble g // 2 of ql[64h + 32(g % 2) + l],
+    # high 2 bits = bits 2g.. of qh[32h + l]; w = d * sc[element // 16] * (q - 32)
+    # qw int32 [n, k/8]   low 4 bits, layout above
+    # qh int16 [n, k/8]   bits 2k..2k+1 of entry 4u + w = high bits of element 32u + 4k + w
+    # sc int8 [n, k/16]   the 16 scales of each block, in order; d f16 [n, k/256]
+    ql = b[:, 0:128].reshape(-1, 2, 2, 32)
+    low = np.concatenate([ql & 0xF, ql >> 4], axis=2)  # [m, h, g, l]
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    return {
+        "qw": _torch(_nibble_words(low.reshape(-1, 32)), rows),
+        "qh": _torch(_bit_bytes((qh & 3).reshape(-1, 32), 2), rows),
+        "sc": _torch(b[:, 192:208], rows, np.int8),
+        "d": _torch(_f16(b, 208), rows),
+    }
+
+
+def _pack_q8_0(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
+    # GGUF block (34 bytes / 32 elements): d f16 | qs int8[32]
+    # qw int32 [n, k/4]: byte b (bits 8b..8b+7) of word 8u + w = code of element 32u + 8b + w
+    # d  f16 [n, k/32]
+    words = np.ascontiguousarray(b[:, 2:34].reshape(-1, 4, 8).transpose(0, 2, 1))  # [m, w, b]
+    return {"qw": _torch(words, rows, np.int32), "d": _torch(_f16(b, 0), rows)}
+
+
+def _legacy_nibbles(qs: np.ndarray) -> np.ndarray:
+    # byte j of qs: element j in the low nibble, element j + 16 in the high nibble
+    return np.concatenate([qs & 0xF, qs >> 4], axis=1)
+
+
+def _fifth_bits(b: np.ndarray, off: int) -> np.ndarray:
+    qh = np.ascontiguousarray(b[:, off : off + 4]).view("<u4")  # bit e = fifth bit of element e
+    return ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _pack_q4_0(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
+    # GGUF block (18 bytes): d f16 | qs[16]; w = d * (q - 8)
+    # qw int32 [n, k/8] layout above; d f16 [n, k/32]
+    return {"qw": _torch(_nibble_words(_legacy_nibbles(b[:, 2:18])), rows), "d": _torch(_f16(b, 0), rows)}
+
+
+def _pack_q4_1(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
+    # GGUF block (20 bytes): d f16 | m f16 | qs[16]; w = d * q + m
+    # qw as Q4_0; d, m f16 [n, k/32]
+    return {
+        "qw": _torch(_nibble_words(_legacy_nibbles(b[:, 4:20])), rows),
+        "d": _torch(_f16(b, 0), rows),
+        "m": _torch(_f16(b, 2), rows),
+    }
+
+
+def _pack_q5_0(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
+    # GGUF block (22 bytes): d f16 | qh u32 (bit e = fifth bit of element e) | qs[16];
+    # w = d * (q - 16). qw as Q4_0; qh uint8 [n, k/8] as Q5_K's; d f16 [n, k/32]
+    return {
+        "qw": _torch(_nibble_words(_legacy_nibbles(b[:, 6:22])), rows),
+        "qh": _torch(_bit_bytes(_fifth_bits(b, 2), 1), rows),
+        "d": _torch(_f16(b, 0), rows),
+    }
+
+
+_PACKERS: dict[GGMLType, Callable[[np.ndarray, int], dict[str, torch.Tensor]]] = {
+    GGMLType.Q4_K: _pack_q4_k,
+    GGMLType.Q6_K: _pack_q6_k,
+    GGMLType.Q8_0: _pack_q8_0,
+    GGMLType.Q5_K: _pack_q5_k,
+    GGMLType.Q4_0: _pack_q4_0,
+    GGMLType.Q4_1: _pack_q4_1,
+    GGMLType.Q5_0: _pack_q5_0,
+}
+
+PACKED_TYPES: tuple[GGMLType, ...] = tuple(_PACKERS)
+
+
+def pack(blocks: np.ndarray, ggml_type: GGMLType | int, name: str = "?") -> PackedWeight:
+    """Raw GGUF bytes of a matrix, uint8 ``[n, row_bytes]``, -> its GPU layout (CPU tensors).
+
+    ``row_bytes`` must be a whole number of blocks; ``k = row_bytes / type_size * block_size``.
+    """
+    try:
+        t = GGMLType(ggml_type)
+    except ValueError:
+        raise ValueError(f"pack {name!r}: unknown GGML type {int(ggml_type)}") from None
+    if t not in _PACKERS:
+        have = ", ".join(x.name for x in PACKED_TYPES)
+        raise ValueError(f"pack {name!r}: no GPU layout for {t.name} (have {have})")
+    blocks = np.asarray(blocks)
+    if blocks.dtype != np.uint8 or blocks.ndim != 2:
+        raise ValueError(
+            f"pack {name!r}: want uint8 [rows, row_bytes], got {blocks.dtype} {blocks.shape}"
+        )
+    block_size, type_size = GGML_BLOCK[t]
+    rows, row_bytes = blocks.shape
+    if row_bytes == 0 or row_bytes % type_size:
+        raise ValueError(
+            f"pack {name!r} ({t.name}): row of {row_bytes} bytes is not a whole number of "
+            f"{type_size}-byte blocks"
+        )
+    k = row_bytes // type_size * block_size
+    flat = np.ascontiguousarray(blocks).reshape(-1, type_size)
+    return PackedWeight(t, rows, k, _PACKERS[t](flat, rows))

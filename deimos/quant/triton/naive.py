@@ -1,0 +1,86 @@
+"""Plain torch references for the GPU layouts and the GEMV: the oracles of the Triton kernels.
+
+``gemv_ref`` never looks at the packed layout: it decodes the GGUF bytes with deimos.quant (bit
+exact vs ggml) and multiplies in float64. ``dequantize_packed`` decodes the packed layout with
+ggml's float32 operations, so it must equal deimos.quant bit for bit; it pins down the layout
+independently of any kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from deimos.gguf.constants import GGMLType
+from deimos.quant import dequantize
+from deimos.quant.triton.layout import PackedWeight
+
+
+def gemv_ref(blocks: np.ndarray, ggml_type: GGMLType, x: torch.Tensor) -> torch.Tensor:
+    """GGUF bytes uint8 ``[n, row_bytes]``, x ``[k]`` or ``[b, k]`` -> float64 ``[n]``/``[b, n]``."""
+    n = blocks.shape[0]
+    k = x.shape[-1]
+    w = torch.from_numpy(dequantize(np.ascontiguousarray(blocks), ggml_type, (n, k)))
+    return x.double().cpu() @ w.double().T
+
+
+def _codes_nibble(qw: torch.Tensor) -> torch.Tensor:
+    """int32 ``[n, k/8]`` -> low 4 bits ``[n, k]`` in element order (word w nibble k <-> 4k+w)."""
+    n = qw.shape[0]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    q = (qw.reshape(n, -1, 1, 4) >> shifts.reshape(1, 1, 8, 1)) & 0xF  # [n, u, k, w]
+    return q.reshape(n, -1)
+
+
+def _bits(qh: torch.Tensor, width: int) -> torch.Tensor:
+    n = qh.shape[0]
+    shifts = torch.arange(0, 8 * width, width, dtype=torch.int32)
+    b = (qh.to(torch.int32).reshape(n, -1, 1, 4) >> shifts.reshape(1, 1, 8, 1)) & ((1 << width) - 1)
+    return b.reshape(n, -1)
+
+
+def _per_group(v: torch.Tensor, size: int) -> torch.Tensor:
+    """``[n, k/size]`` per-group values -> ``[n, k]`` (each repeated ``size`` times)."""
+    return v.repeat_interleave(size, dim=1)
+
+
+def _k4_scales(meta: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """meta int32 ``[n, k/64]`` (4 words per block) -> d, dmin ``[n, k/256]`` f32; sc, mn ``[n, k/32]`` f32."""
+    n = meta.shape[0]
+    meta = meta.reshape(n, -1, 4)
+    raw = meta.contiguous().view(torch.uint8).reshape(n, -1, 16).to(torch.int32)
+    d = meta[:, :, 0].contiguous().view(torch.float16)[:, 0::2].float()
+    dmin = meta[:, :, 0].contiguous().view(torch.float16)[:, 1::2].float()
+    a, b, c = raw[..., 4:8], raw[..., 8:12], raw[..., 12:16]
+    sc = torch.cat([a & 63, (c & 0xF) | ((a >> 6) << 4)], dim=2).reshape(n, -1).float()
+    mn = torch.cat([b & 63, (c >> 4) | ((b >> 6) << 4)], dim=2).reshape(n, -1).float()
+    return d, dmin, sc, mn
+
+
+def dequantize_packed(p: PackedWeight) -> torch.Tensor:
+    """The packed layout decoded to float32 ``[n, k]`` (CPU), equal to deimos.quant bit for bit."""
+    t = {name: v.cpu() for name, v in p.tensors.items()}
+    n, k = p.n, p.k
+    if p.ggml_type == GGMLType.Q8_0:
+        q = t["qw"].view(torch.int8).reshape(n, -1, 8, 4).transpose(2, 3).reshape(n, k)
+        return q.float() * _per_group(t["d"].float(), 32)
+    q = _codes_nibble(t["qw"])
+    if p.ggml_type in (GGMLType.Q4_K, GGMLType.Q5_K):
+        if p.ggml_type == GGMLType.Q5_K:
+            q = q | (_bits(t["qh"], 1) << 4)
+        d, dmin, sc, mn = _k4_scales(t["meta"])
+        d1 = _per_group(d, 8) * sc
+        m1 = _per_group(dmin, 8) * mn
+        return _per_group(d1, 32) * q.float() - _per_group(m1, 32)
+    if p.ggml_type == GGMLType.Q6_K:
+        q = (q | (_bits(t["qh"], 2) << 4)) - 32
+        ds = _per_group(t["d"].float(), 16) * t["sc"].float()
+        return _per_group(ds, 16) * q.float()
+    d = _per_group(t["d"].float(), 32)
+    if p.ggml_type == GGMLType.Q4_0:
+        return (q - 8).float() * d
+    if p.ggml_type == GGMLType.Q4_1:
+        return q.float() * d + _per_group(t["m"].float(), 32)
+    if p.ggml_type == GGMLType.Q5_0:
+        return ((q | (_bits(t["qh"], 1) << 4)) - 16).float() * d
+    raise ValueError(f"dequantize_packed: no layout for {p.ggml_type.name}")
