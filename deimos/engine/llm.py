@@ -53,7 +53,7 @@ class LLM:
         md = self.file.metadata
         tokens = md.get("tokenizer.ggml.tokens", [])
         self.template = ChatTemplate.from_metadata(md, tokens)
-        self.stop_ids = end_of_generation_ids(md, tokens, md.get("tokenizer.ggml.token_type"))
+        self.stop_ids = end_of_generation_ids(self.tokenizer.vocab, self.template)
         n_ctx = n_ctx or min(self.config.context_length, DEFAULT_CONTEXT)
         self.generator = Generator(self.model, n_ctx, device=device)
 

@@ -351,7 +351,13 @@ def _numeric_array(md: Mapping[str, Any], key: str, n: int, err: Any) -> Sequenc
 def _detect_special_texts(
     tokens: list[str], token_to_id: dict[str, int], attrs: list[int], special: dict[str, int | None]
 ) -> set[int]:
-    """EOT/EOM/FIM auto-detection by text, then the end-of-generation set (llama.cpp load)."""
+    """EOT/EOM/FIM auto-detection by text, then the end-of-generation set (llama.cpp load).
+
+    The set (llama.cpp's ``special_eog_ids``): the FIM pad/repo/sep ids, every token whose
+    text is in ``_EOG_TEXTS``, the eos/eot/eom ids, minus the fix-ups below. Special ids
+    arrive here already range-checked, with the tokenizer model's defaults (SPM eos 2, gpt2
+    eos 11, none for gemma4) where the metadata has none or an out-of-range one.
+    """
 
     def mark_control(tid: int) -> None:
         attrs[tid] = attrs[tid] | int(TokenAttr.CONTROL)
@@ -389,10 +395,12 @@ def _detect_special_texts(
         if special[k] is not None:
             eog.add(special[k])  # type: ignore[arg-type]
 
+    # Fix-ups on the final set. gpt-oss / solar-open: "<|end|>" closes a message, not the
+    # generation, when a call marker ("<|call|>" or "<|calls|>", llama.cpp does not tell them
+    # apart) and "<|return|>" or "<|flush|>" are enders too. gemma4 / plamo: "</s>" is text.
     texts = {tokens[t]: t for t in eog}
-    if "<|end|>" in texts and (
-        ("<|return|>" in texts and "<|call|>" in texts) or ("<|calls|>" in texts and "<|flush|>" in texts)
-    ):
+    has_call = "<|call|>" in texts or "<|calls|>" in texts
+    if "<|end|>" in texts and has_call and ("<|return|>" in texts or "<|flush|>" in texts):
         eog.discard(texts["<|end|>"])
         attrs[texts["<|end|>"]] = int(TokenAttr.USER_DEFINED)
     if "</s>" in texts and ("<|tool_response>" in texts or "<|plamo:eos|>" in texts):
