@@ -15,8 +15,10 @@ GEMV without inline asm (which the interpreter cannot run) or M >= 16 padding, s
 Tile: ``[BLOCK_N rows, BLOCK_S groups, W words]``; W words = one group = one thread's 16-byte
 (Q8_0: 2 x 16-byte) load, so a warp reads 32 consecutive groups of a row, 512 contiguous bytes;
 the 4 warps of a program hold BLOCK_N rows, so a thread keeps BLOCK_N / 4 rows of one group and
-loads each x vector once for all of them. Batched x ([B, K], B <= 8) adds a leading BATCH axis:
-weights are decoded once and multiplied with every column.
+loads each x vector once for all of them. Batched x ([B, K], B <= 8) runs one program per column
+and row tile, the columns of a tile side by side so the weight bytes come from HBM once and
+from L2 for the other columns (decode work is repeated per column: fine for B <= 8, the
+prefill GEMM is the tool for more).
 """
 
 from __future__ import annotations
@@ -112,9 +114,8 @@ def _k4_scales(p_s, o_n, u, m, S_TOTAL):
 def _gemv_kernel(
     p_qw, p_qh, p_s, p_d, p_m,  # weight arrays (unused ones get any pointer)
     p_x, p_xs, p_y,  # x [B, K] f32, group sums of x [B, K/32] f32, y [B, N] f32
-    N, K, B,
+    N, K,
     FMT: tl.constexpr,
-    BATCH: tl.constexpr,  # power of two >= B
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
@@ -122,49 +123,53 @@ def _gemv_kernel(
     NK: tl.constexpr = 32 // W  # codes per word
     HALF: tl.constexpr = NK // 2  # codes k < HALF are the group's first 16 elements
     HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1
-    i_n = tl.program_id(0)
+    # axis 0 = batch column, fastest, so the columns of a row tile run together and share
+    # its weight bytes through L2
+    i_b = tl.program_id(0)
+    i_n = tl.program_id(1)
     S_TOTAL = K // 32
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_n = o_n.to(tl.int64)
     o_s = tl.arange(0, BLOCK_S)
     o_w = tl.arange(0, W)
-    o_b = tl.arange(0, BATCH)
-    m_b = o_b < B
-    acc = tl.zeros([BATCH, BLOCK_N, BLOCK_S], dtype=tl.float32)
+    p_x += i_b * K
+    acc = tl.zeros([BLOCK_N, BLOCK_S], dtype=tl.float32)
     for s0 in range(0, S_TOTAL, BLOCK_S):
         u = s0 + o_s
         m_s = u < S_TOTAL
         m_ns = m_n[:, None] & m_s[None, :]
-        m_w = m_ns[:, :, None]
-        # qw (and qh) entry of word w of group u; code k of it is element 32u + W k + w
+        m_w = m_ns[:, :, None] & (o_w < W)[None, None, :]
+        # entry of word w of group u in qw (and qh); code k of it is element 32u + W k + w
         o_q = o_n[:, None, None] * (S_TOTAL * W) + u[None, :, None] * W + o_w[None, None, :]
         b_w = tl.load(p_qw + o_q, mask=m_w, other=0)
         if FMT == Q6_K or FMT == Q5_K or FMT == Q5_0:
             b_h = tl.load(p_qh + o_q, mask=m_w, other=0).to(tl.int32)
         else:
             b_h = b_w
-        p_xk = p_x + o_b[:, None, None] * K + u[None, :, None] * 32 + o_w[None, None, :]
-        m_x = m_b[:, None, None] & m_s[None, :, None]
-        part_lo = tl.zeros([BATCH, BLOCK_N, BLOCK_S, W], dtype=tl.float32)
-        part_hi = tl.zeros([BATCH, BLOCK_N, BLOCK_S, W], dtype=tl.float32)
+        # x pointers of the weights' full [BLOCK_N, BLOCK_S, W] shape (rows broadcast), so that
+        # x gets the weights' register layout (no layout conversion through shared memory)
+        o_x = (u[None, :, None] * 32 + o_w[None, None, :]) + (o_n * 0)[:, None, None]
+        part_lo = tl.zeros([BLOCK_N, BLOCK_S, W], dtype=tl.float32)
+        part_hi = tl.zeros([BLOCK_N, BLOCK_S, W], dtype=tl.float32)
         for k in tl.static_range(NK):
             q = _codes(b_w, b_h, k, FMT)
-            b_x = tl.load(p_xk + k * W, mask=m_x, other=0.0)
+            b_x = tl.load(p_x + o_x + k * W, mask=m_w, other=0.0)
             if k < HALF:
-                part_lo += b_x[:, None, :, :] * q[None, :, :, :]
+                part_lo += b_x * q
             else:
-                part_hi += b_x[:, None, :, :] * q[None, :, :, :]
+                part_hi += b_x * q
         # per-group scales [BLOCK_N, BLOCK_S]
         if FMT == Q4_K or FMT == Q5_K:
             s_lo, mn = _k4_scales(p_s, o_n, u, m_ns, S_TOTAL)
             s_hi = s_lo
             mn = -mn
         elif FMT == Q6_K:
-            b_d = tl.load(p_d + o_n[:, None] * (S_TOTAL // 8) + (u // 8)[None, :], mask=m_ns, other=0.0)
+            o_d = o_n[:, None] * (S_TOTAL // 8) + (u // 8)[None, :]
+            b_d = tl.load(p_d + o_d, mask=m_ns, other=0.0).to(tl.float32)
             p_sc = p_s + o_n[:, None] * (S_TOTAL * 2) + (u * 2)[None, :]
-            s_lo = b_d.to(tl.float32) * tl.load(p_sc, mask=m_ns, other=0).to(tl.float32)
-            s_hi = b_d.to(tl.float32) * tl.load(p_sc + 1, mask=m_ns, other=0).to(tl.float32)
+            s_lo = b_d * tl.load(p_sc, mask=m_ns, other=0).to(tl.float32)
+            s_hi = b_d * tl.load(p_sc + 1, mask=m_ns, other=0).to(tl.float32)
             mn = s_lo
         else:
             o_g = o_n[:, None] * S_TOTAL + u[None, :]
@@ -174,14 +179,10 @@ def _gemv_kernel(
                 mn = tl.load(p_m + o_g, mask=m_ns, other=0.0).to(tl.float32)
             else:
                 mn = s_lo
-        dot = s_lo[None, :, :] * tl.sum(part_lo, axis=3) + s_hi[None, :, :] * tl.sum(part_hi, axis=3)
+        acc += s_lo * tl.sum(part_lo, axis=2) + s_hi * tl.sum(part_hi, axis=2)
         if HAS_MIN:
-            b_xs = tl.load(p_xs + o_b[:, None] * S_TOTAL + u[None, :], mask=m_b[:, None] & m_s[None, :], other=0.0)
-            dot += mn[None, :, :] * b_xs[:, None, :]
-        acc += dot
-    b_y = tl.sum(acc, axis=2)
-    p_y = p_y + o_b[:, None] * N + o_n[None, :]
-    tl.store(p_y, b_y, mask=m_b[:, None] & m_n[None, :])
+            acc += mn * tl.load(p_xs + i_b * S_TOTAL + u, mask=m_s, other=0.0)[None, :]
+    tl.store(p_y + i_b * N + o_n, tl.sum(acc, axis=1), mask=m_n)
 
 
 class PreparedX(NamedTuple):
@@ -212,23 +213,21 @@ def prepare_x(x: torch.Tensor) -> PreparedX:
 
 
 class LaunchConfig(NamedTuple):
-    batch: int  # BATCH constexpr: next power of two >= B
     block_n: int
     block_s: int
     num_warps: int
 
 
 def launch_config(ggml_type: GGMLType, n: int, k: int, b: int) -> LaunchConfig:
-    """The shape rule. A program's tile is fixed at 2048 int32 words of weights x batch:
-    16 words (64 bytes) per thread in flight per step for B = 1, enough with ~8 resident
-    programs per SM to cover HBM latency; 32 groups (Q8_0: 16) per row and step make a warp's
-    load 512 contiguous bytes. Rows shrink as the batch grows so accumulators stay in registers.
-    Small K gets a smaller step so few lanes are masked (matters only to the interpreter)."""
-    batch = triton.next_power_of_2(b)
-    block_n = max(2, 16 // batch)
-    groups = 16 if ggml_type == GGMLType.Q8_0 else 32
-    block_s = min(groups, triton.next_power_of_2(k // 32))
-    return LaunchConfig(batch, block_n, block_s, NUM_WARPS)
+    """The shape rule, fixed on purpose: a program's step is 2048 int32 words of weights,
+    16 words (64 bytes) per thread in flight, enough with several resident programs per SM to
+    cover HBM latency; 32 groups (Q8_0: 16) per row and step make a warp's load 512 contiguous
+    bytes, and 16 rows put 4 rows in each thread so each x vector is loaded once for 4 rows.
+    One config per format keeps the sm_90 compile check small. n, k, b do not change it yet
+    (small N under-fills the GPU: split-K is future work)."""
+    del n, k, b
+    block_s = 16 if ggml_type == GGMLType.Q8_0 else 32
+    return LaunchConfig(16, block_s, NUM_WARPS)
 
 
 def _kernel_args(w: PackedWeight, xp: PreparedX, y: torch.Tensor) -> tuple:
@@ -247,9 +246,9 @@ def _launch(w: PackedWeight, xp: PreparedX, out: torch.Tensor | None) -> torch.T
             f"gemv: out must be contiguous float32 [{b}, {w.n}], got {out.dtype} {tuple(out.shape)}"
         )
     cfg = launch_config(w.ggml_type, w.n, k, b)
-    _gemv_kernel[(triton.cdiv(w.n, cfg.block_n),)](
-        *_kernel_args(w, xp, out), w.n, k, b,
-        FMT=FMT_ID[w.ggml_type], BATCH=cfg.batch, BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
+    _gemv_kernel[(b, triton.cdiv(w.n, cfg.block_n))](
+        *_kernel_args(w, xp, out), w.n, k,
+        FMT=FMT_ID[w.ggml_type], BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
         num_warps=cfg.num_warps,
     )  # fmt: skip
     return out
