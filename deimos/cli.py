@@ -116,6 +116,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quant_check(args: argparse.Namespace) -> int:
+    """Exit 0: all within expectation; 1: something flagged or mismatched; 2: unusable input."""
+    from rich.console import Console
+
+    from deimos.gguf import GGUFError
+    from deimos.quant.check import QuantCheckError, check_files, render_check
+
+    try:
+        result = check_files(args.quant, args.reference)
+    except (GGUFError, QuantCheckError, OSError) as e:
+        print(f"deimos: error: {e}", file=sys.stderr)
+        return 2
+    Console().print(render_check(result, all_tensors=args.all))
+    return 1 if result.problems else 0
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
     from deimos import registry
 
@@ -189,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="metadata and tensor table of a GGUF file")
     _add_model(p)
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("quant-check",
+                       help="compare a quantized GGUF with a higher-precision copy, tensor by tensor")
+    p.add_argument("quant", help="the quantized GGUF file")
+    p.add_argument("reference", help="the same model at higher precision (F32, F16, Q8_0, ...)")
+    p.add_argument("--all", action="store_true", help="list every tensor, not only flagged ones")
+    p.set_defaults(func=cmd_quant_check)
 
     p = sub.add_parser("pull", help="fetch a known model into the local cache")
     p.add_argument("name", nargs="?")
