@@ -105,21 +105,24 @@ class WeightTypes:
 
 
 def weight_types(name: str | GGMLType | int, pure: bool = False) -> WeightTypes:
-    """``name``: an ftype of ``FTYPES`` (a mix; with ``pure`` its default type for every
-    matrix) or a GGML type (every matrix). F32/F16/BF16 have no mix rules: always pure."""
-    if isinstance(name, str) and name.upper() in FTYPES and not pure:
-        key = name.upper()
+    """``name``: an ftype of ``FTYPES`` (a mix) or a GGML type (every matrix that type).
+    ``pure``: no mix; a name that is both (Q8_0, IQ2_S) is then the GGML type, an ftype-only
+    name (Q4_K_M) its default type (Q4_K). F32/F16/BF16 have no mix rules: always pure."""
+    key = name.upper() if isinstance(name, str) else None
+    if key in FTYPES and not pure:
         ftype, default = FTYPES[key]
         return WeightTypes(key, default, ftype)
-    if isinstance(name, str) and name.upper() in FTYPES:
-        t = FTYPES[name.upper()][1]
-    else:
-        try:
-            t = T[name.upper()] if isinstance(name, str) else T(name)
-        except (KeyError, ValueError):
-            known = [t.name for t in T if t not in _NOT_WEIGHT_TYPES]
-            raise ValueError(f"unknown GGML type {name!r} (types: {', '.join(known)}; "
-                             f"llama.cpp mixes: {', '.join(FTYPES)})") from None
+    try:
+        if key is None:
+            t = T(name)
+        elif key in T.__members__:
+            t = T[key]
+        else:
+            t = FTYPES[key][1]
+    except (KeyError, ValueError):
+        known = [t.name for t in T if t not in _NOT_WEIGHT_TYPES]
+        raise ValueError(f"unknown GGML type {name!r} (types: {', '.join(known)}; "
+                         f"llama.cpp mixes: {', '.join(FTYPES)})") from None
     if t in _NOT_WEIGHT_TYPES:
         raise ValueError(f"GGML type {t.name} is not a weight type")
     get_format(t)  # raises QuantError if deimos.quant has no such format

@@ -44,11 +44,11 @@ class SynthPreset:
         if (self.arch == "gemma3") != (self.sliding_window is not None):
             raise ValueError(f"preset {self.name!r}: sliding_window is for gemma3 only, and needed")
         moe = self.arch == "qwen3moe"
-        if moe != (self.n_expert > 0) or (moe and not 0 < self.n_expert_used <= self.n_expert):
-            raise ValueError(f"preset {self.name!r}: experts (n_expert > 0, 0 < n_expert_used <= "
-                             f"n_expert, n_ff_exp) are for qwen3moe only, and needed")
-        if moe and self.n_ff_exp <= 0:
-            raise ValueError(f"preset {self.name!r}: qwen3moe needs n_ff_exp")
+        if moe != (self.n_expert > 0):
+            raise ValueError(f"preset {self.name!r}: n_expert > 0 is for qwen3moe only, and needed")
+        if moe and not (0 < self.n_expert_used <= self.n_expert and self.n_ff_exp > 0):
+            raise ValueError(f"preset {self.name!r}: qwen3moe needs 0 < n_expert_used <= n_expert "
+                             f"and n_ff_exp > 0")
 
     @property
     def is_moe(self) -> bool:
@@ -72,11 +72,13 @@ _PRESETS = [
                 head_dim=64, rope_base=1000000.0, rms_eps=1e-6, context_length=2048,
                 tied_embeddings=True, sliding_window=8),
     # MoE: 8 layers so that llama.cpp's layer-dependent mix rules (first/last eighth, every
-    # third layer) all occur; widths of 256 so that every block size fits (k-quants too).
-    SynthPreset("qwen3moe-tiny", "qwen3moe", n_layer=8, n_embd=256, n_ff=512, n_head=4,
+    # third layer) all occur; widths multiples of 256 so that every block size fits (k-quants
+    # too); n_ff_exp != n_embd so that a swapped expert shape shows; 4 experts, not 8: llama.cpp
+    # has special mix rules for exactly 8 (Mixtral) that the real qwen3moe sizes do not meet.
+    SynthPreset("qwen3moe-tiny", "qwen3moe", n_layer=8, n_embd=256, n_ff=1024, n_head=4,
                 n_head_kv=2, head_dim=64, rope_base=1000000.0, rms_eps=1e-6,
-                context_length=2048, tied_embeddings=False, n_expert=16, n_expert_used=4,
-                n_ff_exp=256),
+                context_length=2048, tied_embeddings=False, n_expert=4, n_expert_used=2,
+                n_ff_exp=512),
     # Real sizes.
     SynthPreset("llama-1b", "llama", n_layer=16, n_embd=2048, n_ff=8192, n_head=32, n_head_kv=8,
                 head_dim=64, rope_base=500000.0, rms_eps=1e-5, context_length=131072,
