@@ -222,10 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("preset", nargs="?", help="a preset name (e.g. llama-8b, qwen3-0.6b; --list)")
     p.add_argument("output", nargs="?")
     p.add_argument("--type", default="Q8_0",
-                   help="a llama.cpp mix as llama-quantize makes it (Q4_K_M, Q4_K_S, Q5_K_M, Q6_K, "
-                        "Q8_0, Q4_0, IQ4_XS, ...) or one GGML type for every matrix (F16, Q4_K, ...)")
+                   help="a llama.cpp mix as llama-quantize makes it (Q4_K_M, Q4_K_S, Q5_K_M, "
+                        "Q6_K, Q8_0, Q4_0, IQ4_XS, ...) or one GGML type for every matrix "
+                        "(F16, Q4_K, ...)")
     p.add_argument("--pure", action="store_true",
-                   help="every matrix exactly --type's base type, no mix rules or fallbacks")
+                   help="every matrix exactly the GGML type --type (a mix name: its base "
+                        "type), no mix rules or fallbacks")
     p.add_argument("--vocab-from", help="GGUF file whose tokenizer is copied")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=None, help="drawing threads (default: CPUs)")

@@ -203,7 +203,8 @@ def test_mix_types_are_llama_quantize_types(preset):
         want = dict(zip(rec["names"], recorded.split()))
         got = {s.name: t.name for s, t in zip(specs, weight_types(ftype).tensor_types(p, specs))}
         wrong = {n: (got[n], want[n]) for n in want if got[n] != want[n]}
-        assert not wrong, f"{preset} {ftype}: (ours, llama-quantize) {dict(list(wrong.items())[:5])}"
+        first = dict(list(wrong.items())[:5])
+        assert not wrong, f"{preset} {ftype}: (ours, llama-quantize) {first}"
 
 
 def test_q4_k_m_is_q4_k_with_q6_k_for_the_sensitive_tensors():

@@ -39,7 +39,9 @@ PRESETS = {
     "llama-8b": "IQ1_S",  # untied
     "qwen3moe-30b-a3b": "IQ1_S",
 }
-LINE = re.compile(r"^\[\s*\d+/\s*\d+\]\s+(\S+)\s+- \[.*\], type =\s+(\S+), size = .*?(?:\((\S+)\))?$")
+# "[ 12/ 99] blk.0.attn_v.weight - [256, 128, 1, 1], type = f32, size = 0.12 MiB -> 0.03 MiB (q6_K)"
+LINE = re.compile(r"^\[\s*\d+/\s*\d+\]\s+(\S+)\s+- \[.*\], type =\s+(\S+), size = "
+                  r".*?(?:\((\S+)\))?$")
 
 
 def test_data_dir() -> Path:
