@@ -237,7 +237,9 @@ def _kernel_args(w: PackedWeight, xp: PreparedX, y: torch.Tensor) -> tuple:
     return (qw, t.get("qh", qw), scales, t.get("d", qw), t.get("m", qw), xp.x, xp.xsum, y)
 
 
-def _launch(w: PackedWeight, xp: PreparedX, out: torch.Tensor | None) -> torch.Tensor:
+def _launch(
+    w: PackedWeight, xp: PreparedX, out: torch.Tensor | None, cfg: LaunchConfig | None = None
+) -> torch.Tensor:
     b, k = xp.x.shape
     if out is None:
         out = torch.empty((b, w.n), dtype=torch.float32, device=xp.x.device)
@@ -245,7 +247,7 @@ def _launch(w: PackedWeight, xp: PreparedX, out: torch.Tensor | None) -> torch.T
         raise ValueError(
             f"gemv: out must be contiguous float32 [{b}, {w.n}], got {out.dtype} {tuple(out.shape)}"
         )
-    cfg = launch_config(w.ggml_type, w.n, k, b)
+    cfg = cfg or launch_config(w.ggml_type, w.n, k, b)
     _gemv_kernel[(b, triton.cdiv(w.n, cfg.block_n))](
         *_kernel_args(w, xp, out), w.n, k,
         FMT=FMT_ID[w.ggml_type], BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
