@@ -14,8 +14,7 @@ GEMV without inline asm (which the interpreter cannot run) or M >= 16 padding, s
 
 Tile: ``[BLOCK_N rows, BLOCK_S groups, W words]``; W words = one group = one thread's 16-byte
 (Q8_0: 2 x 16-byte) load, so a warp reads 32 consecutive groups of a row, 512 contiguous bytes;
-the 4 warps of a program hold BLOCK_N rows, so a thread keeps BLOCK_N / 4 rows of one group and
-loads each x vector once for all of them. Batched x ([B, K], B <= 8) runs one program per column
+the 4 warps of a program hold BLOCK_N rows (see ``launch_config``). Batched x ([B, K], B <= 8) runs one program per column
 and row tile, the columns of a tile side by side so the weight bytes come from HBM once and
 from L2 for the other columns (decode work is repeated per column: fine for B <= 8, the
 prefill GEMM is the tool for more).
@@ -219,15 +218,17 @@ class LaunchConfig(NamedTuple):
 
 
 def launch_config(ggml_type: GGMLType, n: int, k: int, b: int) -> LaunchConfig:
-    """The shape rule, fixed on purpose: a program's step is 2048 int32 words of weights,
-    16 words (64 bytes) per thread in flight, enough with several resident programs per SM to
-    cover HBM latency; 32 groups (Q8_0: 16) per row and step make a warp's load 512 contiguous
-    bytes, and 16 rows put 4 rows in each thread so each x vector is loaded once for 4 rows.
-    One config per format keeps the sm_90 compile check small. n, k, b do not change it yet
+    """The shape rule, fixed on purpose: 4 rows x 32 groups (Q8_0: 16) per program and step,
+    4 warps, so each thread holds one row's group (16 bytes, Q8_0 32) and a warp reads 512
+    contiguous bytes of a row. Measured on the H200 (bench.py --sweep, CUDA-graph replay,
+    2026-11-29): 4 rows / 4 warps was the fastest of rows {4, 8, 16, 32} x warps {2, 4, 8} on
+    all of 4096x4096, 14336x4096, 4096x14336, 1024x4096 for Q4_K, Q6_K and Q8_0 (or within
+    a few percent); more rows per thread cost more than the x loads they save.
+    One config per format keeps the sm_90 compile check small; n, k, b do not change it yet
     (small N under-fills the GPU: split-K is future work)."""
     del n, k, b
     block_s = 16 if ggml_type == GGMLType.Q8_0 else 32
-    return LaunchConfig(16, block_s, NUM_WARPS)
+    return LaunchConfig(4, block_s, NUM_WARPS)
 
 
 def _kernel_args(w: PackedWeight, xp: PreparedX, y: torch.Tensor) -> tuple:
