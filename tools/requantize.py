@@ -103,20 +103,26 @@ class Quantizer:
             raise FileNotFoundError(f"{lib} is missing (tools/fetch_test_data.py builds it)")
         self.lib = _ggml(str(lib))
 
-    def quantize(self, x: np.ndarray, t: GGMLType) -> np.ndarray:
-        """float32 ``x`` (last dim = row length) -> the uint8 blocks of type ``t``."""
+    def quantize(self, x: np.ndarray, t: GGMLType, imatrix: np.ndarray | None = None) -> np.ndarray:
+        """float32 ``x`` (last dim = row length) -> the uint8 blocks of type ``t``.
+
+        ``imatrix``: float32 importance per column (ggml's quant_weights), or None."""
         block, size = GGML_BLOCK[t]
         x = np.ascontiguousarray(x, dtype=np.float32)
         n_per_row = x.shape[-1] if x.ndim else 1
         if n_per_row % block:
             raise ValueError(f"row length {n_per_row} is not a multiple of the {t.name} block {block}")
-        if self.lib.ggml_quantize_requires_imatrix(int(t)):
+        if imatrix is not None:
+            imatrix = np.ascontiguousarray(imatrix, dtype=np.float32)
+            if imatrix.shape != (n_per_row,):
+                raise ValueError(f"imatrix shape {imatrix.shape}, expected ({n_per_row},)")
+        elif self.lib.ggml_quantize_requires_imatrix(int(t)):
             raise ValueError(f"{t.name} needs an importance matrix; requantize does not make one")
         nrows = x.size // n_per_row
         out = np.empty(x.size // block * size, dtype=np.uint8)
         self.lib.ggml_quantize_init(int(t))
         got = self.lib.ggml_quantize_chunk(int(t), x.ctypes.data, out.ctypes.data, 0, nrows,
-                                           n_per_row, None)
+                                           n_per_row, None if imatrix is None else imatrix.ctypes.data)
         if got != out.size or not self.lib.ggml_validate_row_data(int(t), out.ctypes.data, out.size):
             raise RuntimeError(f"ggml_quantize_chunk({t.name}) wrote {got} bytes, expected {out.size}")
         return out
