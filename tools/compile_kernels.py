@@ -1,4 +1,4 @@
-"""Compile every Triton kernel of deimos.quant.triton for the H200 (sm_90) on a machine without a GPU.
+"""Compile every Triton kernel of deimos.quant.triton for the H200 (sm_90), with no GPU here.
 
 For each launch configuration the wrappers use, the kernel goes through Triton's normal JIT
 (``kernel.warmup``, same argument specialization as a real launch) behind a stub driver that
@@ -154,10 +154,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.verbose:
                 traceback.print_exc()
             msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            rows.append(Row(job.name, job.config, False, "-", "-", 0, time.perf_counter() - t0, msg))
+            seconds = time.perf_counter() - t0
+            rows.append(Row(job.name, job.config, False, "-", "-", 0, seconds, msg))
 
     print(f"triton {triton.__version__}, target sm_{TARGET_ARCH}")
-    print(f"{'kernel':<12} {'config':<26} {'regs':>5} {'spill':>6} {'shared':>7} {'time s':>7}  status")
+    head = f"{'kernel':<12} {'config':<26} {'regs':>5} {'spill':>6} {'shared':>7} {'time s':>7}"
+    print(head + "  status")
     for r in rows:
         status = "ok" if r.ok else "FAIL " + r.error
         print(

@@ -14,10 +14,16 @@ GEMV without inline asm (which the interpreter cannot run) or M >= 16 padding, s
 
 Tile: ``[BLOCK_N rows, BLOCK_S groups, W words]``; W words = one group = one thread's 16-byte
 (Q8_0: 2 x 16-byte) load, so a warp reads 32 consecutive groups of a row, 512 contiguous bytes;
-the 4 warps of a program hold BLOCK_N rows (see ``launch_config``). Batched x ([B, K], B <= 8) runs one program per column
-and row tile, the columns of a tile side by side so the weight bytes come from HBM once and
-from L2 for the other columns (decode work is repeated per column: fine for B <= 8, the
-prefill GEMM is the tool for more).
+the 4 warps of a program hold BLOCK_N rows (see ``launch_config``). Batched x ([B, K], B <= 8)
+runs one program per column and row tile, the columns of a tile side by side so the weight
+bytes come from HBM once and from L2 for the other columns. Decode work is repeated per column,
+so B = 4 costs ~3.5x B = 1 (measured): a stopgap, batched decode wants its own kernel.
+
+Prediction vs measurement (H200, CUDA-graph replay, bench.py, 2026-11-29). Q4_K 4096x14336:
+33.0 MB of weights -> 7.7 us at 4.3 TB/s. Measured 25.3 us (1.30 TB/s, 30%); Q6_K 35-39%,
+Q8_0 58-59% (2.5 TB/s). So Q4_K is bound by instructions, not bytes: the per-group scale
+decode (4 scalar loads, ~25 integer ops and a shared-memory layout conversion per 32 weights)
+and one x load per code are the next things to cut.
 """
 
 from __future__ import annotations
@@ -257,7 +263,9 @@ def _launch(
     return out
 
 
-def gemv(w: PackedWeight, x: torch.Tensor | PreparedX, out: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(
+    w: PackedWeight, x: torch.Tensor | PreparedX, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """y = W x for a packed quantized W ``[n, k]``.
 
     x: ``[k]`` or ``[B, k]`` (B <= 8) fp16/bf16/fp32, or a ``PreparedX`` from ``prepare_x``

@@ -157,7 +157,10 @@ def _fifth_bits(b: np.ndarray, off: int) -> np.ndarray:
 def _pack_q4_0(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
     # GGUF block (18 bytes): d f16 | qs[16]; w = d * (q - 8)
     # qw int32 [n, k/8] layout above; d f16 [n, k/32]
-    return {"qw": _torch(_nibble_words(_legacy_nibbles(b[:, 2:18])), rows), "d": _torch(_f16(b, 0), rows)}
+    return {
+        "qw": _torch(_nibble_words(_legacy_nibbles(b[:, 2:18])), rows),
+        "d": _torch(_f16(b, 0), rows),
+    }
 
 
 def _pack_q4_1(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:

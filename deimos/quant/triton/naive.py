@@ -17,7 +17,7 @@ from deimos.quant.triton.layout import PackedWeight
 
 
 def gemv_ref(blocks: np.ndarray, ggml_type: GGMLType, x: torch.Tensor) -> torch.Tensor:
-    """GGUF bytes uint8 ``[n, row_bytes]``, x ``[k]`` or ``[b, k]`` -> float64 ``[n]``/``[b, n]``."""
+    """GGUF bytes uint8 ``[n, row_bytes]``, x ``[k]``/``[b, k]`` -> float64 ``[n]``/``[b, n]``."""
     n = blocks.shape[0]
     k = x.shape[-1]
     w = torch.from_numpy(dequantize(np.ascontiguousarray(blocks), ggml_type, (n, k)))
@@ -45,7 +45,7 @@ def _per_group(v: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _k4_scales(meta: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """meta int32 ``[n, k/64]`` (4 words per block) -> d, dmin ``[n, k/256]`` f32; sc, mn ``[n, k/32]`` f32."""
+    """meta int32 ``[n, k/64]`` -> d, dmin ``[n, k/256]``; sc, mn ``[n, k/32]`` (float32)."""
     n = meta.shape[0]
     meta = meta.reshape(n, -1, 4)
     raw = meta.contiguous().view(torch.uint8).reshape(n, -1, 16).to(torch.int32)
