@@ -49,7 +49,8 @@ def test_expected_errors_are_ggmls_on_gaussian_data():
             blocks = q.quantize(data, t, np.ones(4096, np.float32) if needs else None)
         y = dequantize(blocks, t, data.shape).astype(np.float64)
         rel = np.linalg.norm(y - data) / np.linalg.norm(data.astype(np.float64))
-        print(f"{t.name:8s} measured {rel:.4g} table {expected:.3g} ({time.perf_counter() - t0:.1f}s)")
+        took = time.perf_counter() - t0
+        print(f"{t.name:8s} measured {rel:.4g} table {expected:.3g} ({took:.1f}s)")
         assert rel == pytest.approx(expected, rel=0.005, abs=1e-9), t.name  # table: 3 digits
 
 
@@ -67,7 +68,8 @@ def f32_original(original, tmp_path_factory):
 
 
 @pytest.mark.parametrize("ggml_type", ["Q6_K", "Q4_K", "TQ2_0"])
-def test_requantized_variants_pass_with_plausible_numbers(ggml_type, original, f32_original, capsys):
+def test_requantized_variants_pass_with_plausible_numbers(ggml_type, original, f32_original,
+                                                          capsys):
     c = check_files(variant(SMOLLM2, ggml_type), f32_original)
     with capsys.disabled():
         from rich.console import Console
@@ -195,7 +197,8 @@ def test_mismatches_are_reported(original, mismatched, tmp_path):
     text = "\n".join(c.problems)
     assert "blk.1.attn_v.weight: only in the quantized file" in text
     assert "output_norm.weight: only in the reference" in text
-    assert "blk.0.attn_k.weight: shape (192, 576) in the quantized file, (576, 192) in the reference" in text
+    assert ("blk.0.attn_k.weight: shape (192, 576) in the quantized file, (576, 192) in the "
+            "reference") in text
     # a Q4_1 reference for a Q5_0 tensor is not of higher precision
     low = check_files(quant, lower)
     assert low.lower_precision_ref == [("blk.0.ffn_up.weight", GGMLType.Q5_0, GGMLType.Q4_1)]

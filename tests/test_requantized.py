@@ -102,6 +102,7 @@ def test_requantized_greedy_vs_llama_cpp(run, capsys):
                 print(f"  {cid:10s} identical")
             else:
                 why = "llama.cpp's F32 twin picks our token" if explained else "unexplained"
-                print(f"  {cid:10s} differs at token {at}: llama.cpp's top two {gap:.3f} apart; {why}")
+                print(f"  {cid:10s} differs at token {at}: "
+                      f"llama.cpp's top two {gap:.3f} apart; {why}")
     bad = [r for r in rows if r[1] is not None and not (r[2] < 0.1 or r[3])]
     assert not bad, bad

@@ -52,8 +52,8 @@ def write_reference(exe: Path, lib: Path, model: Path, ggml_type: str, prompts: 
     plans = requantize.requantize(model, variant, ggml_type, lib)
     twin = tmp / f"{variant.stem}.f32.gguf"
     env = {**os.environ, "LD_LIBRARY_PATH": str(lib)}
-    subprocess.run([str(lib / "llama-quantize"), "--allow-requantize", str(variant), str(twin), "F32"],
-                   check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run([str(lib / "llama-quantize"), "--allow-requantize", str(variant), str(twin),
+                    "F32"], check=True, env=env, capture_output=True)
     texts = [p["text"] for p in prompts]
     # top-4 on the variant (the test reads the top two), top-8 on the twin (logit errors)
     quant = driver.greedy(exe, variant, texts, n_predict, 4)
@@ -84,7 +84,8 @@ def write_reference(exe: Path, lib: Path, model: Path, ggml_type: str, prompts: 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("types", nargs="*", default=list(TYPES))
     ap.add_argument("--model", default="SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--n-predict", type=int, default=32)

@@ -111,7 +111,8 @@ class Quantizer:
         x = np.ascontiguousarray(x, dtype=np.float32)
         n_per_row = x.shape[-1] if x.ndim else 1
         if n_per_row % block:
-            raise ValueError(f"row length {n_per_row} is not a multiple of the {t.name} block {block}")
+            raise ValueError(f"row length {n_per_row} is not a multiple of the {t.name} "
+                             f"block {block}")
         if imatrix is not None:
             imatrix = np.ascontiguousarray(imatrix, dtype=np.float32)
             if imatrix.shape != (n_per_row,):
@@ -121,10 +122,14 @@ class Quantizer:
         nrows = x.size // n_per_row
         out = np.empty(x.size // block * size, dtype=np.uint8)
         self.lib.ggml_quantize_init(int(t))
+        weights = None if imatrix is None else imatrix.ctypes.data
         got = self.lib.ggml_quantize_chunk(int(t), x.ctypes.data, out.ctypes.data, 0, nrows,
-                                           n_per_row, None if imatrix is None else imatrix.ctypes.data)
-        if got != out.size or not self.lib.ggml_validate_row_data(int(t), out.ctypes.data, out.size):
-            raise RuntimeError(f"ggml_quantize_chunk({t.name}) wrote {got} bytes, expected {out.size}")
+                                           n_per_row, weights)
+        if got != out.size:
+            raise RuntimeError(f"ggml_quantize_chunk({t.name}) wrote {got} bytes, "
+                               f"expected {out.size}")
+        if not self.lib.ggml_validate_row_data(int(t), out.ctypes.data, out.size):
+            raise RuntimeError(f"ggml_quantize_chunk({t.name}) wrote invalid blocks (NaN/inf)")
         return out
 
 
@@ -231,7 +236,8 @@ def requantize(src_path: Path, dst_path: Path, target: str | GGMLType,
     q = Quantizer((lib or default_lib_dir()) / "libggml-base.so")
     with GGUFFile(src_path) as src:
         if target not in _FLOATS and q.lib.ggml_quantize_requires_imatrix(int(target)):
-            raise ValueError(f"{target.name} needs an importance matrix; requantize does not make one")
+            raise ValueError(f"{target.name} needs an importance matrix; "
+                             "requantize does not make one")
         plans = plan(src, target)
         arch = src.metadata.get("general.architecture", "llama")
         w = GGUFWriter(Path(dst_path), arch)
@@ -256,7 +262,8 @@ def requantize(src_path: Path, dst_path: Path, target: str | GGMLType,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", type=Path)
     ap.add_argument("dst", type=Path)
     ap.add_argument("type", help="target GGML type: Q8_0, Q6_K, Q4_K, IQ4_XS, TQ2_0, F32, ...")

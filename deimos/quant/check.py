@@ -131,7 +131,9 @@ class QuantCheck:
     by_type: list[TypeSummary]
     only_in_quant: list[str] = field(default_factory=list)
     only_in_ref: list[str] = field(default_factory=list)
-    shape_mismatches: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    # (name, shape in the quantized file, shape in the reference)
+    shape_mismatches: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(
+        default_factory=list)
     lower_precision_ref: list[tuple[str, GGMLType, GGMLType]] = field(default_factory=list)
 
     @property
@@ -188,7 +190,8 @@ def _decoded_rows(f: GGUFFile, name: str):
     step = max(1, _CHUNK // max(ne0, 1))
     for i in range(0, n_rows, step):
         k = min(step, n_rows - i)
-        yield dequantize(raw[i * row_bytes:(i + k) * row_bytes], info.ggml_type, (k, ne0), name=name)
+        chunk = raw[i * row_bytes:(i + k) * row_bytes]
+        yield dequantize(chunk, info.ggml_type, (k, ne0), name=name)
 
 
 def compare_tensor(qf: GGUFFile, rf: GGUFFile, name: str) -> TensorCheck:
@@ -209,11 +212,12 @@ def compare_tensor(qf: GGUFFile, rf: GGUFFile, name: str) -> TensorCheck:
     limits = thresholds(qi.ggml_type)
     if limits is not None:
         max_rel, min_cos = limits
-        expected = EXPECTED_REL_RMS[qi.ggml_type]
+        t = qi.ggml_type.name
         if rel > max_rel:
-            flag = f"rel RMS error {rel:.3g} > {FACTOR:g}x the {qi.ggml_type.name} expectation {expected:.3g}"
+            flag = (f"rel RMS error {rel:.3g} > {FACTOR:g}x the {t} expectation "
+                    f"{EXPECTED_REL_RMS[qi.ggml_type]:.3g}")
         elif cos < min_cos:
-            flag = f"cosine {cos:.4f} < {min_cos:.4f} (an error {FACTOR:g}x the {qi.ggml_type.name} expectation)"
+            flag = f"cosine {cos:.4f} < {min_cos:.4f} (an error {FACTOR:g}x the {t} expectation)"
     return TensorCheck(name, qi.ggml_type, ri.ggml_type, tuple(qi.shape), rel, cos, s.max_abs, flag,
                        s.err2, s.ref2)
 
@@ -250,8 +254,8 @@ def check_files(quant: str | Path, reference: str | Path) -> QuantCheck:
             raise QuantCheckError(
                 f"{quant} and {reference} have no tensor of the same name and shape in common "
                 f"({len(common)} shared names, {len(mismatched)} of them with other shapes)")
-        lower = [(n, qf.tensors[n].ggml_type, rf.tensors[n].ggml_type) for n in same
-                 if bits_per_weight(rf.tensors[n].ggml_type) < bits_per_weight(qf.tensors[n].ggml_type)]
+        types = [(n, qf.tensors[n].ggml_type, rf.tensors[n].ggml_type) for n in same]
+        lower = [x for x in types if bits_per_weight(x[2]) < bits_per_weight(x[1])]
         tensors = [compare_tensor(qf, rf, n) for n in same]
         return QuantCheck(Path(quant), Path(reference), tensors, _summaries(tensors, qf),
                           only_q, only_r, mismatched, lower)
