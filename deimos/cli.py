@@ -132,6 +132,17 @@ def cmd_quant_check(args: argparse.Namespace) -> int:
     return 1 if result.problems else 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from deimos.server.serve import ServeConfig, serve
+
+    host, port = ServeConfig.parse_listen(args.listen)
+    return serve(ServeConfig(
+        model=args.model, host=host, port=port, n_ctx=args.ctx_size, api_key=args.api_key,
+        sampling=_sampling(args), max_tokens=args.max_tokens, max_queue=args.max_queue,
+        tui=not args.no_tui,
+    ))
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
     from deimos import registry
 
@@ -194,6 +205,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine(p)
     _add_sampling(p)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, "
+                                     "streaming, tools, JSON output, /metrics)")
+    _add_model(p)
+    p.add_argument("--listen", default="127.0.0.1:8080", metavar="HOST:PORT",
+                   help="address to bind (default loopback only: 127.0.0.1:8080)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for the engine before new ones get 503")
+    p.add_argument("--no-tui", action="store_true", help="no dashboard: JSON request logs only")
+    _add_engine(p)
+    _add_sampling(p)
+    # -n: max_tokens of requests that give none (default: up to the context)
+    p.set_defaults(func=cmd_serve, max_tokens=None)
 
     p = sub.add_parser("tokenize", help="print token ids as a JSON array")
     _add_model(p)

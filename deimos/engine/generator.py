@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from deimos.engine.request import Request, RequestError
-from deimos.kernels.sampling import Sampler
+from deimos.kernels.sampling import Sampler, logprobs
 from deimos.models.batch import Batch
 from deimos.models.blocks import DecoderModel
 from deimos.runtime.kv_cache import KVCache
@@ -71,7 +71,12 @@ class Generator:
             for i in range(0, len(rest), PREFILL_CHUNK):
                 logits = self._forward(rest[i : i + PREFILL_CHUNK])
             while True:
-                token = req.sampler.sample(logits)
+                processed = logits
+                for proc in req.logits_processors:
+                    processed = proc(req.output_ids, processed)
+                token = req.sampler.sample(processed)
+                if req.top_logprobs is not None:
+                    req.token_logprobs.append(logprobs(logits, token, req.top_logprobs))
                 req.sampler.accept(token)
                 req.output_ids.append(token)
                 if token in req.stop_ids:

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: protocol models, app, streaming, tools, dashboard."""

@@ -1,0 +1,94 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for
+anything the client can fix, and one catch-all that logs and answers 500 for the rest."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("deimos.server")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+          422: "invalid_request_error", 429: "rate_limit_error", 503: "server_overloaded"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else
+                                       "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request body")
+    e = errors[0]
+    if e.get("type") == "json_invalid":
+        return bad_request(f"the request body is not valid JSON: {e.get('ctx', {}).get('error', '')}"
+                           .rstrip(": "), code="invalid_json")
+    if e.get("type") == "model_attributes_type" or e.get("loc") == ("body",):
+        return bad_request("the request body must be a JSON object", code="invalid_json")
+    # a union reports one error per branch: name the field once, with its first complaint
+    param = _loc(tuple(p for p in e.get("loc", ()) if not (isinstance(p, str) and (
+        p.startswith(("list[", "str", "int", "float", "bool", "dict[", "function-", "literal["))
+        or p in ("TextPart", "NamedToolChoice")))))
+    msg = e.get("msg", "invalid value")
+    if e.get("type") == "missing":
+        return bad_request(f"'{param}' is required", param=param, code="missing_required_parameter")
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return bad_request(f"'{param}': {msg}{more}", param=param, code="invalid_value")
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(
+            exc.status_code, str(exc.detail))
+        return APIError(exc.status_code, message).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}",
+                        type="server_error").response()

@@ -1,0 +1,48 @@
+"""Logits processors the server attaches to a request (``Request.logits_processors``)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import torch
+
+# Masked logits are set to this, not -inf: the sampler's top-p histogram takes the logits'
+# min-max range, which -inf would make infinite. exp(NEG - max) is exactly 0 in float64.
+NEG = -1e30
+
+
+class LogitBias:
+    """OpenAI ``logit_bias``: add a bias to chosen token ids (-100 in effect bans a token)."""
+
+    def __init__(self, bias: Mapping[int, float]) -> None:
+        self.ids = torch.tensor(list(bias.keys()), dtype=torch.long)
+        self.values = torch.tensor(list(bias.values()), dtype=torch.float32)
+
+    def __call__(self, output_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        out = logits.clone()
+        out[self.ids] += self.values
+        return out
+
+
+class Constrained:
+    """Drives a grammar constraint (``JsonConstraint``: ``allowed(logits)``, ``advance(id)``,
+    ``done``) from the generation loop: feeds it each token the loop chose, masks what it
+    forbids, and once the value is complete allows only end-of-generation tokens, so the
+    answer ends there with finish_reason "stop"."""
+
+    def __init__(self, constraint: Any, stop_ids: Collection[int]) -> None:
+        self.constraint = constraint
+        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long)
+        self._seen = 0
+
+    def __call__(self, output_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        for t in output_ids[self._seen:]:
+            self.constraint.advance(t)
+        self._seen = len(output_ids)
+        if self.constraint.done:
+            out = torch.full_like(logits, NEG)
+            out[self.stop_ids] = logits[self.stop_ids]
+            return out
+        out = self.constraint.allowed(logits)
+        return torch.nan_to_num(out, nan=NEG, neginf=NEG)

@@ -1,0 +1,122 @@
+"""OpenAI request bodies as pydantic models (they also make the server's /openapi.json).
+
+Strict types: ``"0.5"`` is not a temperature. Unknown fields are ignored, as clients send
+extras (``user``, ``metadata``...). Ranges are OpenAI's; ``top_k``, ``min_p`` and
+``repetition_penalty`` are llama.cpp's extensions. What the schema cannot say (a prompt that
+does not fit the context, a tool schema that is not JSON Schema) is checked in ``app``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str = "{}"  # a JSON object, as a string (OpenAI's convention)
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Stop = str | Annotated[list[str], Field(max_length=16)] | None
+
+
+class _Sampling(_Body):
+    """Fields shared by chat and text completions. None = the server's default."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    seed: int | None = None
+    stop: Stop = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
