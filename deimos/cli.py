@@ -36,6 +36,18 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size in tokens")
 
 
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, metavar="cuda|cpu",
+                   help="cuda: quantized weights and Triton kernels on the GPU; cpu: the float32 "
+                        "reference (default: cuda when available)")
+
+
 def _sampling(args: argparse.Namespace):
     from deimos.kernels.sampling import SamplingParams
 
@@ -49,7 +61,7 @@ def _sampling(args: argparse.Namespace):
 def _llm(args: argparse.Namespace):
     from deimos.engine import LLM
 
-    return LLM(args.model, n_ctx=args.ctx_size)
+    return LLM(args.model, n_ctx=args.ctx_size, device=getattr(args, "device", None) or _default_device())
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -143,6 +155,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ))
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from deimos.bench import BenchConfig, run_bench
+    from deimos.bench.table import render
+
+    cfg = BenchConfig(model=args.model, n_prompt=args.n_prompt, n_gen=args.n_gen,
+                      rounds=args.repetitions, device=args.device or _default_device(),
+                      roof=args.roof, vs_llama=args.vs_llama, seed=args.seed)
+    report = run_bench(cfg)
+    Console(stderr=args.json == "-").print(render(report))
+    if args.json:
+        text = json.dumps(report.to_json(), indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    return 0
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
     from deimos import registry
 
@@ -197,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no chat template: the prompt as is; stdout holds exactly the generated text")
     _add_engine(p)
     _add_sampling(p)
+    _add_device(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="interactive multi-turn chat")
@@ -204,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="a system message")
     _add_engine(p)
     _add_sampling(p)
+    _add_device(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, "
@@ -238,6 +273,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("reference", help="the same model at higher precision (F32, F16, Q8_0, ...)")
     p.add_argument("--all", action="store_true", help="list every tensor, not only flagged ones")
     p.set_defaults(func=cmd_quant_check)
+
+    p = sub.add_parser("bench", help="prefill/decode tokens/s and decode GB/s (llama-bench style)")
+    _add_model(p)
+    p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (pp test)")
+    p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens (tg test)")
+    p.add_argument("-r", "--repetitions", type=int, default=3, help="rounds")
+    p.add_argument("--roof", type=float, default=4.3e12,
+                   help="bandwidth roof in B/s for the decode share (default: H200 copy rate)")
+    p.add_argument("--vs-llama", default=None, metavar="LLAMA_BENCH",
+                   help="path of llama.cpp's llama-bench: run it on the same file, interleaved")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the report as JSON ('-': stdout, the table then on stderr)")
+    p.add_argument("--seed", type=int, default=0)
+    _add_device(p)
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("pull", help="fetch a known model into the local cache")
     p.add_argument("name", nargs="?")

@@ -1,8 +1,10 @@
 """Weights of a model file, behind types that own their format.
 
 ``Linear`` is chosen by the tensor's GGML type, never by the model code: the reference
-(CPU) path dequantizes to float32 once at load; GPU paths keep the blocks and run their own
-kernels behind the same ``__call__``.
+(CPU) path dequantizes to float32 once at load; the kernel path (``kernels=True``, the default
+on CUDA devices) keeps the blocks packed on the device and runs the Triton kernels behind the
+same ``__call__`` (deimos.models.gpu: ``QuantLinear`` for formats with a kernel, an fp16 matrix
+for the others).
 """
 
 from __future__ import annotations
@@ -56,17 +58,27 @@ class Embedding:
 
 
 class WeightSource:
-    """Reads and checks the named tensors of one GGUF file."""
+    """Reads and checks the named tensors of one GGUF file.
 
-    def __init__(self, file: GGUFFile, device: str = "cpu"):
+    ``kernels``: matrices go to the kernel-backed types of deimos.models.gpu (None: on CUDA
+    devices; True on a CPU device runs them in Triton's interpreter, for tests).
+    """
+
+    def __init__(self, file: GGUFFile, device: str = "cpu", kernels: bool | None = None):
         self.file = file
         self.device = device
+        self.kernels = torch.device(device).type == "cuda" if kernels is None else kernels
+        self.gpu = None
+        if self.kernels:
+            from deimos.models.gpu import GpuWeights  # imports triton: only when asked for
+
+            self.gpu = GpuWeights(file, device)
 
     def has(self, name: str) -> bool:
         return name in self.file.tensors
 
-    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The tensor ``name`` as float32 of numpy-order ``shape`` ([out, in] for matrices)."""
+    def info(self, name: str, shape: tuple[int, ...]):
+        """The checked ``TensorInfo`` of ``name``: present, with numpy-order ``shape``."""
         info = self.file.tensors.get(name)
         if info is None:
             raise WeightError(f"{self.file.path}: tensor '{name}' is missing")
@@ -74,6 +86,11 @@ class WeightSource:
             raise WeightError(
                 f"{self.file.path}: tensor '{name}' has shape {tuple(info.shape)}, expected {tuple(shape)}"
             )
+        return info
+
+    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor ``name`` as float32 of numpy-order ``shape`` ([out, in] for matrices)."""
+        info = self.info(name, shape)
         data = dequantize(self.file.tensor_bytes(name), info.ggml_type, tuple(info.shape), name=name)
         return torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(self.device)
 
@@ -82,12 +99,16 @@ class WeightSource:
 
     def linear(self, name: str, n_out: int, n_in: int, bias: bool | None = False) -> Linear:
         """bias=None: load ``<name>.bias`` if the file has it."""
-        weight = self.tensor(f"{name}.weight", (n_out, n_in))
         b = None
         if bias or (bias is None and self.has(f"{name}.bias")):
             b = self.vector(f"{name}.bias", n_out)
+        if self.gpu is not None:
+            return self.gpu.linear(self.info(f"{name}.weight", (n_out, n_in)), b)
+        weight = self.tensor(f"{name}.weight", (n_out, n_in))
         return Linear(weight, b, f"{name}.weight", self.file.tensors[f"{name}.weight"].ggml_type)
 
     def embedding(self, name: str, n_vocab: int, dim: int) -> Embedding:
+        if self.gpu is not None:
+            return self.gpu.embedding(self.info(f"{name}.weight", (n_vocab, dim)))
         table = self.tensor(f"{name}.weight", (n_vocab, dim))
         return Embedding(table, f"{name}.weight", self.file.tensors[f"{name}.weight"].ggml_type)

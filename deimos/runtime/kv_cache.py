@@ -1,7 +1,8 @@
 """A contiguous KV cache for one sequence: per layer, keys and values of positions 0..n-1.
 
 Positions are written in order; rewriting from an earlier position (``truncate``) is how a
-session reuses the common prefix of a new prompt.
+session reuses the common prefix of a new prompt. Device-agnostic: float32 on the CPU (the
+reference), float16 on other devices unless ``dtype`` says otherwise.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ class ContextFullError(ValueError):
 
 class KVCache:
     def __init__(self, config: ModelConfig, capacity: int, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype | None = None) -> None:
         if capacity <= 0:
             raise ValueError(f"KVCache: capacity must be positive, got {capacity}")
+        if dtype is None:
+            dtype = torch.float32 if torch.device(device).type == "cpu" else torch.float16
+        self.dtype = dtype
         self.capacity = capacity
         shape_k = (capacity, config.n_head_kv, config.head_dim)
         shape_v = (capacity, config.n_head_kv, config.head_dim_v)
@@ -36,7 +40,9 @@ class KVCache:
 
     def append(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         n = positions.shape[0]
-        start = int(positions[0])
+        # positions on a device are trusted to start at the cache's length (reading them would
+        # cost a device-to-host sync per layer); host positions are checked
+        start = int(positions[0]) if positions.device.type == "cpu" else self.length
         if start != self.length:  # every layer of a step sees the same length
             raise ValueError(f"KVCache: step starts at position {start}, cache holds {self.length}")
         end = start + n

@@ -1,0 +1,130 @@
+"""``deimos bench``: prefill and decode tokens/s of the GPU engine, round by round, optionally
+interleaved with llama-bench on the same file; no round is reported while another process uses
+the GPU.
+
+A round, as llama-bench's pp/tg tests: prefill = one forward of ``n_prompt`` random tokens into
+an empty cache; decode = ``n_gen`` single-token steps from an empty cache, each step's greedy
+token (argmax on the device, never read back) fed to the next. Times are wall clock between
+device synchronizations. Decode bandwidth counts the file's weight bytes read per token
+(every matrix once; the token embedding only if it is also the output projection).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from deimos.bench.contention import ContentionCheck, Nvml
+from deimos.bench.llama import run_llama_bench
+from deimos.bench.stats import BenchReport, RoundTimes, summarize
+from deimos.gguf import GGUFFile
+from deimos.models.batch import Batch
+from deimos.runtime.kv_cache import KVCache
+
+log = logging.getLogger("deimos")
+
+H200_COPY_ROOF = 4.3e12  # B/s: device-to-device copy measured on the H200 (read + write)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str
+    n_prompt: int = 512
+    n_gen: int = 128
+    rounds: int = 3
+    device: str = "cuda"
+    roof: float = H200_COPY_ROOF
+    vs_llama: str | None = None  # path of llama-bench
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("n_prompt", "n_gen", "rounds"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"bench: {name} must be positive, got {getattr(self, name)}")
+        if self.roof <= 0:
+            raise ValueError(f"bench: --roof must be positive, got {self.roof}")
+
+
+def weight_bytes_per_token(file: GGUFFile) -> int:
+    tied = "output.weight" not in file.tensors
+    return sum(i.nbytes for n, i in file.tensors.items() if tied or n != "token_embd.weight")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_round(model, cfg: BenchConfig, device: torch.device, gen: torch.Generator) -> RoundTimes:
+    mc = model.config
+    tokens = torch.randint(0, mc.n_vocab, (cfg.n_prompt,), generator=gen).to(device)
+    kv = KVCache(mc, cfg.n_prompt + cfg.n_gen, device=str(device))
+    _sync(device)
+    t0 = time.perf_counter()
+    model.forward(Batch(tokens, torch.arange(cfg.n_prompt, device=device), kv))
+    _sync(device)
+    t1 = time.perf_counter()
+    kv.truncate(0)
+    token = torch.randint(0, mc.n_vocab, (1,), generator=gen).to(device)
+    positions = torch.arange(cfg.n_gen, device=device)
+    _sync(device)
+    t2 = time.perf_counter()
+    for i in range(cfg.n_gen):
+        logits = model.forward(Batch(token, positions[i : i + 1], kv))
+        token = torch.argmax(logits[0]).view(1)
+    _sync(device)
+    t3 = time.perf_counter()
+    return RoundTimes(t1 - t0, t3 - t2, cfg.n_prompt, cfg.n_gen)
+
+
+def run_bench(cfg: BenchConfig) -> BenchReport:
+    from deimos.models import load_model
+    from deimos.registry import resolve
+
+    nvml = Nvml()
+    if not nvml.available:
+        log.warning("bench: no NVML (%s): GPU contention is not checked", nvml.error)
+    before = nvml.processes()
+    path = resolve(cfg.model)
+    file = GGUFFile(path)
+    device = torch.device(cfg.device)
+    model = load_model(file, device=cfg.device)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    # warm-up (JIT compiles every kernel of both paths), not reported
+    time_round(model, BenchConfig(cfg.model, 16, 4, 1, cfg.device), device, gen)
+    check = ContentionCheck.from_snapshots(before, nvml.processes(), os.getpid())
+
+    def idle(what: str) -> bool:
+        others = check.others(nvml.processes())
+        if others:
+            log.warning("bench: %s round refused: other GPU processes %s", what,
+                        ", ".join(str(p.pid) for p in others))
+        return not others
+
+    ours: list[RoundTimes] = []
+    theirs: list[RoundTimes] = []
+    refused = 0
+    for r in range(cfg.rounds):
+        if idle("deimos"):
+            ours.append(time_round(model, cfg, device, gen))
+            log.info("bench: round %d deimos: pp %.1f t/s, tg %.1f t/s", r, ours[-1].prefill_tps,
+                     ours[-1].decode_tps)
+        else:
+            refused += 1
+        if cfg.vs_llama:
+            if idle("llama.cpp"):
+                theirs.append(run_llama_bench(cfg.vs_llama, path, cfg.n_prompt, cfg.n_gen))
+            else:
+                refused += 1
+    engines = [summarize("deimos", ours)]
+    if cfg.vs_llama:
+        engines.append(summarize("llama.cpp", theirs))
+    return BenchReport(
+        model=path.name, device=str(device), n_prompt=cfg.n_prompt, n_gen=cfg.n_gen,
+        rounds=cfg.rounds, weight_bytes=weight_bytes_per_token(file), roof=cfg.roof,
+        engines=engines, refused=refused, contention_checked=nvml.available,
+    )

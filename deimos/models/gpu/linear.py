@@ -1,0 +1,155 @@
+"""Kernel-backed Linear and Embedding: the weights stay in their GGUF bytes (packed) on the device.
+
+- ``QuantLinear`` (formats with a GEMV kernel): decode (T == 1) runs the fused dequant-GEMV on a
+  ``PreparedX`` shared by every projection that reads the same activation (q/k/v, gate/up);
+  T > 1 (prefill) dequantizes to fp16 per call (dequant.py) and runs torch.matmul: an interim
+  path until a tensor-core dequant-GEMM exists.
+- ``DenseLinear``: formats without a kernel, dequantized once at load to an fp16 matrix.
+- ``QuantEmbedding`` / ``DenseEmbedding``: gather the token rows, dequantize only those.
+
+Activations in and out are float32 ``[T, K]`` / ``[T, N]``; the fp16 GEMM accumulates in fp32
+(cuBLAS) but rounds x and y to fp16 (range 65504: an activation past that would overflow).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deimos.gguf.constants import GGMLType
+from deimos.models.gpu.dequant import dequantize_fp16, gather_rows
+from deimos.models.gpu.notices import Notices
+from deimos.quant.triton import PackedWeight, PreparedX, gemv, prepare_x
+
+
+class InputCache:
+    """The last activation made ready for the kernels, reused while the same tensor object
+    comes again: q/k/v read one input, gate/up another, each prepared once. One per model;
+    holding the reference keeps the object alive, so identity cannot be recycled."""
+
+    def __init__(self) -> None:
+        self._x: torch.Tensor | None = None
+        self._prepared: PreparedX | None = None
+        self._half: torch.Tensor | None = None
+
+    def _switch(self, x: torch.Tensor) -> None:
+        if x is not self._x:
+            self._x, self._prepared, self._half = x, None, None
+
+    def prepared(self, x: torch.Tensor) -> PreparedX:
+        self._switch(x)
+        if self._prepared is None:
+            self._prepared = prepare_x(x)
+        return self._prepared
+
+    def half(self, x: torch.Tensor) -> torch.Tensor:
+        self._switch(x)
+        if self._half is None:
+            self._half = x.to(torch.float16)
+        return self._half
+
+
+def _check_input(x: torch.Tensor, k: int, name: str) -> None:
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"{name}: input must be [T, {k}], got {tuple(x.shape)}")
+
+
+class QuantLinear:
+    """y = x @ W^T (+ b), W packed ``[n, k]``."""
+
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, name: str,
+                 inputs: InputCache, notices: Notices):
+        self.packed = packed
+        self.bias = bias
+        self.name = name
+        self.ggml_type: GGMLType = packed.ggml_type
+        self.inputs = inputs
+        self.notices = notices
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.n
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        _check_input(x, self.packed.k, self.name)
+        if x.shape[0] == 1:
+            y = gemv(self.packed, self.inputs.prepared(x))
+        else:
+            self.notices.once(
+                "prefill", "prefill (T > 1): weights dequantized to fp16 per call (Triton) + "
+                "torch.matmul, an interim path until a dequant-GEMM kernel exists")
+            w16 = dequantize_fp16(self.packed)
+            y = torch.matmul(self.inputs.half(x), w16.T).float()
+        return y if self.bias is None else y + self.bias
+
+
+class DenseLinear:
+    """A format without a GPU kernel: W dequantized once at load, fp16 ``[n, k]``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, name: str,
+                 ggml_type: GGMLType, inputs: InputCache):
+        self.weight = weight
+        self.bias = bias
+        self.name = name
+        self.ggml_type = ggml_type
+        self.inputs = inputs
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        _check_input(x, self.weight.shape[1], self.name)
+        y = torch.matmul(self.inputs.half(x), self.weight.T).float()
+        return y if self.bias is None else y + self.bias
+
+
+def _check_tokens(tokens: torch.Tensor, n: int, name: str) -> None:
+    # host tensors are checked here; on a device the gather's own bounds assert fires instead
+    # (a check here would cost a device-to-host sync every step)
+    if tokens.device.type == "cpu" and tokens.numel():
+        if int(tokens.min()) < 0 or int(tokens.max()) >= n:
+            raise ValueError(f"token id out of range [0, {n}) for {name}")
+
+
+class QuantEmbedding:
+    """Rows of a packed ``[vocab, dim]`` table, dequantized on the device (float32 out)."""
+
+    def __init__(self, packed: PackedWeight, name: str, inputs: InputCache, notices: Notices):
+        self.packed = packed
+        self.name = name
+        self.ggml_type = packed.ggml_type
+        self.inputs = inputs
+        self.notices = notices
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        _check_tokens(tokens, self.packed.n, self.name)
+        rows = tokens.to(self.packed.device, torch.long)
+        return dequantize_fp16(gather_rows(self.packed, rows)).float()
+
+    def as_linear(self) -> QuantLinear:
+        return QuantLinear(self.packed, None, self.name, self.inputs, self.notices)
+
+
+class DenseEmbedding:
+    """A table without a GPU kernel: fp16 ``[vocab, dim]`` on the device."""
+
+    def __init__(self, table: torch.Tensor, name: str, ggml_type: GGMLType, inputs: InputCache):
+        self.table = table
+        self.name = name
+        self.ggml_type = ggml_type
+        self.inputs = inputs
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        _check_tokens(tokens, self.table.shape[0], self.name)
+        return self.table[tokens.to(self.table.device, torch.long)].float()
+
+    def as_linear(self) -> DenseLinear:
+        return DenseLinear(self.table, None, self.name, self.ggml_type, self.inputs)

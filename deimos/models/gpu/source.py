@@ -1,0 +1,101 @@
+"""Builds the kernel-backed weights of one model file on one device (used by WeightSource when
+its ``kernels`` flag is set: by default on CUDA devices)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from deimos.gguf import GGUFFile
+from deimos.gguf.reader import TensorInfo
+from deimos.models.gpu.linear import (
+    DenseEmbedding,
+    DenseLinear,
+    InputCache,
+    QuantEmbedding,
+    QuantLinear,
+)
+from deimos.models.gpu.notices import Notices
+from deimos.quant import dequantize
+from deimos.quant.triton import PACKED_TYPES, PackedWeight, pack
+
+CHUNK_ELEMENTS = 1 << 23  # weights per packing job: rows are independent, so a big matrix
+# (an 8B model's 525M-weight output) is packed by many threads at once
+REFERENCE_OPS = (
+    "RMSNorm, RoPE, attention, gated activation and sampling run as the torch reference ops "
+    "(deimos.kernels.*) on the device; KV cache fp16"
+)
+
+
+class GpuWeights:
+    def __init__(self, file: GGUFFile, device: str | torch.device):
+        self.file = file
+        self.device = torch.device(device)
+        self.inputs = InputCache()  # shared by every linear of the model
+        self.notices = Notices()
+        self.notices.once("ops", REFERENCE_OPS)
+        self._packed_all = self._pack_all()
+
+    def _rows(self, info: TensorInfo) -> np.ndarray:
+        rows = info.shape[0]
+        return np.asarray(self.file.tensor_bytes(info.name)).reshape(rows, -1)
+
+    def _pack_all(self) -> dict[str, PackedWeight]:
+        """Every 2-D tensor of a kernel format, packed on CPU threads in row chunks (numpy
+        releases the GIL) and moved to the device chunk by chunk."""
+        jobs = []
+        for info in self.file.tensors.values():
+            if len(info.shape) == 2 and info.ggml_type in PACKED_TYPES:
+                rows, step = info.shape[0], max(1, CHUNK_ELEMENTS // info.shape[1])
+                jobs += [(info, r, min(rows, r + step)) for r in range(0, rows, step)]
+
+        def work(job: tuple[TensorInfo, int, int]) -> PackedWeight:
+            info, a, b = job
+            return pack(self._rows(info)[a:b], info.ggml_type, info.name).to(self.device)
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as ex:
+            parts = list(ex.map(work, jobs))
+        by_name: dict[str, list[PackedWeight]] = {}
+        for (info, _, _), part in zip(jobs, parts):
+            by_name.setdefault(info.name, []).append(part)
+        out = {}
+        for name, ps in by_name.items():
+            first = ps[0]
+            if len(ps) == 1:
+                out[name] = first
+                continue
+            tensors = {k: torch.cat([p.tensors[k] for p in ps]) for k in first.tensors}
+            out[name] = PackedWeight(first.ggml_type, sum(p.n for p in ps), first.k, tensors)
+        return out
+
+    def _packed(self, info: TensorInfo) -> PackedWeight | None:
+        if info.name in self._packed_all:
+            return self._packed_all[info.name]
+        if info.ggml_type not in PACKED_TYPES:
+            t = info.ggml_type.name
+            self.notices.once(
+                f"dense:{t}", f"no GPU kernel for {t} ({info.name} and any later {t} tensor): "
+                "dequantized once to fp16 on the device", logging.WARNING)
+            return None
+        return pack(self._rows(info), info.ggml_type, info.name).to(self.device)
+
+    def _dense(self, info: TensorInfo) -> torch.Tensor:
+        data = dequantize(self.file.tensor_bytes(info.name), info.ggml_type, tuple(info.shape),
+                          name=info.name)
+        return torch.from_numpy(np.ascontiguousarray(data)).to(self.device, torch.float16)
+
+    def linear(self, info: TensorInfo, bias: torch.Tensor | None) -> QuantLinear | DenseLinear:
+        packed = self._packed(info)
+        if packed is None:
+            return DenseLinear(self._dense(info), bias, info.name, info.ggml_type, self.inputs)
+        return QuantLinear(packed, bias, info.name, self.inputs, self.notices)
+
+    def embedding(self, info: TensorInfo) -> QuantEmbedding | DenseEmbedding:
+        packed = self._packed(info)
+        if packed is None:
+            return DenseEmbedding(self._dense(info), info.name, info.ggml_type, self.inputs)
+        return QuantEmbedding(packed, info.name, self.inputs, self.notices)
