@@ -26,7 +26,7 @@ from deimos.engine import LLM, RequestError
 from deimos.server import errors, tools
 from deimos.server.errors import APIError, bad_request
 from deimos.server.metrics import Metrics
-from deimos.server.params import Defaults, build_request
+from deimos.server.params import Defaults, build_request, schema_constraint
 from deimos.server.protocol import ChatCompletionRequest, CompletionRequest
 from deimos.server.responses import LogprobFormatter, sse, usage
 from deimos.server.worker import Done, EngineWorker, Failed, Job, Piece, QueueFull
@@ -158,8 +158,28 @@ def _record(request: Request, job: Job, stream: bool, done: Done | None, **extra
 # ---- chat ---------------------------------------------------------------------------------
 
 
-def _chat_prompt(server: Server, body: ChatCompletionRequest) -> tuple[list[int], set[str] | None]:
-    """Prompt ids, and the function names a reply may call (None: tools are off)."""
+@dataclass(frozen=True)
+class ChatPlan:
+    ids: list[int]
+    tool_names: set[str] | None  # functions a reply may call; None: tools are off
+    prefix: str = ""  # the start of a forced tool call: in the prompt, part of the reply
+    forced_schema: dict[str, Any] | None = None  # the call's JSON, for constrained decoding
+
+
+def _forced_call(style: str, tool_list: list[dict[str, Any]], names: set[str]
+                 ) -> tuple[str, dict[str, Any]]:
+    """tool_choice "required" or a named function: the reply is the call, decoded under a
+    JSON schema of ``{"name", "arguments"}`` after the format's opening text."""
+    key = "parameters" if style == "llama3" else "arguments"
+    options = [{"type": "object", "additionalProperties": False, "required": ["name", key],
+                "properties": {"name": {"const": t["function"]["name"]},
+                               key: t["function"].get("parameters") or {"type": "object"}}}
+               for t in tool_list if t["function"]["name"] in names]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return ("" if style == "llama3" else "<tool_call>\n"), schema
+
+
+def _chat_prompt(server: Server, body: ChatCompletionRequest) -> ChatPlan:
     tool_list = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     choice = body.tool_choice
     choice = choice.model_dump() if hasattr(choice, "model_dump") else choice
@@ -193,21 +213,34 @@ def _chat_prompt(server: Server, body: ChatCompletionRequest) -> tuple[list[int]
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
     if not use_tools:
-        return ids, None
+        return ChatPlan(ids, None)
     if isinstance(choice, dict):
-        return ids, {choice["function"]["name"]}
-    return ids, {t["function"]["name"] for t in tool_list or ()}
+        names = {choice["function"]["name"]}
+    else:
+        names = {t["function"]["name"] for t in tool_list or ()}
+    if choice == "required" or isinstance(choice, dict):
+        prefix, schema = _forced_call(server.tool_style, tool_list or [], names)
+        if prefix:
+            ids = ids + llm.tokenizer.encode(prefix, add_special=False, parse_special=True)
+        return ChatPlan(ids, names, prefix, schema)
+    return ChatPlan(ids, names)
 
 
 async def chat_completions(server: Server, body: ChatCompletionRequest, request: Request):
     server.check_model(body.model)
-    prompt_ids, tool_names = await run_in_threadpool(_chat_prompt, server, body)
-    top = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    plan = await run_in_threadpool(_chat_prompt, server, body)
+    tool_names = plan.tool_names
+    forced = None
+    if plan.forced_schema is not None:
+        forced = await run_in_threadpool(schema_constraint, plan.forced_schema, server.llm,
+                                         "tools")
     requested = body.max_completion_tokens or body.max_tokens
-    req, stops = build_request(body, prompt_ids, server.llm, server.defaults,
-                               requested_max=requested, top_logprobs=top, prompt_param="messages")
+    req, stops = await run_in_threadpool(
+        lambda: build_request(body, plan.ids, server.llm, server.defaults, requested_max=requested,
+                              top_logprobs=top, prompt_param="messages", forced=forced))
     job = _submit(server, Job(f"chatcmpl-{uuid.uuid4().hex[:24]}", req, stops,
                               asyncio.get_running_loop()))
     head = {"id": job.id, "created": int(time.time()), "model": server.model_id,
@@ -232,7 +265,8 @@ async def chat_completions(server: Server, body: ChatCompletionRequest, request:
         content: str | None = "".join(text)
         calls: list = []
         if tool_names is not None:
-            content, calls = tools.parse_tool_calls(content, server.tool_style, tool_names)
+            content, calls = tools.parse_tool_calls(plan.prefix + content, server.tool_style,
+                                                    tool_names)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
@@ -272,8 +306,8 @@ async def chat_completions(server: Server, body: ChatCompletionRequest, request:
                     done = ev
             calls: list = []
             if tool_names is not None:
-                content, calls = tools.parse_tool_calls("".join(held), server.tool_style,
-                                                        tool_names)
+                content, calls = tools.parse_tool_calls(plan.prefix + "".join(held),
+                                                        server.tool_style, tool_names)
                 if calls:
                     yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
                 elif content:
@@ -285,6 +319,7 @@ async def chat_completions(server: Server, body: ChatCompletionRequest, request:
                            "usage": usage(done)})
             yield sse("[DONE]")
         finally:
+            job.cancelled.set()  # the client left mid-stream: free the engine at once
             _record(request, job, True, done, disconnected=done is None)
 
     return StreamingResponse(stream(), media_type="text/event-stream",
@@ -320,9 +355,10 @@ async def completions(server: Server, body: CompletionRequest, request: Request)
         raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo",
                           "unsupported")
     prompt_ids, prompt_text = await run_in_threadpool(_completion_prompt, server, body)
-    req, stops = build_request(body, prompt_ids, server.llm, server.defaults,
-                               requested_max=body.max_tokens, top_logprobs=body.logprobs,
-                               prompt_param="prompt")
+    req, stops = await run_in_threadpool(
+        lambda: build_request(body, prompt_ids, server.llm, server.defaults,
+                              requested_max=body.max_tokens, top_logprobs=body.logprobs,
+                              prompt_param="prompt"))
     job = _submit(server, Job(f"cmpl-{uuid.uuid4().hex[:24]}", req, stops,
                               asyncio.get_running_loop()))
     head = {"id": job.id, "object": "text_completion", "created": int(time.time()),
@@ -377,6 +413,7 @@ async def completions(server: Server, body: CompletionRequest, request: Request)
                 yield sse({**head, "choices": [], "usage": usage(done)})
             yield sse("[DONE]")
         finally:
+            job.cancelled.set()  # the client left mid-stream: free the engine at once
             _record(request, job, True, done, disconnected=done is None)
 
     return StreamingResponse(stream(), media_type="text/event-stream",

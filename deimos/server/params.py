@@ -94,30 +94,36 @@ def json_constraint(fmt: ResponseFormat | None, llm: LLM) -> Constrained | None:
             raise bad_request("response_format of type 'json_schema' needs json_schema.schema",
                               "response_format.json_schema")
         schema = fmt.json_schema.schema_
+    return schema_constraint(schema, llm, "response_format.json_schema.schema")
+
+
+def schema_constraint(schema: dict[str, Any] | None, llm: LLM, param: str) -> Constrained:
+    """Decoding constrained to JSON matching ``schema`` (None: any object)."""
+    if schema is not None:
         import jsonschema
 
         try:
             jsonschema.validators.validator_for(schema).check_schema(schema)
         except jsonschema.SchemaError as e:
-            raise bad_request(f"response_format.json_schema.schema is not a valid JSON Schema: "
-                              f"{e.message}", "response_format.json_schema.schema") from None
+            raise bad_request(f"{param} is not a valid JSON Schema: {e.message}", param) from None
     try:
         from deimos.engine.constrain import JsonConstraint
     except ImportError:
-        raise APIError(400, "response_format json_object/json_schema is not available in this "
-                            "build", param="response_format", code="unsupported") from None
+        raise APIError(400, "JSON-constrained output is not available in this build",
+                       param=param, code="unsupported") from None
     try:
         constraint = JsonConstraint.from_schema(schema, llm.tokenizer, stop_ids=llm.stop_ids,
-                                                 n_vocab=llm.config.n_vocab)
+                                                n_vocab=llm.config.n_vocab)
     except (ValueError, TypeError, KeyError, RecursionError) as e:
-        raise bad_request(f"response_format: cannot constrain decoding to this schema: {e}",
-                          "response_format.json_schema.schema") from None
+        raise bad_request(f"{param}: cannot constrain decoding to this schema: {e}",
+                          param) from None
     return Constrained(constraint, llm.stop_ids)
 
 
 def build_request(body: _Sampling, prompt_ids: list[int], llm: LLM, defaults: Defaults, *,
-                  requested_max: int | None, top_logprobs: int | None,
-                  prompt_param: str) -> tuple[Request, list[str]]:
+                  requested_max: int | None, top_logprobs: int | None, prompt_param: str,
+                  forced: Constrained | None = None) -> tuple[Request, list[str]]:
+    """``forced``: a constraint that replaces ``response_format``'s (a forced tool call)."""
     n_vocab = llm.config.n_vocab
     bad = next((t for t in prompt_ids if not 0 <= t < n_vocab), None)
     if bad is not None:
@@ -130,7 +136,8 @@ def build_request(body: _Sampling, prompt_ids: list[int], llm: LLM, defaults: De
                        prompt_param)
     stops = stop_strings(body.stop)
     processors = [p for p in (logit_bias(body.logit_bias, n_vocab),
-                              json_constraint(body.response_format, llm)) if p is not None]
+                              forced or json_constraint(body.response_format, llm))
+                  if p is not None]
     req = Request(prompt_ids, n, sampling, llm.stop_ids, logits_processors=processors,
                   top_logprobs=top_logprobs)
     return req, stops

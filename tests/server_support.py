@@ -1,0 +1,85 @@
+"""A real ``deimos serve`` process on loopback for the server tests."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from testdata import REPO
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``deimos serve MODEL --listen 127.0.0.1:PORT --no-tui ARGS``; stderr goes to a file
+    (the JSON request log) so a test can read it."""
+
+    def __init__(self, model: Path, *args: str, log_dir: Path, startup_s: float = 180) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / "server.stderr"
+        self._log = open(self.log_path, "w")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "deimos", "serve", str(model), "--listen",
+             f"127.0.0.1:{self.port}", "--no-tui", *args],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=self._log, env=env)
+        deadline = time.monotonic() + startup_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"deimos serve exited with {self.proc.returncode}:\n"
+                                   f"{self.log_path.read_text()}")
+            try:
+                if self.request("GET", "/health", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"deimos serve did not answer /health in {startup_s} s:\n"
+                                   f"{self.log_path.read_text()}")
+            time.sleep(0.3)
+
+    def connect(self, timeout: float = 300) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+
+    def request(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
+                headers: dict[str, str] | None = None, timeout: float = 300) -> tuple[int, Any]:
+        """(status, parsed JSON or text) of one plain HTTP request."""
+        conn = self.connect(timeout)
+        try:
+            data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+            hdrs = {"Content-Type": "application/json", **(headers or {})}
+            conn.request(method, path, body=data, headers=hdrs)
+            resp = conn.getresponse()
+            text = resp.read().decode()
+            try:
+                return resp.status, json.loads(text)
+            except ValueError:
+                return resp.status, text
+        finally:
+            conn.close()
+
+    def log_lines(self) -> list[str]:
+        return self.log_path.read_text().splitlines()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
