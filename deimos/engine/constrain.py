@@ -199,7 +199,8 @@ class JsonConstraint:
         if self._stopped:
             raise ValueError("the constraint already took an end-of-generation token")
         if not 0 <= token_id < self.vocab.n_vocab:
-            raise ValueError(f"token {token_id} is outside the vocabulary [0, {self.vocab.n_vocab})")
+            raise ValueError(
+                f"token {token_id} is outside the vocabulary [0, {self.vocab.n_vocab})")
         if not self._matcher.consume_token(token_id):
             raise ValueError(f"token {token_id} is not allowed here by the JSON grammar "
                              f"({self._matcher.get_error()})")

@@ -194,7 +194,8 @@ def _text(content: Any, where: str) -> str | None:
         for j, part in enumerate(content):
             if not isinstance(part, Mapping) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                raise ValueError(f"{where}.content[{j}]: only text parts are supported, got {kind!r}")
+                raise ValueError(
+                    f"{where}.content[{j}]: only text parts are supported, got {kind!r}")
             out.append(str(part.get("text", "")))
         return "".join(out)
     raise ValueError(f"{where}.content must be a string or a list of parts")
@@ -241,8 +242,8 @@ def to_template_messages(
                 fn = c.get("function") if isinstance(c, Mapping) else None
                 if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
                     raise ValueError(f"{where}.tool_calls[{j}] needs function.name")
-                call = {"type": "function",
-                        "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments"))}}
+                args = _arguments(fn.get("arguments"))
+                call = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
                 if isinstance(c.get("id"), str):
                     call["id"] = c["id"]
                     names[c["id"]] = fn["name"]
