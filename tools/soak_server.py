@@ -1,0 +1,157 @@
+"""Soak test of ``deimos serve``: a few hundred requests of random lengths and kinds (chat and
+completions, streamed or not, some abandoned mid-stream) from a few concurrent clients, with
+the server's resident memory sampled after a warm-up and at the end.
+
+    python tools/soak_server.py [--requests 300] [--clients 3] [--max-growth-mb 64]
+
+Exit status 0 when every request got its expected answer (200, or a 400 for the deliberately
+too-long prompts), the server is alive, and RSS grew less than --max-growth-mb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from server_support import ServerProcess  # noqa: E402
+from testdata import data_dir  # noqa: E402
+
+WORDS = "the a cat dog sea sky blue run jump over under light dark river stone tree".split()
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def one(server: ServerProcess, rng: random.Random, ctx: int) -> str:
+    """One random request; returns an outcome label ('ok ...' or 'BAD ...')."""
+    n_words = rng.choice([1, 5, 20, 60, 150]) if rng.random() > 0.03 else ctx * 2
+    text = " ".join(rng.choice(WORDS) for _ in range(n_words))
+    body: dict = {"model": "SmolLM2-135M-Instruct.Q4_1", "max_tokens": rng.randint(1, 8),
+                  "temperature": rng.choice([0, 0.7, 1.0]), "seed": rng.randrange(1000)}
+    chat = rng.random() < 0.5
+    if chat:
+        path = "/v1/chat/completions"
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        path = "/v1/completions"
+        body["prompt"] = text
+    if rng.random() < 0.3:
+        body["stop"] = [rng.choice(WORDS)]
+    if rng.random() < 0.2:
+        body["logprobs"] = True if chat else 2
+        if chat:
+            body["top_logprobs"] = 2
+    too_long = n_words >= ctx
+    if rng.random() < 0.4 and not too_long:
+        body["stream"] = True
+        body["max_tokens"] = rng.randint(1, 24)
+        abandon = rng.random() < 0.3
+        conn = server.connect()
+        conn.request("POST", path, body=json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            return f"BAD stream status {resp.status}"
+        lines = 0
+        while True:
+            line = resp.readline()
+            if not line:
+                break
+            if line.startswith(b"data: "):
+                lines += 1
+                if abandon and lines >= 2:
+                    conn.sock.close()
+                    conn.close()
+                    return "ok abandoned"
+                if line.strip() == b"data: [DONE]":
+                    break
+        conn.close()
+        return "ok stream" if lines >= 2 else "BAD short stream"
+    status, out = server.request("POST", path, body)
+    if too_long:
+        return "ok too-long 400" if status == 400 else f"BAD too-long got {status}"
+    if status != 200:
+        return f"BAD status {status}: {out}"
+    return "ok " + out["choices"][0]["finish_reason"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=str(data_dir() / "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--clients", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--max-growth-mb", type=float, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server = ServerProcess(Path(args.model), "-c", str(args.ctx), "--max-queue", "256",
+                               log_dir=Path(tmp))
+        try:
+            rng = random.Random(args.seed)
+            outcomes: Counter[str] = Counter()
+            for _ in range(args.warmup):
+                outcomes[one(server, rng, args.ctx)] += 1
+            rss0 = rss_mb(server.proc.pid)
+            t0 = time.monotonic()
+            lock = threading.Lock()
+            left = [args.requests]
+
+            def client(seed: int) -> None:
+                r = random.Random(seed)
+                while True:
+                    with lock:
+                        if left[0] == 0:
+                            return
+                        left[0] -= 1
+                    try:
+                        o = one(server, r, args.ctx)
+                    except Exception as e:  # noqa: BLE001 - counted as a failure
+                        o = f"BAD {type(e).__name__}: {e}"
+                    with lock:
+                        outcomes[o.split(":")[0]] += 1
+
+            threads = [threading.Thread(target=client, args=(args.seed * 100 + i,))
+                       for i in range(args.clients)]
+            for t in threads:
+                t.start()
+            samples = []
+            while any(t.is_alive() for t in threads):
+                samples.append(rss_mb(server.proc.pid))
+                time.sleep(2)
+            for t in threads:
+                t.join()
+            time.sleep(1)
+            rss1 = rss_mb(server.proc.pid)
+            alive = server.request("GET", "/health")[0] == 200
+            dt = time.monotonic() - t0
+            bad = sum(v for k, v in outcomes.items() if k.startswith("BAD"))
+            growth = rss1 - rss0
+            print(f"soak: {args.requests} requests (+{args.warmup} warm-up) from {args.clients} "
+                  f"clients in {dt:.0f} s; outcomes {dict(sorted(outcomes.items()))}")
+            print(f"soak: RSS after warm-up {rss0:.1f} MB, at the end {rss1:.1f} MB "
+                  f"(growth {growth:+.1f} MB; min/max during {min(samples or [rss1]):.1f}/"
+                  f"{max(samples or [rss1]):.1f} MB); alive: {alive}")
+            return 0 if alive and bad == 0 and growth < args.max_growth_mb else 1
+        finally:
+            server.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
