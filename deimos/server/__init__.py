@@ -1,1 +1,13 @@
-"""The OpenAI-compatible HTTP server: protocol models, app, streaming, tools, dashboard."""
+"""The OpenAI-compatible HTTP server (``deimos serve``).
+
+    protocol    request bodies (pydantic; also the /openapi.json schema)
+    params      body + prompt ids -> engine Request (sampling, limits, stops, processors)
+    processors  logits processors: logit_bias, a JSON grammar constraint
+    stops       stop strings on streamed text (held back until they cannot match)
+    worker      the engine thread: one request at a time, events to asyncio, cancellation
+    responses   usage, logprobs formats, SSE lines
+    app         routes, API key gate, request log; errors: OpenAI error objects
+    metrics     counters, speeds, memory (read by /metrics and the dashboard)
+    tools       tool-call formats (prompting, parsing); dashboard: the terminal UI
+    serve       load the model, start worker + uvicorn (+ dashboard)
+"""

@@ -336,7 +336,10 @@ def _completion_prompt(server: Server, body: CompletionRequest) -> tuple[list[in
             raise bad_request(f"one prompt per request is supported, got {len(p)}", "prompt")
         p = p[0]
     if isinstance(p, str):
-        return server.llm.encode_raw(p), p
+        try:
+            return server.llm.encode_raw(p), p
+        except ValueError as e:  # e.g. a lone surrogate: not encodable as UTF-8
+            raise bad_request(f"the prompt cannot be tokenized: {e}", "prompt") from None
     if not p:
         raise bad_request("the prompt is empty", "prompt")
     n_vocab = server.llm.config.n_vocab

@@ -3,6 +3,7 @@ anything the client can fix, and one catch-all that logs and answers 500 for the
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -16,6 +17,13 @@ log = logging.getLogger("deimos.server")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
           422: "invalid_request_error", 429: "rate_limit_error", 503: "server_overloaded"}
+
+
+class _AsciiJSON(JSONResponse):
+    """Error bodies may quote client text; ASCII escapes keep even a lone surrogate sendable."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True).encode()
 
 
 class APIError(Exception):
@@ -35,7 +43,7 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return _AsciiJSON(self.body(), status_code=self.status, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
