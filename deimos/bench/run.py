@@ -108,6 +108,8 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     ours: list[RoundTimes] = []
     theirs: list[RoundTimes] = []
     refused = 0
+    notes: list[str] = []
+    vs_llama = cfg.vs_llama
     for r in range(cfg.rounds):
         if idle("deimos"):
             ours.append(time_round(model, cfg, device, gen))
@@ -115,16 +117,22 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
                      ours[-1].decode_tps)
         else:
             refused += 1
-        if cfg.vs_llama:
-            if idle("llama.cpp"):
-                theirs.append(run_llama_bench(cfg.vs_llama, path, cfg.n_prompt, cfg.n_gen))
-            else:
+        if vs_llama:
+            if not idle("llama.cpp"):
                 refused += 1
+                continue
+            try:
+                theirs.append(run_llama_bench(vs_llama, path, cfg.n_prompt, cfg.n_gen))
+            except (RuntimeError, ValueError, OSError) as e:
+                # our rounds still count; the report says why llama.cpp has none
+                log.error("bench: llama-bench: %s", e)
+                notes.append(f"llama-bench failed: {str(e)[:300]}")
+                vs_llama = None
     engines = [summarize("deimos", ours)]
-    if cfg.vs_llama:
+    if theirs:
         engines.append(summarize("llama.cpp", theirs))
     return BenchReport(
         model=path.name, device=str(device), n_prompt=cfg.n_prompt, n_gen=cfg.n_gen,
         rounds=cfg.rounds, weight_bytes=weight_bytes_per_token(file), roof=cfg.roof,
-        engines=engines, refused=refused, contention_checked=nvml.available,
+        engines=engines, refused=refused, contention_checked=nvml.available, notes=notes,
     )
