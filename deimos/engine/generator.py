@@ -71,6 +71,8 @@ class Generator:
             for i in range(0, len(rest), PREFILL_CHUNK):
                 logits = self._forward(rest[i : i + PREFILL_CHUNK])
             while True:
+                if not _device_sampling(req):
+                    logits = logits.float().cpu()
                 processed = logits
                 for proc in req.logits_processors:
                     processed = proc(req.output_ids, processed)
@@ -91,3 +93,10 @@ class Generator:
             # a failed or abandoned step leaves the cache consistent with ``cached``
             self.kv.truncate(min(self.kv.length, len(self.cached)))
             raise
+
+
+def _device_sampling(req: Request) -> bool:
+    """Plain greedy decoding picks the token where the logits are (one int read back); every
+    other sampler step (penalties, processors, draws, logprobs) runs on host logits."""
+    p = req.sampling
+    return p.greedy and not p.penalties_enabled and not req.logits_processors and req.top_logprobs is None
