@@ -79,22 +79,22 @@ def test_models_health_and_api_key(server, client):
 
 def test_completion_matches_engine_and_stop_strings(client, llm):
     prompt = "1, 2, 3, 4, 5,"
-    want = llm.generate(prompt, max_tokens=6, raw=True, temperature=0)
-    full = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=6, **GREEDY)
+    want = llm.generate(prompt, max_tokens=5, raw=True, temperature=0)
+    full = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=5, **GREEDY)
     assert full.choices[0].text == want.text
     assert full.choices[0].finish_reason == "length"
     assert full.usage.prompt_tokens == want.prompt_tokens
-    assert full.usage.completion_tokens == 6
+    assert full.usage.completion_tokens == 5
     # a stop string of three tokens ("," " " "7"): "," and " " are held back until "7"
     # shows they are the stop
     stop = ", 7"
     assert stop in want.text, want.text
     cut = want.text[: want.text.index(stop)]
-    out = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=6, stop=[stop],
+    out = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=5, stop=[stop],
                                     **GREEDY)
     assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
     pieces = [c.choices[0].text for c in client.completions.create(
-        model=MODEL_ID, prompt=prompt, max_tokens=6, stop=stop, stream=True, **GREEDY)
+        model=MODEL_ID, prompt=prompt, max_tokens=5, stop=stop, stream=True, **GREEDY)
         if c.choices]
     assert "".join(pieces) == cut
     assert all(stop not in "".join(pieces[: i + 1]) for i in range(len(pieces)))
@@ -197,12 +197,12 @@ def test_tool_call_round_trip(client):
 
 def test_concurrent_requests_are_all_answered(client):
     prompts = ["Red, green,", "Monday, Tuesday,", "one, two,"]
-    solo = [client.completions.create(model=MODEL_ID, prompt=p, max_tokens=3, **GREEDY)
+    solo = [client.completions.create(model=MODEL_ID, prompt=p, max_tokens=2, **GREEDY)
             .choices[0].text for p in prompts]
     got: dict[int, str] = {}
 
     def ask(i: int) -> None:
-        got[i] = client.completions.create(model=MODEL_ID, prompt=prompts[i], max_tokens=3,
+        got[i] = client.completions.create(model=MODEL_ID, prompt=prompts[i], max_tokens=2,
                                            **GREEDY).choices[0].text
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
+import signal
 import sys
 import tempfile
 import time
@@ -27,6 +28,7 @@ from testdata import data_dir  # noqa: E402
 
 
 def main() -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the server
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(data_dir() / "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
     ap.add_argument("--ctx", type=int, default=96, help="server context size")

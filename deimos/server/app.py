@@ -463,5 +463,16 @@ def create_app(server: Server) -> FastAPI:
         return PlainTextResponse(server.metrics.prometheus(),
                                  media_type="text/plain; version=0.0.4")
 
+    def openapi() -> dict[str, Any]:
+        # the served model's id as the only valid "model", so generated clients (and schema
+        # fuzzers) can build requests that reach the engine
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            for name in ("ChatCompletionRequest", "CompletionRequest"):
+                props = schema["components"]["schemas"][name]["properties"]
+                props["model"]["enum"] = [server.model_id]
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     app.add_middleware(Gate, server=server)
     return app
