@@ -1,7 +1,9 @@
 """Requantized real models for the tests (support module, no tests of its own).
 
 ``variant(model, type)`` builds ``model`` re-quantized to ``type`` by tools/requantize.py with
-the fetched libggml-base.so, once per test session, in a temporary folder removed at exit.
+the fetched libggml-base.so, once per test session, in a temporary folder removed at exit;
+``type`` is requantize's TYPE (a llama-quantize file type, or a GGML type), with a "-pure"
+suffix for its --pure.
 ``write_tensors`` writes chosen tensors of a file to a small GGUF, as their raw blocks or
 decoded to F32 (the higher-precision copies quant-check compares against).
 """
@@ -26,6 +28,7 @@ sys.path.insert(0, str(REPO / "tools"))
 import requantize  # noqa: E402
 
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3 = "gemma-3-270m-q4_k_m.gguf"
 
 
 @cache
@@ -42,7 +45,8 @@ def ggml_lib_dir() -> Path:
 @cache
 def variant(model: str, ggml_type: str) -> Path:
     out = _build_dir() / f"{model.removesuffix('.gguf')}-{ggml_type}.gguf"
-    requantize.requantize(model_path(model), out, ggml_type, ggml_lib_dir())
+    t = ggml_type.removesuffix("-pure")
+    requantize.requantize(model_path(model), out, t, ggml_lib_dir(), pure=t != ggml_type)
     return out
 
 

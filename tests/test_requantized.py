@@ -1,29 +1,42 @@
 """Real models re-quantized to other formats, against llama.cpp on the very same bytes.
 
-tools/requantize.py rebuilds each variant of SmolLM2 with ggml's own quantizer (the fetched
-libggml-base.so); its sha256 must equal the one recorded when llama.cpp ran it
+tools/requantize.py rebuilds each variant (SmolLM2, gemma3) with ggml's own quantizer (the
+fetched libggml-base.so); its sha256 must equal the one recorded when llama.cpp ran it
 (tools/make_requant_reference.py), so the references below are about these bytes. Oracles:
+- llama-quantize's own per-tensor types (``--dry-run`` on the source model): requantize takes
+  them from deimos.synth.mix, which must agree on real models too;
 - llama.cpp on the variant's F32 twin (ggml's dequantization, no activation quantization):
-  Deimos' logits from the quantized file to float32 noise;
+  Deimos' logits from the quantized file to float32 noise (gemma with ggml's f16 GELU table
+  emulated, as in test_model_vs_llama_cpp);
 - llama.cpp on the variant itself: greedy text identical, or every divergence explained as in
   test_model_vs_llama_cpp (llama.cpp's top two within 0.1, or its F32 twin picks our token).
-Most SmolLM2 rows (576) are not a multiple of 256, so a k-/i-quant/ternary target holds the
-32-block fallback llama-quantize picks for them and its own type on ffn_down (1536).
+Most SmolLM2 rows (576) and all gemma3 rows but ffn_down's (640) are not a multiple of 256, so
+a k-/i-quant/ternary target holds the 32-block fallback llama-quantize picks for them.
+Gemma's forward passes are slow (262k-token vocabulary): its references have 4 prompts of 24
+tokens, and each case costs one pass when the variant's greedy tokens equal its twin's.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import NamedTuple
 
 import pytest
-from requant_support import SMOLLM2, variant
-from test_model_vs_llama_cpp import first_divergence, forced_logits, top_errors
+import torch
+from requant_support import GEMMA3, SMOLLM2, variant
+from test_model_vs_llama_cpp import forced_logits, ggml_cpu_geglu, top_errors
 from testdata import reference
 
 from deimos.gguf import GGUFFile
 from deimos.models import load_model
 
-TYPES = ("Q8_0", "Q6_K", "Q4_K", "IQ4_XS", "TQ2_0", "TQ1_0")
+# (model, requantize TYPE with "-pure" for --pure); the references say why each is there
+VARIANTS = [(SMOLLM2, t) for t in ("Q8_0", "Q6_K", "Q4_K", "IQ4_XS-pure", "TQ2_0", "TQ1_0",
+                                   "Q4_K_M")]
+VARIANTS += [(GEMMA3, t) for t in ("Q8_0", "Q6_K", "Q4_K_M")]
+# max |logit error| vs llama.cpp on the F32 twin; measured on the models' own F32 twins:
+# SmolLM2 4e-5, gemma3 1.1e-2 (~4e-4 of its logits: four norms a layer, sqrt(n_embd) scale)
+TWIN_TOLERANCE = {SMOLLM2: 2e-3, GEMMA3: 2e-2}
 
 
 def _sha256(path) -> str:
@@ -36,64 +49,89 @@ def _sha256(path) -> str:
     return h.hexdigest()
 
 
-@pytest.fixture(scope="module", params=TYPES)
+class Case(NamedTuple):
+    """What the tests read of Deimos' logits on one reference case (full gemma logits would
+    be 1 MB a token)."""
+
+    twin_errors: torch.Tensor  # top_errors on the twin's top-8, [steps, 8]
+    twin_argmax: list[int]  # our argmax following the twin's tokens
+    quant_argmax: list[int]  # our argmax following the variant's tokens
+
+
+def _id(v: tuple[str, str]) -> str:
+    return f"{'smollm2' if v[0] == SMOLLM2 else 'gemma3'}-{v[1]}"
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=_id)
 def run(request):
-    """(reference, file, {case id: (twin logits, variant logits)}) for one variant."""
-    ref = reference(f"requant-{SMOLLM2.split('.')[0]}-{request.param}.json")
-    path = variant(SMOLLM2, request.param)
+    """(model, reference, file, {case id: Case}) for one variant."""
+    model_name, vid = request.param
+    ref = reference(f"requant-{model_name.split('.')[0]}-{vid}.json")
+    path = variant(model_name, vid)
     got = _sha256(path)
     if got != ref["variant"]["sha256"]:
         pytest.fail(f"tools/requantize.py built {path.name} with sha256 {got}, but llama.cpp ran "
-                    f"{ref['variant']['sha256']}: the quantizer or the writer changed")
+                    f"{ref['variant']['sha256']}: the quantizer, the types or the writer changed")
     model = load_model(GGUFFile(path))
-    logits = {}
     twin = {c["id"]: c for c in ref["f32_twin"]["cases"]}
-    for case in ref["cases"]:
-        t = twin[case["id"]]
-        n = len(t["prompt_tokens"])
-        lt = forced_logits(model, t["prompt_tokens"] + t["tokens"], n)
-        # the same sequence (the common case) needs one forward pass
-        lq = lt if case["tokens"] == t["tokens"] else forced_logits(
-            model, case["prompt_tokens"] + case["tokens"], len(case["prompt_tokens"]))
-        logits[case["id"]] = (lt, lq)
-    return ref, path, logits
+    cases = {}
+    with pytest.MonkeyPatch.context() as mp:
+        if model.config.activation == "gelu_tanh":
+            mp.setattr("deimos.models.blocks.gated_act", ggml_cpu_geglu)
+        for case in ref["cases"]:
+            t = twin[case["id"]]
+            lt = forced_logits(model, t["prompt_tokens"] + t["tokens"], len(t["prompt_tokens"]))
+            # the same sequence (the common case) needs one forward pass
+            lq = lt if case["tokens"] == t["tokens"] else forced_logits(
+                model, case["prompt_tokens"] + case["tokens"], len(case["prompt_tokens"]))
+            cases[case["id"]] = Case(top_errors(lt, t["top"]), lt.argmax(-1).tolist(),
+                                     lq.argmax(-1).tolist())
+    return model_name, ref, path, cases
 
 
-def test_requantized_tensor_types_are_recorded(run):
-    ref, path, _ = run
+def _first_divergence(argmax: list[int], case: dict) -> int | None:
+    # test_model_vs_llama_cpp.first_divergence on the argmax instead of the logits
+    return next((i for i, t in enumerate(case["tokens"]) if argmax[i] != t), None)
+
+
+def test_requantized_types_are_llama_quantize_types(run):
+    _, ref, path, _ = run
     with GGUFFile(path) as f:
-        got = Counter(i.ggml_type.name for i in f.tensors.values())
-    assert dict(got) == ref["variant"]["tensor_types"]
+        got = {name: i.ggml_type.name for name, i in f.tensors.items()}
+    want = ref["llama_quantize"]["types"]
+    wrong = {n: (got.get(n), t) for n, t in want.items() if got.get(n) != t}
+    assert not wrong, f"(requantize, {ref['llama_quantize']['command']}): {wrong}"
+    assert set(got) == set(want)
+    assert dict(Counter(got.values())) == ref["variant"]["tensor_types"]
 
 
 def test_requantized_equal_llama_cpp_on_their_f32_twin(run):
-    ref, path, logits = run
+    model_name, ref, path, cases = run
     worst = 0.0
     for case in ref["f32_twin"]["cases"]:
-        lt, _ = logits[case["id"]]
-        worst = max(worst, float(top_errors(lt, case["top"]).max()))
-        at = first_divergence(lt, case)
+        c = cases[case["id"]]
+        worst = max(worst, float(c.twin_errors.max()))
+        at = _first_divergence(c.twin_argmax, case)
         if at is not None:
             (_, a), (_, b) = case["top"][at][:2]
             assert a - b < 0.01, f"{case['id']}: token {at} differs, llama.cpp's top two {a} vs {b}"
     print(f"{path.name}: F32 twin, max |logit error| on llama.cpp's top-8 = {worst:.2e}")
-    assert worst < 2e-3  # SmolLM2's own F32 twin: 4e-5
+    assert worst < TWIN_TOLERANCE[model_name]
 
 
 def test_requantized_greedy_vs_llama_cpp(run, capsys):
-    ref, path, logits = run
+    _, ref, path, cases = run
     twin = {c["id"]: c["tokens"] for c in ref["f32_twin"]["cases"]}
     rows = []
     for case in ref["cases"]:
-        _, lq = logits[case["id"]]
-        at = first_divergence(lq, case)
+        ours = cases[case["id"]].quant_argmax
+        at = _first_divergence(ours, case)
         if at is None:
             rows.append((case["id"], None, None, None))
             continue
         (_, a), (_, b) = case["top"][at][:2]
-        ours = int(lq[at].argmax())
         t = twin[case["id"]]
-        explained = t[:at] == case["tokens"][:at] and len(t) > at and t[at] == ours
+        explained = t[:at] == case["tokens"][:at] and len(t) > at and t[at] == ours[at]
         rows.append((case["id"], at, a - b, explained))
     with capsys.disabled():
         print(f"\n{path.name}: greedy vs llama.cpp on the requantized file")

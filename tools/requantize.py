@@ -1,6 +1,6 @@
-"""Re-quantizes a GGUF file's weight matrices to another GGML type with ggml's own quantizer.
+"""Re-quantizes a GGUF file's weight matrices with ggml's own quantizer, typed as llama-quantize.
 
-    python tools/requantize.py SRC.gguf DST.gguf TYPE [--lib DIR]
+    python tools/requantize.py SRC.gguf DST.gguf TYPE [--pure] [--lib DIR]
 
 Each weight is decoded by ``deimos.quant.dequantize`` (bit-exact with ggml's to_float) and
 re-encoded by ``ggml_quantize_chunk`` of llama.cpp's libggml-base.so (ctypes; no imatrix), so
@@ -8,17 +8,21 @@ the blocks are exactly what llama-quantize would write for that type. This is ho
 get requantized real models without llama.cpp's executables: CI has only libggml-base.so,
 built from source by tools/fetch_test_data.py.
 
-Which tensor gets which type follows llama-quantize (src/llama-quant.cpp) where it matters for
-loading; a plain single-type target, no Q4_K_M-style mixes:
-- only tensors of 2+ dims whose name ends in "weight" and not "_norm.weight" are quantized
-  (nor ffn_gate_inp, pos/token-type embeddings); everything else is copied byte for byte;
-- the output projection (``output.weight``, or ``token_embd.weight`` when the embeddings are
-  tied) becomes Q8_0 when its rows do not fit the target's block, else Q6_K unless the target
-  is Q8_0 (llama_tensor_get_type_impl);
-- a row length that is not a multiple of the block size falls back as tensor_type_fallback:
-  IQ4_XS/IQ3_*  -> IQ4_NL, Q2_K/Q3_K/TQ1_0/TQ2_0 -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1,
-  Q6_K -> Q8_0, and F16 if even that does not fit.
-Metadata is copied in file order; ``general.file_type`` becomes the matching llama_ftype.
+Which tensor gets which type: ``deimos.synth.mix`` (llama-quantize's rules, tested against its
+own choices), named as ``deimos.synth.weight_types`` names them:
+- TYPE a llama-quantize file type (Q4_K_M, Q5_K_S, IQ4_XS, Q6_K, Q8_0, TQ2_0, ...): its mix,
+  as ``llama-quantize --allow-requantize SRC DST TYPE``;
+- TYPE a GGML type that is no file type (Q4_K, Q5_K, ...), or any TYPE with ``--pure``: that
+  type for every matrix (as ``llama-quantize --pure``) but the output projection
+  (``output.weight``, or ``token_embd.weight`` when the embeddings are tied), which gets the
+  type of the mix of the file type named like TYPE, else the first one whose default type is
+  TYPE (Q4_K -> Q4_K_S): as ``llama-quantize --pure --output-tensor-type`` (untied) or
+  ``--token-embedding-type`` (tied) with that type;
+- either way llama-quantize's fallback when a row is not a multiple of the block (Q4_K ->
+  Q5_0, IQ4_XS -> IQ4_NL, ...); F32/F16/BF16: every matrix that type.
+Only what llama-quantize quantizes changes (tensors of 2+ dims whose name ends in "weight",
+not norms, ffn_gate_inp, pos/token-type embeddings); everything else is copied byte for byte.
+Metadata is copied in file order; ``general.file_type`` becomes that file type's llama_ftype.
 The output is a function of the input bytes only (each tensor is quantized on its own, by
 one thread, and written in file order), so the same input gives byte-identical files.
 """
@@ -42,30 +46,10 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter  # noqa: E402
 from deimos.gguf import GGUFFile  # noqa: E402
 from deimos.gguf.constants import GGML_BLOCK, GGMLType  # noqa: E402
 from deimos.quant import dequantize  # noqa: E402
+from deimos.synth import mix  # noqa: E402
 
-_FLOATS = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
-
-# tensor_type_fallback in llama-quant.cpp: a type whose block does not fit a row -> this one
-FALLBACK = {
-    GGMLType.IQ1_S: GGMLType.IQ4_NL, GGMLType.IQ1_M: GGMLType.IQ4_NL,
-    GGMLType.IQ2_XXS: GGMLType.IQ4_NL, GGMLType.IQ2_XS: GGMLType.IQ4_NL,
-    GGMLType.IQ2_S: GGMLType.IQ4_NL, GGMLType.IQ3_XXS: GGMLType.IQ4_NL,
-    GGMLType.IQ3_S: GGMLType.IQ4_NL, GGMLType.IQ4_XS: GGMLType.IQ4_NL,
-    GGMLType.Q2_K: GGMLType.Q4_0, GGMLType.Q3_K: GGMLType.Q4_0,
-    GGMLType.TQ1_0: GGMLType.Q4_0, GGMLType.TQ2_0: GGMLType.Q4_0,
-    GGMLType.Q4_K: GGMLType.Q5_0, GGMLType.Q5_K: GGMLType.Q5_1, GGMLType.Q6_K: GGMLType.Q8_0,
-}
-
-# general.file_type (llama_ftype in llama.h) of a file whose weights are mostly TYPE;
-# single-type k-quant files are the "_S" variants.
-FILE_TYPE = {
-    GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q4_0: 2, GGMLType.Q4_1: 3, GGMLType.Q8_0: 7,
-    GGMLType.Q5_0: 8, GGMLType.Q5_1: 9, GGMLType.Q2_K: 10, GGMLType.Q3_K: 11,
-    GGMLType.Q4_K: 14, GGMLType.Q5_K: 16, GGMLType.Q6_K: 18, GGMLType.IQ2_XXS: 19,
-    GGMLType.IQ2_XS: 20, GGMLType.IQ3_XXS: 23, GGMLType.IQ1_S: 24, GGMLType.IQ4_NL: 25,
-    GGMLType.IQ3_S: 26, GGMLType.IQ2_S: 28, GGMLType.IQ4_XS: 30, GGMLType.IQ1_M: 31,
-    GGMLType.BF16: 32, GGMLType.TQ1_0: 36, GGMLType.TQ2_0: 37, GGMLType.MXFP4: 38,
-}
+# general.file_type (llama_ftype) of the float targets, which have no mix
+_FLOAT_FILE_TYPE = {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.BF16: 32}
 
 _NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "position_embd.weight",
                   "token_types.weight")
@@ -148,43 +132,79 @@ class Plan:
         return self.src_type if self.new_type is None else self.new_type
 
 
-def parse_type(name: str | GGMLType) -> GGMLType:
-    try:
-        return name if isinstance(name, GGMLType) else GGMLType[name.upper()]
-    except KeyError:
-        raise ValueError(f"unknown GGML type {name!r}") from None
+@dataclass(frozen=True)
+class Target:
+    """What TYPE means: ``matrices`` types every weight matrix, ``output`` the output
+    projection (the same unless pure); ``file_type`` is written as general.file_type."""
+
+    name: str
+    matrices: mix.WeightTypes
+    output: mix.WeightTypes
+    file_type: int
+
+    @property
+    def pure(self) -> bool:
+        """One quantized type for the matrices (llama-quantize needs --pure for that)."""
+        return not self.matrices.is_mix and self.matrices.default not in _FLOAT_FILE_TYPE
 
 
-def _fits(t: GGMLType, ncols: int) -> bool:
-    return ncols % GGML_BLOCK[t][0] == 0
+def parse_target(name: str, pure: bool = False) -> Target:
+    """TYPE (and --pure) as the module docstring says; ValueError for an unknown name."""
+    types = mix.weight_types(name, pure=pure)  # raises, naming the known types and mixes
+    if types.is_mix:
+        return Target(types.name, types, types, types.ftype)
+    if types.default in _FLOAT_FILE_TYPE:
+        return Target(types.name, types, types, _FLOAT_FILE_TYPE[types.default])
+    key = name.upper()
+    if not (key in mix.FTYPES and mix.FTYPES[key][1] == types.default):
+        key = next((k for k, (_, t) in mix.FTYPES.items() if t == types.default), None)
+        if key is None:
+            raise ValueError(f"{types.name}: no llama-quantize file type has it as its default "
+                             "type, so there is no rule for the output projection")
+    output = mix.weight_types(key)
+    return Target(f"{types.name} (pure)", types, output, output.ftype)
 
 
-def tensor_type(name: str, dims: tuple[int, ...], target: GGMLType, tied: bool) -> GGMLType | None:
-    """The type ``name`` gets for ``target`` (None: keep as is), after llama-quantize's rules."""
-    if len(dims) < 2 or not name.endswith("weight") or any(s in name for s in _NOT_QUANTIZED):
-        return None
-    if target in _FLOATS:
-        return target
-    ncols = dims[0]
-    t = target
-    if name == "output.weight" or (tied and name == "token_embd.weight"):
-        t = GGMLType.Q8_0 if not _fits(t, ncols) or t == GGMLType.Q8_0 else GGMLType.Q6_K
-    if not _fits(t, ncols):
-        t = FALLBACK.get(t, t)
-        if not _fits(t, ncols):
-            t = GGMLType.F16
-    return t
+def layer_counts(src: GGUFFile) -> mix.LayerCounts:
+    """The model's layer, head and expert counts that the mix rules read."""
+    md = src.metadata
+    arch = md.get("general.architecture", "llama")
+
+    def first(key: str, default: int | None = None) -> int:
+        v = md.get(f"{arch}.{key}", default)
+        if v is None:
+            raise ValueError(f"{arch}.{key} is missing from the metadata")
+        # per-layer arrays: llama.cpp's rules read layer 0 (hparams.n_gqa() of layer 0)
+        return int(np.asarray(v).reshape(-1)[0])
+
+    n_head = first("attention.head_count")
+    return mix.LayerCounts(first("block_count"), n_head, first("attention.head_count_kv", n_head),
+                           first("expert_count", 0))
 
 
-def plan(src: GGUFFile, target: GGMLType) -> list[Plan]:
+def _quantizable(name: str, dims: tuple[int, ...], t: GGMLType) -> bool:
+    if t not in GGML_BLOCK or t in (GGMLType.I8, GGMLType.I16, GGMLType.I32, GGMLType.I64):
+        return False  # integer tables are never weights
+    return len(dims) >= 2 and name.endswith("weight") and not any(s in name
+                                                                  for s in _NOT_QUANTIZED)
+
+
+def tensor_type(name: str, dims: tuple[int, ...], target: Target, counts: mix.LayerCounts,
+                tied: bool) -> GGMLType:
+    """The type of the weight matrix ``name`` for ``target`` (deimos.synth.mix's rules)."""
+    out = name == "output.weight" or (tied and name == "token_embd.weight")
+    return mix.matrix_type(target.output if out else target.matrices, name, dims, counts, tied)
+
+
+def plan(src: GGUFFile, target: Target) -> list[Plan]:
     tied = "output.weight" not in src.tensors
+    counts = layer_counts(src)
     out = []
     for name, info in src.tensors.items():
-        new = tensor_type(name, tuple(info.dims), target, tied)
-        if info.ggml_type not in GGML_BLOCK or info.ggml_type in (GGMLType.I8, GGMLType.I16,
-                                                                  GGMLType.I32, GGMLType.I64):
-            new = None  # integer tables are never weights
-        out.append(Plan(name, tuple(info.dims), info.ggml_type, new))
+        dims = tuple(info.dims)
+        new = (tensor_type(name, dims, target, counts, tied)
+               if _quantizable(name, dims, info.ggml_type) else None)
+        out.append(Plan(name, dims, info.ggml_type, new))
     return out
 
 
@@ -199,20 +219,21 @@ def _writable(value: object) -> object:
     return value
 
 
-def _copy_metadata(src: GGUFFile, w: GGUFWriter, target: GGMLType) -> None:
+def _copy_metadata(src: GGUFFile, w: GGUFWriter, target: Target) -> None:
     for key, value in src.metadata.items():
         if key in ("general.architecture", "general.alignment"):
             continue  # the writer adds the first; the second is the writer's default (32)
         types = src.value_types[key]
         sub = GGUFValueType(int(types[1])) if len(types) > 1 else None
         if key == "general.file_type":
-            value = FILE_TYPE.get(target, value)
+            value = target.file_type
         if sub is not None and len(value) == 0:
             continue  # GGUFWriter cannot write an empty array; llama.cpp treats it as absent
         w.add_key_value(key, _writable(value), GGUFValueType(int(types[0])), sub_type=sub)
-    if "general.file_type" not in src.metadata and target in FILE_TYPE:
-        w.add_uint32("general.file_type", FILE_TYPE[target])
-    if "general.quantization_version" not in src.metadata and target not in _FLOATS:
+    if "general.file_type" not in src.metadata:
+        w.add_uint32("general.file_type", target.file_type)
+    if ("general.quantization_version" not in src.metadata
+            and target.matrices.default not in _FLOAT_FILE_TYPE):
         w.add_quantization_version(2)
 
 
@@ -227,22 +248,23 @@ def _encode(src: GGUFFile, p: Plan, q: Quantizer) -> np.ndarray:
     return q.quantize(x, p.new_type)
 
 
-def requantize(src_path: Path, dst_path: Path, target: str | GGMLType,
-               lib: Path | None = None, threads: int | None = None) -> list[Plan]:
-    """Writes ``dst_path``: ``src_path`` with its weights in ``target``; returns the plan."""
-    target = parse_type(target)
-    if target not in FILE_TYPE:
-        raise ValueError(f"{target.name} is not a weight type requantize writes")
+def requantize(src_path: Path, dst_path: Path, target: str, lib: Path | None = None,
+               threads: int | None = None, pure: bool = False) -> list[Plan]:
+    """Writes ``dst_path``: ``src_path`` with its weights typed by TYPE ``target`` (and
+    ``pure``) as the module docstring says; returns the plan."""
+    tgt = parse_target(target, pure)
     q = Quantizer((lib or default_lib_dir()) / "libggml-base.so")
     with GGUFFile(src_path) as src:
-        if target not in _FLOATS and q.lib.ggml_quantize_requires_imatrix(int(target)):
-            raise ValueError(f"{target.name} needs an importance matrix; "
-                             "requantize does not make one")
-        plans = plan(src, target)
+        plans = plan(src, tgt)
+        for p in plans:
+            t = p.new_type
+            if t is not None and t != p.src_type and q.lib.ggml_quantize_requires_imatrix(int(t)):
+                raise ValueError(f"{tgt.name}: {p.name} would be {t.name}, which needs an "
+                                 "importance matrix; requantize does not make one")
         arch = src.metadata.get("general.architecture", "llama")
         w = GGUFWriter(Path(dst_path), arch)
         try:
-            _copy_metadata(src, w, target)
+            _copy_metadata(src, w, tgt)
             for p in plans:
                 t = p.out_type
                 block, size = GGML_BLOCK[t]
@@ -266,10 +288,16 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", type=Path)
     ap.add_argument("dst", type=Path)
-    ap.add_argument("type", help="target GGML type: Q8_0, Q6_K, Q4_K, IQ4_XS, TQ2_0, F32, ...")
+    ap.add_argument("type", help="a llama-quantize file type (Q4_K_M, IQ4_XS, Q8_0, ...) or a "
+                    "GGML type (Q4_K, F32, ...)")
+    ap.add_argument("--pure", action="store_true",
+                    help="TYPE's GGML type for every matrix but the output projection")
     ap.add_argument("--lib", type=Path, default=None, help="folder with libggml-base.so")
     args = ap.parse_args()
-    plans = requantize(args.src, args.dst, args.type, args.lib)
+    try:
+        plans = requantize(args.src, args.dst, args.type, args.lib, pure=args.pure)
+    except ValueError as e:
+        ap.error(str(e))
     from collections import Counter
     counts = Counter(p.out_type.name for p in plans)
     print(f"{args.dst}: " + ", ".join(f"{n} {t}" for t, n in counts.most_common()))

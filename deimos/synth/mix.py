@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 from deimos.gguf.constants import GGMLType
 from deimos.quant import get_format
@@ -129,6 +130,31 @@ def weight_types(name: str | GGMLType | int, pure: bool = False) -> WeightTypes:
     return WeightTypes(t.name, t)
 
 
+class LayerCounts(NamedTuple):
+    """What the mix rules read of a model besides a tensor's name and dims (a ``SynthPreset``
+    has these fields too): for a real file, from its ``<arch>.block_count``,
+    ``.attention.head_count``, ``.attention.head_count_kv`` and ``.expert_count``."""
+
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_expert: int = 0
+
+
+def matrix_type(types: WeightTypes, name: str, dims: tuple[int, ...],
+                model: LayerCounts | SynthPreset, tied: bool) -> GGMLType:
+    """The type llama-quantize gives the weight matrix ``name`` (ggml ``dims``) of ``model``:
+    the mix's rule (``types.is_mix``) or the single type (as ``llama-quantize --pure``), then
+    tensor_type_fallback when the rows do not fit its block. Unlike ``tensor_types``, a single
+    type falls back instead of refusing: for real models, whose row lengths are given.
+    ``tied``: the model has no output.weight (token_embd.weight is the output projection)."""
+    if types.is_mix:
+        t = _mix_rule(types.name, types.default, TensorSpec(name, dims, Kind.MATRIX), model, tied)
+    else:
+        t = types.default
+    return _fallback(t, dims[0])
+
+
 def _check_rows(s: TensorSpec, t: GGMLType) -> None:
     block = get_format(t).block_size
     if s.dims[0] % block:
@@ -150,7 +176,8 @@ def _use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def _mix_rule(ft: str, t: GGMLType, s: TensorSpec, p: SynthPreset, tied: bool) -> GGMLType:
+def _mix_rule(ft: str, t: GGMLType, s: TensorSpec, p: SynthPreset | LayerCounts,
+              tied: bool) -> GGMLType:
     """llama_tensor_get_type_impl for ftype ``ft`` (no imatrix), before the fallback."""
     cat = category(s.name)
     layer = int(s.name.split(".")[1]) if s.name.startswith("blk.") else -1
