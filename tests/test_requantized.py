@@ -34,9 +34,10 @@ from deimos.models import load_model
 VARIANTS = [(SMOLLM2, t) for t in ("Q8_0", "Q6_K", "Q4_K", "IQ4_XS-pure", "TQ2_0", "TQ1_0",
                                    "Q4_K_M")]
 VARIANTS += [(GEMMA3, t) for t in ("Q8_0", "Q6_K", "Q4_K_M")]
-# max |logit error| vs llama.cpp on the F32 twin; measured on the models' own F32 twins:
-# SmolLM2 4e-5, gemma3 1.1e-2 (~4e-4 of its logits: four norms a layer, sqrt(n_embd) scale)
-TWIN_TOLERANCE = {SMOLLM2: 2e-3, GEMMA3: 2e-2}
+# max |logit error| vs llama.cpp on the F32 twin, measured: SmolLM2 2-3e-5 (TQ1_0/TQ2_0 1.2e-3),
+# gemma3 4.7-5.7e-3 (its own twin: 1.1e-2 on more and longer prompts; ~4e-4 of its logits:
+# four norms a layer and the sqrt(n_embd) scale amplify float32 noise)
+TWIN_TOLERANCE = {SMOLLM2: 2e-3, GEMMA3: 1.5e-2}
 
 
 def _sha256(path) -> str:
