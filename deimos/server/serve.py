@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,12 +67,14 @@ def model_names(model_arg: str, path: Path) -> tuple[str, frozenset[str]]:
     return path.stem, frozenset({model_arg, path.name, str(path)})
 
 
-def _setup_request_log() -> None:
+def _setup_request_log(handler: logging.Handler | None = None) -> None:
+    """JSON lines on stderr, or through the dashboard's console (above its live view)."""
     req_log = logging.getLogger("deimos.requests")
     if not req_log.handlers:
-        h = logging.StreamHandler(sys.stderr)
-        h.setFormatter(logging.Formatter("%(message)s"))
-        req_log.addHandler(h)
+        if handler is None:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+        req_log.addHandler(handler)
     req_log.setLevel(logging.INFO)
     req_log.propagate = False
 
@@ -92,10 +93,9 @@ def serve(cfg: ServeConfig) -> int:
     server = Server(llm, worker, metrics, model_id, aliases,
                     Defaults(cfg.sampling, cfg.max_tokens), cfg.api_key)
     app = create_app(server)
-    _setup_request_log()
+    dash = _dashboard(metrics, model_id) if cfg.tui and sys.stdout.isatty() else None
+    _setup_request_log(dash.log_handler() if dash is not None else None)
     worker.start()
-    if cfg.tui and sys.stdout.isatty():
-        _start_dashboard(metrics)
     print(f"deimos: serving {model_id} (context {llm.n_ctx}) on http://{cfg.host}:{cfg.port}/v1",
           file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
@@ -104,13 +104,17 @@ def serve(cfg: ServeConfig) -> int:
         uvicorn.Server(config).run()
     finally:
         worker.stop()
+        if dash is not None:
+            dash.stop()
     return 0
 
 
-def _start_dashboard(metrics: object) -> None:
+def _dashboard(metrics: object, model_id: str):
+    """The running terminal dashboard, or None (not a terminal, or not available)."""
     try:
         from deimos.server.dashboard import Dashboard
     except ImportError:
         log.warning("the terminal dashboard is not available; logging only")
-        return
-    threading.Thread(target=Dashboard(metrics).run, name="deimos-dashboard", daemon=True).start()
+        return None
+    dash = Dashboard(metrics, title=f"deimos serve {model_id}")
+    return dash if dash.start() else None
