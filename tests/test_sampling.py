@@ -258,3 +258,15 @@ def test_sampler_input_errors():
         s.accept(4)
     with pytest.raises(ValueError, match="vocab_size"):
         Sampler(SamplingParams(), 0)
+
+
+def test_top_p_over_a_vocabulary_with_masked_tokens():
+    """A grammar masks most tokens with -inf; the histogram path must still find the top-p set."""
+    g = torch.Generator().manual_seed(3)
+    V = 200_000
+    logits = torch.randn(V, generator=g) * 0.01  # flat: the top-k windows do not reach top_p
+    logits[: V // 2] = float("-inf")
+    ids = filter_candidates(logits, SamplingParams(temperature=1.0, top_k=0, top_p=0.5, min_p=0.0))
+    assert ids.numel() > 0 and bool(torch.isfinite(logits[ids]).all())
+    probs = torch.softmax(logits.double(), 0)
+    assert 0.5 <= float(probs[ids].sum()) < 0.5 + 1e-3

@@ -133,10 +133,11 @@ def _top_p_histogram(logits: torch.Tensor, lse: torch.Tensor, top_p: float) -> t
     running mass from the top reaches top_p, and sort only that bin's members."""
     x = logits.double()
     probs = torch.exp(x - lse)
-    lo, hi = float(x.min()), float(x.max())
+    finite = torch.isfinite(x)  # masked tokens (-inf, e.g. from a grammar) have no mass
+    lo, hi = float(x[finite].min()), float(x[finite].max())
     n_bins = 4096
     scale = n_bins / (hi - lo) if hi > lo else 0.0
-    b = ((x - lo) * scale).long().clamp_(0, n_bins - 1)
+    b = ((torch.where(finite, x, lo) - lo) * scale).long().clamp_(0, n_bins - 1)
     mass = torch.bincount(b, weights=probs, minlength=n_bins)
     from_top = torch.flip(torch.cumsum(torch.flip(mass, (0,)), 0), (0,))  # mass of bins >= j
     j = int(torch.nonzero(from_top >= top_p)[-1]) if bool((from_top >= top_p).any()) else 0
