@@ -151,7 +151,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(ServeConfig(
         model=args.model, host=host, port=port, n_ctx=args.ctx_size, api_key=args.api_key,
         sampling=_sampling(args), max_tokens=args.max_tokens, max_queue=args.max_queue,
-        tui=not args.no_tui,
+        tui=not args.no_tui, device=args.device or _default_device(),
     ))
 
 
@@ -254,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine(p)
     _add_sampling(p)
     # -n: max_tokens of requests that give none (default: up to the context)
+    _add_device(p)
     p.set_defaults(func=cmd_serve, max_tokens=None)
 
     p = sub.add_parser("tokenize", help="print token ids as a JSON array")

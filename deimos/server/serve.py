@@ -27,6 +27,7 @@ class ServeConfig:
     max_tokens: int | None = None  # default for requests that give none; None: the context
     max_queue: int = 64
     tui: bool = True  # the dashboard, when stdout is a terminal
+    device: str = "cpu"  # "cuda": the GPU path (the CLI picks it when a GPU is there)
 
     @staticmethod
     def parse_listen(listen: str) -> tuple[str, int]:
@@ -86,7 +87,7 @@ def serve(cfg: ServeConfig) -> int:
     from deimos.server.metrics import Metrics
     from deimos.server.worker import EngineWorker
 
-    llm = LLM(cfg.model, n_ctx=cfg.n_ctx)
+    llm = LLM(cfg.model, n_ctx=cfg.n_ctx, device=cfg.device)
     metrics = Metrics(memory_sizes(llm))
     worker = EngineWorker(llm, metrics, max_queue=cfg.max_queue)
     model_id, aliases = model_names(cfg.model, Path(llm.path))
