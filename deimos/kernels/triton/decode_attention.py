@@ -1,0 +1,191 @@
+"""Split-K decode attention over the KV cache (flash-decoding, Triton).
+Oracle: deimos.kernels.attention.causal_attention with k_pos = arange(S).
+
+q ``[B, Hq, D]`` (B query rows of one sequence, e.g. 1 for plain decode, more for drafted
+tokens) at positions ``q_pos[B]`` (int32 on the device, so a CUDA graph can replay it while the
+length grows) over the cache ``k, v [S, Hkv, D]`` (deimos.runtime.kv_cache's per-layer layout;
+S = the capacity or any prefix of it that covers every q_pos). Row b sees keys s <= q_pos[b]
+and, with a window W > 0, q_pos[b] - s < W.
+
+Stage 1, grid (B * Hkv, n_split): a program takes one kv head, the G = Hq / Hkv query heads
+that share it (GQA: each K/V byte is read once per group, not per head) and one split of the
+keys; it runs an online softmax over BLOCK_S-key tiles and writes its partial (max, sum, acc).
+The G heads are padded to 16 rows so both products are ``tl.dot`` (sm_90 needs M >= 16); the
+padding costs tensor-core work only, and decode is bound by reading K/V. Splits that lie past
+q_pos (or before the window) exit after writing an empty partial (max = -inf).
+Stage 2, grid (B, Hq): combine the n_split partials of a head: out = sum_j e^(m_j - M) acc_j /
+sum_j e^(m_j - M) l_j.
+
+n_split is chosen from S and B * Hkv so stage 1 has about 2 programs per SM of an H200
+(132 SMs); it depends only on shapes, so a captured graph stays valid as q_pos grows.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+TARGET_PROGRAMS = 264  # ~2 per SM on an H200
+GROUP_ROWS = 16  # tl.dot's minimum M on sm_90
+
+
+@triton.jit
+def _decode_split_kernel(
+    p_q, p_k, p_v, p_pos, p_m, p_l, p_acc,
+    sq_b, sq_h, sk_s, sk_h, sv_s, sv_h,
+    S, HKV, D, SPLIT, N_SPLIT, scale, window,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    i_bh = tl.program_id(0)
+    i_sp = tl.program_id(1)
+    i_b = i_bh // HKV
+    i_kv = i_bh % HKV
+    pos = tl.load(p_pos + i_b)
+    lo = i_sp * SPLIT
+    # keys [lo, hi) of this split, before the window (the S bound only guards a bad q_pos)
+    hi = tl.minimum(tl.minimum(lo + SPLIT, pos + 1), S)
+    if window > 0:
+        lo = tl.maximum(lo, pos - window + 1)
+    o_g = tl.arange(0, G_PAD)
+    o_d = tl.arange(0, BLOCK_D)
+    m_g = o_g < G
+    m_d = o_d < D
+    o_h = i_kv * G + o_g  # query heads of the group
+    p_qb = p_q + i_b.to(tl.int64) * sq_b + o_h[:, None] * sq_h + o_d[None, :]
+    b_q = tl.load(p_qb, mask=m_g[:, None] & m_d[None, :], other=0.0).to(p_k.dtype.element_ty)
+    qk_scale = scale * LOG2E
+    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
+    o_s = tl.arange(0, BLOCK_S)
+    # start at the tile holding lo (tiles are aligned to BLOCK_S; SPLIT is a multiple of it)
+    for s0 in range(lo - lo % BLOCK_S, hi, BLOCK_S):
+        o_k = s0 + o_s
+        m_s = (o_k >= lo) & (o_k < hi)
+        o_k64 = o_k.to(tl.int64)
+        m_kd = m_s[:, None] & m_d[None, :]
+        b_k = tl.load(p_k + o_k64[:, None] * sk_s + i_kv * sk_h + o_d[None, :], mask=m_kd, other=0.0)
+        b_v = tl.load(p_v + o_k64[:, None] * sv_s + i_kv * sv_h + o_d[None, :], mask=m_kd, other=0.0)
+        qk = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.float32) * qk_scale  # [G_PAD, BLOCK_S]
+        qk = tl.where(m_s[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, out_dtype=tl.float32)
+        m_i = m_new
+    # partials of head h, split j at [(b * Hq + h) * N_SPLIT + j]
+    o_part = (i_b * (HKV * G) + o_h) * N_SPLIT + i_sp
+    tl.store(p_m + o_part, m_i, mask=m_g)
+    tl.store(p_l + o_part, l_i, mask=m_g)
+    tl.store(p_acc + o_part[:, None].to(tl.int64) * D + o_d[None, :], acc,
+             mask=m_g[:, None] & m_d[None, :])  # fmt: skip
+
+
+@triton.jit
+def _decode_combine_kernel(
+    p_m, p_l, p_acc, p_o, so_b, so_h, HQ, D, N_SPLIT,
+    BLOCK_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    i_b = tl.program_id(0)
+    i_h = tl.program_id(1)
+    o_j = tl.arange(0, BLOCK_SPLIT)
+    o_d = tl.arange(0, BLOCK_D)
+    m_j = o_j < N_SPLIT
+    m_d = o_d < D
+    base = (i_b * HQ + i_h) * N_SPLIT
+    b_m = tl.load(p_m + base + o_j, mask=m_j, other=float("-inf"))
+    b_l = tl.load(p_l + base + o_j, mask=m_j, other=0.0)
+    # the key at q_pos itself is always visible, so some split has a finite max
+    w = tl.exp2(b_m - tl.max(b_m, axis=0))
+    p_a = p_acc + (base + o_j)[:, None].to(tl.int64) * D + o_d[None, :]
+    b_acc = tl.load(p_a, mask=m_j[:, None] & m_d[None, :], other=0.0)
+    out = tl.sum(b_acc * w[:, None], axis=0) / tl.sum(b_l * w, axis=0)
+    p_out = p_o + i_b.to(tl.int64) * so_b + i_h * so_h + o_d
+    tl.store(p_out, out.to(p_o.dtype.element_ty), mask=m_d)
+
+
+class DecodeConfig(NamedTuple):
+    block_s: int  # keys per tile
+    split: int  # keys per split (a multiple of block_s)
+    n_split: int
+    num_warps: int
+
+
+def decode_config(s: int, b: int, hkv: int, d: int) -> DecodeConfig:
+    """BLOCK_S = 64 keys (32 at D = 256: a K and a V tile of 16 KB fp16 each stay in registers
+    of 4 warps); splits sized so B * Hkv * n_split ~ 264 programs, at least one tile each."""
+    block_s = 32 if d > 128 else 64
+    want = max(1, TARGET_PROGRAMS // max(1, b * hkv))
+    split = triton.cdiv(triton.cdiv(s, want), block_s) * block_s
+    return DecodeConfig(block_s, split, triton.cdiv(s, split), 4)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of B query rows over a KV cache.
+
+    q: ``[B, Hq, D]``; k, v: ``[S, Hkv, D]`` (same dtype, fp16/bf16/fp32; last dim contiguous);
+    q_pos: int32 ``[B]`` on the device, every q_pos < S and keys 0..q_pos written;
+    window: sliding window W (0 = none). Products run in k's dtype (fp32 caches use TF32 on
+    the GPU), accumulation in fp32. Returns ``[B, Hq, D]`` in q's dtype (or ``out``).
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(
+            f"decode_attention: need q [B, Hq, D], k = v [S, Hkv, D]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    n_b, hq, d = q.shape
+    s, hkv, dk = k.shape
+    if dk != d or hq % hkv:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit k {tuple(k.shape)}")
+    if hq // hkv > GROUP_ROWS:
+        raise ValueError(f"decode_attention: {hq // hkv} query heads per kv head > {GROUP_ROWS}")
+    if k.dtype != v.dtype:
+        raise ValueError(f"decode_attention: k is {k.dtype}, v is {v.dtype}")
+    if q_pos.shape != (n_b,) or q_pos.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"decode_attention: q_pos must be int32 [{n_b}], got "
+                         f"{q_pos.dtype} {tuple(q_pos.shape)}")  # fmt: skip
+    if window < 0:
+        raise ValueError(f"decode_attention: window must be >= 0, got {window}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(2) != 1:
+            raise ValueError(f"decode_attention: {name}'s last dimension must be contiguous")
+        if t.device != q_pos.device:
+            raise ValueError(f"decode_attention: {name} on {t.device}, q_pos on {q_pos.device}")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.shape != q.shape or out.stride(2) != 1:
+        raise ValueError(f"decode_attention: out must be {tuple(q.shape)}, last dim contiguous")
+    if n_b == 0:
+        return out
+    cfg = decode_config(s, n_b, hkv, d)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    part_m = torch.empty((n_b, hq, cfg.n_split), **f32)
+    part_l = torch.empty((n_b, hq, cfg.n_split), **f32)
+    part_acc = torch.empty((n_b, hq, cfg.n_split, d), **f32)
+    block_d = max(16, triton.next_power_of_2(d))
+    _decode_split_kernel[(n_b * hkv, cfg.n_split)](
+        q, k, v, q_pos, part_m, part_l, part_acc,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        s, hkv, d, cfg.split, cfg.n_split, scale, window,
+        G=hq // hkv, G_PAD=GROUP_ROWS, BLOCK_S=cfg.block_s, BLOCK_D=block_d,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    _decode_combine_kernel[(n_b, hq)](
+        part_m, part_l, part_acc, out, out.stride(0), out.stride(1), hq, d, cfg.n_split,
+        BLOCK_SPLIT=triton.next_power_of_2(cfg.n_split), BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,138 @@
+"""RMSNorm and the fused residual add + RMSNorm (Triton). Oracle: deimos.kernels.norm.
+
+One program per row of ``[T, D]``; the whole row sits in registers (BLOCK_D = next power of two
+of D, at most 16384), so x and the residual are read once and each output written once: the
+fused step moves 2 reads + 2 writes per element, the minimum for ``residual += x; y = norm``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_D = 16384
+
+
+@triton.jit
+def _rms_norm_kernel(
+    p_x, p_r, p_w, p_y, p_rout,
+    stride_x, stride_r, stride_y, stride_rout,
+    D, eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    i_t = tl.program_id(0).to(tl.int64)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    b_x = tl.load(p_x + i_t * stride_x + o_d, mask=m_d, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        b_r = tl.load(p_r + i_t * stride_r + o_d, mask=m_d, other=0.0).to(tl.float32)
+        # round the sum to the residual's dtype first: the norm sees what is stored, as in the
+        # reference (x + residual in the tensors' dtype)
+        b_s = (b_x + b_r).to(p_rout.dtype.element_ty)
+        tl.store(p_rout + i_t * stride_rout + o_d, b_s, mask=m_d)
+        b_x = b_s.to(tl.float32)
+    b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=0) / D + eps)
+    tl.store(p_y + i_t * stride_y + o_d, (b_x * rstd * b_w).to(p_y.dtype.element_ty), mask=m_d)
+
+
+class NormConfig(NamedTuple):
+    block_d: int
+    num_warps: int
+
+
+def norm_config(d: int) -> NormConfig:
+    """A row per program; warps grow with the row so each thread holds 8..16 elements
+    (D = 4096: 8 warps x 32 threads x 16). Memory bound: no tuning beyond that."""
+    block = triton.next_power_of_2(d)
+    return NormConfig(block, max(1, min(16, block // 512)))
+
+
+def _check_rows(name: str, t: torch.Tensor, d: int) -> None:
+    if t.dim() != 2 or t.shape[1] != d:
+        raise ValueError(f"{name}: expected [T, {d}], got shape {tuple(t.shape)}")
+    if t.stride(1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride {t.stride()})")
+
+
+def _launch(x, residual, w, eps, out, residual_out) -> None:
+    t, d = x.shape
+    cfg = norm_config(d)
+    r = residual if residual is not None else x
+    ro = residual_out if residual_out is not None else out
+    _rms_norm_kernel[(t,)](
+        x, r, w, out, ro,
+        x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
+        d, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+    )  # fmt: skip
+
+
+def _validate(x: torch.Tensor, w: torch.Tensor, who: str) -> int:
+    if x.dim() != 2:
+        raise ValueError(f"{who}: x must be [T, D], got shape {tuple(x.shape)}")
+    d = x.shape[1]
+    if w.shape != (d,):
+        raise ValueError(f"{who}: weight must be [{d}], got shape {tuple(w.shape)}")
+    if not 0 < d <= MAX_D:
+        raise ValueError(f"{who}: D = {d} not in 1..{MAX_D}")
+    if x.device != w.device:
+        raise ValueError(f"{who}: x is on {x.device}, weight on {w.device}")
+    _check_rows(f"{who}: x", x, d)
+    return d
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y = x / sqrt(mean(x^2) + eps) * weight, in float32, stored in x's dtype.
+
+    x: ``[T, D]`` fp16/bf16/fp32 (rows may be strided, the last dim contiguous); weight: ``[D]``.
+    out: optional ``[T, D]`` (written in full). Returns ``[T, D]``.
+    """
+    d = _validate(x, weight, "rms_norm")
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _check_rows("rms_norm: out", out, d)
+    if x.shape[0]:
+        _launch(x, None, weight, eps, out, None)
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused residual step: r' = x + residual (or x when residual is None);
+    returns ``(rms_norm(r'), r')``.
+
+    x, residual: ``[T, D]``; weight: ``[D]``. ``residual_out`` may be ``residual`` itself (in
+    place: each row is read before it is written). Without a residual this is ``rms_norm`` and
+    ``r'`` is x itself (no copy).
+    """
+    d = _validate(x, weight, "add_rms_norm")
+    if residual is None:
+        return rms_norm(x, weight, eps, out), x
+    _check_rows("add_rms_norm: residual", residual, d)
+    if residual.shape[0] != x.shape[0] or residual.device != x.device:
+        raise ValueError(
+            f"add_rms_norm: residual {tuple(residual.shape)} on {residual.device} does not match "
+            f"x {tuple(x.shape)} on {x.device}"
+        )
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if residual_out is None:
+        residual_out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    _check_rows("add_rms_norm: out", out, d)
+    _check_rows("add_rms_norm: residual_out", residual_out, d)
+    if x.shape[0]:
+        _launch(x, residual, weight, eps, out, residual_out)
+    return out, residual_out

@@ -1,0 +1,169 @@
+"""Rotary position embedding on q and k (Triton), in place or out of place.
+Oracle: deimos.kernels.rope (rope_cos_sin + apply_rope).
+
+Angles: theta_i = pos * inv_freq_i in float32, with inv_freq_i = scale * base^(-2i/R) /
+freq_factor_i computed once on the host in float64 and rounded to float32 (``rope_inv_freq``;
+keep it on the device with the model). The reference works in float64, so the angle differs
+by ~pos * 2^-24 rad (1e-4 at pos 4096); tests use tolerances of that size.
+
+One program per token does all heads of q and then of k: a ``[BLOCK_H, BLOCK_D]`` tile of
+whole heads. Element d < R pairs with its partner (norm: d ^ 1; neox: d +- R/2), loaded a
+second time from memory (an L1 hit) rather than shuffled in registers; dims >= R pass through
+unchanged. Every load precedes every store of a program and programs own disjoint tokens, so
+in place is safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ROPE_TYPES = {"norm": 0, "neox": 1}
+
+
+@triton.jit
+def _rope_heads(
+    p_x, p_y, p_pos_freq, pos, i_t, stride_xt, stride_xh, stride_yt, stride_yh, H, D, R,
+    NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    o_h = tl.arange(0, BLOCK_H)
+    o_d = tl.arange(0, BLOCK_D)
+    half = R // 2
+    rot = o_d < R
+    if NEOX:
+        partner = tl.where(o_d < half, o_d + half, o_d - half)
+        i_f = o_d % half
+        first = o_d < half
+    else:
+        partner = o_d ^ 1
+        i_f = o_d // 2
+        first = (o_d % 2) == 0
+    m = (o_h < H)[:, None] & (o_d < D)[None, :]
+    m_rot = m & rot[None, :]
+    p_row = p_x + i_t * stride_xt + o_h[:, None] * stride_xh
+    b_x = tl.load(p_row + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    b_p = tl.load(p_row + partner[None, :], mask=m_rot, other=0.0).to(tl.float32)
+    theta = pos * tl.load(p_pos_freq + i_f, mask=rot, other=0.0)
+    c = tl.cos(theta)[None, :]
+    s = tl.sin(theta)[None, :]
+    # first of a pair: a c - b s; second: b c + a s (a = first, b = second)
+    y = tl.where(first[None, :], b_x * c - b_p * s, b_x * c + b_p * s)
+    y = tl.where(rot[None, :], y, b_x)
+    p_out = p_y + i_t * stride_yt + o_h[:, None] * stride_yh + o_d[None, :]
+    tl.store(p_out, y.to(p_y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rope_kernel(
+    p_q, p_k, p_qo, p_ko, p_pos, p_inv_freq,
+    sq_t, sq_h, sk_t, sk_h, sqo_t, sqo_h, sko_t, sko_h,
+    HQ, HK, D, R,
+    NEOX: tl.constexpr, HAS_K: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    i_t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(p_pos + i_t).to(tl.float32)
+    _rope_heads(p_q, p_qo, p_inv_freq, pos, i_t, sq_t, sq_h, sqo_t, sqo_h, HQ, D, R,
+                NEOX, BLOCK_HQ, BLOCK_D)  # fmt: skip
+    if HAS_K:
+        _rope_heads(p_k, p_ko, p_inv_freq, pos, i_t, sk_t, sk_h, sko_t, sko_h, HK, D, R,
+                    NEOX, BLOCK_HK, BLOCK_D)  # fmt: skip
+
+
+def rope_inv_freq(
+    rope_dim: int,
+    base: float,
+    scale: float = 1.0,
+    freq_factors: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """float32 ``[rope_dim / 2]``: scale * base^(-2i/rope_dim) / freq_factors[i], computed in
+    float64 (as the reference) and rounded once. Compute it once per model."""
+    if rope_dim <= 0 or rope_dim % 2:
+        raise ValueError(f"rope_inv_freq: rope_dim must be a positive even number, got {rope_dim}")
+    i = torch.arange(0, rope_dim, 2, dtype=torch.float64)
+    inv = scale * base ** (-i / rope_dim)
+    if freq_factors is not None:
+        if freq_factors.shape != (rope_dim // 2,):
+            raise ValueError(
+                f"rope_inv_freq: freq_factors must be [{rope_dim // 2}], got "
+                f"{tuple(freq_factors.shape)}"
+            )
+        inv = inv / freq_factors.detach().cpu().to(torch.float64)
+    return inv.to(torch.float32).to(device)
+
+
+def _check_heads(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 3:
+        raise ValueError(f"apply_rope: {name} must be [T, H, D], got shape {tuple(t.shape)}")
+    if t.stride(2) != 1:
+        raise ValueError(f"apply_rope: {name}'s last dimension must be contiguous")
+
+
+def apply_rope(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rope_type: str,
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` (or None) at ``positions`` ``[T]`` (int).
+
+    inv_freq: float32 ``[R/2]`` from ``rope_inv_freq`` (R = rope dims <= D; dims >= R are left
+    as they are). rope_type: "norm" (adjacent pairs) or "neox" (halves). q and k may be strided
+    views (e.g. of a fused qkv output), last dim contiguous. Returns ``(q', k')``: q and k
+    themselves when ``inplace``, new contiguous tensors otherwise.
+    """
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"apply_rope: unknown rope type {rope_type!r}")
+    _check_heads("q", q)
+    n_t, hq, d = q.shape
+    if k is not None:
+        _check_heads("k", k)
+        if k.shape[0] != n_t or k.shape[2] != d:
+            raise ValueError(f"apply_rope: k {tuple(k.shape)} does not match q {tuple(q.shape)}")
+    if positions.shape != (n_t,) or positions.dtype.is_floating_point:
+        raise ValueError(f"apply_rope: positions must be integer [{n_t}], got "
+                         f"{positions.dtype} {tuple(positions.shape)}")  # fmt: skip
+    r = 2 * inv_freq.shape[0]
+    if inv_freq.dim() != 1 or inv_freq.dtype != torch.float32 or not 0 < r <= d:
+        raise ValueError(f"apply_rope: inv_freq must be float32 [R/2] with R <= {d}, got "
+                         f"{inv_freq.dtype} {tuple(inv_freq.shape)}")  # fmt: skip
+    for name, t in (("k", k), ("positions", positions), ("inv_freq", inv_freq)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"apply_rope: {name} is on {t.device}, q on {q.device}")
+    qo = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ko = None if k is None else (k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device))
+    if n_t == 0:
+        return qo, ko
+    kk, kko = (k, ko) if k is not None else (q, qo)
+    block_d = triton.next_power_of_2(d)
+    _rope_kernel[(n_t,)](
+        q, kk, qo, kko, positions, inv_freq,
+        q.stride(0), q.stride(1), kk.stride(0), kk.stride(1),
+        qo.stride(0), qo.stride(1), kko.stride(0), kko.stride(1),
+        hq, kk.shape[1], d, r,
+        NEOX=rope_type == "neox", HAS_K=k is not None,
+        BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(kk.shape[1]),
+        BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+    return qo, ko
+
+
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    positions: torch.Tensor,
+    rope_dim: int,
+    base: float,
+    rope_type: str,
+    scale: float = 1.0,
+    freq_factors: torch.Tensor | None = None,
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``apply_rope`` with inv_freq computed here (a host computation and a copy per call:
+    models should call ``rope_inv_freq`` once and ``apply_rope`` per step)."""
+    inv = rope_inv_freq(rope_dim, base, scale, freq_factors, q.device)
+    return apply_rope(q, k, positions, inv, rope_type, inplace)

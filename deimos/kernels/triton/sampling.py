@@ -1,0 +1,187 @@
+"""Logits to token on the GPU (Triton): greedy argmax and top-k candidates.
+Oracle: deimos.kernels.sampling (``torch.argmax``'s first maximum; ``_topk``'s order).
+
+Both reduce ``logits [B, V]`` (float32) in two or more stages over blocks of the vocabulary, so
+nothing sorts V (262,144 for gemma3).
+
+argmax: stage 1, grid (n_blocks, B): each program's maximum and the lowest id holding it;
+stage 2, grid (B,): the same over the partials. Ties go to the lowest id, like the CPU sampler.
+
+top-k (k <= 256): every (logit, id) becomes one int64 key whose order is the wanted order:
+    bits 63..32: the float's bits made order-preserving as a signed int32 (negative floats get
+                 their magnitude bits flipped), so bigger logit = bigger key;
+    bits 31..0:  0xFFFFFFFF - id, so of two equal logits the lower id is the bigger key.
+Keys are distinct, so "the K biggest keys" is exactly ``_topk``'s answer, cut ties included.
+Stage 1 keeps the K_PAD (k rounded up to a power of two) biggest keys of each BLOCK_V block
+(``_store_top_keys``: a 64-step bitwise search for the K_PAD-th key, then a prefix-sum
+compaction; nothing is sorted); each merge pass does the same over MERGE partial lists, until
+one list is left (V = 262,144, BLOCK_V = 4096: 64 lists -> 4 -> 1); torch sorts those K_PAD.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+ARGMAX_BLOCK = 4096
+TOPK_BLOCK = 4096  # vocabulary entries per stage-1 program
+TOPK_MERGE = 16  # partial lists per merge program
+MAX_K = 256
+_ID_MASK = tl.constexpr(0xFFFFFFFF)
+
+
+@triton.jit
+def _argmax_block_kernel(p_x, p_val, p_idx, V, stride_b, N_BLOCKS, BLOCK: tl.constexpr):
+    i_blk = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    o_v = i_blk * BLOCK + tl.arange(0, BLOCK)
+    b_x = tl.load(p_x + i_b * stride_b + o_v, mask=o_v < V, other=float("-inf"))
+    mx = tl.max(b_x, axis=0)
+    idx = tl.min(tl.where(b_x == mx, o_v, 2147483647), axis=0)
+    tl.store(p_val + i_b * N_BLOCKS + i_blk, mx)
+    tl.store(p_idx + i_b * N_BLOCKS + i_blk, idx)
+
+
+@triton.jit
+def _argmax_final_kernel(p_val, p_idx, p_out, N_BLOCKS, BLOCK: tl.constexpr):
+    i_b = tl.program_id(0).to(tl.int64)
+    o_j = tl.arange(0, BLOCK)
+    m_j = o_j < N_BLOCKS
+    b_v = tl.load(p_val + i_b * N_BLOCKS + o_j, mask=m_j, other=float("-inf"))
+    b_i = tl.load(p_idx + i_b * N_BLOCKS + o_j, mask=m_j, other=2147483647)
+    mx = tl.max(b_v, axis=0)
+    tl.store(p_out + i_b, tl.min(tl.where(b_v == mx, b_i, 2147483647), axis=0).to(tl.int64))
+
+
+INT64_MIN = tl.constexpr(-9223372036854775807 - 1)
+
+
+@triton.jit
+def _store_top_keys(key, p_out, K_PAD: tl.constexpr):
+    """Store the K_PAD largest of ``key`` (int64 [N], N >= K_PAD, distinct apart from INT64_MIN
+    padding) to p_out[0:K_PAD], in no particular order.
+
+    T = the K_PAD-th largest key, found bit by bit from the top (64 counting passes): the sign
+    first, then, as in two's complement setting a lower bit always raises the value, each bit
+    kept when at least K_PAD keys are >= the candidate. Keys >= T are then compacted with a
+    prefix sum. No sort anywhere (tl.topk's bitonic network also works, but Triton's
+    interpreter runs its int64 compare-and-swap element by element: minutes per call)."""
+    n_pos = tl.sum((key >= 0).to(tl.int32), axis=0)
+    t = tl.where(n_pos >= K_PAD, 0, INT64_MIN).to(tl.int64)
+    one = tl.full([], 1, tl.int64)
+    for i in range(63):
+        cand = t | (one << (62 - i))
+        n_ge = tl.sum((key >= cand).to(tl.int32), axis=0)
+        t = tl.where(n_ge >= K_PAD, cand, t)
+    sel = key >= t  # at least K_PAD of them; more only when padding ties at T
+    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    tl.store(p_out + pos, key, mask=sel & (pos < K_PAD))
+
+
+@triton.jit
+def _topk_block_kernel(p_x, p_keys, V, stride_b, N_BLOCKS,
+                       BLOCK: tl.constexpr, K_PAD: tl.constexpr):  # fmt: skip
+    i_blk = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    o_v = i_blk * BLOCK + tl.arange(0, BLOCK)
+    m_v = o_v < V
+    b_x = tl.load(p_x + i_b * stride_b + o_v, mask=m_v, other=0.0)
+    bits = b_x.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed order == float order
+    key = (ordered.to(tl.int64) << 32) | (_ID_MASK - o_v.to(tl.int64))
+    key = tl.where(m_v, key, INT64_MIN)  # padding: below every real key
+    _store_top_keys(key, p_keys + (i_b * N_BLOCKS + i_blk) * K_PAD, K_PAD)
+
+
+@triton.jit
+def _topk_merge_kernel(p_in, p_out, N_IN, N_OUT,
+                       MERGE: tl.constexpr, K_PAD: tl.constexpr):  # fmt: skip
+    i_o = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    o_e = tl.arange(0, MERGE * K_PAD)
+    m_e = i_o * MERGE + o_e // K_PAD < N_IN
+    key = tl.load(p_in + (i_b * N_IN + i_o * MERGE) * K_PAD + o_e, mask=m_e, other=INT64_MIN)
+    _store_top_keys(key, p_out + (i_b * N_OUT + i_o) * K_PAD, K_PAD)
+
+
+def _check_logits(logits: torch.Tensor, who: str) -> torch.Tensor:
+    if logits.dim() not in (1, 2) or logits.shape[-1] == 0:
+        raise ValueError(f"{who}: logits must be [V] or [B, V], got shape {tuple(logits.shape)}")
+    if logits.dtype != torch.float32:
+        raise ValueError(f"{who}: logits must be float32, got {logits.dtype}")
+    x = logits.reshape(1, -1) if logits.dim() == 1 else logits
+    if x.stride(1) != 1:
+        raise ValueError(f"{who}: logits' last dimension must be contiguous")
+    if x.shape[1] >= 2**31:
+        raise ValueError(f"{who}: vocabulary of {x.shape[1]} does not fit int32 ids")
+    return x
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy token: logits float32 ``[V]`` or ``[B, V]`` -> int64 ``[]`` or ``[B]`` on the
+    device, the first maximum (ties to the lowest id). NaN logits give an unspecified id."""
+    x = _check_logits(logits, "argmax")
+    n_b, v = x.shape
+    n_blocks = triton.cdiv(v, ARGMAX_BLOCK)
+    part_v = torch.empty((n_b, n_blocks), dtype=torch.float32, device=x.device)
+    part_i = torch.empty((n_b, n_blocks), dtype=torch.int32, device=x.device)
+    out = torch.empty(n_b, dtype=torch.int64, device=x.device)
+    _argmax_block_kernel[(n_blocks, n_b)](
+        x, part_v, part_i, v, x.stride(0), n_blocks, BLOCK=ARGMAX_BLOCK, num_warps=8
+    )
+    _argmax_final_kernel[(n_b,)](
+        part_v, part_i, out, n_blocks, BLOCK=triton.next_power_of_2(n_blocks), num_warps=4
+    )
+    return out[0] if logits.dim() == 1 else out
+
+
+class TopK(NamedTuple):
+    values: torch.Tensor  # float32 [..., k], descending
+    ids: torch.Tensor  # int64 [..., k]; equal values in ascending id order
+
+
+def topk_passes(v: int, k_pad: int) -> list[int]:
+    """Number of lists after stage 1 and after each merge pass (the last is 1)."""
+    n = [triton.cdiv(v, TOPK_BLOCK)]
+    while n[-1] > 1:
+        n.append(triton.cdiv(n[-1], TOPK_MERGE))
+    return n
+
+
+def topk(logits: torch.Tensor, k: int) -> TopK:
+    """The k largest logits and their ids, without sorting the vocabulary.
+
+    logits: float32 ``[V]`` or ``[B, V]``; 1 <= k <= min(256, V). Order and ties as
+    deimos.kernels.sampling's ``_topk``: descending values, equal values by ascending id, a tie
+    across the k-th place keeps the lowest ids. Returns ``TopK`` of ``[k]`` or ``[B, k]``:
+    top-k / top-p / min-p then run on these k candidates (host or device).
+    """
+    x = _check_logits(logits, "topk")
+    n_b, v = x.shape
+    if not 1 <= k <= min(MAX_K, v):
+        raise ValueError(f"topk: k = {k} not in 1..{min(MAX_K, v)}")
+    k_pad = max(2, triton.next_power_of_2(k))
+    counts = topk_passes(v, k_pad)
+    keys = torch.empty((n_b, counts[0], k_pad), dtype=torch.int64, device=x.device)
+    _topk_block_kernel[(counts[0], n_b)](
+        x, keys, v, x.stride(0), counts[0], BLOCK=TOPK_BLOCK, K_PAD=k_pad, num_warps=8
+    )
+    for n_in, n_out in zip(counts, counts[1:]):
+        merged = torch.empty((n_b, n_out, k_pad), dtype=torch.int64, device=x.device)
+        _topk_merge_kernel[(n_out, n_b)](
+            keys, merged, n_in, n_out, MERGE=TOPK_MERGE, K_PAD=k_pad, num_warps=8
+        )
+        keys = merged
+    # the last list holds the K_PAD best keys unordered: sort those few (descending key =
+    # descending logit, then ascending id)
+    keys = torch.sort(keys[:, 0, :], dim=1, descending=True).values[:, :k]
+    ids = 0xFFFFFFFF - (keys & 0xFFFFFFFF)
+    hi = (keys >> 32).to(torch.int32)
+    bits = torch.where(hi < 0, hi ^ 0x7FFFFFFF, hi)
+    values = bits.view(torch.float32)
+    if logits.dim() == 1:
+        return TopK(values[0], ids[0])
+    return TopK(values, ids)
