@@ -1,4 +1,4 @@
-"""Compile every Triton kernel of deimos.quant.triton for the H200 (sm_90), with no GPU here.
+"""Compile every Triton kernel (deimos.quant.triton, deimos.kernels.triton) for sm_90, no GPU here.
 
 For each launch configuration the wrappers use, the kernel goes through Triton's normal JIT
 (``kernel.warmup``, same argument specialization as a real launch) behind a stub driver that
@@ -77,6 +77,90 @@ def _jobs() -> list[Job]:
         # launch_config is one config per format (its rule ignores the shape)
         cfg = g.launch_config(t, 4096, 4096, 1)
         jobs.append(Job("gemv_" + t.name, _describe(cfg), _gemv_warmup(g, t, 4096, cfg)))
+    return jobs + _layer_jobs()
+
+
+def _warm(kernel: object, args: list, **kw: object):
+    """A warmup of ``kernel`` with ``args`` (torch dtypes become mock pointers)."""
+    import torch
+    from triton.runtime.jit import MockTensor
+
+    real = [MockTensor(a) if isinstance(a, torch.dtype) else a for a in args]
+    return lambda: kernel.warmup(*real, grid=(1,), **kw)
+
+
+def _layer_jobs() -> list[Job]:
+    """deimos.kernels.triton: each kernel at the configs its launch rules pick for real models
+    (llama 8B: D 4096, 32/8 heads of 128; gemma3: heads of 256; tiny: heads of 64)."""
+    import importlib
+
+    import torch
+    import triton
+
+    # by module path: the package re-exports functions of the same names as some modules
+    activation, decode_attention, norm, prefill_attention, rope, sampling = (
+        importlib.import_module("deimos.kernels.triton." + m)
+        for m in ("activation", "decode_attention", "norm", "prefill_attention", "rope", "sampling")
+    )
+
+    f16, f32, i32, i64 = torch.float16, torch.float32, torch.int32, torch.int64
+    jobs = []
+    for d in (576, 4096, 5376):
+        c = norm.norm_config(d)
+        for res in (False, True):
+            jobs.append(Job("rms_norm" + ("+add" if res else ""),
+                            f"D={d} B={c.block_d} w={c.num_warps}",
+                            _warm(norm._rms_norm_kernel, [f16] * 5 + [4096] * 4 + [d, 1e-6],
+                                  HAS_RESIDUAL=res, BLOCK_D=c.block_d, num_warps=c.num_warps)))
+    for act in activation.ACTIVATIONS.values():
+        args = [f16] * 3 + [28672, 28672, 14336, 14336]
+        jobs.append(Job("gated_act", f"act={act} B={activation.BLOCK}",
+                        _warm(activation._gated_act_kernel, args, ACT=act,
+                              BLOCK_F=activation.BLOCK, num_warps=activation.NUM_WARPS)))
+    for hq, hk, d in ((32, 8, 128), (8, 4, 256), (9, 3, 64)):
+        for neox in (False, True):
+            args = [f16] * 4 + [i64, f32] + [d * (hq + 2 * hk), d] * 4 + [hq, hk, d, d]
+            jobs.append(Job("rope", f"H={hq}+{hk} D={d} neox={int(neox)}",
+                            _warm(rope._rope_kernel, args, NEOX=neox, HAS_K=True,
+                                  BLOCK_HQ=triton.next_power_of_2(hq),
+                                  BLOCK_HK=triton.next_power_of_2(hk), BLOCK_D=d, num_warps=4)))
+    for hq, hk, d, s in ((32, 8, 128, 4096), (8, 4, 256, 4096), (9, 3, 64, 2048)):
+        c = decode_attention.decode_config(s, 1, hk, d)
+        args = [f16, f16, f16, i32, f32, f32, f32, hq * d, d, hk * d, d, hk * d, d,
+                s, hk, d, c.split, c.n_split, d**-0.5, 0]
+        jobs.append(Job("decode_split", f"G={hq // hk} D={d} S={c.block_s} w={c.num_warps}",
+                        _warm(decode_attention._decode_split_kernel, args, G=hq // hk,
+                              G_PAD=decode_attention.GROUP_ROWS, BLOCK_S=c.block_s,
+                              BLOCK_D=d, num_warps=c.num_warps)))
+        jobs.append(Job("decode_combine", f"D={d} splits={c.n_split}",
+                        _warm(decode_attention._decode_combine_kernel,
+                              [f32, f32, f32, f16, hq * d, d, hq, d, c.n_split],
+                              BLOCK_SPLIT=triton.next_power_of_2(c.n_split), BLOCK_D=d,
+                              num_warps=4)))
+    for hq, hk, d in ((32, 8, 128), (8, 4, 256), (4, 1, 256), (9, 3, 64), (4, 2, 32)):
+        c = prefill_attention.prefill_config(d)
+        args = [f16] * 4 + [hq * d, d, hk * d, d, hk * d, d, hq * d, d, 512, d, 0, d**-0.5, 0]
+        jobs.append(Job("prefill", f"G={hq // hk} D={d} M={c.block_m} N={c.block_n} "
+                                   f"w={c.num_warps} st={c.num_stages}",
+                        _warm(prefill_attention._prefill_kernel, args, G=hq // hk,
+                              BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+                              BLOCK_D=max(16, triton.next_power_of_2(d)),
+                              num_warps=c.num_warps, num_stages=c.num_stages)))
+    v = 262144
+    n_blk = triton.cdiv(v, sampling.ARGMAX_BLOCK)
+    jobs.append(Job("argmax_block", f"B={sampling.ARGMAX_BLOCK}",
+                    _warm(sampling._argmax_block_kernel, [f32, f32, i32, v, v, n_blk],
+                          BLOCK=sampling.ARGMAX_BLOCK, num_warps=8)))
+    jobs.append(Job("argmax_final", f"B={triton.next_power_of_2(n_blk)}",
+                    _warm(sampling._argmax_final_kernel, [f32, i32, i64, n_blk],
+                          BLOCK=triton.next_power_of_2(n_blk), num_warps=4)))
+    for k_pad in (64, 256):
+        jobs.append(Job("topk_block", f"B={sampling.TOPK_BLOCK} K={k_pad}",
+                        _warm(sampling._topk_block_kernel, [f32, i64, v, v, 64],
+                              BLOCK=sampling.TOPK_BLOCK, K_PAD=k_pad, num_warps=8)))
+        jobs.append(Job("topk_merge", f"M={sampling.TOPK_MERGE} K={k_pad}",
+                        _warm(sampling._topk_merge_kernel, [i64, i64, 64, 4],
+                              MERGE=sampling.TOPK_MERGE, K_PAD=k_pad, num_warps=8)))
     return jobs
 
 
@@ -158,12 +242,12 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(Row(job.name, job.config, False, "-", "-", 0, seconds, msg))
 
     print(f"triton {triton.__version__}, target sm_{TARGET_ARCH}")
-    head = f"{'kernel':<12} {'config':<26} {'regs':>5} {'spill':>6} {'shared':>7} {'time s':>7}"
+    head = f"{'kernel':<15} {'config':<34} {'regs':>5} {'spill':>6} {'shared':>7} {'time s':>7}"
     print(head + "  status")
     for r in rows:
         status = "ok" if r.ok else "FAIL " + r.error
         print(
-            f"{r.name:<12} {r.config:<26} {r.regs:>5} {r.spills:>6} {r.shared:>7} "
+            f"{r.name:<15} {r.config:<34} {r.regs:>5} {r.spills:>6} {r.shared:>7} "
             f"{r.seconds:>7.2f}  {status}"
         )
     failed = [r for r in rows if not r.ok]

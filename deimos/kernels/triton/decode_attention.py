@@ -68,8 +68,10 @@ def _decode_split_kernel(
         m_s = (o_k >= lo) & (o_k < hi)
         o_k64 = o_k.to(tl.int64)
         m_kd = m_s[:, None] & m_d[None, :]
-        b_k = tl.load(p_k + o_k64[:, None] * sk_s + i_kv * sk_h + o_d[None, :], mask=m_kd, other=0.0)
-        b_v = tl.load(p_v + o_k64[:, None] * sv_s + i_kv * sv_h + o_d[None, :], mask=m_kd, other=0.0)
+        p_kb = p_k + o_k64[:, None] * sk_s + i_kv * sk_h + o_d[None, :]
+        p_vb = p_v + o_k64[:, None] * sv_s + i_kv * sv_h + o_d[None, :]
+        b_k = tl.load(p_kb, mask=m_kd, other=0.0)
+        b_v = tl.load(p_vb, mask=m_kd, other=0.0)
         qk = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.float32) * qk_scale  # [G_PAD, BLOCK_S]
         qk = tl.where(m_s[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))

@@ -71,8 +71,10 @@ def _prefill_kernel(
         m_s = o_s < hi
         m_kd = m_s[:, None] & m_d[None, :]
         o_s64 = o_s.to(tl.int64)
-        b_k = tl.load(p_k + o_s64[:, None] * sk_s + i_kv * sk_h + o_d[None, :], mask=m_kd, other=0.0)
-        b_v = tl.load(p_v + o_s64[:, None] * sv_s + i_kv * sv_h + o_d[None, :], mask=m_kd, other=0.0)
+        p_kb = p_k + o_s64[:, None] * sk_s + i_kv * sk_h + o_d[None, :]
+        p_vb = p_v + o_s64[:, None] * sv_s + i_kv * sv_h + o_d[None, :]
+        b_k = tl.load(p_kb, mask=m_kd, other=0.0)
+        b_v = tl.load(p_vb, mask=m_kd, other=0.0)
         qk = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.float32) * qk_scale  # [M, N]
         delta = q_pos[:, None] - o_s[None, :]
         ok = (delta >= 0) & m_s[None, :]

@@ -135,7 +135,7 @@ def apply_rope(
         if t is not None and t.device != q.device:
             raise ValueError(f"apply_rope: {name} is on {t.device}, q on {q.device}")
     qo = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ko = None if k is None else (k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device))
+    ko = k if k is None or inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if n_t == 0:
         return qo, ko
     kk, kko = (k, ko) if k is not None else (q, qo)
