@@ -28,7 +28,7 @@ from deimos.quant.triton.dequant_gemv import (
     Q6_K,
     Q8_0,
     _codes,
-    _k4_scales,
+    group_scales,
 )
 from deimos.quant.triton.layout import PackedWeight
 
@@ -66,25 +66,7 @@ def _dequant_kernel(
         b_h = tl.load(p_qh + o_q, mask=m_w, other=0).to(tl.int32)
     else:
         b_h = b_w
-    if FMT == Q4_K or FMT == Q5_K:
-        s_lo, mn = _k4_scales(p_s, o_n, u, m_ns, S_TOTAL)
-        s_hi = s_lo
-        mn = -mn
-    elif FMT == Q6_K:
-        o_d = o_n[:, None] * (S_TOTAL // 8) + (u // 8)[None, :]
-        b_d = tl.load(p_d + o_d, mask=m_ns, other=0.0).to(tl.float32)
-        p_sc = p_s + o_n[:, None] * (S_TOTAL * 2) + (u * 2)[None, :]
-        s_lo = b_d * tl.load(p_sc, mask=m_ns, other=0).to(tl.float32)
-        s_hi = b_d * tl.load(p_sc + 1, mask=m_ns, other=0).to(tl.float32)
-        mn = s_lo
-    else:
-        o_g = o_n[:, None] * S_TOTAL + u[None, :]
-        s_lo = tl.load(p_d + o_g, mask=m_ns, other=0.0).to(tl.float32)
-        s_hi = s_lo
-        if FMT == Q4_1:
-            mn = tl.load(p_m + o_g, mask=m_ns, other=0.0).to(tl.float32)
-        else:
-            mn = s_lo
+    s_lo, s_hi, mn = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT)
     o_out = o_n[:, None, None] * K + u[None, :, None] * 32 + o_w[None, None, :]
     for k in tl.static_range(NK):
         q = _codes(b_w, b_h, k, FMT)

@@ -116,6 +116,33 @@ def _k4_scales(p_s, o_n, u, m, S_TOTAL):
 
 
 @triton.jit
+def group_scales(p_s, p_d, p_m, o_n, u, m, S_TOTAL, FMT: tl.constexpr):
+    """Scales of groups ``u`` of rows ``o_n``, float32 [BLOCK_N, BLOCK_S] each:
+    (scale of the group's first 16 elements, of its last 16, and the min term: what
+    multiplies the group sum of x; for formats without a min its value is unused)."""
+    if FMT == Q4_K or FMT == Q5_K:
+        s_lo, mn = _k4_scales(p_s, o_n, u, m, S_TOTAL)
+        s_hi = s_lo
+        mn = -mn
+    elif FMT == Q6_K:
+        o_d = o_n[:, None] * (S_TOTAL // 8) + (u // 8)[None, :]
+        b_d = tl.load(p_d + o_d, mask=m, other=0.0).to(tl.float32)
+        p_sc = p_s + o_n[:, None] * (S_TOTAL * 2) + (u * 2)[None, :]
+        s_lo = b_d * tl.load(p_sc, mask=m, other=0).to(tl.float32)
+        s_hi = b_d * tl.load(p_sc + 1, mask=m, other=0).to(tl.float32)
+        mn = s_lo
+    else:
+        o_g = o_n[:, None] * S_TOTAL + u[None, :]
+        s_lo = tl.load(p_d + o_g, mask=m, other=0.0).to(tl.float32)
+        s_hi = s_lo
+        if FMT == Q4_1:
+            mn = tl.load(p_m + o_g, mask=m, other=0.0).to(tl.float32)
+        else:
+            mn = s_lo
+    return s_lo, s_hi, mn
+
+
+@triton.jit
 def _gemv_kernel(
     p_qw, p_qh, p_s, p_d, p_m,  # weight arrays (unused ones get any pointer)
     p_x, p_xs, p_y,  # x [B, K] f32, group sums of x [B, K/32] f32, y [B, N] f32
@@ -164,26 +191,7 @@ def _gemv_kernel(
                 part_lo += b_x * q
             else:
                 part_hi += b_x * q
-        # per-group scales [BLOCK_N, BLOCK_S]
-        if FMT == Q4_K or FMT == Q5_K:
-            s_lo, mn = _k4_scales(p_s, o_n, u, m_ns, S_TOTAL)
-            s_hi = s_lo
-            mn = -mn
-        elif FMT == Q6_K:
-            o_d = o_n[:, None] * (S_TOTAL // 8) + (u // 8)[None, :]
-            b_d = tl.load(p_d + o_d, mask=m_ns, other=0.0).to(tl.float32)
-            p_sc = p_s + o_n[:, None] * (S_TOTAL * 2) + (u * 2)[None, :]
-            s_lo = b_d * tl.load(p_sc, mask=m_ns, other=0).to(tl.float32)
-            s_hi = b_d * tl.load(p_sc + 1, mask=m_ns, other=0).to(tl.float32)
-            mn = s_lo
-        else:
-            o_g = o_n[:, None] * S_TOTAL + u[None, :]
-            s_lo = tl.load(p_d + o_g, mask=m_ns, other=0.0).to(tl.float32)
-            s_hi = s_lo
-            if FMT == Q4_1:
-                mn = tl.load(p_m + o_g, mask=m_ns, other=0.0).to(tl.float32)
-            else:
-                mn = s_lo
+        s_lo, s_hi, mn = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT)
         acc += s_lo * tl.sum(part_lo, axis=2) + s_hi * tl.sum(part_hi, axis=2)
         if HAS_MIN:
             acc += mn * tl.load(p_xs + i_b * S_TOTAL + u, mask=m_s, other=0.0)[None, :]
