@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deimos.kernels.triton._attention_io import check_attention_io
+
 LOG2E = tl.constexpr(1.4426950408889634)
 TARGET_PROGRAMS = 264  # ~2 per SM on an H200
 GROUP_ROWS = 16  # tl.dot's minimum M on sm_90
@@ -144,33 +146,14 @@ def decode_attention(
     window: sliding window W (0 = none). Products run in k's dtype (fp32 caches use TF32 on
     the GPU), accumulation in fp32. Returns ``[B, Hq, D]`` in q's dtype (or ``out``).
     """
-    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
-        raise ValueError(
-            f"decode_attention: need q [B, Hq, D], k = v [S, Hkv, D]; got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
+    out = check_attention_io("decode_attention", q, k, v, window, out, q_pos.device, "B")
     n_b, hq, d = q.shape
-    s, hkv, dk = k.shape
-    if dk != d or hq % hkv:
-        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit k {tuple(k.shape)}")
+    s, hkv, _ = k.shape
     if hq // hkv > GROUP_ROWS:
         raise ValueError(f"decode_attention: {hq // hkv} query heads per kv head > {GROUP_ROWS}")
-    if k.dtype != v.dtype:
-        raise ValueError(f"decode_attention: k is {k.dtype}, v is {v.dtype}")
     if q_pos.shape != (n_b,) or q_pos.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"decode_attention: q_pos must be int32 [{n_b}], got "
                          f"{q_pos.dtype} {tuple(q_pos.shape)}")  # fmt: skip
-    if window < 0:
-        raise ValueError(f"decode_attention: window must be >= 0, got {window}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(2) != 1:
-            raise ValueError(f"decode_attention: {name}'s last dimension must be contiguous")
-        if t.device != q_pos.device:
-            raise ValueError(f"decode_attention: {name} on {t.device}, q_pos on {q_pos.device}")
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if out.shape != q.shape or out.stride(2) != 1:
-        raise ValueError(f"decode_attention: out must be {tuple(q.shape)}, last dim contiguous")
     if n_b == 0:
         return out
     cfg = decode_config(s, n_b, hkv, d)

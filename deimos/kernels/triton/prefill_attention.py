@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deimos.kernels.triton._attention_io import check_attention_io
+
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -131,35 +133,16 @@ def prefill_attention(
     and keys 0..start+T-1 written (same dtype; fp16/bf16 on the GPU; last dims contiguous);
     D <= 256; window: sliding window W (0 = none). Returns ``[T, Hq, D]`` in q's dtype.
     """
-    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
-        raise ValueError(
-            f"prefill_attention: need q [T, Hq, D], k = v [S, Hkv, D]; got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
+    out = check_attention_io("prefill_attention", q, k, v, window, out, q.device, "T")
     n_t, hq, d = q.shape
-    s, hkv, dk = k.shape
-    if dk != d or hq % hkv:
-        raise ValueError(f"prefill_attention: q {tuple(q.shape)} does not fit k {tuple(k.shape)}")
+    s, hkv, _ = k.shape
     if d > MAX_HEAD_DIM:
         raise ValueError(f"prefill_attention: head size {d} > {MAX_HEAD_DIM}")
-    if k.dtype != v.dtype:
-        raise ValueError(f"prefill_attention: k is {k.dtype}, v is {v.dtype}")
     if start < 0 or start + n_t > s:
         raise ValueError(
             f"prefill_attention: positions {start}..{start + n_t - 1} need a cache of at least "
             f"{start + n_t} keys, k has {s}"
         )
-    if window < 0:
-        raise ValueError(f"prefill_attention: window must be >= 0, got {window}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(2) != 1:
-            raise ValueError(f"prefill_attention: {name}'s last dimension must be contiguous")
-        if t.device != q.device:
-            raise ValueError(f"prefill_attention: {name} on {t.device}, q on {q.device}")
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if out.shape != q.shape or out.stride(2) != 1:
-        raise ValueError(f"prefill_attention: out must be {tuple(q.shape)}, last dim contiguous")
     if n_t == 0:
         return out
     g = hq // hkv
