@@ -85,7 +85,7 @@ def test_synth_architectures_match_llama_cpp_logits(synth_case, monkeypatch):
     if model.config.activation == "gelu_tanh":
         # our GELU is exact; ggml's CPU one is an f16 table: with that emulated, float32 noise
         assert worst < 3e-2
-        monkeypatch.setattr("deimos.models.blocks.gated_act", ggml_cpu_geglu)
+        monkeypatch.setattr("deimos.models.ops.gated_act", ggml_cpu_geglu)
         worst = synth_logit_error(ref, model)
         print(f"  with ggml's f16 GELU table: {worst:.2e}")
         # gemma's four norms a layer and sqrt(n_embd) embedding scale amplify float32 noise
@@ -121,7 +121,7 @@ def test_real_models_equal_llama_cpp_on_their_f32_twin(real_model, monkeypatch):
     also checks our exact GELU against it.)"""
     name, model = real_model
     if model.config.activation == "gelu_tanh":
-        monkeypatch.setattr("deimos.models.blocks.gated_act", ggml_cpu_geglu)
+        monkeypatch.setattr("deimos.models.ops.gated_act", ggml_cpu_geglu)
     ref = reference(f"{_stem(name)}.f32-twin.json")
     worst = 0.0
     for case in ref["cases"]:

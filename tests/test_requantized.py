@@ -78,7 +78,7 @@ def run(request):
     cases = {}
     with pytest.MonkeyPatch.context() as mp:
         if model.config.activation == "gelu_tanh":
-            mp.setattr("deimos.models.blocks.gated_act", ggml_cpu_geglu)
+            mp.setattr("deimos.models.ops.gated_act", ggml_cpu_geglu)
         for case in ref["cases"]:
             t = twin[case["id"]]
             lt = forced_logits(model, t["prompt_tokens"] + t["tokens"], len(t["prompt_tokens"]))

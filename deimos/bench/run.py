@@ -4,7 +4,8 @@ the GPU.
 
 A round, as llama-bench's pp/tg tests: prefill = one forward of ``n_prompt`` random tokens into
 an empty cache; decode = ``n_gen`` single-token steps from an empty cache, each step's greedy
-token (argmax on the device, never read back) fed to the next. Times are wall clock between
+token read back and fed to the next, as generation does (on CUDA the steps replay the decode
+graph, captured in the warm-up round, deimos.runtime.graph). Times are wall clock between
 device synchronizations. Decode bandwidth counts the file's weight bytes read per token
 (every matrix once; the token embedding only if it is also the output projection).
 """
@@ -23,6 +24,7 @@ from deimos.bench.llama import run_llama_bench
 from deimos.bench.stats import BenchReport, RoundTimes, summarize
 from deimos.gguf import GGUFFile
 from deimos.models.batch import Batch
+from deimos.runtime.graph import DecodeGraph
 from deimos.runtime.kv_cache import KVCache
 
 log = logging.getLogger("deimos")
@@ -59,26 +61,46 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_round(model, cfg: BenchConfig, device: torch.device, gen: torch.Generator) -> RoundTimes:
-    mc = model.config
-    tokens = torch.randint(0, mc.n_vocab, (cfg.n_prompt,), generator=gen).to(device)
-    kv = KVCache(mc, cfg.n_prompt + cfg.n_gen, device=str(device))
+class Session:
+    """One cache (and decode graph) for every round: the graph is captured once."""
+
+    def __init__(self, model, capacity: int, device: torch.device):
+        self.model = model
+        self.kv = KVCache(model.config, capacity, device=str(device))
+        self.graph = None
+        if device.type == "cuda" and getattr(model.ops, "graph_safe", False):
+            self.graph = DecodeGraph(model, self.kv)
+
+    def decode(self, token: int) -> int:
+        if self.graph is not None:
+            logits = self.graph.step(token)
+        else:
+            pos = torch.tensor([self.kv.length], device=self.kv.k[0].device)
+            tok = torch.tensor([token], device=pos.device)
+            logits = self.model.forward(Batch(tok, pos, self.kv))[0]
+        return int(torch.argmax(logits))
+
+
+def time_round(session: Session, n_prompt: int, n_gen: int, device: torch.device,
+               gen: torch.Generator) -> RoundTimes:
+    mc = session.model.config
+    kv = session.kv
+    tokens = torch.randint(0, mc.n_vocab, (n_prompt,), generator=gen).to(device)
+    kv.truncate(0)
     _sync(device)
     t0 = time.perf_counter()
-    model.forward(Batch(tokens, torch.arange(cfg.n_prompt, device=device), kv))
+    session.model.forward(Batch(tokens, torch.arange(n_prompt, device=device), kv))
     _sync(device)
     t1 = time.perf_counter()
     kv.truncate(0)
-    token = torch.randint(0, mc.n_vocab, (1,), generator=gen).to(device)
-    positions = torch.arange(cfg.n_gen, device=device)
+    token = int(torch.randint(0, mc.n_vocab, (1,), generator=gen))
     _sync(device)
     t2 = time.perf_counter()
-    for i in range(cfg.n_gen):
-        logits = model.forward(Batch(token, positions[i : i + 1], kv))
-        token = torch.argmax(logits[0]).view(1)
+    for _ in range(n_gen):
+        token = session.decode(token)
     _sync(device)
     t3 = time.perf_counter()
-    return RoundTimes(t1 - t0, t3 - t2, cfg.n_prompt, cfg.n_gen)
+    return RoundTimes(t1 - t0, t3 - t2, n_prompt, n_gen)
 
 
 def run_bench(cfg: BenchConfig) -> BenchReport:
@@ -94,8 +116,9 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     device = torch.device(cfg.device)
     model = load_model(file, device=cfg.device)
     gen = torch.Generator().manual_seed(cfg.seed)
-    # warm-up (JIT compiles every kernel of both paths), not reported
-    time_round(model, BenchConfig(cfg.model, 16, 4, 1, cfg.device), device, gen)
+    session = Session(model, cfg.n_prompt + cfg.n_gen, device)
+    # warm-up (JIT compiles every kernel of both paths, captures the graph), not reported
+    time_round(session, 16, 4, device, gen)
     check = ContentionCheck.from_snapshots(before, nvml.processes(), os.getpid())
 
     def idle(what: str) -> bool:
@@ -112,7 +135,7 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     vs_llama = cfg.vs_llama
     for r in range(cfg.rounds):
         if idle("deimos"):
-            ours.append(time_round(model, cfg, device, gen))
+            ours.append(time_round(session, cfg.n_prompt, cfg.n_gen, device, gen))
             log.info("bench: round %d deimos: pp %.1f t/s, tg %.1f t/s", r, ours[-1].prefill_tps,
                      ours[-1].decode_tps)
         else:

@@ -21,12 +21,17 @@ PREFILL_CHUNK = 512  # prompt tokens per forward step: bounds the attention scor
 
 
 class Generator:
-    def __init__(self, model: DecoderModel, n_ctx: int, device: str = "cpu"):
+    def __init__(self, model: DecoderModel, n_ctx: int, device: str = "cpu", cuda_graph: bool = True):
         self.model = model
         self.n_ctx = n_ctx
         self.device = device
         self.kv = KVCache(model.config, n_ctx, device=device)
         self.cached: list[int] = []  # tokens whose entries the cache holds, in order
+        self.graph = None  # decode steps replay one CUDA graph on the kernel path
+        if cuda_graph and model.device.type == "cuda" and getattr(model.ops, "graph_safe", False):
+            from deimos.runtime.graph import DecodeGraph
+
+            self.graph = DecodeGraph(model, self.kv)
 
     def _reuse_prefix(self, prompt: list[int]) -> int:
         n = 0
@@ -38,6 +43,10 @@ class Generator:
         return n
 
     def _forward(self, tokens: list[int]) -> torch.Tensor:
+        if len(tokens) == 1 and self.graph is not None:
+            logits = self.graph.step(tokens[0])
+            self.cached.extend(tokens)
+            return logits
         start = self.kv.length
         batch = Batch(
             torch.tensor(tokens, dtype=torch.long, device=self.device),

@@ -10,14 +10,22 @@ import torch
 
 
 class KVStore(Protocol):
-    """Per-sequence attention cache. The model writes the step's keys and values of a layer
-    and reads back everything cached for that layer (this step included)."""
+    """Per-sequence attention cache (deimos.runtime.kv_cache.KVCache). A step: ``begin``
+    (room check, returns the start), every layer ``write``s its keys and values and reads
+    them back (``view``, or the whole per-layer tensors ``k``/``v`` for kernels that take
+    positions on the device), then ``commit``."""
 
-    def append(
-        self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """k: [T, Hkv, D], v: [T, Hkv, Dv] at ``positions`` [T] -> (k_all [S, Hkv, D], v_all, k_pos [S])."""
-        ...
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    def begin(self, positions: torch.Tensor) -> int: ...
+
+    def commit(self, n: int) -> None: ...
+
+    def write(self, layer: int, start: int | None, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None: ...
+
+    def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass

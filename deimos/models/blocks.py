@@ -7,27 +7,25 @@ from __future__ import annotations
 
 import torch
 
-from deimos.kernels.activation import gated_act
-from deimos.kernels.attention import causal_attention
-from deimos.kernels.norm import add_rms_norm, rms_norm
-from deimos.kernels.rope import apply_rope, rope_cos_sin
 from deimos.models.batch import Batch
 from deimos.models.config import ModelConfig
+from deimos.models.ops import Ops, StepState
 from deimos.models.weights import Embedding, Linear, WeightSource
-
-Rope = dict[float, tuple[torch.Tensor, torch.Tensor]]  # rope base -> (cos, sin) for this step
 
 
 class RMSNorm:
-    def __init__(self, weight: torch.Tensor, eps: float):
+    def __init__(self, weight: torch.Tensor, eps: float, ops: Ops):
         self.weight = weight
         self.eps = eps
+        self.ops = ops
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, fused: bool = True):
-        """Plain: norm(x). With the residual stream (fused=True): returns (norm(x + residual), x + residual)."""
+        """Plain: norm(x) over the last dim. With the residual stream (fused=True): returns
+        (norm(x + residual), x + residual)."""
         if not fused:
-            return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+            shape = x.shape
+            return self.ops.rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention:
@@ -40,15 +38,16 @@ class Attention:
         self.k = w.linear(f"{p}.attn_k", cfg.n_head_kv * cfg.head_dim, cfg.n_embd, bias=None)
         self.v = w.linear(f"{p}.attn_v", cfg.n_head_kv * cfg.head_dim_v, cfg.n_embd, bias=None)
         self.o = w.linear(f"{p}.attn_output", cfg.n_embd, cfg.n_head * cfg.head_dim_v, bias=None)
+        self.ops = w.ops
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(w.vector(f"{p}.attn_q_norm.weight", cfg.head_dim), cfg.rms_eps)
-            self.k_norm = RMSNorm(w.vector(f"{p}.attn_k_norm.weight", cfg.head_dim), cfg.rms_eps)
+            self.q_norm = RMSNorm(w.vector(f"{p}.attn_q_norm.weight", cfg.head_dim), cfg.rms_eps, w.ops)
+            self.k_norm = RMSNorm(w.vector(f"{p}.attn_k_norm.weight", cfg.head_dim), cfg.rms_eps, w.ops)
         self.layer = layer
         self.rope_base = cfg.layer_rope_base(layer)
         self.window = cfg.sliding_window if cfg.is_swa(layer) else 0
 
-    def __call__(self, x: torch.Tensor, batch: Batch, rope: Rope) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, step: StepState) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
         q = self.q(x).view(n, cfg.n_head, cfg.head_dim)
         k = self.k(x).view(n, cfg.n_head_kv, cfg.head_dim)
@@ -56,11 +55,8 @@ class Attention:
         if self.q_norm is not None:
             q = self.q_norm(q, fused=False)
             k = self.k_norm(k, fused=False)
-        cos, sin = rope[self.rope_base]
-        q = apply_rope(q, cos, sin, cfg.rope_type)
-        k = apply_rope(k, cos, sin, cfg.rope_type)
-        k_all, v_all, k_pos = batch.kv.append(self.layer, batch.positions, k, v)
-        out = causal_attention(q, k_all, v_all, batch.positions, k_pos, cfg.attn_scale, self.window)
+        q, k = self.ops.rope(q, k, step, self.rope_base)
+        out = self.ops.attention(q, k, v, self.layer, step, cfg.attn_scale, self.window)
         return self.o(out.reshape(n, cfg.n_head * cfg.head_dim_v))
 
 
@@ -71,9 +67,10 @@ class GatedMLP:
         self.up = w.linear(f"{p}.ffn_up", cfg.n_ff, cfg.n_embd, bias=None)
         self.down = w.linear(f"{p}.ffn_down", cfg.n_embd, cfg.n_ff, bias=None)
         self.activation = cfg.activation
+        self.ops = w.ops
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(gated_act(self.gate(x), self.up(x), self.activation))
+        return self.down(self.ops.gated_act(self.gate(x), self.up(x), self.activation))
 
 
 class DecoderModel:
@@ -85,33 +82,45 @@ class DecoderModel:
     def __init__(self, cfg: ModelConfig, w: WeightSource):
         self.config = cfg
         self.embed: Embedding = w.embedding("token_embd", cfg.n_vocab, cfg.n_embd)
-        self.norm = RMSNorm(w.vector("output_norm.weight", cfg.n_embd), cfg.rms_eps)
         if w.has("output.weight"):
             self.lm_head: Linear = w.linear("output", cfg.n_vocab, cfg.n_embd, bias=None)
         else:  # tied embeddings
             self.lm_head = self.embed.as_linear()
-        self.freq_factors = w.vector("rope_freqs.weight", cfg.rope_dim // 2) if w.has("rope_freqs.weight") else None
+        freq_factors = w.vector("rope_freqs.weight", cfg.rope_dim // 2) if w.has("rope_freqs.weight") else None
+        w.make_ops(cfg, freq_factors)
+        self.ops: Ops = w.ops
+        self.norm = RMSNorm(w.vector("output_norm.weight", cfg.n_embd), cfg.rms_eps, w.ops)
         self.layers: list = []
 
-    def rope(self, positions: torch.Tensor) -> Rope:
-        cfg = self.config
-        bases = {cfg.layer_rope_base(i) for i in range(cfg.n_layer)}
-        return {
-            b: rope_cos_sin(positions, cfg.rope_dim, b, cfg.rope_scale, self.freq_factors) for b in bases
-        }
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
-        """-> logits [N, n_vocab] float32 for the positions ``batch.logits_at`` (default: the last)."""
+        """-> logits [N, n_vocab] float32 for the positions ``batch.logits_at`` (default: the
+        last); the step's keys and values are committed to ``batch.kv``."""
+        start = batch.kv.begin(batch.positions)
+        logits = self.step(batch, start)
+        batch.kv.commit(batch.tokens.shape[0])
+        return logits
+
+    def step(self, batch: Batch, start: int) -> torch.Tensor:
+        """The forward pass without the cache's host bookkeeping. On the kernel path a
+        one-token step (T = 1) makes no host synchronisation and no shape depends on
+        ``start``: it is what a decode CUDA graph captures (deimos.runtime.graph)."""
+        step = self.ops.begin(batch, start)
         hidden = self.embed(batch.tokens)
         if self.config.embed_scale != 1.0:
             hidden = hidden * self.config.embed_scale
-        rope = self.rope(batch.positions)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, batch, rope)
-        at = batch.logits_at if batch.logits_at is not None else torch.tensor([hidden.shape[0] - 1])
-        hidden, _ = self.norm(hidden[at], residual[at])
+            hidden, residual = layer(hidden, residual, step)
+        if batch.logits_at is not None:
+            hidden, residual = hidden[batch.logits_at], residual[batch.logits_at]
+        else:
+            hidden, residual = hidden[-1:], residual[-1:]
+        hidden, _ = self.norm(hidden, residual)
         logits = self.lm_head(hidden).float()
         cap = self.config.final_logit_softcap
         if cap:

@@ -14,7 +14,7 @@ from deimos.models.weights import WeightSource
 class Gemma3Layer:
     def __init__(self, cfg: ModelConfig, i: int, w: WeightSource):
         def norm(name: str) -> RMSNorm:
-            return RMSNorm(w.vector(f"blk.{i}.{name}.weight", cfg.n_embd), cfg.rms_eps)
+            return RMSNorm(w.vector(f"blk.{i}.{name}.weight", cfg.n_embd), cfg.rms_eps, w.ops)
 
         self.attn_norm = norm("attn_norm")
         self.attn = Attention(cfg, i, w)
@@ -23,9 +23,9 @@ class Gemma3Layer:
         self.mlp = GatedMLP(cfg, i, w)
         self.post_ffn_norm = norm("post_ffw_norm")
 
-    def __call__(self, hidden, residual, batch, rope):
+    def __call__(self, hidden, residual, step):
         hidden, residual = self.attn_norm(hidden, residual)
-        hidden = self.post_attn_norm(self.attn(hidden, batch, rope), fused=False)
+        hidden = self.post_attn_norm(self.attn(hidden, step), fused=False)
         hidden, residual = self.ffn_norm(hidden, residual)
         hidden = self.post_ffn_norm(self.mlp(hidden), fused=False)
         return hidden, residual

@@ -13,14 +13,14 @@ from deimos.models.weights import WeightSource
 
 class LlamaLayer:
     def __init__(self, cfg: ModelConfig, i: int, w: WeightSource):
-        self.attn_norm = RMSNorm(w.vector(f"blk.{i}.attn_norm.weight", cfg.n_embd), cfg.rms_eps)
+        self.attn_norm = RMSNorm(w.vector(f"blk.{i}.attn_norm.weight", cfg.n_embd), cfg.rms_eps, w.ops)
         self.attn = Attention(cfg, i, w)
-        self.ffn_norm = RMSNorm(w.vector(f"blk.{i}.ffn_norm.weight", cfg.n_embd), cfg.rms_eps)
+        self.ffn_norm = RMSNorm(w.vector(f"blk.{i}.ffn_norm.weight", cfg.n_embd), cfg.rms_eps, w.ops)
         self.mlp = GatedMLP(cfg, i, w)
 
-    def __call__(self, hidden, residual, batch, rope):
+    def __call__(self, hidden, residual, step):
         hidden, residual = self.attn_norm(hidden, residual)
-        hidden = self.attn(hidden, batch, rope)
+        hidden = self.attn(hidden, step)
         hidden, residual = self.ffn_norm(hidden, residual)
         hidden = self.mlp(hidden)
         return hidden, residual

@@ -62,17 +62,41 @@ class WeightSource:
 
     ``kernels``: matrices go to the kernel-backed types of deimos.models.gpu (None: on CUDA
     devices; True on a CPU device runs them in Triton's interpreter, for tests).
+    ``triton_ops``: the layer ops (norm, RoPE, attention, activation) run the Triton kernels
+    (None: with the kernel-backed matrices).
     """
 
-    def __init__(self, file: GGUFFile, device: str = "cpu", kernels: bool | None = None):
+    def __init__(self, file: GGUFFile, device: str = "cpu", kernels: bool | None = None,
+                 triton_ops: bool | None = None):
         self.file = file
         self.device = device
         self.kernels = torch.device(device).type == "cuda" if kernels is None else kernels
+        # the layer ops follow the linears unless told (tests: Triton ops with reference linears)
+        self.triton_ops = self.kernels if triton_ops is None else triton_ops
         self.gpu = None
+        self._ops = None
         if self.kernels:
             from deimos.models.gpu import GpuWeights  # imports triton: only when asked for
 
             self.gpu = GpuWeights(file, device)
+
+    def make_ops(self, cfg, freq_factors: torch.Tensor | None) -> None:
+        """The model's layer ops (deimos.models.ops), matching the weights: the Triton
+        kernels with the kernel-backed weights, the torch reference otherwise."""
+        if self.triton_ops:
+            from deimos.models.gpu.ops import TritonOps
+
+            self._ops = TritonOps(cfg, freq_factors, self.device)
+        else:
+            from deimos.models.ops import ReferenceOps
+
+            self._ops = ReferenceOps(cfg, freq_factors)
+
+    @property
+    def ops(self):
+        if self._ops is None:
+            raise RuntimeError("WeightSource.ops used before make_ops")
+        return self._ops
 
     def has(self, name: str) -> bool:
         return name in self.file.tensors

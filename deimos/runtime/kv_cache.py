@@ -38,18 +38,36 @@ class KVCache:
             raise ValueError(f"KVCache.truncate: {length} outside [0, {self.length}]")
         self.length = length
 
-    def append(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    def begin(self, positions: torch.Tensor) -> int:
+        """A step of ``positions`` [T] is about to be written: returns its start (the current
+        length) after checking the room. Positions on a device are trusted to start at the
+        cache's length (reading them would cost a device-to-host sync); host positions are
+        checked."""
         n = positions.shape[0]
-        # positions on a device are trusted to start at the cache's length (reading them would
-        # cost a device-to-host sync per layer); host positions are checked
-        start = int(positions[0]) if positions.device.type == "cpu" else self.length
-        if start != self.length:  # every layer of a step sees the same length
-            raise ValueError(f"KVCache: step starts at position {start}, cache holds {self.length}")
-        end = start + n
-        if end > self.capacity:
-            raise ContextFullError(f"context full: {end} tokens > context size {self.capacity}")
-        self.k[layer][start:end] = k
-        self.v[layer][start:end] = v
-        if layer == len(self.k) - 1:
-            self.length = end
+        start = self.length
+        if positions.device.type == "cpu" and n and int(positions[0]) != start:
+            raise ValueError(f"KVCache: step starts at position {int(positions[0])}, cache holds {start}")
+        if start + n > self.capacity:
+            raise ContextFullError(f"context full: {start + n} tokens > context size {self.capacity}")
+        return start
+
+    def commit(self, n: int) -> None:
+        """The step begun at the current length wrote ``n`` positions in every layer."""
+        if self.length + n > self.capacity:
+            raise ContextFullError(f"context full: {self.length + n} tokens > context size {self.capacity}")
+        self.length += n
+
+    def write(self, layer: int, start: int | None, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """k ``[T, Hkv, D]``, v at ``positions``: by a slice from ``start`` (host), or with
+        ``start=None`` scattered at the device ``positions`` (what a CUDA graph can replay)."""
+        if start is not None:
+            self.k[layer][start : start + k.shape[0]] = k
+            self.v[layer][start : start + v.shape[0]] = v
+        else:
+            self.k[layer].index_copy_(0, positions, k.to(self.dtype))
+            self.v[layer].index_copy_(0, positions, v.to(self.dtype))
+
+    def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys, values and their positions ``[0, end)`` of ``layer``."""
         return self.k[layer][:end], self.v[layer][:end], self._pos[:end]

@@ -1,0 +1,103 @@
+"""Where a decode step's time goes: per-kernel GPU time of one-token steps (torch.profiler
+over eager steps: the same kernels the graph replays), against the replayed graph's time per
+token, and every matrix's GEMV alone against its bytes.
+
+    python bench/profile_decode.py MODEL.gguf [--ctx 512] [--steps 8]
+
+Measures only; prints a table. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from deimos.gguf import GGUFFile
+from deimos.models import load_model
+from deimos.models.batch import Batch
+from deimos.quant.triton.bench import ROOF_GBS, time_graph
+from deimos.runtime.graph import DecodeGraph
+from deimos.runtime.kv_cache import KVCache
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--ctx", type=int, default=512, help="tokens in the cache while timing")
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args()
+    f = GGUFFile(args.model)
+    model = load_model(f, device="cuda")
+    cfg = model.config
+    kv = KVCache(cfg, args.ctx + 64, device="cuda")
+    prompt = torch.randint(0, cfg.n_vocab, (args.ctx,), device="cuda")
+    model.forward(Batch(prompt, torch.arange(args.ctx, device="cuda"), kv))
+
+    def eager_step() -> None:
+        pos = torch.tensor([kv.length], device="cuda")
+        model.forward(Batch(torch.tensor([1], device="cuda"), pos, kv))
+
+    for _ in range(2):
+        eager_step()
+    kv.truncate(args.ctx)
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(args.steps):
+            eager_step()
+        torch.cuda.synchronize()
+    kv.truncate(args.ctx)
+    per = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name][0] += 1
+            per[e.name][1] += e.device_time_total
+    total = sum(v[1] for v in per.values()) / args.steps
+
+    graph = DecodeGraph(model, kv)
+    graph.step(1)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(32):
+        graph.step(1)
+    b.record()
+    b.synchronize()
+    step_us = a.elapsed_time(b) * 1e3 / 32
+    kv.truncate(args.ctx)
+
+    print(f"\n{Path(f.path).name}: ctx {args.ctx}; graph replay {step_us:.0f} us/token "
+          f"({1e6 / step_us:.0f} t/s); kernels alone {total:.0f} us/token")
+    print(f"{'kernel':60} {'calls/tok':>9} {'us/tok':>8} {'share':>6}")
+    for name, (n, t) in sorted(per.items(), key=lambda kv_: -kv_[1][1])[:14]:
+        print(f"{name[:60]:60} {n / args.steps:9.1f} {t / args.steps:8.1f} {t / args.steps / total:6.1%}")
+
+    # each distinct matrix shape's GEMV alone
+    from deimos.models.gpu import QuantLinear
+    from deimos.quant.triton import gemv, prepare_x
+
+    seen = {}
+    lins = [model.lm_head] + [getattr(getattr(layer, blk), n) for layer in model.layers[:1]
+                              for blk, names in (("attn", "qkvo"), ("mlp", ("gate", "up", "down")))
+                              for n in names]  # fmt: skip
+    print(f"\n{'matrix':28} {'type':6} {'N x K':>13} {'us':>7} {'GB/s':>6} {'roof':>5}")
+    for lin in lins:
+        if not isinstance(lin, QuantLinear):
+            continue
+        key = (lin.ggml_type, lin.packed.n, lin.packed.k)
+        if key in seen:
+            continue
+        xp = prepare_x(torch.randn(1, lin.packed.k, device="cuda"))
+        out = torch.empty(1, lin.packed.n, device="cuda")
+        sec = time_graph(lambda lin=lin, xp=xp, out=out: gemv(lin.packed, xp, out))
+        seen[key] = sec
+        gbs = lin.packed.nbytes / sec / 1e9
+        print(f"{lin.name[:28]:28} {lin.ggml_type.name:6} {lin.packed.n:>6}x{lin.packed.k:<6} "
+              f"{sec * 1e6:7.1f} {gbs:6.0f} {gbs / ROOF_GBS:5.0%}")
+
+
+if __name__ == "__main__":
+    main()
