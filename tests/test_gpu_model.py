@@ -33,6 +33,7 @@ from deimos.models.gpu import (  # noqa: E402
     gather_rows,
 )
 from deimos.models.weights import WeightSource  # noqa: E402
+from deimos.quant.triton.gemv_q8 import quantize_x_reference  # noqa: E402
 from deimos.runtime.kv_cache import KVCache  # noqa: E402
 from deimos.synth import write_model  # noqa: E402
 
@@ -69,7 +70,8 @@ def _first_rows(lin: QuantLinear) -> QuantLinear:
 
 
 def test_kernel_linears_match_reference(synth_dir) -> None:
-    """Decode (T = 1, GEMV on a shared PreparedX) and prefill (T = 3, fp16 dequant + matmul)."""
+    """Decode (T = 1: int8-activation GEMV; oracle: the reference weight times the q8-rounded
+    x) and prefill (T = 3, fp16 dequant + matmul; oracle: the reference on x itself)."""
     ref, kern = _kernel_model(_synth(synth_dir, "llama", "Q4_K_M"))
     r0, k0 = ref.layers[0], kern.layers[0]
     pairs = [(getattr(getattr(r0, blk), n), getattr(getattr(k0, blk), n))
@@ -83,7 +85,7 @@ def test_kernel_linears_match_reference(synth_dir) -> None:
         small = _first_rows(k)
         for t, tol in ((1, 1e-3), (3, 3e-3)):
             x = torch.randn(t, r.weight.shape[1], generator=g)
-            want = x @ r.weight[:ROWS].T
+            want = (quantize_x_reference(x) if t == 1 else x) @ r.weight[:ROWS].T
             got = small(x.to(DEVICE))
             assert got.shape == (t, ROWS) and got.dtype == torch.float32
             rel = _rel(want, got)
@@ -94,15 +96,15 @@ def test_kernel_linears_match_reference(synth_dir) -> None:
 
 
 def test_kernel_input_prepared_once(synth_dir) -> None:
-    """q, k and v read one activation: it is prepared once and shared."""
+    """q, k and v read one activation: it is quantized once and shared."""
     _, kern = _kernel_model(_synth(synth_dir, "llama", "Q8_0"))
     attn = kern.layers[0].attn
     x = torch.randn(1, kern.config.n_embd, device=DEVICE)
     cache = attn.q.inputs
     assert attn.k.inputs is cache and kern.layers[1].mlp.up.inputs is cache
-    first = cache.prepared(x)
-    assert cache.prepared(x) is first
-    assert cache.prepared(x.clone()) is not first
+    first = cache.quantized(x)
+    assert cache.quantized(x) is first
+    assert cache.quantized(x.clone()) is not first
 
 
 def test_kernel_embedding_and_tied_head(synth_dir) -> None:
@@ -118,7 +120,7 @@ def test_kernel_embedding_and_tied_head(synth_dir) -> None:
     head = kern.lm_head
     assert isinstance(head, QuantLinear) and head.packed is kern.embed.packed
     x = torch.randn(1, kern.config.n_embd, generator=torch.Generator().manual_seed(1))
-    rel = _rel(x @ ref.lm_head.weight[:ROWS].T, _first_rows(head)(x.to(DEVICE)))
+    rel = _rel(quantize_x_reference(x) @ ref.lm_head.weight[:ROWS].T, _first_rows(head)(x.to(DEVICE)))
     assert rel < 1e-3
 
 

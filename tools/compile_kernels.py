@@ -77,7 +77,52 @@ def _jobs() -> list[Job]:
         # launch_config is one config per format (its rule ignores the shape)
         cfg = g.launch_config(t, 4096, 4096, 1)
         jobs.append(Job("gemv_" + t.name, _describe(cfg), _gemv_warmup(g, t, 4096, cfg)))
-    return jobs + _layer_jobs()
+    return jobs + _q8_jobs() + _layer_jobs()
+
+
+def _q8_jobs() -> list[Job]:
+    """The int8-activation GEMV (dp4a inline PTX) per format, and the x quantizer."""
+    import torch
+    from triton.runtime.jit import MockTensor
+
+    from deimos.quant.triton import gemv_q8 as q
+    from deimos.quant.triton.dequant_gemv import FMT_ID
+    from deimos.quant.triton.layout import PACKED_TYPES
+
+    jobs = []
+    for t in PACKED_TYPES:
+        cfg = q.q8_config(t, 4096, 4096, 1)
+        w = _packed_sample(t, 4096)
+        qw = w.tensors["qw"]
+        arrays = [qw, w.tensors.get("qh", qw), w.tensors.get("meta", w.tensors.get("sc", qw)),
+                  w.tensors.get("d", qw), w.tensors.get("m", qw)]
+        args = [MockTensor(a.dtype) for a in arrays]
+        args += [MockTensor(torch.int32), MockTensor(torch.float32), MockTensor(torch.int32),
+                 MockTensor(torch.float32), 4096, 4096]
+        jobs.append(Job("gemv_q8_" + t.name, _describe(cfg),
+                        _warm_args(q._gemv_q8_kernel, args, FMT=FMT_ID[t], BLOCK_N=cfg.block_n,
+                                   BLOCK_S=cfg.block_s, ASM=True, num_warps=cfg.num_warps)))
+    for dt in (torch.float32, torch.float16):
+        args = [MockTensor(dt), MockTensor(torch.int32), MockTensor(torch.float32),
+                MockTensor(torch.int32), 4096]
+        jobs.append(Job("quantize_x", f"x={dt} G={q.QUANT_BLOCK_G}",
+                        _warm_args(q._quantize_x_kernel, args, BLOCK_G=q.QUANT_BLOCK_G,
+                                   num_warps=4)))
+    return jobs
+
+
+def _packed_sample(t: object, k: int):
+    import numpy as np
+
+    from deimos.quant import get_format
+    from deimos.quant.triton.layout import pack
+
+    fmt = get_format(t)
+    return pack(fmt.random_blocks(k // fmt.block_size, np.random.default_rng(0)).reshape(1, -1), t)
+
+
+def _warm_args(kernel: object, args: list, **kw: object):
+    return lambda: kernel.warmup(*args, grid=(1,), **kw)
 
 
 def _warm(kernel: object, args: list, **kw: object):
@@ -119,11 +164,10 @@ def _layer_jobs() -> list[Job]:
                               BLOCK_F=activation.BLOCK, num_warps=activation.NUM_WARPS)))
     for hq, hk, d in ((32, 8, 128), (8, 4, 256), (9, 3, 64)):
         for neox in (False, True):
-            args = [f16] * 4 + [i64, f32] + [d * (hq + 2 * hk), d] * 4 + [hq, hk, d, d]
+            args = [f32] * 6 + [i32, f32] + [d * (hq + 2 * hk), d] * 6 + [hq, hk, d, d]
             jobs.append(Job("rope", f"H={hq}+{hk} D={d} neox={int(neox)}",
-                            _warm(rope._rope_kernel, args, NEOX=neox, HAS_K=True,
-                                  BLOCK_HQ=triton.next_power_of_2(hq),
-                                  BLOCK_HK=triton.next_power_of_2(hk), BLOCK_D=d, num_warps=4)))
+                            _warm(rope._rope_kernel, args, NEOX=neox, HAS_K=True, TO_CACHE=True,
+                                  BLOCK_H=4, BLOCK_D=d, num_warps=4)))
     for hq, hk, d, s in ((32, 8, 128, 4096), (8, 4, 256, 4096), (9, 3, 64, 2048)):
         c = decode_attention.decode_config(s, 1, hk, d)
         args = [f16, f16, f16, i32, f32, f32, f32, hq * d, d, hk * d, d, hk * d, d,

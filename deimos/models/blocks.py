@@ -55,8 +55,7 @@ class Attention:
         if self.q_norm is not None:
             q = self.q_norm(q, fused=False)
             k = self.k_norm(k, fused=False)
-        q, k = self.ops.rope(q, k, step, self.rope_base)
-        out = self.ops.attention(q, k, v, self.layer, step, cfg.attn_scale, self.window)
+        out = self.ops.attention(q, k, v, self.layer, step, self.rope_base, cfg.attn_scale, self.window)
         return self.o(out.reshape(n, cfg.n_head * cfg.head_dim_v))
 
 

@@ -35,8 +35,10 @@ class Ops(Protocol):
     def begin(self, batch: Batch, start: int) -> StepState: ...
     def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]: ...
     def rms_norm(self, x, weight, eps) -> torch.Tensor: ...
-    def rope(self, q, k, step: StepState, base: float) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def attention(self, q, k, v, layer: int, step: StepState, scale: float, window: int) -> torch.Tensor: ...
+    def attention(self, q, k, v, layer: int, step: StepState, rope_base: float, scale: float,
+                  window: int) -> torch.Tensor:
+        """RoPE on q and k, the step's k and v into the cache, attention over the cache."""
+        ...
     def gated_act(self, gate, up, activation: str) -> torch.Tensor: ...
 
 
@@ -62,11 +64,10 @@ class ReferenceOps:
     def rms_norm(self, x, weight, eps):
         return rms_norm(x, weight, eps)
 
-    def rope(self, q, k, step, base):
-        cos, sin = step.rope[base]
-        return apply_rope(q, cos, sin, self.cfg.rope_type), apply_rope(k, cos, sin, self.cfg.rope_type)
-
-    def attention(self, q, k, v, layer, step, scale, window):
+    def attention(self, q, k, v, layer, step, rope_base, scale, window):
+        cos, sin = step.rope[rope_base]
+        q = apply_rope(q, cos, sin, self.cfg.rope_type)
+        k = apply_rope(k, cos, sin, self.cfg.rope_type)
         kv = step.batch.kv
         kv.write(layer, step.start, step.batch.positions, k, v)
         k_all, v_all, k_pos = kv.view(layer, step.start + step.n)

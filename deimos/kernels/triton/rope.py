@@ -24,10 +24,11 @@ ROPE_TYPES = {"norm": 0, "neox": 1}
 
 @triton.jit
 def _rope_heads(
-    p_x, p_y, p_pos_freq, pos, i_t, stride_xt, stride_xh, stride_yt, stride_yh, H, D, R,
+    p_x, p_y, p_pos_freq, pos, h0, stride_xh, stride_yh, H, D, R,
     NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    o_h = tl.arange(0, BLOCK_H)
+    """Heads h0 .. h0+BLOCK_H-1 of one token: p_x / p_y point at the token's rows."""
+    o_h = h0 + tl.arange(0, BLOCK_H)
     o_d = tl.arange(0, BLOCK_D)
     half = R // 2
     rot = o_d < R
@@ -41,7 +42,7 @@ def _rope_heads(
         first = (o_d % 2) == 0
     m = (o_h < H)[:, None] & (o_d < D)[None, :]
     m_rot = m & rot[None, :]
-    p_row = p_x + i_t * stride_xt + o_h[:, None] * stride_xh
+    p_row = p_x + o_h[:, None] * stride_xh
     b_x = tl.load(p_row + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     b_p = tl.load(p_row + partner[None, :], mask=m_rot, other=0.0).to(tl.float32)
     theta = pos * tl.load(p_pos_freq + i_f, mask=rot, other=0.0)
@@ -50,25 +51,45 @@ def _rope_heads(
     # first of a pair: a c - b s; second: b c + a s (a = first, b = second)
     y = tl.where(first[None, :], b_x * c - b_p * s, b_x * c + b_p * s)
     y = tl.where(rot[None, :], y, b_x)
-    p_out = p_y + i_t * stride_yt + o_h[:, None] * stride_yh + o_d[None, :]
+    p_out = p_y + o_h[:, None] * stride_yh + o_d[None, :]
     tl.store(p_out, y.to(p_y.dtype.element_ty), mask=m)
 
 
 @triton.jit
+def _copy_heads(p_x, p_y, h0, stride_xh, stride_yh, H, D, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    o_h = h0 + tl.arange(0, BLOCK_H)
+    o_d = tl.arange(0, BLOCK_D)
+    m = (o_h < H)[:, None] & (o_d < D)[None, :]
+    b = tl.load(p_x + o_h[:, None] * stride_xh + o_d[None, :], mask=m, other=0.0)
+    tl.store(p_y + o_h[:, None] * stride_yh + o_d[None, :], b.to(p_y.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _rope_kernel(
-    p_q, p_k, p_qo, p_ko, p_pos, p_inv_freq,
-    sq_t, sq_h, sk_t, sk_h, sqo_t, sqo_h, sko_t, sko_h,
+    p_q, p_k, p_qo, p_ko, p_v, p_vo, p_pos, p_inv_freq,
+    sq_t, sq_h, sk_t, sk_h, sqo_t, sqo_h, sko_t, sko_h, sv_t, sv_h, svo_t, svo_h,
     HQ, HK, D, R,
-    NEOX: tl.constexpr, HAS_K: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+    NEOX: tl.constexpr, HAS_K: tl.constexpr, TO_CACHE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
+    """Grid (T, head blocks of q then of k). TO_CACHE: k' and v go to the cache rows at the
+    token's position (ko/vo are the layer's cache), else k' to row t of ko."""
     i_t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(p_pos + i_t).to(tl.float32)
-    _rope_heads(p_q, p_qo, p_inv_freq, pos, i_t, sq_t, sq_h, sqo_t, sqo_h, HQ, D, R,
-                NEOX, BLOCK_HQ, BLOCK_D)  # fmt: skip
-    if HAS_K:
-        _rope_heads(p_k, p_ko, p_inv_freq, pos, i_t, sk_t, sk_h, sko_t, sko_h, HK, D, R,
-                    NEOX, BLOCK_HK, BLOCK_D)  # fmt: skip
+    i_hb = tl.program_id(1)
+    pos_i = tl.load(p_pos + i_t).to(tl.int64)
+    pos = pos_i.to(tl.float32)
+    n_qb = tl.cdiv(HQ, BLOCK_H)
+    if i_hb < n_qb:
+        _rope_heads(p_q + i_t * sq_t, p_qo + i_t * sqo_t, p_inv_freq, pos, i_hb * BLOCK_H,
+                    sq_h, sqo_h, HQ, D, R, NEOX, BLOCK_H, BLOCK_D)  # fmt: skip
+    elif HAS_K:
+        h0 = (i_hb - n_qb) * BLOCK_H
+        row = pos_i if TO_CACHE else i_t
+        _rope_heads(p_k + i_t * sk_t, p_ko + row * sko_t, p_inv_freq, pos, h0,
+                    sk_h, sko_h, HK, D, R, NEOX, BLOCK_H, BLOCK_D)  # fmt: skip
+        if TO_CACHE:
+            _copy_heads(p_v + i_t * sv_t, p_vo + row * svo_t, h0, sv_h, svo_h, HK, D,
+                        BLOCK_H, BLOCK_D)  # fmt: skip
 
 
 def rope_inv_freq(
@@ -108,8 +129,13 @@ def apply_rope(
     inv_freq: torch.Tensor,
     rope_type: str,
     inplace: bool = False,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` (or None) at ``positions`` ``[T]`` (int).
+
+    ``cache=(v, k_cache, v_cache)``: the rotated k and v ``[T, Hk, D]`` are stored straight
+    into the layer's cache ``[S, Hk, D]`` at rows ``positions`` (decode: one launch instead of
+    rotate + two scatters); returns ``(q', k_cache)``.
 
     inv_freq: float32 ``[R/2]`` from ``rope_inv_freq`` (R = rope dims <= D; dims >= R are left
     as they are). rope_type: "norm" (adjacent pairs) or "neox" (halves). q and k may be strided
@@ -135,19 +161,31 @@ def apply_rope(
         if t is not None and t.device != q.device:
             raise ValueError(f"apply_rope: {name} is on {t.device}, q on {q.device}")
     qo = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ko = k if k is None or inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if cache is not None:
+        v, ko, vo = cache
+        if k is None or v.shape != k.shape or ko.shape[1:] != k.shape[1:] or vo.shape != ko.shape:
+            raise ValueError("apply_rope: cache needs k, v [T, Hk, D] and caches [S, Hk, D]")
+        for name, t in (("v", v), ("k_cache", ko), ("v_cache", vo)):
+            if t.device != q.device or t.stride(2) != 1:
+                raise ValueError(f"apply_rope: {name} must be on {q.device}, last dim contiguous")
+    else:
+        ko = k if k is None or inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        v = vo = None
     if n_t == 0:
         return qo, ko
     kk, kko = (k, ko) if k is not None else (q, qo)
-    block_d = triton.next_power_of_2(d)
-    _rope_kernel[(n_t,)](
-        q, kk, qo, kko, positions, inv_freq,
+    vv, vvo = (v, vo) if v is not None else (kk, kko)
+    hk = kk.shape[1] if k is not None else 0
+    block_h = 4
+    blocks = triton.cdiv(hq, block_h) + triton.cdiv(hk, block_h)
+    _rope_kernel[(n_t, blocks)](
+        q, kk, qo, kko, vv, vvo, positions, inv_freq,
         q.stride(0), q.stride(1), kk.stride(0), kk.stride(1),
         qo.stride(0), qo.stride(1), kko.stride(0), kko.stride(1),
-        hq, kk.shape[1], d, r,
-        NEOX=rope_type == "neox", HAS_K=k is not None,
-        BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(kk.shape[1]),
-        BLOCK_D=block_d, num_warps=4,
+        vv.stride(0), vv.stride(1), vvo.stride(0), vvo.stride(1),
+        hq, max(hk, 1), d, r,
+        NEOX=rope_type == "neox", HAS_K=k is not None, TO_CACHE=cache is not None,
+        BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d), num_warps=4,
     )  # fmt: skip
     return qo, ko
 

@@ -1,7 +1,8 @@
 """Kernel-backed Linear and Embedding: the weights stay in their GGUF bytes (packed) on the device.
 
-- ``QuantLinear`` (formats with a GEMV kernel): decode (T == 1) runs the fused dequant-GEMV on a
-  ``PreparedX`` shared by every projection that reads the same activation (q/k/v, gate/up);
+- ``QuantLinear`` (formats with a GEMV kernel): decode (T == 1) runs the int8-activation GEMV
+  (gemv_q8: x quantized to q8 once, ``QuantizedX``, shared by every projection that reads the
+  same activation: q/k/v, gate/up; weight codes times x codes by dp4a);
   T > 1 (prefill) dequantizes to fp16 per call (dequant.py) and runs torch.matmul: an interim
   path until a tensor-core dequant-GEMM exists.
 - ``DenseLinear``: formats without a kernel, dequantized once at load to an fp16 matrix.
@@ -18,7 +19,8 @@ import torch
 from deimos.gguf.constants import GGMLType
 from deimos.models.gpu.dequant import dequantize_fp16, gather_rows
 from deimos.models.gpu.notices import Notices
-from deimos.quant.triton import PackedWeight, PreparedX, gemv, prepare_x
+from deimos.quant.triton import PackedWeight
+from deimos.quant.triton.gemv_q8 import QuantizedX, gemv_q8, quantize_x
 
 
 class InputCache:
@@ -28,18 +30,18 @@ class InputCache:
 
     def __init__(self) -> None:
         self._x: torch.Tensor | None = None
-        self._prepared: PreparedX | None = None
+        self._quantized: QuantizedX | None = None
         self._half: torch.Tensor | None = None
 
     def _switch(self, x: torch.Tensor) -> None:
         if x is not self._x:
-            self._x, self._prepared, self._half = x, None, None
+            self._x, self._quantized, self._half = x, None, None
 
-    def prepared(self, x: torch.Tensor) -> PreparedX:
+    def quantized(self, x: torch.Tensor) -> QuantizedX:
         self._switch(x)
-        if self._prepared is None:
-            self._prepared = prepare_x(x)
-        return self._prepared
+        if self._quantized is None:
+            self._quantized = quantize_x(x)
+        return self._quantized
 
     def half(self, x: torch.Tensor) -> torch.Tensor:
         self._switch(x)
@@ -76,7 +78,7 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.packed.k, self.name)
         if x.shape[0] == 1:
-            y = gemv(self.packed, self.inputs.prepared(x))
+            y = gemv_q8(self.packed, self.inputs.quantized(x))
         else:
             self.notices.once(
                 "prefill", "prefill (T > 1): weights dequantized to fp16 per call (Triton) + "

@@ -1,10 +1,10 @@
 """The layer ops on the Triton kernels (deimos.kernels.triton); the oracle is
 deimos.models.ops.ReferenceOps.
 
-Decode (one token) is written so a CUDA graph can replay it: the keys and values are
-scattered into the cache at the device positions, RoPE and the split-K decode attention
-read the positions from the device, and no shape depends on the position.
-Prefill (T > 1) writes the cache by a slice and runs the causal flash kernel over it.
+Decode (one token) is written so a CUDA graph can replay it: the RoPE kernel stores the
+rotated keys and the values straight into the cache rows at the device positions, the
+split-K decode attention reads the length from the device, and no shape depends on the
+position. Prefill (T > 1) stores the same way and runs the causal flash kernel.
 """
 
 from __future__ import annotations
@@ -40,17 +40,16 @@ class TritonOps:
     def rms_norm(self, x, weight, eps):
         return rms_norm(x, weight, eps)
 
-    def rope(self, q, k, step, base):
-        return apply_rope(q, k, step.rope, self.inv_freq[base], self.cfg.rope_type, inplace=True)
-
-    def attention(self, q, k, v, layer, step, scale, window):
+    def attention(self, q, k, v, layer, step, rope_base, scale, window):
         kv = step.batch.kv
+        k_cache, v_cache = kv.k[layer], kv.v[layer]
+        # one launch: q rotated in place, k rotated and v copied into the cache rows
+        apply_rope(q, k, step.rope, self.inv_freq[rope_base], self.cfg.rope_type, inplace=True,
+                   cache=(v, k_cache, v_cache))
         if step.n == 1:
-            kv.write(layer, None, step.batch.positions, k, v)
-            return decode_attention(q, kv.k[layer], kv.v[layer], step.rope, scale, window)
-        kv.write(layer, step.start, step.batch.positions, k, v)
-        k_all, v_all, _ = kv.view(layer, step.start + step.n)
-        return prefill_attention(q, k_all, v_all, step.start, scale, window)
+            return decode_attention(q, k_cache, v_cache, step.rope, scale, window)
+        end = step.start + step.n
+        return prefill_attention(q, k_cache[:end], v_cache[:end], step.start, scale, window)
 
     def gated_act(self, gate, up, activation):
         return gated_act(gate, up, activation)

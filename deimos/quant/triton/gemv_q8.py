@@ -1,0 +1,285 @@
+"""Decode GEMV on int8 activations: y[b, n] = sum_k W[n, k] * x[b, k] with x quantized once
+per activation to int8 in groups of 32 (a scale per group, as llama.cpp's q8_1) and the
+weight codes multiplied with it by ``dp4a`` (four int8 products summed in one instruction).
+
+Why: the fp32 kernel (dequant_gemv.py) spends ~5 instructions per weight (extract, convert,
+FMA, an x load) against a budget of ~4 at the bandwidth roof, and reads 4 bytes of x per
+weight from L1/L2. Here a 32-bit word of codes is masked into four bytes (2 ops) and dotted
+with four x bytes (1 op): ~0.75 instructions per weight for 4-bit codes, x is a quarter of the
+bytes, and the scales are applied once per group of 32 in float.
+
+x layout (``quantize_x``): group u of a row is eight int32 words; byte j of word q is the
+code of element 32u + q + 8j. The weight layouts (layout.py) put code k of word w at element
+32u + W k + w (W = 4 words for nibble formats, 8 for Q8_0), so:
+  - Q8_0: weight word w and x word w hold the same four elements;
+  - nibble formats: (word w >> 4p) & 0x0F0F0F0F holds codes k = p, p+2, p+4, p+6 of word w,
+    elements 4p + w + 8j: x word 4p + w. Fifth bits (Q5_K, Q5_0) and Q6_K's two high bits
+    come from their arrays, moved into bit 4.. of each byte by a multiply that spreads the
+    bit fields (no carry reaches a kept bit; see _spread1/_spread2).
+Offsets (Q4_0: 8, Q5_0: 16, Q6_K: 32) are subtracted as offset * sum of the x codes, exact
+in integers; Q6_K's two scales per group (elements 0-15, 16-31 = bytes 0-1, 2-3) take two
+dot products per word.
+
+Reference: ``gemv_q8_reference`` (torch): the dequantized weight times the dequantized x,
+what the kernel computes up to float rounding. The error against unquantized x is that of
+q8 activations (llama.cpp's CUDA and CPU backends make the same one).
+
+The interpreter cannot run inline PTX: there ``_dp4a`` is emulated with shifts (same result).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from deimos.gguf.constants import GGMLType
+from deimos.quant.triton.dequant_gemv import (
+    FMT_ID,
+    MAX_BATCH,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    group_scales,
+)
+from deimos.quant.triton.layout import PackedWeight
+
+# read once: whether kernels run in Triton's interpreter (no inline PTX there)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+NUM_WARPS = 4
+
+
+@triton.jit
+def _dp4a(a, b, c, ASM: tl.constexpr):
+    """c + sum over the 4 bytes of int32 a, b of signed byte products."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+            dtype=tl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        acc = c
+        for j in tl.static_range(4):
+            acc += ((a << (24 - 8 * j)) >> 24) * ((b << (24 - 8 * j)) >> 24)
+        return acc
+
+
+@triton.jit
+def _spread1(h, p: tl.constexpr):
+    """uint8 ``h`` (bit k = fifth bit of code k): bits p, p+2, p+4, p+6 -> bit 4 of bytes 0..3.
+    (h >> p) & 0x55 has bits at 0, 2, 4, 6; times 0x41041 (shifts 0, 6, 12, 18) they land at
+    0, 8, 16, 24; the other products meet only at bits 6, 12, 18, whose carries stop at 7, 13,
+    19: no kept bit is touched."""
+    return ((((h >> p) & 0x55) * 0x41041) & 0x01010101) << 4
+
+
+@triton.jit
+def _spread2(h, p: tl.constexpr):
+    """int16 bits ``h`` (bits 2k..2k+1 = high bits of code k): codes p, p+2, p+4, p+6 -> bits
+    4-5 of bytes 0..3. Even fields (at 0, 8 after >> 2p) x 0x101 -> 0 and 16; odd fields (at
+    4, 12) x 0x1010 -> 8 and 24; the collisions (at 8 and 16) are masked off."""
+    t = h >> (2 * p)
+    even = ((t & 0x0303) * 0x101) & 0x00030003
+    odd = ((t & 0x3030) * 0x1010) & 0x03000300
+    return (even | odd) << 4
+
+
+@triton.jit
+def _gemv_q8_kernel(
+    p_qw, p_qh, p_s, p_d, p_m,  # weight arrays (unused ones get any pointer)
+    p_xq, p_xd, p_xs, p_y,  # x codes [B, K/4] i32, scales [B, K/32] f32, code sums [B, K/16] i32
+    N, K,
+    FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    W: tl.constexpr = 8 if FMT == Q8_0 else 4  # weight words per group of 32
+    HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1
+    OFFSET: tl.constexpr = 8 if FMT == Q4_0 else (16 if FMT == Q5_0 else (32 if FMT == Q6_K else 0))
+    i_b = tl.program_id(0)
+    i_n = tl.program_id(1)
+    S_TOTAL = K // 32
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_n = o_n.to(tl.int64)
+    o_s = tl.arange(0, BLOCK_S)
+    o_w = tl.arange(0, W)
+    p_xq += i_b * (K // 4)
+    acc = tl.zeros([BLOCK_N, BLOCK_S], dtype=tl.float32)
+    for s0 in range(0, S_TOTAL, BLOCK_S):
+        u = s0 + o_s
+        m_s = u < S_TOTAL
+        m_ns = m_n[:, None] & m_s[None, :]
+        m_w = m_ns[:, :, None] & (o_w < W)[None, None, :]
+        o_q = o_n[:, None, None] * (S_TOTAL * W) + u[None, :, None] * W + o_w[None, None, :]
+        b_w = tl.load(p_qw + o_q, mask=m_w, other=0)
+        # x words of the weights' full shape (rows broadcast): the weights' register layout
+        o_x = u[None, :, None] * 8 + o_w[None, None, :] + (o_n * 0)[:, None, None]
+        zero = tl.zeros([BLOCK_N, BLOCK_S, W], dtype=tl.int32)
+        if FMT == Q8_0:
+            b_x = tl.load(p_xq + o_x, mask=m_w, other=0)
+            d_lo = _dp4a(b_w, b_x, zero, ASM)
+            d_hi = d_lo
+        else:
+            if FMT == Q6_K or FMT == Q5_K or FMT == Q5_0:
+                b_h = tl.load(p_qh + o_q, mask=m_w, other=0).to(tl.int32)
+            x0 = tl.load(p_xq + o_x, mask=m_w, other=0)  # x words 0..3: parity 0
+            x1 = tl.load(p_xq + o_x + 4, mask=m_w, other=0)  # x words 4..7: parity 1
+            c0 = b_w & 0x0F0F0F0F
+            c1 = (b_w >> 4) & 0x0F0F0F0F
+            if FMT == Q6_K:
+                c0 |= _spread2(b_h, 0)
+                c1 |= _spread2(b_h, 1)
+            elif FMT == Q5_K or FMT == Q5_0:
+                c0 |= _spread1(b_h, 0)
+                c1 |= _spread1(b_h, 1)
+            if FMT == Q6_K:  # bytes 0-1: elements 0-15 (first scale), 2-3: 16-31
+                d_lo = _dp4a(c0 & 0xFFFF, x0, _dp4a(c1 & 0xFFFF, x1, zero, ASM), ASM)
+                d_hi = _dp4a(c0 & -65536, x0, _dp4a(c1 & -65536, x1, zero, ASM), ASM)
+            else:
+                d_lo = _dp4a(c0, x0, _dp4a(c1, x1, zero, ASM), ASM)
+                d_hi = d_lo
+        i_lo = tl.sum(d_lo, axis=2)
+        xs_lo = tl.load(p_xs + i_b * (2 * S_TOTAL) + 2 * u, mask=m_s, other=0)[None, :]
+        xs_hi = tl.load(p_xs + i_b * (2 * S_TOTAL) + 2 * u + 1, mask=m_s, other=0)[None, :]
+        xd = tl.load(p_xd + i_b * S_TOTAL + u, mask=m_s, other=0.0)[None, :]
+        s_lo, s_hi, mn = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT)
+        if FMT == Q6_K:
+            i_hi = tl.sum(d_hi, axis=2)
+            dot = (s_lo * (i_lo - OFFSET * xs_lo).to(tl.float32)
+                   + s_hi * (i_hi - OFFSET * xs_hi).to(tl.float32))  # fmt: skip
+        else:
+            dot = s_lo * (i_lo - OFFSET * (xs_lo + xs_hi)).to(tl.float32)
+        if HAS_MIN:
+            dot += mn * (xs_lo + xs_hi).to(tl.float32)
+        acc += xd * dot
+    tl.store(p_y + i_b * N + o_n, tl.sum(acc, axis=1), mask=m_n)
+
+
+@triton.jit
+def _quantize_x_kernel(p_x, p_xq, p_xd, p_xs, K, BLOCK_G: tl.constexpr):
+    """One row's groups [BLOCK_G, 32] -> int8 codes round(x / d), d = max|x| / 127, packed
+    as drawn in the module docstring, d, and the code sums of each group's two halves."""
+    i_b = tl.program_id(0)
+    i_g = tl.program_id(1)
+    S_TOTAL = K // 32
+    o_g = i_g * BLOCK_G + tl.arange(0, BLOCK_G)
+    m_g = o_g < S_TOTAL
+    o_j = tl.arange(0, 4)
+    o_q = tl.arange(0, 8)
+    o_e = o_g[:, None, None] * 32 + o_j[None, :, None] * 8 + o_q[None, None, :]  # [G, j, q]
+    x = tl.load(p_x + i_b * K + o_e, mask=m_g[:, None, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)  # [G]
+    d = amax / 127.0
+    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
+    v = x * inv[:, None, None]
+    q = tl.where(v >= 0, tl.floor(v + 0.5), tl.ceil(v - 0.5)).to(tl.int32)  # round half away
+    byte = (q & 0xFF) << (8 * o_j)[None, :, None]
+    words = tl.sum(byte, axis=1)  # disjoint bits: the sum is the OR
+    tl.store(p_xq + i_b * (K // 4) + o_g[:, None] * 8 + o_q[None, :], words, mask=m_g[:, None])
+    tl.store(p_xd + i_b * S_TOTAL + o_g, d, mask=m_g)
+    half = tl.sum(q, axis=2)  # [G, j]: j = 0, 1 -> elements 0-15; 2, 3 -> 16-31
+    lo = tl.sum(tl.where(o_j[None, :] < 2, half, 0), axis=1)
+    hi = tl.sum(tl.where(o_j[None, :] >= 2, half, 0), axis=1)
+    tl.store(p_xs + i_b * (2 * S_TOTAL) + 2 * o_g, lo, mask=m_g)
+    tl.store(p_xs + i_b * (2 * S_TOTAL) + 2 * o_g + 1, hi, mask=m_g)
+
+
+class QuantizedX(NamedTuple):
+    """An activation quantized once for every projection that reads it (module docstring).
+
+    xq: int32 ``[B, K/4]`` codes; xd: float32 ``[B, K/32]`` group scales; xs: int32
+    ``[B, K/16]`` sums of the codes of each group's first and last 16 elements.
+    """
+
+    xq: torch.Tensor
+    xd: torch.Tensor
+    xs: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.xq.shape[0], self.xq.shape[1] * 4
+
+
+QUANT_BLOCK_G = 16
+
+
+def quantize_x(x: torch.Tensor) -> QuantizedX:
+    """x ``[K]`` or ``[B, K]`` (fp16/bf16/fp32), K a multiple of 32, B <= 8 -> ``QuantizedX``."""
+    if x.dim() not in (1, 2):
+        raise ValueError(f"quantize_x: x must be [K] or [B, K], got shape {tuple(x.shape)}")
+    x2 = x.reshape(1, -1) if x.dim() == 1 else x
+    b, k = x2.shape
+    if k % 32 or k == 0:
+        raise ValueError(f"quantize_x: K = {k} is not a positive multiple of 32")
+    if not 1 <= b <= MAX_BATCH:
+        raise ValueError(f"quantize_x: batch {b} not in 1..{MAX_BATCH}")
+    if not x2.dtype.is_floating_point:
+        raise ValueError(f"quantize_x: x must be floating point, got {x2.dtype}")
+    x2 = x2.contiguous()
+    dev = x2.device
+    xq = torch.empty((b, k // 4), dtype=torch.int32, device=dev)
+    xd = torch.empty((b, k // 32), dtype=torch.float32, device=dev)
+    xs = torch.empty((b, k // 16), dtype=torch.int32, device=dev)
+    _quantize_x_kernel[(b, triton.cdiv(k // 32, QUANT_BLOCK_G))](
+        x2, xq, xd, xs, k, BLOCK_G=QUANT_BLOCK_G, num_warps=4
+    )
+    return QuantizedX(xq, xd, xs)
+
+
+def quantize_x_reference(x: torch.Tensor) -> torch.Tensor:
+    """What ``quantize_x`` represents, as float32 ``[B, K]`` (the dequantized x): torch."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    g = x2.view(x2.shape[0], -1, 32)
+    amax = g.abs().amax(dim=2, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    v = g * inv
+    q = torch.where(v >= 0, torch.floor(v + 0.5), torch.ceil(v - 0.5))
+    return (q * (amax / 127.0)).view_as(x2)
+
+
+class Q8Config(NamedTuple):
+    block_n: int
+    block_s: int
+    num_warps: int
+
+
+def q8_config(ggml_type, n: int, k: int, b: int) -> Q8Config:
+    """4 rows x 32 groups (Q8_0: 16) per program step and 4 warps, as the fp32 kernel: a
+    thread holds one row's group (16 or 32 bytes of weights, 32 bytes of x)."""
+    del n, k, b
+    return Q8Config(4, 16 if ggml_type == GGMLType.Q8_0 else 32, NUM_WARPS)
+
+
+def gemv_q8(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
+            cfg: Q8Config | None = None) -> torch.Tensor:
+    """y = W x for a packed quantized W ``[n, k]`` and an activation from ``quantize_x``:
+    float32 ``[B, n]`` (``out`` if given: contiguous float32 ``[B, n]``)."""
+    if w.ggml_type not in FMT_ID:
+        raise ValueError(f"gemv_q8: no kernel for {w.ggml_type.name}")
+    b, k = x.shape
+    if k != w.k:
+        raise ValueError(f"gemv_q8: x has K = {k}, the {w.ggml_type.name} weight has K = {w.k}")
+    if x.xq.device != w.device:
+        raise ValueError(f"gemv_q8: x is on {x.xq.device}, the weight on {w.device}")
+    if out is None:
+        out = torch.empty((b, w.n), dtype=torch.float32, device=x.xq.device)
+    elif out.shape != (b, w.n) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(
+            f"gemv_q8: out must be contiguous float32 [{b}, {w.n}], got {out.dtype} {tuple(out.shape)}"
+        )
+    cfg = cfg or q8_config(w.ggml_type, w.n, k, b)
+    t = w.tensors
+    qw = t["qw"]
+    scales = t.get("meta", t.get("sc", qw))
+    _gemv_q8_kernel[(b, triton.cdiv(w.n, cfg.block_n))](
+        qw, t.get("qh", qw), scales, t.get("d", qw), t.get("m", qw), x.xq, x.xd, x.xs, out,
+        w.n, k, FMT=FMT_ID[w.ggml_type], BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
+        ASM=not _INTERPRETED, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,106 @@
+"""The int8-activation GEMV (deimos.quant.triton.gemv_q8) against its oracles.
+
+Oracles: ``quantize_x_reference`` (torch) for what the int8 activation represents, and
+``gemv_ref`` (the GGUF bytes decoded by deimos.quant, multiplied in float64) applied to that
+dequantized activation: the kernel must equal it up to float32 rounding. The error against the
+unquantized activation (q8 quantization itself) is bounded separately. Without CUDA the
+kernels run in Triton's interpreter (dp4a emulated); gpu-marked tests use 8B shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from deimos.gguf.constants import GGMLType  # noqa: E402
+from deimos.quant import get_format  # noqa: E402
+from deimos.quant.triton import PACKED_TYPES, pack  # noqa: E402
+from deimos.quant.triton.gemv_q8 import gemv_q8, quantize_x, quantize_x_reference  # noqa: E402
+from deimos.quant.triton.naive import gemv_ref  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cpu" if INTERPRETED else "cuda"
+
+
+def _blocks(t: GGMLType, n: int, k: int, seed: int) -> np.ndarray:
+    fmt = get_format(t)
+    return fmt.random_blocks(n * k // fmt.block_size, np.random.default_rng(seed)).reshape(n, -1)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu().reshape(-1), b.double().cpu().reshape(-1)
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_quantize_x_matches_reference() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 640, generator=g) * torch.linspace(0.01, 30, 640)
+    x[1, 32:64] = 0.0  # an all-zero group: scale 0, codes 0
+    qx = quantize_x(x.to(DEVICE))
+    ref = quantize_x_reference(x)
+    codes = qx.xq.cpu().contiguous().view(torch.int8).view(3, 20, 8, 4)  # [b, u, q, j]
+    deq = (codes.permute(0, 1, 3, 2).reshape(3, 20, 32).float() * qx.xd.cpu()[:, :, None]).view(3, 640)
+    torch.testing.assert_close(deq, ref, rtol=1e-6, atol=1e-6)
+    halves = codes.permute(0, 1, 3, 2).reshape(3, 20, 2, 16).sum(dim=3).reshape(3, 40).int()
+    assert torch.equal(qx.xs.cpu(), halves)
+    assert _rel(ref, x) < 1e-2  # q8 keeps ~8 bits of every group
+
+
+SHAPES = [(37, 256, 1), (16, 768, 1), (5, 1280, 3)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "n{}_k{}_b{}".format(*s))
+@pytest.mark.parametrize("t", PACKED_TYPES, ids=lambda t: t.name)
+def test_gemv_q8_random_blocks(t: GGMLType, shape: tuple[int, int, int]) -> None:
+    n, k, b = shape
+    blocks = _blocks(t, n, k, seed=n + k)
+    x = torch.randn(b, k, generator=torch.Generator().manual_seed(k)).to(torch.float16)
+    w = pack(blocks, t).to(DEVICE)
+    out = torch.full((b, n), float("nan"), device=DEVICE)
+    y = gemv_q8(w, quantize_x(x.to(DEVICE)), out=out)
+    assert torch.isfinite(out).all(), "outputs left unwritten"
+    ref = gemv_ref(blocks, t, quantize_x_reference(x))
+    rel = _rel(y, ref)
+    assert rel < 1e-5, f"{t.name}: relative RMS error {rel:.2e} against the dequantized-x oracle"
+    exact = gemv_ref(blocks, t, x.float())
+    assert _rel(y, exact) < 2e-2, "q8 activation error larger than a q8 rounding can make"
+
+
+def test_gemv_q8_errors() -> None:
+    w = pack(_blocks(GGMLType.Q4_K, 4, 256, seed=0), GGMLType.Q4_K).to(DEVICE)
+    with pytest.raises(ValueError, match="K = 512"):
+        gemv_q8(w, quantize_x(torch.zeros(512, device=DEVICE)))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_x(torch.zeros(100))
+    with pytest.raises(ValueError, match="batch 9"):
+        quantize_x(torch.zeros(9, 256))
+
+
+GPU_SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("t", PACKED_TYPES, ids=lambda t: t.name)
+def test_gemv_q8_gpu(t: GGMLType, shape: tuple[int, int]) -> None:
+    if INTERPRETED or not torch.cuda.is_available():
+        pytest.fail("gpu test needs CUDA and TRITON_INTERPRET unset (run on the GPU machine)")
+    from deimos.quant.triton.bench import ROOF_GBS, time_graph
+
+    n, k = shape
+    blocks = _blocks(t, n, k, seed=7)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(torch.float16)
+    w = pack(blocks, t).to("cuda")
+    qx = quantize_x(x.cuda())
+    out = torch.empty(1, n, device="cuda")
+    y = gemv_q8(w, qx, out=out)
+    assert _rel(y, gemv_ref(blocks, t, quantize_x_reference(x))) < 1e-5
+    sec = time_graph(lambda: gemv_q8(w, qx, out=out))
+    gbs = w.nbytes / sec / 1e9
+    print(f"PERF q8 {t.name:5} {n:>6}x{k:<6} {sec * 1e6:7.2f} us {gbs:6.0f} GB/s {gbs / ROOF_GBS:4.0%}")
