@@ -23,11 +23,47 @@ from deimos.runtime.graph import DecodeGraph
 from deimos.runtime.kv_cache import KVCache
 
 
+def profile_prefill(model, n: int) -> None:
+    """Wall time of one n-token prefill against the sum of its kernels' GPU time: a gap
+    means the host (launch overhead), not the GPU, sets the pace."""
+    import time
+
+    cfg = model.config
+    kv = KVCache(cfg, n, device="cuda")
+    tokens = torch.randint(0, cfg.n_vocab, (n,), device="cuda")
+    batch = Batch(tokens, torch.arange(n, device="cuda"), kv)
+    for _ in range(2):
+        kv.truncate(0)
+        model.forward(batch)
+    torch.cuda.synchronize()
+    kv.truncate(0)
+    t0 = time.perf_counter()
+    model.forward(batch)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    kv.truncate(0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        model.forward(batch)
+        torch.cuda.synchronize()
+    per = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name][0] += 1
+            per[e.name][1] += e.device_time_total
+    gpu = sum(v[1] for v in per.values())
+    launches = sum(v[0] for v in per.values())
+    print(f"\nprefill {n}: wall {wall * 1e3:.1f} ms ({n / wall:.0f} t/s); kernels {gpu / 1e3:.1f} ms "
+          f"in {launches} launches")
+    for name, (c, t) in sorted(per.items(), key=lambda kv_: -kv_[1][1])[:10]:
+        print(f"  {name[:60]:60} {c:5d} {t / 1e3:8.2f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--ctx", type=int, default=512, help="tokens in the cache while timing")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--prefill", type=int, default=0, help="also profile one prefill of this many tokens")
     args = ap.parse_args()
     f = GGUFFile(args.model)
     model = load_model(f, device="cuda")
@@ -74,6 +110,9 @@ def main() -> None:
     print(f"{'kernel':60} {'calls/tok':>9} {'us/tok':>8} {'share':>6}")
     for name, (n, t) in sorted(per.items(), key=lambda kv_: -kv_[1][1])[:14]:
         print(f"{name[:60]:60} {n / args.steps:9.1f} {t / args.steps:8.1f} {t / args.steps / total:6.1%}")
+
+    if args.prefill:
+        profile_prefill(model, args.prefill)
 
     # each distinct matrix shape's GEMV alone
     from deimos.models.gpu import QuantLinear

@@ -28,6 +28,7 @@ from deimos.models import ARCHITECTURES, load_model  # noqa: E402
 from deimos.models.batch import Batch  # noqa: E402
 from deimos.models.gpu import (  # noqa: E402
     DenseLinear,
+    LinearPart,
     QuantEmbedding,
     QuantLinear,
     gather_rows,
@@ -80,28 +81,34 @@ def test_kernel_linears_match_reference(synth_dir) -> None:
     seen = set()
     g = torch.Generator().manual_seed(0)
     for r, k in pairs:
-        assert isinstance(k, QuantLinear), f"{k.name}: {type(k).__name__}"
         seen.add(k.ggml_type)
-        small = _first_rows(k)
+        if isinstance(k, LinearPart):  # q/k/v or gate/up of one format: one fused matrix
+            small, rows = k, r.weight.shape[0]
+        else:
+            assert isinstance(k, QuantLinear), f"{k.name}: {type(k).__name__}"
+            small, rows = _first_rows(k), ROWS
         for t, tol in ((1, 1e-3), (3, 3e-3)):
             x = torch.randn(t, r.weight.shape[1], generator=g)
-            want = (quantize_x_reference(x) if t == 1 else x) @ r.weight[:ROWS].T
+            want = (quantize_x_reference(x) if t == 1 else x) @ r.weight[:rows].T
             got = small(x.to(DEVICE))
-            assert got.shape == (t, ROWS) and got.dtype == torch.float32
+            assert got.shape == (t, rows) and got.dtype == torch.float32
             rel = _rel(want, got)
             print(f"{k.name} {k.ggml_type.name} T={t}: rel rms {rel:.2e}")
             assert rel < tol, f"{k.name} ({k.ggml_type.name}) T={t}: relative RMS error {rel:.2e}"
     # llama-tiny's Q4_K_M mix: Q5_0 where rows of 128 do not fit 256-blocks, Q4_K, Q8_0 output
     assert {GGMLType.Q4_K, GGMLType.Q5_0, GGMLType.Q8_0} <= seen, seen
+    assert isinstance(k0.mlp.gate, LinearPart) and k0.mlp.gate.group is k0.mlp.up.group
 
 
 def test_kernel_input_prepared_once(synth_dir) -> None:
-    """q, k and v read one activation: it is quantized once and shared."""
+    """One activation is quantized once for every projection reading it (q/k/v of one format
+    are even one launch: parts of one LinearGroup)."""
     _, kern = _kernel_model(_synth(synth_dir, "llama", "Q8_0"))
     attn = kern.layers[0].attn
     x = torch.randn(1, kern.config.n_embd, device=DEVICE)
-    cache = attn.q.inputs
-    assert attn.k.inputs is cache and kern.layers[1].mlp.up.inputs is cache
+    assert attn.q.group is attn.k.group is attn.v.group
+    cache = attn.q.group.linear.inputs
+    assert kern.layers[1].mlp.up.group.linear.inputs is cache and kern.lm_head.inputs is cache
     first = cache.quantized(x)
     assert cache.quantized(x) is first
     assert cache.quantized(x.clone()) is not first
@@ -175,7 +182,27 @@ def _greedy(model, prompt: list[int], n: int, device: str) -> tuple[torch.Tensor
     return logits.float().cpu(), out
 
 
+TIE = 0.1  # reference top-2 logit gap under which a q8-rounded activation may flip the argmax
+
+
+def _forced(model, prompt: list[int], tokens: list[int], device: str) -> torch.Tensor:
+    """Decode logits [len(tokens), V] with ``tokens`` fed one by one after the prompt."""
+    cfg = model.config
+    kv = KVCache(cfg, len(prompt) + len(tokens), device=device)
+    model.forward(Batch(torch.tensor(prompt, device=device), torch.arange(len(prompt), device=device), kv))
+    out = []
+    for i, tok in enumerate(tokens):
+        pos = torch.tensor([len(prompt) + i], device=device)
+        out.append(model.forward(Batch(torch.tensor([tok], device=device), pos, kv))[0].float().cpu())
+    return torch.stack(out)
+
+
 def _compare_whole(f: GGUFFile, label: str) -> None:
+    """Prefill logits at every prompt position and decode logits along the reference's greedy
+    path within 1e-2 relative RMS; the GPU's own greedy tokens equal the reference's up to
+    the first step where the reference's top two logits are within TIE (decode quantizes
+    activations to q8, as llama.cpp does: a near-tie may flip), and at every step of the
+    reference's path the GPU picks the reference's token unless that step is such a tie."""
     ref = load_model(f)
     gpu = load_model(f, device="cuda")
     g = torch.Generator().manual_seed(7)
@@ -183,10 +210,20 @@ def _compare_whole(f: GGUFFile, label: str) -> None:
     ref_logits, ref_tokens = _greedy(ref, prompt, N_GREEDY, "cpu")
     gpu_logits, gpu_tokens = _greedy(gpu, prompt, N_GREEDY, "cuda")
     rel = _rel(ref_logits, gpu_logits)
-    print(f"{label}: logits rel rms {rel:.2e}, max |diff| "
-          f"{(ref_logits - gpu_logits).abs().max().item():.2e}; greedy {gpu_tokens}")
-    assert rel < 1e-2, f"{label}: logits relative RMS error {rel:.2e}"
-    assert gpu_tokens == ref_tokens, f"{label}: greedy tokens differ\nref {ref_tokens}\ngpu {gpu_tokens}"
+    ref_dec = _forced(ref, prompt, ref_tokens[:-1], "cpu")
+    gpu_dec = _forced(gpu, prompt, ref_tokens[:-1], "cuda")
+    rel_dec = _rel(ref_dec, gpu_dec)
+    top2 = torch.cat([ref_logits[-1:], ref_dec]).topk(2, dim=1).values
+    gaps = (top2[:, 0] - top2[:, 1]).tolist()  # gap before choosing ref_tokens[i]
+    print(f"{label}: prefill logits rel rms {rel:.2e}, decode {rel_dec:.2e}; greedy {gpu_tokens}")
+    assert rel < 1e-2, f"{label}: prefill logits relative RMS error {rel:.2e}"
+    assert rel_dec < 1e-2, f"{label}: decode logits relative RMS error {rel_dec:.2e}"
+    picks = [int(torch.cat([gpu_logits[-1:], gpu_dec])[i].argmax()) for i in range(N_GREEDY)]
+    for i, (want, got) in enumerate(zip(ref_tokens, picks)):
+        assert got == want or gaps[i] < TIE, f"{label}: step {i} picks {got}, reference {want}, gap {gaps[i]:.3f}"
+    first = next((i for i, (a, b) in enumerate(zip(ref_tokens, gpu_tokens)) if a != b), None)
+    if first is not None:
+        assert gaps[first] < TIE, f"{label}: free-running greedy differs at step {first}, gap {gaps[first]:.3f}"
 
 
 @pytest.mark.gpu

@@ -34,9 +34,9 @@ class Attention:
     def __init__(self, cfg: ModelConfig, layer: int, w: WeightSource):
         p = f"blk.{layer}"
         self.cfg = cfg
-        self.q = w.linear(f"{p}.attn_q", cfg.n_head * cfg.head_dim, cfg.n_embd, bias=None)
-        self.k = w.linear(f"{p}.attn_k", cfg.n_head_kv * cfg.head_dim, cfg.n_embd, bias=None)
-        self.v = w.linear(f"{p}.attn_v", cfg.n_head_kv * cfg.head_dim_v, cfg.n_embd, bias=None)
+        self.q, self.k, self.v = w.linears(
+            [(f"{p}.attn_q", cfg.n_head * cfg.head_dim), (f"{p}.attn_k", cfg.n_head_kv * cfg.head_dim),
+             (f"{p}.attn_v", cfg.n_head_kv * cfg.head_dim_v)], cfg.n_embd)  # fmt: skip
         self.o = w.linear(f"{p}.attn_output", cfg.n_embd, cfg.n_head * cfg.head_dim_v, bias=None)
         self.ops = w.ops
         self.q_norm = self.k_norm = None
@@ -62,8 +62,7 @@ class Attention:
 class GatedMLP:
     def __init__(self, cfg: ModelConfig, layer: int, w: WeightSource):
         p = f"blk.{layer}"
-        self.gate = w.linear(f"{p}.ffn_gate", cfg.n_ff, cfg.n_embd, bias=None)
-        self.up = w.linear(f"{p}.ffn_up", cfg.n_ff, cfg.n_embd, bias=None)
+        self.gate, self.up = w.linears([(f"{p}.ffn_gate", cfg.n_ff), (f"{p}.ffn_up", cfg.n_ff)], cfg.n_embd)
         self.down = w.linear(f"{p}.ffn_down", cfg.n_embd, cfg.n_ff, bias=None)
         self.activation = cfg.activation
         self.ops = w.ops

@@ -131,6 +131,16 @@ class WeightSource:
         weight = self.tensor(f"{name}.weight", (n_out, n_in))
         return Linear(weight, b, f"{name}.weight", self.file.tensors[f"{name}.weight"].ggml_type)
 
+    def linears(self, specs: list[tuple[str, int]], n_in: int) -> list[Linear]:
+        """Linears ``(name, n_out)`` that all read the same input (biases loaded when the file
+        has them). The kernel path may run them as one launch (deimos.models.gpu.LinearGroup)."""
+        if self.gpu is None:
+            return [self.linear(name, n_out, n_in, bias=None) for name, n_out in specs]
+        infos = [self.info(f"{name}.weight", (n_out, n_in)) for name, n_out in specs]
+        biases = [self.vector(f"{name}.bias", n_out) if self.has(f"{name}.bias") else None
+                  for name, n_out in specs]  # fmt: skip
+        return self.gpu.linears(infos, biases)
+
     def embedding(self, name: str, n_vocab: int, dim: int) -> Embedding:
         if self.gpu is not None:
             return self.gpu.embedding(self.info(f"{name}.weight", (n_vocab, dim)))

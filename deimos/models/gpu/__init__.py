@@ -12,11 +12,13 @@ from deimos.models.gpu.linear import (
     DenseEmbedding,
     DenseLinear,
     InputCache,
+    LinearGroup,
+    LinearPart,
     QuantEmbedding,
     QuantLinear,
 )
 from deimos.models.gpu.notices import Notices
 from deimos.models.gpu.source import GpuWeights
 
-__all__ = ["DenseEmbedding", "DenseLinear", "GpuWeights", "InputCache", "Notices",
+__all__ = ["DenseEmbedding", "DenseLinear", "GpuWeights", "InputCache", "LinearGroup", "LinearPart", "Notices",
            "QuantEmbedding", "QuantLinear", "dequantize_fp16", "gather_rows"]

@@ -155,3 +155,38 @@ class DenseEmbedding:
 
     def as_linear(self) -> DenseLinear:
         return DenseLinear(self.table, None, self.name, self.ggml_type, self.inputs)
+
+
+class LinearGroup:
+    """Linears that read the same input (q/k/v, gate/up), of one format, packed as one matrix
+    of their concatenated rows: one launch computes every part's output. The output of the
+    last input is kept (by identity, as ``InputCache``) for the parts to slice."""
+
+    def __init__(self, linear: QuantLinear):
+        self.linear = linear
+        self._x: torch.Tensor | None = None
+        self._y: torch.Tensor | None = None
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        if x is not self._x:
+            self._x, self._y = x, self.linear(x)
+        return self._y
+
+
+class LinearPart:
+    """Columns ``lo:hi`` of a ``LinearGroup``'s output (a view; + its own bias)."""
+
+    def __init__(self, group: LinearGroup, lo: int, hi: int, bias: torch.Tensor | None, name: str):
+        self.group = group
+        self.lo, self.hi = lo, hi
+        self.bias = bias
+        self.name = name
+        self.ggml_type: GGMLType = group.linear.ggml_type
+
+    @property
+    def out_features(self) -> int:
+        return self.hi - self.lo
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.group.output(x)[:, self.lo : self.hi]
+        return y if self.bias is None else y + self.bias

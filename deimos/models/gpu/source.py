@@ -16,6 +16,8 @@ from deimos.models.gpu.linear import (
     DenseEmbedding,
     DenseLinear,
     InputCache,
+    LinearGroup,
+    LinearPart,
     QuantEmbedding,
     QuantLinear,
 )
@@ -25,10 +27,6 @@ from deimos.quant.triton import PACKED_TYPES, PackedWeight, pack
 
 CHUNK_ELEMENTS = 1 << 23  # weights per packing job: rows are independent, so a big matrix
 # (an 8B model's 525M-weight output) is packed by many threads at once
-REFERENCE_OPS = (
-    "RMSNorm, RoPE, attention, gated activation and sampling run as the torch reference ops "
-    "(deimos.kernels.*) on the device; KV cache fp16"
-)
 
 
 class GpuWeights:
@@ -37,7 +35,6 @@ class GpuWeights:
         self.device = torch.device(device)
         self.inputs = InputCache()  # shared by every linear of the model
         self.notices = Notices()
-        self.notices.once("ops", REFERENCE_OPS)
         self._packed_all = self._pack_all()
 
     def _rows(self, info: TensorInfo) -> np.ndarray:
@@ -93,6 +90,26 @@ class GpuWeights:
         if packed is None:
             return DenseLinear(self._dense(info), bias, info.name, info.ggml_type, self.inputs)
         return QuantLinear(packed, bias, info.name, self.inputs, self.notices)
+
+    def linears(self, infos: list[TensorInfo], biases: list[torch.Tensor | None]) -> list:
+        """Linears that read one input: as parts of one concatenated matrix (``LinearGroup``)
+        when they share a kernel format and K, else one by one."""
+        packs = [self._packed(i) for i in infos]
+        if (len(infos) < 2 or any(p is None for p in packs)
+                or len({(p.ggml_type, p.k) for p in packs}) != 1):  # fmt: skip
+            return [self.linear(i, b) for i, b in zip(infos, biases)]
+        first = packs[0]
+        tensors = {k: torch.cat([p.tensors[k] for p in packs]) for k in first.tensors}
+        for info in infos:  # the separate copies are not needed any more
+            self._packed_all.pop(info.name, None)
+        fused = PackedWeight(first.ggml_type, sum(p.n for p in packs), first.k, tensors)
+        name = "+".join(i.name for i in infos)
+        group = LinearGroup(QuantLinear(fused, None, name, self.inputs, self.notices))
+        parts, lo = [], 0
+        for info, p, b in zip(infos, packs, biases):
+            parts.append(LinearPart(group, lo, lo + p.n, b, info.name))
+            lo += p.n
+        return parts
 
     def embedding(self, info: TensorInfo) -> QuantEmbedding | DenseEmbedding:
         packed = self._packed(info)
