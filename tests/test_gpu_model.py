@@ -182,7 +182,7 @@ def _greedy(model, prompt: list[int], n: int, device: str) -> tuple[torch.Tensor
     return logits.float().cpu(), out
 
 
-TIE = 0.1  # reference top-2 logit gap under which a q8-rounded activation may flip the argmax
+TIE = 0.1  # reference top-2 logit gap under which a rounded (fixed-point) activation may flip the argmax
 
 
 def _forced(model, prompt: list[int], tokens: list[int], device: str) -> torch.Tensor:
@@ -200,8 +200,8 @@ def _forced(model, prompt: list[int], tokens: list[int], device: str) -> torch.T
 def _compare_whole(f: GGUFFile, label: str) -> None:
     """Prefill logits at every prompt position and decode logits along the reference's greedy
     path within 1e-2 relative RMS; the GPU's own greedy tokens equal the reference's up to
-    the first step where the reference's top two logits are within TIE (decode quantizes
-    activations to q8, as llama.cpp does: a near-tie may flip), and at every step of the
+    the first step where the reference's top two logits are within TIE (decode rounds
+    activations to 15-bit fixed point: a near-tie may flip), and at every step of the
     reference's path the GPU picks the reference's token unless that step is such a tie."""
     ref = load_model(f)
     gpu = load_model(f, device="cuda")

@@ -1,8 +1,8 @@
 """Kernel-backed Linear and Embedding: the weights stay in their GGUF bytes (packed) on the device.
 
-- ``QuantLinear`` (formats with a GEMV kernel): decode (T == 1) runs the int8-activation GEMV
-  (gemv_q8: x quantized to q8 once, ``QuantizedX``, shared by every projection that reads the
-  same activation: q/k/v, gate/up; weight codes times x codes by dp4a);
+- ``QuantLinear`` (formats with a GEMV kernel): decode (T == 1) runs the integer-activation
+  GEMV (gemv_q8: x turned once into two int8 planes, ``QuantizedX``, shared by every
+  projection that reads the same activation; weight codes times x codes by dp4a);
   T > 1 (prefill) dequantizes to fp16 per call (dequant.py) and runs torch.matmul: an interim
   path until a tensor-core dequant-GEMM exists.
 - ``DenseLinear``: formats without a kernel, dequantized once at load to an fp16 matrix.
