@@ -154,3 +154,25 @@ def test_gemv_gpu(t: GGMLType, shape: tuple[int, int], batch: int) -> None:
         f"PERF {t.name:5} {n:>6}x{k:<6} b={batch} {ms * 1e3:8.2f} us  {gbs:7.0f} GB/s "
         f"({gbs / 4300:.0%} of 4.3 TB/s) weights {w.nbytes / 1e6:.1f} MB"
     )
+
+
+@pytest.mark.parametrize("permuted", [False, True], ids=["element_order", "word_order"])
+@pytest.mark.parametrize("t", PACKED_TYPES, ids=lambda t: t.name)
+def test_dequantize_fp16(t: GGMLType, permuted: bool) -> None:
+    """The prefill path's fp16 dequantization: the GGUF decoders' values rounded to fp16, in
+    element order or in word order with ``permuted_columns`` naming each column's element."""
+    from deimos.models.gpu.dequant import dequantize_fp16, permuted_columns
+
+    n, k = 5, 512
+    blocks = _blocks(t, n, k, seed=4)
+    want = torch.from_numpy(dequantize(blocks.reshape(-1), t, (n, k))).to(torch.float16)
+    w = pack(blocks, t).to(DEVICE)
+    out = torch.full((n, k), float("nan"), dtype=torch.float16, device=DEVICE)
+    got = dequantize_fp16(w, out=out, permuted=permuted).cpu()
+    if permuted:
+        cols = permuted_columns(w).cpu()
+        assert sorted(cols.tolist()) == list(range(k))
+        got_natural = torch.empty_like(got)
+        got_natural[:, cols] = got
+        got = got_natural
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-3, atol=1e-3)

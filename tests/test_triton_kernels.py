@@ -227,13 +227,17 @@ PREFILL_CASES = [
 
 @pytest.mark.parametrize("case", PREFILL_CASES,
                          ids=lambda c: "T{}_p{}_h{}x{}_d{}_w{}".format(*c))  # fmt: skip
-def test_prefill_attention(case: tuple) -> None:
+@pytest.mark.parametrize("device_start", [False, True], ids=["host_start", "device_start"])
+def test_prefill_attention(case: tuple, device_start: bool) -> None:
+    """``device_start``: the start read from the chunk's positions on the device (what a
+    prefill graph replays); the cache beyond the chunk holds garbage that must not be read."""
     t, start, hq, hkv, d, window = case
     n = start + t
     k, v = _cache(n, n + 45, hkv, d, seed=t + start + d)
     q = _rand(t, hq, d, seed=d + 3, dtype=torch.float16)
     scale = d**-0.5
-    out = prefill_attention(q, k, v, start, scale, window, out=_poison(q))
+    where = torch.arange(start, n, dtype=torch.int32, device=q.device) if device_start else start
+    out = prefill_attention(q, k, v, where, scale, window, out=_poison(q))
     ref = _attn_ref(q, k, v, torch.arange(start, n), n, scale, window)
     _close(f"prefill {case}", out, ref, 3e-3)
 

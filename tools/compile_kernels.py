@@ -102,6 +102,19 @@ def _q8_jobs() -> list[Job]:
         jobs.append(Job("gemv_q8_" + t.name, _describe(cfg),
                         _warm_args(q._gemv_q8_kernel, args, FMT=FMT_ID[t], BLOCK_N=cfg.block_n,
                                    BLOCK_S=cfg.block_s, ASM=True, num_warps=cfg.num_warps)))
+    from deimos.models.gpu import dequant
+
+    for t in PACKED_TYPES:
+        w = _packed_sample(t, 4096)
+        qw = w.tensors["qw"]
+        arrays = [qw, w.tensors.get("qh", qw), w.tensors.get("meta", w.tensors.get("sc", qw)),
+                  w.tensors.get("d", qw), w.tensors.get("m", qw)]
+        args = [MockTensor(a.dtype) for a in arrays] + [MockTensor(torch.float16), 4096, 4096]
+        for permuted in (False, True):
+            jobs.append(Job("dequant_" + t.name, f"N={dequant.BLOCK_N} S={dequant.BLOCK_S} perm={int(permuted)}",
+                            _warm_args(dequant._dequant_kernel, args, FMT=FMT_ID[t],
+                                       BLOCK_N=dequant.BLOCK_N, BLOCK_S=dequant.BLOCK_S,
+                                       PERMUTED=permuted, num_warps=dequant.NUM_WARPS)))
     for dt in (torch.float32, torch.float16):
         args = [MockTensor(dt), MockTensor(torch.int32), MockTensor(torch.float32),
                 MockTensor(torch.int32), 4096]
@@ -183,12 +196,13 @@ def _layer_jobs() -> list[Job]:
                               num_warps=4)))
     for hq, hk, d in ((32, 8, 128), (8, 4, 256), (4, 1, 256), (9, 3, 64), (4, 2, 32)):
         c = prefill_attention.prefill_config(d)
-        args = [f16] * 4 + [hq * d, d, hk * d, d, hk * d, d, hq * d, d, 512, d, 0, d**-0.5, 0]
+        args = [f32, f16, f16, f32, hq * d, d, hk * d, d, hk * d, d, hq * d, d, 512, d, 0,
+                d**-0.5, 0, i32]
         jobs.append(Job("prefill", f"G={hq // hk} D={d} M={c.block_m} N={c.block_n} "
                                    f"w={c.num_warps} st={c.num_stages}",
                         _warm(prefill_attention._prefill_kernel, args, G=hq // hk,
                               BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-                              BLOCK_D=max(16, triton.next_power_of_2(d)),
+                              BLOCK_D=max(16, triton.next_power_of_2(d)), START_ON_DEVICE=True,
                               num_warps=c.num_warps, num_stages=c.num_stages)))
     v = 262144
     n_blk = triton.cdiv(v, sampling.ARGMAX_BLOCK)

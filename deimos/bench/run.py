@@ -5,7 +5,8 @@ the GPU.
 A round, as llama-bench's pp/tg tests: prefill = one forward of ``n_prompt`` random tokens into
 an empty cache; decode = ``n_gen`` single-token steps from an empty cache, each step's greedy
 token read back and fed to the next, as generation does (on CUDA the steps replay the decode
-graph, captured in the warm-up round, deimos.runtime.graph). Times are wall clock between
+graph, captured in the warm-up round, deimos.runtime.graph; a prompt of up to 512 tokens
+is one prefill graph; the timed prefill includes the host copy of its tokens). Times are wall clock between
 device synchronizations. Decode bandwidth counts the file's weight bytes read per token
 (every matrix once; the token embedding only if it is also the output projection).
 """
@@ -24,7 +25,7 @@ from deimos.bench.llama import run_llama_bench
 from deimos.bench.stats import BenchReport, RoundTimes, summarize
 from deimos.gguf import GGUFFile
 from deimos.models.batch import Batch
-from deimos.runtime.graph import DecodeGraph
+from deimos.runtime.graph import DecodeGraph, PrefillGraphs
 from deimos.runtime.kv_cache import KVCache
 
 log = logging.getLogger("deimos")
@@ -67,9 +68,17 @@ class Session:
     def __init__(self, model, capacity: int, device: torch.device):
         self.model = model
         self.kv = KVCache(model.config, capacity, device=str(device))
-        self.graph = None
+        self.graph = self.prefill_graphs = None
         if device.type == "cuda" and getattr(model.ops, "graph_safe", False):
             self.graph = DecodeGraph(model, self.kv)
+            self.prefill_graphs = PrefillGraphs(model, self.kv)
+
+    def prefill(self, tokens: torch.Tensor) -> None:
+        """One chunk (a bucket graph when one holds it, else eager)."""
+        if self.prefill_graphs is not None and self.prefill_graphs.run(tokens.tolist()) is not None:
+            return
+        dev = self.kv.k[0].device
+        self.model.forward(Batch(tokens.to(dev), torch.arange(tokens.shape[0], device=dev), self.kv))
 
     def decode(self, token: int) -> int:
         if self.graph is not None:
@@ -85,11 +94,11 @@ def time_round(session: Session, n_prompt: int, n_gen: int, device: torch.device
                gen: torch.Generator) -> RoundTimes:
     mc = session.model.config
     kv = session.kv
-    tokens = torch.randint(0, mc.n_vocab, (n_prompt,), generator=gen).to(device)
+    tokens = torch.randint(0, mc.n_vocab, (n_prompt,), generator=gen)
     kv.truncate(0)
     _sync(device)
     t0 = time.perf_counter()
-    session.model.forward(Batch(tokens, torch.arange(n_prompt, device=device), kv))
+    session.prefill(tokens)
     _sync(device)
     t1 = time.perf_counter()
     kv.truncate(0)
@@ -117,8 +126,8 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     model = load_model(file, device=cfg.device)
     gen = torch.Generator().manual_seed(cfg.seed)
     session = Session(model, cfg.n_prompt + cfg.n_gen, device)
-    # warm-up (JIT compiles every kernel of both paths, captures the graph), not reported
-    time_round(session, 16, 4, device, gen)
+    # warm-up (JIT compiles every kernel of both paths, captures the graphs), not reported
+    time_round(session, cfg.n_prompt, 4, device, gen)
     check = ContentionCheck.from_snapshots(before, nvml.processes(), os.getpid())
 
     def idle(what: str) -> bool:

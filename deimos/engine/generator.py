@@ -28,10 +28,12 @@ class Generator:
         self.kv = KVCache(model.config, n_ctx, device=device)
         self.cached: list[int] = []  # tokens whose entries the cache holds, in order
         self.graph = None  # decode steps replay one CUDA graph on the kernel path
+        self.prefill_graphs = None  # prompt chunks: one graph per padded length
         if cuda_graph and model.device.type == "cuda" and getattr(model.ops, "graph_safe", False):
-            from deimos.runtime.graph import DecodeGraph
+            from deimos.runtime.graph import DecodeGraph, PrefillGraphs
 
             self.graph = DecodeGraph(model, self.kv)
+            self.prefill_graphs = PrefillGraphs(model, self.kv)
 
     def _reuse_prefix(self, prompt: list[int]) -> int:
         n = 0
@@ -43,8 +45,12 @@ class Generator:
         return n
 
     def _forward(self, tokens: list[int]) -> torch.Tensor:
+        logits = None
         if len(tokens) == 1 and self.graph is not None:
             logits = self.graph.step(tokens[0])
+        elif self.prefill_graphs is not None:
+            logits = self.prefill_graphs.run(tokens)
+        if logits is not None:
             self.cached.extend(tokens)
             return logits
         start = self.kv.length

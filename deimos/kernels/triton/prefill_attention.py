@@ -38,9 +38,12 @@ LOG2E = tl.constexpr(1.4426950408889634)
 def _prefill_kernel(
     p_q, p_k, p_v, p_o,
     sq_t, sq_h, sk_s, sk_h, sv_s, sv_h, so_t, so_h,
-    T, D, start, scale, window,
+    T, D, start, scale, window, p_start,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    START_ON_DEVICE: tl.constexpr,
 ):  # fmt: skip
+    if START_ON_DEVICE:  # the chunk's first position, read on the device (a CUDA graph replays it)
+        start = tl.load(p_start).to(tl.int32)
     i_m = tl.program_id(0)
     i_kv = tl.program_id(1)
     o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -122,7 +125,7 @@ def prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    start: int,
+    start: int | torch.Tensor,
     scale: float,
     window: int = 0,
     out: torch.Tensor | None = None,
@@ -131,14 +134,21 @@ def prefill_attention(
 
     q: ``[T, Hq, D]`` at positions start .. start+T-1; k, v: ``[S, Hkv, D]`` with S >= start + T
     and keys 0..start+T-1 written (same dtype; fp16/bf16 on the GPU; last dims contiguous);
-    D <= 256; window: sliding window W (0 = none). Returns ``[T, Hq, D]`` in q's dtype.
+    D <= 256; window: sliding window W (0 = none). ``start``: a host int, or an int tensor on
+    the device whose first element is it (the chunk's positions: nothing is read back, so a
+    CUDA graph can replay the call for any start; S >= start + T is then the caller's
+    promise). Returns ``[T, Hq, D]`` in q's dtype.
     """
     out = check_attention_io("prefill_attention", q, k, v, window, out, q.device, "T")
     n_t, hq, d = q.shape
     s, hkv, _ = k.shape
     if d > MAX_HEAD_DIM:
         raise ValueError(f"prefill_attention: head size {d} > {MAX_HEAD_DIM}")
-    if start < 0 or start + n_t > s:
+    on_device = isinstance(start, torch.Tensor)
+    if on_device:
+        if start.device != q.device or start.dtype.is_floating_point or start.numel() < 1:
+            raise ValueError("prefill_attention: a device start must be an int tensor on q's device")
+    elif start < 0 or start + n_t > s:
         raise ValueError(
             f"prefill_attention: positions {start}..{start + n_t - 1} need a cache of at least "
             f"{start + n_t} keys, k has {s}"
@@ -151,8 +161,8 @@ def prefill_attention(
         q, k, v, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
-        n_t, d, start, scale, window,
-        G=g, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        n_t, d, 0 if on_device else start, scale, window, start if on_device else q,
+        G=g, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, START_ON_DEVICE=on_device,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -5,9 +5,11 @@ whole matrix as fp16 (2 bytes per weight) and torch.matmul reads it back, so it 
 ~(type bytes + 4) per weight of memory traffic on top of the GEMM. Embedding lookups use it on
 a gathered subset of rows.
 
-Tile: ``[BLOCK_N rows, BLOCK_S groups, W words]`` as in the GEMV (one thread reads one group's
-16 bytes); code k of word w of group u is element ``32u + W k + w`` (layout.py), so the stores
-of one code step are W-strided within a group: fine for an interim path.
+Tile: ``[BLOCK_N rows, BLOCK_S groups, W words, 32/W codes]`` (one thread reads one group's
+16 bytes); code k of word w of group u is element ``32u + W k + w`` (layout.py). For the
+matmul the columns are stored in word order (``permuted=True``: each (row, group) is one
+64-byte run; x is permuted to match, ``permuted_columns``) instead of the element order's
+W-strided 8-byte stores (see BENCHMARKS.md for the measured effect).
 Scales per group, as the GEMV applies them: value = s * q (+ mn), where for Q4_K/Q5_K
 s = d * sc, mn = -dmin * m; Q6_K s = d * sc16 (first/second half of the group); Q4_1 mn = m;
 the others s = d. The code helpers are the GEMV's, so both kernels decode the same bits.
@@ -44,6 +46,7 @@ def _dequant_kernel(
     FMT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PERMUTED: tl.constexpr,
 ):  # fmt: skip
     W: tl.constexpr = 8 if FMT == Q8_0 else 4
     NK: tl.constexpr = 32 // W
@@ -58,25 +61,37 @@ def _dequant_kernel(
     u = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
     m_s = u < S_TOTAL
     o_w = tl.arange(0, W)
+    o_k = tl.arange(0, NK)
     m_ns = m_n[:, None] & m_s[None, :]
     m_w = m_ns[:, :, None] & (o_w < W)[None, None, :]
     o_q = o_n[:, None, None] * (S_TOTAL * W) + u[None, :, None] * W + o_w[None, None, :]
-    b_w = tl.load(p_qw + o_q, mask=m_w, other=0)
+    b_w = tl.load(p_qw + o_q, mask=m_w, other=0)[:, :, :, None]
     if FMT == Q6_K or FMT == Q5_K or FMT == Q5_0:
-        b_h = tl.load(p_qh + o_q, mask=m_w, other=0).to(tl.int32)
+        b_h = tl.load(p_qh + o_q, mask=m_w, other=0).to(tl.int32)[:, :, :, None]
     else:
         b_h = b_w
+    k4 = o_k[None, None, None, :]
+    q = _codes(b_w, b_h, k4, FMT)  # [BLOCK_N, BLOCK_S, W, NK]: code k of word w
     s_lo, s_hi, mn = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT)
-    o_out = o_n[:, None, None] * K + u[None, :, None] * 32 + o_w[None, None, :]
-    for k in tl.static_range(NK):
-        q = _codes(b_w, b_h, k, FMT)
-        if k < HALF:
-            val = s_lo[:, :, None] * q
-        else:
-            val = s_hi[:, :, None] * q
-        if HAS_MIN:
-            val += mn[:, :, None]
-        tl.store(p_out + o_out + k * W, val.to(tl.float16), mask=m_w)
+    val = tl.where(k4 < HALF, s_lo[:, :, None, None], s_hi[:, :, None, None]) * q
+    if HAS_MIN:
+        val += mn[:, :, None, None]
+    o_row = o_n[:, None, None, None] * K + u[None, :, None, None] * 32
+    if PERMUTED:  # word-major: column 32u + NK w + k, 64 contiguous bytes per (row, group)
+        o_col = o_w[None, None, :, None] * NK + k4
+    else:  # element order: column 32u + W k + w
+        o_col = k4 * W + o_w[None, None, :, None]
+    tl.store(p_out + o_row + o_col, val.to(tl.float16), mask=m_w[:, :, :, None])
+
+
+def permuted_columns(w: PackedWeight) -> torch.Tensor:
+    """int64 ``[k]`` on w's device: column p of ``dequantize_fp16(w, permuted=True)`` holds
+    element ``cols[p]`` of the row, so ``x[:, cols] @ Wp.T == x @ W.T``."""
+    wd = 8 if w.ggml_type.name == "Q8_0" else 4
+    nk = 32 // wd
+    p = torch.arange(w.k, device=w.device)
+    u, r = p // 32, p % 32
+    return u * 32 + (r % nk) * wd + r // nk
 
 
 def _kernel_args(w: PackedWeight, out: torch.Tensor) -> tuple:
@@ -86,10 +101,13 @@ def _kernel_args(w: PackedWeight, out: torch.Tensor) -> tuple:
     return (qw, t.get("qh", qw), scales, t.get("d", qw), t.get("m", qw), out)
 
 
-def dequantize_fp16(w: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_fp16(w: PackedWeight, out: torch.Tensor | None = None,
+                    permuted: bool = False) -> torch.Tensor:
     """Packed ``[n, k]`` -> fp16 ``[n, k]`` on the weight's device.
 
-    ``out``: optional contiguous fp16 ``[n, k]`` written in full (tests poison it).
+    ``permuted``: columns in the packed words' order (``permuted_columns``), which the kernel
+    stores as whole 64-byte runs: what a matmul wants (permute x instead); else in element
+    order (embedding rows). ``out``: optional contiguous fp16 ``[n, k]`` written in full.
     """
     if w.ggml_type not in FMT_ID:
         raise ValueError(f"dequantize_fp16: no kernel for {w.ggml_type.name}")
@@ -105,7 +123,8 @@ def dequantize_fp16(w: PackedWeight, out: torch.Tensor | None = None) -> torch.T
     grid = (triton.cdiv(w.n, BLOCK_N), triton.cdiv(w.k // 32, BLOCK_S))
     _dequant_kernel[grid](
         *_kernel_args(w, out), w.n, w.k,
-        FMT=FMT_ID[w.ggml_type], BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S, num_warps=NUM_WARPS,
+        FMT=FMT_ID[w.ggml_type], BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S, PERMUTED=permuted,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
 

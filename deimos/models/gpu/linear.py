@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from deimos.gguf.constants import GGMLType
-from deimos.models.gpu.dequant import dequantize_fp16, gather_rows
+from deimos.models.gpu.dequant import dequantize_fp16, gather_rows, permuted_columns
 from deimos.models.gpu.notices import Notices
 from deimos.quant.triton import PackedWeight
 from deimos.quant.triton.gemv_q8 import QuantizedX, gemv_q8, quantize_x
@@ -66,6 +66,12 @@ class QuantLinear:
         self.ggml_type: GGMLType = packed.ggml_type
         self.inputs = inputs
         self.notices = notices
+        self._cols: torch.Tensor | None = None
+
+    def _columns(self) -> torch.Tensor:
+        if self._cols is None:
+            self._cols = permuted_columns(self.packed)
+        return self._cols
 
     @property
     def out_features(self) -> int:
@@ -83,8 +89,8 @@ class QuantLinear:
             self.notices.once(
                 "prefill", "prefill (T > 1): weights dequantized to fp16 per call (Triton) + "
                 "torch.matmul, an interim path until a dequant-GEMM kernel exists")
-            w16 = dequantize_fp16(self.packed)
-            y = torch.matmul(self.inputs.half(x), w16.T).float()
+            w16 = dequantize_fp16(self.packed, permuted=True)
+            y = torch.matmul(self.inputs.half(x)[:, self._columns()], w16.T).float()
         return y if self.bias is None else y + self.bias
 
 

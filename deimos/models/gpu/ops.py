@@ -4,7 +4,8 @@ deimos.models.ops.ReferenceOps.
 Decode (one token) is written so a CUDA graph can replay it: the RoPE kernel stores the
 rotated keys and the values straight into the cache rows at the device positions, the
 split-K decode attention reads the length from the device, and no shape depends on the
-position. Prefill (T > 1) stores the same way and runs the causal flash kernel.
+position. Prefill (T > 1) stores the same way and runs the causal flash kernel over the
+whole cache with the chunk's start read on the device: a prefill chunk is graph-safe too.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ class TritonOps:
                    cache=(v, k_cache, v_cache))
         if step.n == 1:
             return decode_attention(q, k_cache, v_cache, step.rope, scale, window)
-        end = step.start + step.n
-        return prefill_attention(q, k_cache[:end], v_cache[:end], step.start, scale, window)
+        # the start read from the positions on the device: a prefill graph replays for any start
+        return prefill_attention(q, k_cache, v_cache, step.rope, scale, window)
 
     def gated_act(self, gate, up, activation):
         return gated_act(gate, up, activation)

@@ -66,7 +66,7 @@ def _code_float(q, OFFSET: tl.constexpr):
 
 
 @triton.jit
-def _codes(b_w, b_h, k: tl.constexpr, FMT: tl.constexpr):
+def _codes(b_w, b_h, k, FMT: tl.constexpr):
     """Code number k of every word, as float32 with the format's zero point removed."""
     if FMT == Q8_0:
         # byte k, signed; ^ 0x80 maps -128..127 to 0..255
