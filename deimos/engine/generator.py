@@ -32,8 +32,21 @@ class Generator:
         if cuda_graph and model.device.type == "cuda" and getattr(model.ops, "graph_safe", False):
             from deimos.runtime.graph import DecodeGraph, PrefillGraphs
 
-            self.graph = DecodeGraph(model, self.kv)
-            self.prefill_graphs = PrefillGraphs(model, self.kv)
+            pool = torch.cuda.graph_pool_handle()  # one pool: the graphs never run at once
+            self.graph = DecodeGraph(model, self.kv, pool=pool)
+            self.prefill_graphs = PrefillGraphs(model, self.kv, pool=pool)
+
+    def warm(self, progress=None) -> None:
+        """Capture every graph now (compiling every kernel the model needs): the first
+        request then pays nothing and GPU memory is taken once. A no-op without graphs."""
+        if self.graph is None:
+            return
+        if self.kv.length:
+            raise RuntimeError("Generator.warm: only before the first request")
+        self.prefill_graphs.capture_all(progress)
+        if progress is not None:
+            progress("decode graph")
+        self.graph.capture()
 
     def _reuse_prefix(self, prompt: list[int]) -> int:
         n = 0

@@ -20,6 +20,7 @@ from deimos.gguf import GGUFFile
 from deimos.kernels.sampling import SamplingParams
 from deimos.models import load_model
 from deimos.registry import resolve
+from deimos.runtime.kernel_cache import use_kernel_cache
 from deimos.tokenizer import Tokenizer
 from deimos.tokenizer.chat import encode_chat
 from deimos.tokenizer.stops import end_of_generation_ids
@@ -43,10 +44,16 @@ class Completion:
 
 
 class LLM:
-    def __init__(self, model: str | Path, *, n_ctx: int | None = None, device: str = "cpu"):
-        """``model``: a GGUF path or the short name of a known model (pulled if needed)."""
+    def __init__(self, model: str | Path, *, n_ctx: int | None = None, device: str = "cpu",
+                 progress=None):
+        """``model``: a GGUF path or the short name of a known model (pulled if needed).
+        ``progress(label)``: called at each loading stage (the CLI's progress bar)."""
+        if device != "cpu":
+            use_kernel_cache()
         self.path = resolve(model)
         self.file = GGUFFile(self.path)
+        if progress is not None:
+            progress("weights")
         self.model = load_model(self.file, device=device)
         self.config = self.model.config
         self.tokenizer = Tokenizer.from_gguf(self.file)
@@ -56,6 +63,7 @@ class LLM:
         self.stop_ids = end_of_generation_ids(self.tokenizer.vocab, self.template)
         n_ctx = n_ctx or min(self.config.context_length, DEFAULT_CONTEXT)
         self.generator = Generator(self.model, n_ctx, device=device)
+        self.generator.warm(progress)  # CUDA graphs (and every kernel) before the first request
 
     @property
     def n_ctx(self) -> int:

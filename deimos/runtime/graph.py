@@ -17,7 +17,9 @@ graph is captured once per (model, cache, length) and never patched or re-captur
 Padding tokens of a prefill chunk write cache rows past the chunk, which later steps
 overwrite before anything reads them; a chunk is padded only while the cache has the room.
 
-The cache's host bookkeeping (``begin``/``commit``) stays outside the graphs, here.
+The cache's host bookkeeping (``begin``/``commit``) stays outside the graphs, here. The
+graphs of one generator share one memory pool: they run one at a time, and each keeps only
+its logits alive between replays, so the pool holds the largest step's intermediates once.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 class StepGraph:
     """One step of exactly ``n`` tokens (the real ones first, then padding)."""
 
-    def __init__(self, model: DecoderModel, kv: KVCache, n: int, warmup: int = 2):
+    def __init__(self, model: DecoderModel, kv: KVCache, n: int, warmup: int = 2,
+                 pool: tuple | None = None):
         device = model.device
         if device.type != "cuda":
             raise ValueError(f"StepGraph: the model is on {device}, CUDA graphs need a CUDA device")
@@ -49,6 +52,7 @@ class StepGraph:
         self._copied = torch.cuda.Event()  # the last copies out of _host are done
         self._graph: torch.cuda.CUDAGraph | None = None
         self._logits: torch.Tensor | None = None
+        self.pool = pool  # a memory pool shared with graphs that never run at the same time
         self.replays = 0
 
     @property
@@ -83,9 +87,18 @@ class StepGraph:
                 self.model.step(batch, self.kv.length)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=self.pool):
             self._logits = self.model.step(batch, self.kv.length)[0]
         self._graph = graph
+
+    def capture(self) -> None:
+        """Capture now (at the cache's current length, whose rows are free) instead of at
+        the first run; nothing is committed."""
+        if self._graph is None:
+            if not self.fits(self.kv.length):
+                raise ValueError(f"StepGraph: no room to capture {self.n} rows")
+            self._load([0] * self.n, self.kv.length)
+            self._capture()
 
     def run(self, tokens: list[int]) -> torch.Tensor:
         """Runs ``tokens`` (1..n of them) at the cache's next positions and commits them;
@@ -106,8 +119,8 @@ class StepGraph:
 
 
 class DecodeGraph(StepGraph):
-    def __init__(self, model: DecoderModel, kv: KVCache, warmup: int = 2):
-        super().__init__(model, kv, 1, warmup)
+    def __init__(self, model: DecoderModel, kv: KVCache, warmup: int = 2, pool: tuple | None = None):
+        super().__init__(model, kv, 1, warmup, pool)
 
     def step(self, token: int) -> torch.Tensor:
         """``token`` at the cache's next position, committed; its logits ``[n_vocab]``."""
@@ -117,10 +130,20 @@ class DecodeGraph(StepGraph):
 class PrefillGraphs:
     """Prompt chunks through the smallest bucket graph that holds them."""
 
-    def __init__(self, model: DecoderModel, kv: KVCache, buckets: tuple[int, ...] = PREFILL_BUCKETS):
+    def __init__(self, model: DecoderModel, kv: KVCache, buckets: tuple[int, ...] = PREFILL_BUCKETS,
+                 pool: tuple | None = None):
         self.model = model
         self.kv = kv
-        self.graphs = {n: StepGraph(model, kv, n) for n in buckets}
+        self.graphs = {n: StepGraph(model, kv, n, pool=pool) for n in buckets}
+
+    def capture_all(self, progress=None) -> None:
+        """Every bucket now (the cache must have the room): the graphs' memory is then
+        taken once, before the first request, and no request pays a capture.
+        ``progress(label)`` is called before each capture."""
+        for n, graph in sorted(self.graphs.items()):
+            if progress is not None:
+                progress(f"prefill graph {n}")
+            graph.capture()
 
     @property
     def max_tokens(self) -> int:
