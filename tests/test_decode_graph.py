@@ -118,10 +118,10 @@ def test_prefill_graphs_match_eager_chunks(model) -> None:
     assert graphs.graphs[64].replays == 1 and graphs.graphs[16].replays == 1
     assert graphs.graphs[32].replays == 1  # the 20-token prefix
     # no room for a padded bucket near the end of the cache: the caller goes eager
-    small = KVCache(model.config, 80, device="cuda")
+    small = KVCache(model.config, 70, device="cuda")
     small_graphs = PrefillGraphs(model, small)
-    assert small_graphs.run(prompt[:70]) is not None and small.length == 70
-    assert small_graphs.run(prompt[:9]) is None and small.length == 70  # 70 + 16 > 80
+    assert small_graphs.run(prompt[:60]) is not None and small.length == 60  # bucket 64 <= 70
+    assert small_graphs.run(prompt[:9]) is None and small.length == 60  # 60 + 16 > 70
 
 
 def test_generator_graphs_match_eager_generator(model) -> None:
