@@ -420,3 +420,45 @@ def test_gpu_sampling(k: int) -> None:
     ms_a = _time_ms(lambda: argmax(x[0]))
     ms_k = _time_ms(lambda: topk(x[0], k))
     print(f"V={v}: argmax {ms_a * 1e3:.1f} us, top-{k} {ms_k * 1e3:.1f} us")
+
+
+# ---- activations handed to the GEMV already quantized ---------------------------------------
+
+def _same_quantized(label: str, got, out: torch.Tensor) -> None:
+    """A kernel's fused QuantizedX equals quantize_x of the output it stored."""
+    from deimos.quant.triton.gemv_q8 import quantize_x
+
+    want = quantize_x(out.reshape(out.shape[0], -1))
+    for name in ("xq", "xd", "xs"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), f"{label}: {name} differs"
+
+
+def test_fused_quantized_outputs() -> None:
+    from deimos.kernels.triton import add_rms_norm, decode_attention, gated_act
+    from deimos.quant.triton.gemv_q8 import empty_quantized
+
+    d = 320
+    x, r = _rand(1, d, seed=1), _rand(1, d, seed=2)
+    w = _rand(d, seed=3)
+    qx = empty_quantized(1, d, DEVICE)
+    y, _ = add_rms_norm(x, r, w, 1e-6, quantized=qx)
+    _same_quantized("add_rms_norm", qx, y)
+    qx = empty_quantized(1, d, DEVICE)
+    y, _ = add_rms_norm(x, None, w, 1e-6, quantized=qx)
+    _same_quantized("rms_norm", qx, y)
+
+    f = 2112  # three programs of 1024, the last partly masked
+    g, u = _rand(1, f, seed=4), _rand(1, f, seed=5)
+    for act in ("silu", "gelu_tanh"):
+        qx = empty_quantized(1, f, DEVICE)
+        _same_quantized(f"gated_act {act}", qx, gated_act(g, u, act, quantized=qx))
+
+    hq, hkv, dh, s = 4, 2, 64, 40
+    k, v = _cache(s, s + 8, hkv, dh, seed=6)
+    q = _rand(1, hq, dh, seed=7)
+    pos = torch.tensor([s - 1], dtype=torch.int32, device=DEVICE)
+    qx = empty_quantized(1, hq * dh, DEVICE)
+    out = decode_attention(q, k, v, pos, dh**-0.5, quantized=qx)
+    _same_quantized("decode_attention", qx, out)
+    with pytest.raises(ValueError, match="does not fit"):
+        add_rms_norm(x, r, w, 1e-6, quantized=empty_quantized(1, 64, DEVICE))

@@ -166,15 +166,20 @@ def _layer_jobs() -> list[Job]:
     for d in (576, 4096, 5376):
         c = norm.norm_config(d)
         for res in (False, True):
-            jobs.append(Job("rms_norm" + ("+add" if res else ""),
-                            f"D={d} B={c.block_d} w={c.num_warps}",
-                            _warm(norm._rms_norm_kernel, [f16] * 5 + [4096] * 4 + [d, 1e-6],
-                                  HAS_RESIDUAL=res, BLOCK_D=c.block_d, num_warps=c.num_warps)))
+            for quant in (False, True):
+                jobs.append(Job("rms_norm" + ("+add" if res else "") + ("+q8" if quant else ""),
+                                f"D={d} B={c.block_d} w={c.num_warps}",
+                                _warm(norm._rms_norm_kernel,
+                                      [f32] * 5 + [4096] * 4 + [d, 1e-6, i32, f32, i32],
+                                      HAS_RESIDUAL=res, BLOCK_D=c.block_d, QUANT=quant,
+                                      num_warps=c.num_warps)))
     for act in activation.ACTIVATIONS.values():
-        args = [f16] * 3 + [28672, 28672, 14336, 14336]
-        jobs.append(Job("gated_act", f"act={act} B={activation.BLOCK}",
-                        _warm(activation._gated_act_kernel, args, ACT=act,
-                              BLOCK_F=activation.BLOCK, num_warps=activation.NUM_WARPS)))
+        for quant in (False, True):
+            args = [f32] * 3 + [28672, 28672, 14336, 14336, i32, f32, i32]
+            jobs.append(Job("gated_act" + ("+q8" if quant else ""), f"act={act} B={activation.BLOCK}",
+                            _warm(activation._gated_act_kernel, args, ACT=act,
+                                  BLOCK_F=activation.BLOCK, QUANT=quant,
+                                  num_warps=activation.NUM_WARPS)))
     for hq, hk, d in ((32, 8, 128), (8, 4, 256), (9, 3, 64)):
         for neox in (False, True):
             args = [f32] * 6 + [i32, f32] + [d * (hq + 2 * hk), d] * 6 + [hq, hk, d, d]
@@ -189,11 +194,12 @@ def _layer_jobs() -> list[Job]:
                         _warm(decode_attention._decode_split_kernel, args, G=hq // hk,
                               G_PAD=decode_attention.GROUP_ROWS, BLOCK_S=c.block_s,
                               BLOCK_D=d, num_warps=c.num_warps)))
-        jobs.append(Job("decode_combine", f"D={d} splits={c.n_split}",
-                        _warm(decode_attention._decode_combine_kernel,
-                              [f32, f32, f32, f16, hq * d, d, hq, d, c.n_split],
-                              BLOCK_SPLIT=triton.next_power_of_2(c.n_split), BLOCK_D=d,
-                              num_warps=4)))
+        for quant in (False, True):
+            jobs.append(Job("decode_combine" + ("+q8" if quant else ""), f"D={d} splits={c.n_split}",
+                            _warm(decode_attention._decode_combine_kernel,
+                                  [f32, f32, f32, f32, hq * d, d, hq, d, c.n_split, i32, f32, i32],
+                                  BLOCK_SPLIT=triton.next_power_of_2(c.n_split), BLOCK_D=d,
+                                  QUANT=quant, num_warps=4)))
     for hq, hk, d in ((32, 8, 128), (8, 4, 256), (4, 1, 256), (9, 3, 64), (4, 2, 32)):
         c = prefill_attention.prefill_config(d)
         args = [f32, f16, f16, f32, hq * d, d, hk * d, d, hk * d, d, hq * d, d, 512, d, 0,

@@ -86,7 +86,8 @@ class WeightSource:
         if self.triton_ops:
             from deimos.models.gpu.ops import TritonOps
 
-            self._ops = TritonOps(cfg, freq_factors, self.device)
+            self._ops = TritonOps(cfg, freq_factors, self.device,
+                                  self.gpu.inputs if self.gpu is not None else None)
         else:
             from deimos.models.ops import ReferenceOps
 

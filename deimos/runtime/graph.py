@@ -24,6 +24,7 @@ its logits alive between replays, so the pool holds the largest step's intermedi
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from deimos.models.batch import Batch
@@ -45,10 +46,14 @@ class StepGraph:
         self.kv = kv
         self.n = n
         self.warmup = warmup
-        self.tokens = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.logits_at = torch.zeros(1, dtype=torch.long, device=device) if n > 1 else None
+        # tokens, positions and the logits row: views of one device buffer, one copy a step
+        self._dev = torch.zeros(2 * n + 1, dtype=torch.long, device=device)
+        self.tokens = self._dev[:n]
+        self.positions = self._dev[n : 2 * n]
+        self.logits_at = self._dev[2 * n :] if n > 1 else None
         self._host = torch.zeros(2 * n + 1, dtype=torch.long).pin_memory()
+        self._host_np = self._host.numpy()  # numpy writes: no torch op on the host per step
+        self._offsets = np.arange(n, dtype=np.int64)
         self._copied = torch.cuda.Event()  # the last copies out of _host are done
         self._graph: torch.cuda.CUDAGraph | None = None
         self._logits: torch.Tensor | None = None
@@ -65,14 +70,12 @@ class StepGraph:
     def _load(self, tokens: list[int], start: int) -> None:
         n, h = self.n, self._host
         self._copied.synchronize()  # the previous copies may still read the pinned buffer
-        h[: len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        h[len(tokens) : n] = 0
-        h[n : 2 * n] = torch.arange(start, start + n)
-        h[2 * n] = len(tokens) - 1
-        self.tokens.copy_(h[:n], non_blocking=True)
-        self.positions.copy_(h[n : 2 * n], non_blocking=True)
-        if self.logits_at is not None:
-            self.logits_at.copy_(h[2 * n :], non_blocking=True)
+        a = self._host_np
+        a[: len(tokens)] = tokens
+        a[len(tokens) : n] = 0
+        a[n : 2 * n] = self._offsets + start
+        a[2 * n] = len(tokens) - 1
+        self._dev.copy_(h, non_blocking=True)
         self._copied.record()
 
     @torch.inference_mode()

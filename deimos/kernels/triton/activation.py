@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deimos.quant.triton.gemv_q8 import quantize_groups
+
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 BLOCK = 1024
 NUM_WARPS = 4
@@ -19,8 +21,8 @@ _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 @triton.jit
 def _gated_act_kernel(
-    p_g, p_u, p_y, stride_g, stride_u, stride_y, F,
-    ACT: tl.constexpr, BLOCK_F: tl.constexpr,
+    p_g, p_u, p_y, stride_g, stride_u, stride_y, F, p_xq, p_xd, p_xs,
+    ACT: tl.constexpr, BLOCK_F: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     i_t = tl.program_id(0).to(tl.int64)
     o_f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -34,16 +36,25 @@ def _gated_act_kernel(
         # 0.5 * (1 + tanh(y)) == sigmoid(2y)
         z = 2.0 * _SQRT_2_OVER_PI * (b_g + 0.044715 * b_g * b_g * b_g)
         a = b_g / (1.0 + tl.exp(tl.minimum(-z, 80.0)))
-    tl.store(p_y + i_t * stride_y + o_f, (a * b_u).to(p_y.dtype.element_ty), mask=m_f)
+    b_y = (a * b_u).to(p_y.dtype.element_ty)
+    tl.store(p_y + i_t * stride_y + o_f, b_y, mask=m_f)
+    if QUANT:  # also as the GEMV's integer activation (gemv_q8.quantize_groups)
+        G: tl.constexpr = BLOCK_F // 32
+        o_g = tl.program_id(1) * G + tl.arange(0, G)
+        quantize_groups(tl.reshape(b_y.to(tl.float32), (G, 4, 8)), o_g, o_g < F // 32,
+                        p_xq + i_t * (F // 2), p_xd + i_t * (F // 32), p_xs + i_t * (F // 16))
 
 
 def gated_act(
-    gate: torch.Tensor, up: torch.Tensor, activation: str, out: torch.Tensor | None = None
+    gate: torch.Tensor, up: torch.Tensor, activation: str, out: torch.Tensor | None = None,
+    quantized=None,
 ) -> torch.Tensor:
     """act(gate) * up, computed in float32, stored in gate's dtype.
 
     gate, up: ``[T, F]`` (rows may be strided, last dim contiguous); activation: "silu"
     (SwiGLU) or "gelu_tanh" (GeGLU). out: optional ``[T, F]``. Returns ``[T, F]``.
+    ``quantized``: a ``QuantizedX`` ``[T, F]`` (F a multiple of 32) that also receives the
+    output as the GEMV's integer activation.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"gated_act: unknown activation {activation!r}")
@@ -62,9 +73,14 @@ def gated_act(
         if t.stride(1) != 1:
             raise ValueError(f"gated_act: {name}'s last dimension must be contiguous")
     n_t, n_f = gate.shape
+    if quantized is not None and (n_f % 32 or tuple(quantized.shape) != (n_t, n_f)):
+        raise ValueError(f"gated_act: quantized output {tuple(quantized.shape)} does not fit "
+                         f"[{n_t}, {n_f}] (F a multiple of 32)")
+    q = quantized if quantized is not None else (out, out, out)
     if n_t and n_f:
         _gated_act_kernel[(n_t, triton.cdiv(n_f, BLOCK))](
-            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), n_f,
-            ACT=ACTIVATIONS[activation], BLOCK_F=BLOCK, num_warps=NUM_WARPS,
+            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), n_f, q[0], q[1], q[2],
+            ACT=ACTIVATIONS[activation], BLOCK_F=BLOCK, QUANT=quantized is not None,
+            num_warps=NUM_WARPS,
         )  # fmt: skip
     return out

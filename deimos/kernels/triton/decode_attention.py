@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from deimos.kernels.triton._attention_io import check_attention_io
+from deimos.quant.triton.gemv_q8 import quantize_groups
 
 LOG2E = tl.constexpr(1.4426950408889634)
 TARGET_PROGRAMS = 264  # ~2 per SM on an H200
@@ -93,8 +94,8 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_combine_kernel(
-    p_m, p_l, p_acc, p_o, so_b, so_h, HQ, D, N_SPLIT,
-    BLOCK_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr,
+    p_m, p_l, p_acc, p_o, so_b, so_h, HQ, D, N_SPLIT, p_xq, p_xd, p_xs,
+    BLOCK_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -111,7 +112,15 @@ def _decode_combine_kernel(
     b_acc = tl.load(p_a, mask=m_j[:, None] & m_d[None, :], other=0.0)
     out = tl.sum(b_acc * w[:, None], axis=0) / tl.sum(b_l * w, axis=0)
     p_out = p_o + i_b.to(tl.int64) * so_b + i_h * so_h + o_d
-    tl.store(p_out, out.to(p_o.dtype.element_ty), mask=m_d)
+    b_o = out.to(p_o.dtype.element_ty)
+    tl.store(p_out, b_o, mask=m_d)
+    if QUANT:  # the row [Hq * D] also as the output projection's integer activation
+        G: tl.constexpr = BLOCK_D // 32
+        o_g = tl.arange(0, G)
+        K = HQ * D
+        quantize_groups(tl.reshape(b_o.to(tl.float32), (G, 4, 8)), i_h * (D // 32) + o_g,
+                        o_g < D // 32, p_xq + i_b * (K // 2), p_xd + i_b * (K // 32),
+                        p_xs + i_b * (K // 16))  # fmt: skip
 
 
 class DecodeConfig(NamedTuple):
@@ -138,6 +147,7 @@ def decode_attention(
     scale: float,
     window: int = 0,
     out: torch.Tensor | None = None,
+    quantized=None,
 ) -> torch.Tensor:
     """Attention of B query rows over a KV cache.
 
@@ -145,6 +155,8 @@ def decode_attention(
     q_pos: int32 ``[B]`` on the device, every q_pos < S and keys 0..q_pos written;
     window: sliding window W (0 = none). Products run in k's dtype (fp32 caches use TF32 on
     the GPU), accumulation in fp32. Returns ``[B, Hq, D]`` in q's dtype (or ``out``).
+    ``quantized``: a ``QuantizedX`` ``[B, Hq * D]`` (D a multiple of 32) that also receives the
+    output rows as the output projection's integer activation.
     """
     out = check_attention_io("decode_attention", q, k, v, window, out, q_pos.device, "B")
     n_b, hq, d = q.shape
@@ -169,8 +181,14 @@ def decode_attention(
         G=hq // hkv, G_PAD=GROUP_ROWS, BLOCK_S=cfg.block_s, BLOCK_D=block_d,
         num_warps=cfg.num_warps,
     )  # fmt: skip
+    if quantized is not None and (d % 32 or tuple(quantized.shape) != (n_b, hq * d)):
+        raise ValueError(f"decode_attention: quantized output {tuple(quantized.shape)} does not "
+                         f"fit [{n_b}, {hq * d}] (D a multiple of 32)")
+    qx = quantized if quantized is not None else (out, out, out)
     _decode_combine_kernel[(n_b, hq)](
         part_m, part_l, part_acc, out, out.stride(0), out.stride(1), hq, d, cfg.n_split,
-        BLOCK_SPLIT=triton.next_power_of_2(cfg.n_split), BLOCK_D=block_d, num_warps=4,
+        qx[0], qx[1], qx[2],
+        BLOCK_SPLIT=triton.next_power_of_2(cfg.n_split), BLOCK_D=block_d,
+        QUANT=quantized is not None, num_warps=4,
     )  # fmt: skip
     return out

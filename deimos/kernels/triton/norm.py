@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deimos.quant.triton.gemv_q8 import quantize_groups
+
 MAX_D = 16384
 
 
@@ -20,9 +22,10 @@ MAX_D = 16384
 def _rms_norm_kernel(
     p_x, p_r, p_w, p_y, p_rout,
     stride_x, stride_r, stride_y, stride_rout,
-    D, eps,
+    D, eps, p_xq, p_xd, p_xs,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QUANT: tl.constexpr,
 ):  # fmt: skip
     i_t = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
@@ -37,7 +40,13 @@ def _rms_norm_kernel(
         b_x = b_s.to(tl.float32)
     b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=0) / D + eps)
-    tl.store(p_y + i_t * stride_y + o_d, (b_x * rstd * b_w).to(p_y.dtype.element_ty), mask=m_d)
+    b_y = (b_x * rstd * b_w).to(p_y.dtype.element_ty)
+    tl.store(p_y + i_t * stride_y + o_d, b_y, mask=m_d)
+    if QUANT:  # the row also as the GEMV's integer activation (gemv_q8.quantize_groups)
+        G: tl.constexpr = BLOCK_D // 32
+        o_g = tl.arange(0, G)
+        quantize_groups(tl.reshape(b_y.to(tl.float32), (G, 4, 8)), o_g, o_g < D // 32,
+                        p_xq + i_t * (D // 2), p_xd + i_t * (D // 32), p_xs + i_t * (D // 16))
 
 
 class NormConfig(NamedTuple):
@@ -59,16 +68,21 @@ def _check_rows(name: str, t: torch.Tensor, d: int) -> None:
         raise ValueError(f"{name}: the last dimension must be contiguous (stride {t.stride()})")
 
 
-def _launch(x, residual, w, eps, out, residual_out) -> None:
+def _launch(x, residual, w, eps, out, residual_out, quantized=None) -> None:
     t, d = x.shape
     cfg = norm_config(d)
     r = residual if residual is not None else x
     ro = residual_out if residual_out is not None else out
+    if quantized is not None and (d % 32 or tuple(quantized.shape) != (t, d)):
+        raise ValueError(f"rms_norm: quantized output {tuple(quantized.shape)} does not fit [{t}, {d}] "
+                         "(D a multiple of 32)")
+    q = quantized if quantized is not None else (x, x, x)
     _rms_norm_kernel[(t,)](
         x, r, w, out, ro,
         x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
-        d, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+        d, eps, q[0], q[1], q[2],
+        HAS_RESIDUAL=residual is not None, BLOCK_D=cfg.block_d, QUANT=quantized is not None,
+        num_warps=cfg.num_warps,
     )  # fmt: skip
 
 
@@ -87,19 +101,21 @@ def _validate(x: torch.Tensor, w: torch.Tensor, who: str) -> int:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+    quantized=None,
 ) -> torch.Tensor:
     """y = x / sqrt(mean(x^2) + eps) * weight, in float32, stored in x's dtype.
 
     x: ``[T, D]`` fp16/bf16/fp32 (rows may be strided, the last dim contiguous); weight: ``[D]``.
-    out: optional ``[T, D]`` (written in full). Returns ``[T, D]``.
+    out: optional ``[T, D]`` (written in full). Returns ``[T, D]``. ``quantized``: as in
+    ``add_rms_norm``.
     """
     d = _validate(x, weight, "rms_norm")
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     _check_rows("rms_norm: out", out, d)
     if x.shape[0]:
-        _launch(x, None, weight, eps, out, None)
+        _launch(x, None, weight, eps, out, None, quantized)
     return out
 
 
@@ -110,17 +126,19 @@ def add_rms_norm(
     eps: float,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    quantized=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused residual step: r' = x + residual (or x when residual is None);
     returns ``(rms_norm(r'), r')``.
 
     x, residual: ``[T, D]``; weight: ``[D]``. ``residual_out`` may be ``residual`` itself (in
     place: each row is read before it is written). Without a residual this is ``rms_norm`` and
-    ``r'`` is x itself (no copy).
+    ``r'`` is x itself (no copy). ``quantized``: a ``QuantizedX`` (gemv_q8.empty_quantized)
+    that also receives the output rows as the GEMV's integer activation.
     """
     d = _validate(x, weight, "add_rms_norm")
     if residual is None:
-        return rms_norm(x, weight, eps, out), x
+        return rms_norm(x, weight, eps, out, quantized), x
     _check_rows("add_rms_norm: residual", residual, d)
     if residual.shape[0] != x.shape[0] or residual.device != x.device:
         raise ValueError(
@@ -134,5 +152,5 @@ def add_rms_norm(
     _check_rows("add_rms_norm: out", out, d)
     _check_rows("add_rms_norm: residual_out", residual_out, d)
     if x.shape[0]:
-        _launch(x, residual, weight, eps, out, residual_out)
+        _launch(x, residual, weight, eps, out, residual_out, quantized)
     return out, residual_out

@@ -24,18 +24,30 @@ from deimos.quant.triton.gemv_q8 import QuantizedX, gemv_q8, quantize_x
 
 
 class InputCache:
-    """The last activation made ready for the kernels, reused while the same tensor object
-    comes again: q/k/v read one input, gate/up another, each prepared once. One per model;
-    holding the reference keeps the object alive, so identity cannot be recycled."""
+    """The last activation made ready for the kernels, reused while the same tensor comes
+    again (the same memory, shape, strides and dtype: a new view of it counts): q/k/v read one
+    input, gate/up another, each prepared once. The kernel that makes an activation may
+    ``put`` its quantized form here directly (fused norm / activation / attention). One per
+    model; holding the tensor keeps its memory alive, so its address cannot be recycled."""
 
     def __init__(self) -> None:
         self._x: torch.Tensor | None = None
         self._quantized: QuantizedX | None = None
         self._half: torch.Tensor | None = None
 
+    def _same(self, x: torch.Tensor) -> bool:
+        c = self._x
+        return c is not None and (x is c or (
+            x.data_ptr() == c.data_ptr() and x.shape == c.shape and x.stride() == c.stride()
+            and x.dtype == c.dtype and x.device == c.device))  # fmt: skip
+
     def _switch(self, x: torch.Tensor) -> None:
-        if x is not self._x:
+        if not self._same(x):
             self._x, self._quantized, self._half = x, None, None
+
+    def put(self, x: torch.Tensor, quantized: QuantizedX) -> None:
+        """``x``'s quantized form, made by the kernel that produced x."""
+        self._x, self._quantized, self._half = x, quantized, None
 
     def quantized(self, x: torch.Tensor) -> QuantizedX:
         self._switch(x)

@@ -178,20 +178,16 @@ def _gemv_q8_kernel(
 
 
 @triton.jit
-def _quantize_x_kernel(p_x, p_xq, p_xd, p_xs, K, BLOCK_G: tl.constexpr):
-    """One row's groups [BLOCK_G, 32] -> v = x / d with d = max|x| / 127, as the integer
-    PLANE * q1 + q2 (q1 = round(v), q2 = round((v - q1) * PLANE), both int8): the two code
-    planes packed as drawn in the module docstring, d / PLANE, and the integer sums of each
-    group's two halves."""
-    i_b = tl.program_id(0)
-    i_g = tl.program_id(1)
-    S_TOTAL = K // 32
-    o_g = i_g * BLOCK_G + tl.arange(0, BLOCK_G)
-    m_g = o_g < S_TOTAL
+def quantize_groups(x, o_g, m_g, p_xq, p_xd, p_xs):
+    """Groups ``x`` float32 [G, 4, 8] (element 8j + q of group g at [g, j, q]) of one row ->
+    the row's QuantizedX entries for groups ``o_g`` (masked by ``m_g``); p_* point at the
+    row. v = x / d with d = max|x| / 127 becomes the integer PLANE * q1 + q2 (q1 = round(v),
+    q2 = round((v - q1) * PLANE), both int8): the two code planes packed as drawn in the module
+    docstring, d / PLANE, and the integer sums of each group's two halves. Shared by
+    ``quantize_x`` and the kernels that make an activation (norm, gated activation, attention)
+    and hand it to the GEMV already quantized."""
     o_j = tl.arange(0, 4)
     o_q = tl.arange(0, 8)
-    o_e = o_g[:, None, None] * 32 + o_j[None, :, None] * 8 + o_q[None, None, :]  # [G, j, q]
-    x = tl.load(p_x + i_b * K + o_e, mask=m_g[:, None, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)  # [G]
     inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
     v = x * inv[:, None, None]
@@ -202,15 +198,31 @@ def _quantize_x_kernel(p_x, p_xq, p_xd, p_xs, K, BLOCK_G: tl.constexpr):
     shift = (8 * o_j)[None, :, None]
     w1 = tl.sum((q1i & 0xFF) << shift, axis=1)  # disjoint bits: the sum is the OR
     w2 = tl.sum((q2i & 0xFF) << shift, axis=1)
-    base = p_xq + i_b * (K // 2) + o_g[:, None] * 16 + o_q[None, :]
+    base = p_xq + o_g[:, None] * 16 + o_q[None, :]
     tl.store(base, w1, mask=m_g[:, None])
     tl.store(base + 8, w2, mask=m_g[:, None])
-    tl.store(p_xd + i_b * S_TOTAL + o_g, amax / (127.0 * PLANE), mask=m_g)
+    tl.store(p_xd + o_g, amax / (127.0 * PLANE), mask=m_g)
     half = tl.sum(q1i * PLANE + q2i, axis=2)  # [G, j]: j = 0, 1 -> elements 0-15; 2, 3 -> 16-31
     lo = tl.sum(tl.where(o_j[None, :] < 2, half, 0), axis=1)
     hi = tl.sum(tl.where(o_j[None, :] >= 2, half, 0), axis=1)
-    tl.store(p_xs + i_b * (2 * S_TOTAL) + 2 * o_g, lo, mask=m_g)
-    tl.store(p_xs + i_b * (2 * S_TOTAL) + 2 * o_g + 1, hi, mask=m_g)
+    tl.store(p_xs + 2 * o_g, lo, mask=m_g)
+    tl.store(p_xs + 2 * o_g + 1, hi, mask=m_g)
+
+
+@triton.jit
+def _quantize_x_kernel(p_x, p_xq, p_xd, p_xs, K, BLOCK_G: tl.constexpr):
+    """Groups of one row [BLOCK_G, 32] -> their QuantizedX entries (``quantize_groups``)."""
+    i_b = tl.program_id(0)
+    i_g = tl.program_id(1)
+    S_TOTAL = K // 32
+    o_g = i_g * BLOCK_G + tl.arange(0, BLOCK_G)
+    m_g = o_g < S_TOTAL
+    o_j = tl.arange(0, 4)
+    o_q = tl.arange(0, 8)
+    o_e = o_g[:, None, None] * 32 + o_j[None, :, None] * 8 + o_q[None, None, :]  # [G, j, q]
+    x = tl.load(p_x + i_b * K + o_e, mask=m_g[:, None, None], other=0.0).to(tl.float32)
+    quantize_groups(x, o_g, m_g, p_xq + i_b * (K // 2), p_xd + i_b * S_TOTAL,
+                    p_xs + i_b * (2 * S_TOTAL))  # fmt: skip
 
 
 @triton.jit
@@ -252,14 +264,18 @@ def quantize_x(x: torch.Tensor) -> QuantizedX:
     if not x2.dtype.is_floating_point:
         raise ValueError(f"quantize_x: x must be floating point, got {x2.dtype}")
     x2 = x2.contiguous()
-    dev = x2.device
-    xq = torch.empty((b, k // 2), dtype=torch.int32, device=dev)
-    xd = torch.empty((b, k // 32), dtype=torch.float32, device=dev)
-    xs = torch.empty((b, k // 16), dtype=torch.int32, device=dev)
+    qx = empty_quantized(b, k, x2.device)
     _quantize_x_kernel[(b, triton.cdiv(k // 32, QUANT_BLOCK_G))](
-        x2, xq, xd, xs, k, BLOCK_G=QUANT_BLOCK_G, num_warps=4
+        x2, qx.xq, qx.xd, qx.xs, k, BLOCK_G=QUANT_BLOCK_G, num_warps=4
     )
-    return QuantizedX(xq, xd, xs)
+    return qx
+
+
+def empty_quantized(b: int, k: int, device: torch.device | str) -> QuantizedX:
+    """Buffers for the QuantizedX of a ``[b, k]`` activation (a kernel fills them)."""
+    return QuantizedX(torch.empty((b, k // 2), dtype=torch.int32, device=device),
+                      torch.empty((b, k // 32), dtype=torch.float32, device=device),
+                      torch.empty((b, k // 16), dtype=torch.int32, device=device))  # fmt: skip
 
 
 def quantize_x_reference(x: torch.Tensor) -> torch.Tensor:
