@@ -111,3 +111,20 @@ def test_gemv_q8_gpu(t: GGMLType, shape: tuple[int, int]) -> None:
     sec = time_graph(lambda: gemv_q8(w, qx, out=out))
     gbs = w.nbytes / sec / 1e9
     print(f"PERF q8 {t.name:5} {n:>6}x{k:<6} {sec * 1e6:7.2f} us {gbs:6.0f} GB/s {gbs / ROOF_GBS:4.0%}")
+
+
+def test_gemv_grid_holds_large_vocabularies() -> None:
+    """gemma3's tied output matrix has 262144 rows: 65536 row tiles, one past CUDA's limit
+    for grid axes 1 and 2 (a launch failed with "invalid argument" on the H200 when they were
+    on axis 1). Row tiles go on axis 0 (limit 2^31 - 1)."""
+    from deimos.quant.triton.dequant_gemv import gemv_grid
+
+    for n in (262144, 1 << 22):
+        tiles, cols = gemv_grid(n, 8, 4)
+        assert tiles == n // 4 and cols == 8 and cols <= 65535 and tiles <= 2**31 - 1
+    # and the kernels run with that grid (a small case in the interpreter)
+    w = pack(_blocks(GGMLType.Q4_K, 9, 256, seed=1), GGMLType.Q4_K).to(DEVICE)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2))
+    y = gemv_q8(w, quantize_x(x.to(DEVICE)))
+    ref = gemv_ref(_blocks(GGMLType.Q4_K, 9, 256, seed=1), GGMLType.Q4_K, quantize_x_reference(x))
+    assert _rel(y, ref) < 1e-5

@@ -15,8 +15,8 @@ GEMV without inline asm (which the interpreter cannot run) or M >= 16 padding, s
 Tile: ``[BLOCK_N rows, BLOCK_S groups, W words]``; W words = one group = one thread's 16-byte
 (Q8_0: 2 x 16-byte) load, so a warp reads 32 consecutive groups of a row, 512 contiguous bytes;
 the 4 warps of a program hold BLOCK_N rows (see ``launch_config``). Batched x ([B, K], B <= 8)
-runs one program per column and row tile, the columns of a tile side by side so the weight
-bytes come from HBM once and from L2 for the other columns. Decode work is repeated per column,
+runs one program per column and row tile (row tiles on grid axis 0: only that axis holds a
+262144-row vocabulary's 65536 tiles). Decode work is repeated per column,
 so B = 4 costs ~3.5x B = 1 (measured): a stopgap, batched decode wants its own kernel.
 
 Prediction vs measurement (H200, CUDA-graph replay, bench.py, 2026-11-29). Q4_K 4096x14336:
@@ -155,10 +155,8 @@ def _gemv_kernel(
     NK: tl.constexpr = 32 // W  # codes per word
     HALF: tl.constexpr = NK // 2  # codes k < HALF are the group's first 16 elements
     HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1
-    # axis 0 = batch column, fastest, so the columns of a row tile run together and share
-    # its weight bytes through L2
-    i_b = tl.program_id(0)
-    i_n = tl.program_id(1)
+    i_n = tl.program_id(0)  # row tiles on axis 0: a 262144-row vocabulary is 65536 tiles,
+    i_b = tl.program_id(1)  # past CUDA's 65535 limit of the other axes
     S_TOTAL = K // 32
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -225,6 +223,18 @@ def prepare_x(x: torch.Tensor) -> PreparedX:
     return PreparedX(xf, xf.view(b, k // 32, 32).sum(dim=2))
 
 
+MAX_GRID_X = 2**31 - 1  # CUDA: grid axis 0; axes 1 and 2 stop at 65535
+
+
+def gemv_grid(n: int, b: int, block_n: int) -> tuple[int, int]:
+    """(row tiles, batch columns): the row tiles on axis 0, the only one that holds a large
+    vocabulary's output matrix."""
+    tiles = triton.cdiv(n, block_n)
+    if tiles > MAX_GRID_X or b > 65535:
+        raise ValueError(f"gemv: {n} rows x {b} columns do not fit a CUDA grid")
+    return tiles, b
+
+
 class LaunchConfig(NamedTuple):
     block_n: int
     block_s: int
@@ -263,7 +273,7 @@ def _launch(
             f"gemv: out must be contiguous float32 [{b}, {w.n}], got {out.dtype} {tuple(out.shape)}"
         )
     cfg = cfg or launch_config(w.ggml_type, w.n, k, b)
-    _gemv_kernel[(b, triton.cdiv(w.n, cfg.block_n))](
+    _gemv_kernel[gemv_grid(w.n, b, cfg.block_n)](
         *_kernel_args(w, xp, out), w.n, k,
         FMT=FMT_ID[w.ggml_type], BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
         num_warps=cfg.num_warps,

@@ -51,6 +51,7 @@ from deimos.quant.triton.dequant_gemv import (
     Q5_K,
     Q6_K,
     Q8_0,
+    gemv_grid,
     group_scales,
 )
 from deimos.quant.triton.layout import PackedWeight
@@ -108,8 +109,8 @@ def _gemv_q8_kernel(
     W: tl.constexpr = 8 if FMT == Q8_0 else 4  # weight words per group of 32
     HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1
     OFFSET: tl.constexpr = 8 if FMT == Q4_0 else (16 if FMT == Q5_0 else (32 if FMT == Q6_K else 0))
-    i_b = tl.program_id(0)
-    i_n = tl.program_id(1)
+    i_n = tl.program_id(0)  # row tiles on axis 0: a 262144-row vocabulary is 65536 tiles,
+    i_b = tl.program_id(1)  # past CUDA's 65535 limit of the other axes
     S_TOTAL = K // 32
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -328,7 +329,7 @@ def gemv_q8(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
     t = w.tensors
     qw = t["qw"]
     scales = t.get("meta", t.get("sc", qw))
-    _gemv_q8_kernel[(b, triton.cdiv(w.n, cfg.block_n))](
+    _gemv_q8_kernel[gemv_grid(w.n, b, cfg.block_n)](
         qw, t.get("qh", qw), scales, t.get("d", qw), t.get("m", qw), x.xq, x.xd, x.xs, out,
         w.n, k, FMT=FMT_ID[w.ggml_type], BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
         ASM=not _INTERPRETED, num_warps=cfg.num_warps,
