@@ -86,17 +86,13 @@ def _q8_jobs() -> list[Job]:
     from triton.runtime.jit import MockTensor
 
     from deimos.quant.triton import gemv_q8 as q
-    from deimos.quant.triton.dequant_gemv import FMT_ID
+    from deimos.quant.triton.dequant_gemv import FMT_ID, weight_arrays
     from deimos.quant.triton.layout import PACKED_TYPES
 
     jobs = []
     for t in PACKED_TYPES:
         cfg = q.q8_config(t, 4096, 4096, 1)
-        w = _packed_sample(t, 4096)
-        qw = w.tensors["qw"]
-        arrays = [qw, w.tensors.get("qh", qw), w.tensors.get("meta", w.tensors.get("sc", qw)),
-                  w.tensors.get("d", qw), w.tensors.get("m", qw)]
-        args = [MockTensor(a.dtype) for a in arrays]
+        args = [MockTensor(a.dtype) for a in weight_arrays(_packed_sample(t, 4096))]
         args += [MockTensor(torch.int32), MockTensor(torch.float32), MockTensor(torch.int32),
                  MockTensor(torch.float32), 4096, 4096]
         jobs.append(Job("gemv_q8_" + t.name, _describe(cfg),
@@ -105,11 +101,8 @@ def _q8_jobs() -> list[Job]:
     from deimos.models.gpu import dequant
 
     for t in PACKED_TYPES:
-        w = _packed_sample(t, 4096)
-        qw = w.tensors["qw"]
-        arrays = [qw, w.tensors.get("qh", qw), w.tensors.get("meta", w.tensors.get("sc", qw)),
-                  w.tensors.get("d", qw), w.tensors.get("m", qw)]
-        args = [MockTensor(a.dtype) for a in arrays] + [MockTensor(torch.float16), 4096, 4096]
+        args = [MockTensor(a.dtype) for a in weight_arrays(_packed_sample(t, 4096))]
+        args += [MockTensor(torch.float16), 4096, 4096]
         for permuted in (False, True):
             jobs.append(Job("dequant_" + t.name, f"N={dequant.BLOCK_N} S={dequant.BLOCK_S} perm={int(permuted)}",
                             _warm_args(dequant._dequant_kernel, args, FMT=FMT_ID[t],

@@ -31,6 +31,7 @@ from deimos.quant.triton.dequant_gemv import (
     Q8_0,
     _codes,
     group_scales,
+    weight_arrays,
 )
 from deimos.quant.triton.layout import PackedWeight
 
@@ -95,10 +96,7 @@ def permuted_columns(w: PackedWeight) -> torch.Tensor:
 
 
 def _kernel_args(w: PackedWeight, out: torch.Tensor) -> tuple:
-    t = w.tensors
-    qw = t["qw"]
-    scales = t.get("meta", t.get("sc", qw))
-    return (qw, t.get("qh", qw), scales, t.get("d", qw), t.get("m", qw), out)
+    return (*weight_arrays(w), out)
 
 
 def dequantize_fp16(w: PackedWeight, out: torch.Tensor | None = None,

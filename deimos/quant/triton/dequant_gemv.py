@@ -209,16 +209,8 @@ class PreparedX(NamedTuple):
 
 def prepare_x(x: torch.Tensor) -> PreparedX:
     """x ``[K]`` or ``[B, K]`` (fp16/bf16/fp32), K a multiple of 32, B <= 8 -> ``PreparedX``."""
-    if x.dim() not in (1, 2):
-        raise ValueError(f"prepare_x: x must be [K] or [B, K], got shape {tuple(x.shape)}")
-    x2 = x.reshape(1, -1) if x.dim() == 1 else x
+    x2 = activation_rows(x, "prepare_x")
     b, k = x2.shape
-    if k % 32 or k == 0:
-        raise ValueError(f"prepare_x: K = {k} is not a positive multiple of 32")
-    if not 1 <= b <= MAX_BATCH:
-        raise ValueError(f"prepare_x: batch {b} not in 1..{MAX_BATCH}")
-    if not x2.dtype.is_floating_point:
-        raise ValueError(f"prepare_x: x must be floating point, got {x2.dtype}")
     xf = x2.to(torch.float32).contiguous()
     return PreparedX(xf, xf.view(b, k // 32, 32).sum(dim=2))
 
@@ -255,23 +247,49 @@ def launch_config(ggml_type: GGMLType, n: int, k: int, b: int) -> LaunchConfig:
     return LaunchConfig(4, block_s, NUM_WARPS)
 
 
-def _kernel_args(w: PackedWeight, xp: PreparedX, y: torch.Tensor) -> tuple:
+def weight_arrays(w: PackedWeight) -> tuple:
+    """(qw, qh, scales, d, m): the kernels' weight pointers, qw standing in for arrays the
+    format does not have (never read)."""
     t = w.tensors
     qw = t["qw"]
-    scales = t.get("meta", t.get("sc", qw))
-    return (qw, t.get("qh", qw), scales, t.get("d", qw), t.get("m", qw), xp.x, xp.xsum, y)
+    return (qw, t.get("qh", qw), t.get("meta", t.get("sc", qw)), t.get("d", qw), t.get("m", qw))
+
+
+def gemv_out(out: torch.Tensor | None, b: int, n: int, device: torch.device, who: str) -> torch.Tensor:
+    """A GEMV's output: ``out`` checked (contiguous float32 ``[b, n]``) or a new one."""
+    if out is None:
+        return torch.empty((b, n), dtype=torch.float32, device=device)
+    if out.shape != (b, n) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"{who}: out must be contiguous float32 [{b}, {n}], got {out.dtype} "
+                         f"{tuple(out.shape)}")  # fmt: skip
+    return out
+
+
+def activation_rows(x: torch.Tensor, who: str) -> torch.Tensor:
+    """x ``[K]`` or ``[B, K]`` checked for a GEMV (K a positive multiple of 32, 1 <= B <=
+    MAX_BATCH, floating point) -> ``[B, K]``."""
+    if x.dim() not in (1, 2):
+        raise ValueError(f"{who}: x must be [K] or [B, K], got shape {tuple(x.shape)}")
+    x2 = x.reshape(1, -1) if x.dim() == 1 else x
+    b, k = x2.shape
+    if k % 32 or k == 0:
+        raise ValueError(f"{who}: K = {k} is not a positive multiple of 32")
+    if not 1 <= b <= MAX_BATCH:
+        raise ValueError(f"{who}: batch {b} not in 1..{MAX_BATCH}")
+    if not x2.dtype.is_floating_point:
+        raise ValueError(f"{who}: x must be floating point, got {x2.dtype}")
+    return x2
+
+
+def _kernel_args(w: PackedWeight, xp: PreparedX, y: torch.Tensor) -> tuple:
+    return (*weight_arrays(w), xp.x, xp.xsum, y)
 
 
 def _launch(
     w: PackedWeight, xp: PreparedX, out: torch.Tensor | None, cfg: LaunchConfig | None = None
 ) -> torch.Tensor:
     b, k = xp.x.shape
-    if out is None:
-        out = torch.empty((b, w.n), dtype=torch.float32, device=xp.x.device)
-    elif out.shape != (b, w.n) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(
-            f"gemv: out must be contiguous float32 [{b}, {w.n}], got {out.dtype} {tuple(out.shape)}"
-        )
+    out = gemv_out(out, b, w.n, xp.x.device, "gemv")
     cfg = cfg or launch_config(w.ggml_type, w.n, k, b)
     _gemv_kernel[gemv_grid(w.n, b, cfg.block_n)](
         *_kernel_args(w, xp, out), w.n, k,

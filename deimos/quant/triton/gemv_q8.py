@@ -43,7 +43,6 @@ import triton.language as tl
 from deimos.gguf.constants import GGMLType
 from deimos.quant.triton.dequant_gemv import (
     FMT_ID,
-    MAX_BATCH,
     Q4_0,
     Q4_1,
     Q4_K,
@@ -51,8 +50,11 @@ from deimos.quant.triton.dequant_gemv import (
     Q5_K,
     Q6_K,
     Q8_0,
+    activation_rows,
     gemv_grid,
+    gemv_out,
     group_scales,
+    weight_arrays,
 )
 from deimos.quant.triton.layout import PackedWeight
 
@@ -254,17 +256,8 @@ QUANT_BLOCK_G = 16
 
 def quantize_x(x: torch.Tensor) -> QuantizedX:
     """x ``[K]`` or ``[B, K]`` (fp16/bf16/fp32), K a multiple of 32, B <= 8 -> ``QuantizedX``."""
-    if x.dim() not in (1, 2):
-        raise ValueError(f"quantize_x: x must be [K] or [B, K], got shape {tuple(x.shape)}")
-    x2 = x.reshape(1, -1) if x.dim() == 1 else x
+    x2 = activation_rows(x, "quantize_x").contiguous()
     b, k = x2.shape
-    if k % 32 or k == 0:
-        raise ValueError(f"quantize_x: K = {k} is not a positive multiple of 32")
-    if not 1 <= b <= MAX_BATCH:
-        raise ValueError(f"quantize_x: batch {b} not in 1..{MAX_BATCH}")
-    if not x2.dtype.is_floating_point:
-        raise ValueError(f"quantize_x: x must be floating point, got {x2.dtype}")
-    x2 = x2.contiguous()
     qx = empty_quantized(b, k, x2.device)
     _quantize_x_kernel[(b, triton.cdiv(k // 32, QUANT_BLOCK_G))](
         x2, qx.xq, qx.xd, qx.xs, k, BLOCK_G=QUANT_BLOCK_G, num_warps=4
@@ -319,18 +312,10 @@ def gemv_q8(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
         raise ValueError(f"gemv_q8: x has K = {k}, the {w.ggml_type.name} weight has K = {w.k}")
     if x.xq.device != w.device:
         raise ValueError(f"gemv_q8: x is on {x.xq.device}, the weight on {w.device}")
-    if out is None:
-        out = torch.empty((b, w.n), dtype=torch.float32, device=x.xq.device)
-    elif out.shape != (b, w.n) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(
-            f"gemv_q8: out must be contiguous float32 [{b}, {w.n}], got {out.dtype} {tuple(out.shape)}"
-        )
+    out = gemv_out(out, b, w.n, x.xq.device, "gemv_q8")
     cfg = cfg or q8_config(w.ggml_type, w.n, k, b)
-    t = w.tensors
-    qw = t["qw"]
-    scales = t.get("meta", t.get("sc", qw))
     _gemv_q8_kernel[gemv_grid(w.n, b, cfg.block_n)](
-        qw, t.get("qh", qw), scales, t.get("d", qw), t.get("m", qw), x.xq, x.xd, x.xs, out,
+        *weight_arrays(w), x.xq, x.xd, x.xs, out,
         w.n, k, FMT=FMT_ID[w.ggml_type], BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
         ASM=not _INTERPRETED, num_warps=cfg.num_warps,
     )  # fmt: skip
