@@ -1,4 +1,7 @@
-"""CPU reference sampler (torch), following llama.cpp's default sampler chain.
+"""The sampler (torch), following llama.cpp's default sampler chain. Written to run where
+the logits are (every tensor it makes follows ``logits.device``; the draw's random number
+comes from the request's CPU generator either way); the engine still hands it host logits
+for everything but plain greedy decoding (engine/generator.py: not yet run on a GPU).
 
 Order (llama.cpp common defaults, src/llama-sampler.cpp):
     penalties -> top_k -> top_p -> min_p -> temperature -> draw
@@ -91,8 +94,8 @@ def apply_penalties(logits: torch.Tensor, counts: Counter[int], p: SamplingParam
     non-positive one), then subtract ``c * frequency + (c > 0) * presence``."""
     if not counts or not p.penalties_enabled:
         return logits
-    ids = torch.tensor(list(counts.keys()), dtype=torch.long)
-    cnt = torch.tensor(list(counts.values()), dtype=torch.float32)
+    ids = torch.tensor(list(counts.keys()), dtype=torch.long, device=logits.device)
+    cnt = torch.tensor(list(counts.values()), dtype=torch.float32, device=logits.device)
     out = logits.clone()
     sel = out[ids]
     sel = torch.where(sel <= 0, sel * p.repetition_penalty, sel / p.repetition_penalty)
@@ -194,7 +197,7 @@ def filter_candidates(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
             keep[torch.argmax(vals)] = True  # at least one token
             ids = ids[keep]
     if ids is None:
-        ids = torch.arange(V)
+        ids = torch.arange(V, device=logits.device)
     return ids
 
 
@@ -267,7 +270,9 @@ class Sampler:
         ids = filter_candidates(logits, p)
         probs = torch.softmax(logits[ids].double() / p.temperature, 0)
         cum = torch.cumsum(probs, 0)
-        u = torch.rand(1, generator=self._gen, dtype=torch.float64) * cum[-1]
+        # the draw comes from the request's CPU generator wherever the logits are: the same
+        # seed gives the same stream on the CPU and on the GPU
+        u = torch.rand(1, generator=self._gen, dtype=torch.float64).to(cum.device) * cum[-1]
         i = min(int(torch.searchsorted(cum, u, right=True)), ids.numel() - 1)
         return int(ids[i])
 
