@@ -176,3 +176,21 @@ def test_dequantize_fp16(t: GGMLType, permuted: bool) -> None:
         got_natural[:, cols] = got
         got = got_natural
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("t", PACKED_TYPES, ids=lambda t: t.name)
+def test_dequant_matmul(t: GGMLType) -> None:
+    """The prefill dequant-GEMM (weights decoded tile by tile in registers, tensor-core dot)
+    against the GGUF decoders' matrix times x, both rounded to fp16 as the kernel's inputs
+    are; M and N not multiples of the tiles, x rows strided."""
+    from deimos.models.gpu.dequant import dequant_matmul
+
+    n, k, m = 37, 512, 5
+    blocks = _blocks(t, n, k, seed=6)
+    w16 = torch.from_numpy(dequantize(blocks.reshape(-1), t, (n, k))).to(torch.float16)
+    xs = torch.randn(m, k + 32, generator=torch.Generator().manual_seed(8))[:, :k]  # strided rows
+    want = xs.to(torch.float16).double() @ w16.double().T
+    out = torch.full((m, n), float("nan"), device=DEVICE)
+    got = dequant_matmul(pack(blocks, t).to(DEVICE), xs.to(DEVICE), out=out).double().cpu()
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 1e-3, f"{t.name}: relative RMS error {rel:.2e}"

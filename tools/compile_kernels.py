@@ -103,6 +103,14 @@ def _q8_jobs() -> list[Job]:
     for t in PACKED_TYPES:
         args = [MockTensor(a.dtype) for a in weight_arrays(_packed_sample(t, 4096))]
         args += [MockTensor(torch.float16), 4096, 4096]
+        gc = dequant.gemm_config(512, 4096, 4096)
+        gemm_args = [MockTensor(torch.float32)] + args[:5] + [MockTensor(torch.float32), 512, 4096,
+                                                             4096, 4096, 4096]
+        jobs.append(Job("dequant_gemm_" + t.name,
+                        f"M={gc.block_m} N={gc.block_n} S={gc.block_s} w={gc.num_warps}",
+                        _warm_args(dequant._dequant_gemm_kernel, gemm_args, FMT=FMT_ID[t],
+                                   BLOCK_M=gc.block_m, BLOCK_N=gc.block_n, BLOCK_S=gc.block_s,
+                                   num_warps=gc.num_warps)))
         for permuted in (False, True):
             jobs.append(Job("dequant_" + t.name, f"N={dequant.BLOCK_N} S={dequant.BLOCK_S} perm={int(permuted)}",
                             _warm_args(dequant._dequant_kernel, args, FMT=FMT_ID[t],

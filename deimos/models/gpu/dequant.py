@@ -13,9 +13,16 @@ W-strided 8-byte stores (see BENCHMARKS.md for the measured effect).
 Scales per group, as the GEMV applies them: value = s * q (+ mn), where for Q4_K/Q5_K
 s = d * sc, mn = -dmin * m; Q6_K s = d * sc16 (first/second half of the group); Q4_1 mn = m;
 the others s = d. The code helpers are the GEMV's, so both kernels decode the same bits.
+
+``dequant_matmul`` is the tensor-core dequant-GEMM that will replace the fp16 round trip: the
+same tile decode (``_dequant_tile``) feeding ``tl.dot`` directly, x gathered in word order.
+Tested against the decoders and compiled for sm_90; not yet measured on the GPU, so
+``QuantLinear`` keeps the cuBLAS path unless ``own_gemm`` is set.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -30,6 +37,7 @@ from deimos.quant.triton.dequant_gemv import (
     Q6_K,
     Q8_0,
     _codes,
+    gemv_out,
     group_scales,
     weight_arrays,
 )
@@ -41,26 +49,13 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _dequant_kernel(
-    p_qw, p_qh, p_s, p_d, p_m, p_out,
-    N, K,
-    FMT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    PERMUTED: tl.constexpr,
-):  # fmt: skip
+def _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL, FMT: tl.constexpr):
+    """Rows ``o_n`` (int64) x groups ``u`` -> float32 ``[BLOCK_N, BLOCK_S, W, NK]``: element
+    32u + W k + w of each row at [row, group, w, k] (masked entries 0)."""
     W: tl.constexpr = 8 if FMT == Q8_0 else 4
     NK: tl.constexpr = 32 // W
     HALF: tl.constexpr = NK // 2
     HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1
-    i_n = tl.program_id(0)
-    i_s = tl.program_id(1)
-    S_TOTAL = K // 32
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    o_n = o_n.to(tl.int64)
-    u = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
-    m_s = u < S_TOTAL
     o_w = tl.arange(0, W)
     o_k = tl.arange(0, NK)
     m_ns = m_n[:, None] & m_s[None, :]
@@ -77,12 +72,113 @@ def _dequant_kernel(
     val = tl.where(k4 < HALF, s_lo[:, :, None, None], s_hi[:, :, None, None]) * q
     if HAS_MIN:
         val += mn[:, :, None, None]
+    return tl.where(m_w[:, :, :, None], val, 0.0)
+
+
+@triton.jit
+def _dequant_kernel(
+    p_qw, p_qh, p_s, p_d, p_m, p_out,
+    N, K,
+    FMT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PERMUTED: tl.constexpr,
+):  # fmt: skip
+    W: tl.constexpr = 8 if FMT == Q8_0 else 4
+    NK: tl.constexpr = 32 // W
+    i_n = tl.program_id(0)
+    i_s = tl.program_id(1)
+    S_TOTAL = K // 32
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_n = o_n.to(tl.int64)
+    u = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    m_s = u < S_TOTAL
+    val = _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL, FMT)
+    o_w = tl.arange(0, W)[None, None, :, None]
+    k4 = tl.arange(0, NK)[None, None, None, :]
     o_row = o_n[:, None, None, None] * K + u[None, :, None, None] * 32
     if PERMUTED:  # word-major: column 32u + NK w + k, 64 contiguous bytes per (row, group)
-        o_col = o_w[None, None, :, None] * NK + k4
+        o_col = o_w * NK + k4
     else:  # element order: column 32u + W k + w
-        o_col = k4 * W + o_w[None, None, :, None]
-    tl.store(p_out + o_row + o_col, val.to(tl.float16), mask=m_w[:, :, :, None])
+        o_col = k4 * W + o_w
+    m = (m_n[:, None] & m_s[None, :])[:, :, None, None] & (o_w < W) & (k4 < NK)
+    tl.store(p_out + o_row + o_col, val.to(tl.float16), mask=m)
+
+
+@triton.jit
+def _dequant_gemm_kernel(
+    p_x, p_qw, p_qh, p_s, p_d, p_m, p_y,
+    M, N, K, stride_xm, stride_ym,
+    FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """y [M, N] = x [M, K] @ W^T: each K step decodes a [BLOCK_N, 32 BLOCK_S] weight tile to
+    fp16 in registers (word order, as the permuted dequantization) and multiplies it with the
+    x tile gathered in the same column order on the tensor cores (fp32 accumulation)."""
+    W: tl.constexpr = 8 if FMT == Q8_0 else 4
+    NK: tl.constexpr = 32 // W
+    BLOCK_K: tl.constexpr = BLOCK_S * 32
+    i_n = tl.program_id(0)
+    i_m = tl.program_id(1)
+    S_TOTAL = K // 32
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_m = o_m < M
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_n64 = o_n.to(tl.int64)
+    # word-order column p of a K tile holds element 32 (p // 32) + W ((p % 32) % NK) + (p % 32) // NK
+    o_p = tl.arange(0, BLOCK_K)
+    o_e = (o_p // 32) * 32 + ((o_p % 32) % NK) * W + (o_p % 32) // NK
+    p_xrow = p_x + o_m[:, None].to(tl.int64) * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for s0 in range(0, S_TOTAL, BLOCK_S):
+        u = s0 + tl.arange(0, BLOCK_S)
+        val = _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n64, m_n, u, u < S_TOTAL, S_TOTAL, FMT)
+        b_w = tl.reshape(val, (BLOCK_N, BLOCK_K)).to(tl.float16)
+        col = s0 * 32 + o_e
+        b_x = tl.load(p_xrow + col[None, :], mask=m_m[:, None] & (col < K)[None, :], other=0.0)
+        acc += tl.dot(b_x.to(tl.float16), tl.trans(b_w), out_dtype=tl.float32)
+    p_out = p_y + o_m[:, None].to(tl.int64) * stride_ym + o_n[None, :]
+    tl.store(p_out, acc, mask=m_m[:, None] & m_n[None, :])
+
+
+class GemmConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_s: int
+    num_warps: int
+
+
+def gemm_config(m: int, n: int, k: int) -> GemmConfig:
+    """64 x 64 output tiles, 64-element K steps, 4 warps: correct for every shape, not tuned
+    (not yet measured on the GPU; the engine's prefill still uses the cuBLAS path)."""
+    del m, n, k
+    return GemmConfig(64, 64, 2, 4)
+
+
+def dequant_matmul(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T for a packed W ``[n, k]`` and x ``[M, k]`` (fp16/bf16/fp32, rows may be
+    strided): float32 ``[M, n]``, the weights never written out as fp16. x is rounded to fp16
+    for the tensor cores (as the cuBLAS path does)."""
+    if w.ggml_type not in FMT_ID:
+        raise ValueError(f"dequant_matmul: no kernel for {w.ggml_type.name}")
+    if x.dim() != 2 or x.shape[1] != w.k or x.stride(1) != 1:
+        raise ValueError(f"dequant_matmul: x must be [M, {w.k}] with a contiguous last dim, "
+                         f"got {tuple(x.shape)}")  # fmt: skip
+    if x.device != w.device:
+        raise ValueError(f"dequant_matmul: x is on {x.device}, the weight on {w.device}")
+    m = x.shape[0]
+    out = gemv_out(out, m, w.n, x.device, "dequant_matmul")
+    if m == 0 or w.n == 0:
+        return out
+    cfg = gemm_config(m, w.n, w.k)
+    grid = (triton.cdiv(w.n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    _dequant_gemm_kernel[grid](
+        x, *weight_arrays(w), out, m, w.n, w.k, x.stride(0), out.stride(0),
+        FMT=FMT_ID[w.ggml_type], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_S=cfg.block_s, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return out
 
 
 def permuted_columns(w: PackedWeight) -> torch.Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from deimos.gguf.constants import GGMLType
-from deimos.models.gpu.dequant import dequantize_fp16, gather_rows, permuted_columns
+from deimos.models.gpu.dequant import dequant_matmul, dequantize_fp16, gather_rows, permuted_columns
 from deimos.models.gpu.notices import Notices
 from deimos.quant.triton import PackedWeight
 from deimos.quant.triton.gemv_q8 import QuantizedX, gemv_q8, quantize_x
@@ -68,7 +68,13 @@ def _check_input(x: torch.Tensor, k: int, name: str) -> None:
 
 
 class QuantLinear:
-    """y = x @ W^T (+ b), W packed ``[n, k]``."""
+    """y = x @ W^T (+ b), W packed ``[n, k]``.
+
+    ``own_gemm``: prefill through our dequant-GEMM (dequant.dequant_matmul: the weights
+    decoded tile by tile in registers) instead of fp16 dequantization + cuBLAS. Off until it
+    is measured on the GPU; tests turn it on per linear."""
+
+    own_gemm = False
 
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, name: str,
                  inputs: InputCache, notices: Notices):
@@ -97,6 +103,8 @@ class QuantLinear:
         _check_input(x, self.packed.k, self.name)
         if x.shape[0] == 1:
             y = gemv_q8(self.packed, self.inputs.quantized(x))
+        elif self.own_gemm:
+            y = dequant_matmul(self.packed, x)
         else:
             self.notices.once(
                 "prefill", "prefill (T > 1): weights dequantized to fp16 per call (Triton) + "
