@@ -135,6 +135,7 @@ def test_cli_chat_two_turns():
     (("run", "no-such-model", "hi"), "unknown model"),
     (("run", __file__, "hi"), "GGUF"),
     (("run", "smollm2", "hi", "--temperature", "-1"), "temperature"),
+    (("compile", "smollm2", "--device", "cpu"), "no CUDA GPU"),
 ])
 def test_cli_bad_input_is_one_clear_line(args, message):
     r = deimos(*args)
@@ -156,3 +157,26 @@ def test_special_tokens_parse_in_the_template_not_in_user_text(smol):
     n_template = smol.encode_chat(plain).count(end)  # the template's own turn ends
     assert ids.count(end) == n_template
     assert smol.encode_chat(sneaky, special_in_content=True).count(end) == n_template + 1
+
+
+def test_kernel_cache_dir_follows_the_deimos_cache(monkeypatch, tmp_path):
+    from deimos.runtime.kernel_cache import kernel_cache_dir, use_kernel_cache
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", "recorded")  # so teardown restores what was there
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    monkeypatch.setenv("DEIMOS_CACHE", str(tmp_path / "dc"))
+    assert kernel_cache_dir() == tmp_path / "dc" / "triton"
+    assert use_kernel_cache() == tmp_path / "dc" / "triton" and (tmp_path / "dc" / "triton").is_dir()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "dc" / "triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice wins
+    assert use_kernel_cache() == tmp_path / "mine"
+
+
+def test_cuda_graphs_only_on_the_kernel_path(smol):
+    """The CPU reference never captures graphs; a graph refuses a model that is not on CUDA."""
+    from deimos.runtime.graph import DecodeGraph
+
+    assert smol.generator.graph is None and smol.generator.prefill_graphs is None
+    smol.generator.warm()  # a no-op without graphs
+    with pytest.raises(ValueError, match="CUDA"):
+        DecodeGraph(smol.model, KVCache(smol.config, 8))
