@@ -63,7 +63,8 @@ class TritonOps:
         apply_rope(q, k, step.rope, self.inv_freq[rope_base], self.cfg.rope_type, inplace=True,
                    cache=(v, k_cache, v_cache))
         if step.n == 1:
-            qx = self._quantized_for(1, q.shape[1] * q.shape[2], q.device)
+            # the combine kernel quantizes per head: whole groups of 32 in each head
+            qx = self._quantized_for(1, q.shape[1] * q.shape[2], q.device) if q.shape[2] % 32 == 0 else None
             out = decode_attention(q, k_cache, v_cache, step.rope, scale, window, quantized=qx)
             if qx is not None:
                 out = out.view(1, -1)  # what the output projection reads
