@@ -146,7 +146,8 @@ class PrefillGraphs:
         for n, graph in sorted(self.graphs.items()):
             if progress is not None:
                 progress(f"prefill graph {n}")
-            graph.capture()
+            if graph.fits(self.kv.length):  # a bucket longer than the context is never used
+                graph.capture()
 
     @property
     def max_tokens(self) -> int:
