@@ -24,6 +24,7 @@ from deimos.gguf import GGUFFile  # noqa: E402
 from deimos.gguf.constants import GGMLType  # noqa: E402
 from deimos.quant import dequantize, get_format  # noqa: E402
 from deimos.quant.triton import PACKED_TYPES, gemv, pack, prepare_x  # noqa: E402
+from deimos.quant.triton.layout import KERNEL_TYPE  # noqa: E402
 from deimos.quant.triton.naive import dequantize_packed, gemv_ref  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -55,11 +56,17 @@ def _check(blocks: np.ndarray, t: GGMLType, x: torch.Tensor, label: str) -> None
 
 @pytest.mark.parametrize("t", PACKED_TYPES, ids=lambda t: t.name)
 def test_pack_decodes_bit_exact(t: GGMLType) -> None:
-    """The GPU layout holds exactly the GGUF bytes: decoded, it equals deimos.quant bit for bit."""
+    """The GPU layout holds exactly the GGUF bytes: decoded, it equals deimos.quant bit for bit.
+    A format packed in another's layout (Q3_K as Q6_K codes) takes exactly that format's bytes."""
     n, k = 7, 1024
     blocks = _blocks(t, n, k, seed=1)
     w = pack(blocks, t)
-    assert w.nbytes == blocks.nbytes, "a repack must not widen the weights"
+    if t in KERNEL_TYPE:
+        fmt = get_format(KERNEL_TYPE[t])
+        assert w.ggml_type == KERNEL_TYPE[t]
+        assert w.nbytes == n * k // fmt.block_size * fmt.type_size < n * k * 2  # under fp16's
+    else:
+        assert w.nbytes == blocks.nbytes, "a repack must not widen the weights"
     ref = dequantize(blocks, t, (n, k))
     got = dequantize_packed(w).numpy()
     assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))

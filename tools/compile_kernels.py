@@ -87,10 +87,9 @@ def _q8_jobs() -> list[Job]:
 
     from deimos.quant.triton import gemv_q8 as q
     from deimos.quant.triton.dequant_gemv import FMT_ID, weight_arrays
-    from deimos.quant.triton.layout import PACKED_TYPES
 
     jobs = []
-    for t in PACKED_TYPES:
+    for t in FMT_ID:  # the kernels' formats (a format packed in another's layout adds none)
         cfg = q.q8_config(t, 4096, 4096, 1)
         args = [MockTensor(a.dtype) for a in weight_arrays(_packed_sample(t, 4096))]
         args += [MockTensor(torch.int32), MockTensor(torch.float32), MockTensor(torch.int32),
@@ -100,7 +99,7 @@ def _q8_jobs() -> list[Job]:
                                    BLOCK_S=cfg.block_s, ASM=True, num_warps=cfg.num_warps)))
     from deimos.models.gpu import dequant
 
-    for t in PACKED_TYPES:
+    for t in FMT_ID:  # the kernels' formats (a format packed in another's layout adds none)
         args = [MockTensor(a.dtype) for a in weight_arrays(_packed_sample(t, 4096))]
         args += [MockTensor(torch.float16), 4096, 4096]
         gc = dequant.gemm_config(512, 4096, 4096)

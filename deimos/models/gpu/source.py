@@ -71,7 +71,13 @@ class GpuWeights:
 
     def _packed(self, info: TensorInfo) -> PackedWeight | None:
         if info.name in self._packed_all:
-            return self._packed_all[info.name]
+            packed = self._packed_all[info.name]
+            if packed.ggml_type != info.ggml_type:
+                t, k = info.ggml_type.name, packed.ggml_type.name
+                self.notices.once(
+                    f"as:{t}", f"{t} ({info.name} and any later {t} tensor) runs in {k}'s GPU layout: "
+                    f"the same values, {k}'s bytes per weight", logging.INFO)
+            return packed
         if info.ggml_type not in PACKED_TYPES:
             t = info.ggml_type.name
             self.notices.once(

@@ -14,7 +14,9 @@ So the kernel takes nibble k of all four words of a group at once and multiplies
 x[32u + 4k .. 32u + 4k + 3], a 16-byte vector. Q8_0 uses eight words per group, one byte per
 code (word w, byte b <-> element 32u + 8b + w). Extra code bits go to their own arrays in the
 same (group, word) order, scales to theirs. Bytes per weight stay exactly GGUF's: a repack
-moves bytes, it never widens them.
+moves bytes, it never widens them. The one exception is a format packed in another format's
+layout (``KERNEL_TYPE``: Q3_K as Q6_K codes, exact values, 6.56 instead of 3.44 bits per
+weight) until it has a layout of its own; it is still far below fp16's 16.
 
 ``pack(blocks, ggml_type)`` works on CPU numpy (uint8 ``[rows, row_bytes]``, the raw GGUF tensor
 bytes) and returns a ``PackedWeight`` of torch CPU tensors; move it with ``.to(device)``.
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 
 from deimos.gguf.constants import GGML_BLOCK, GGMLType
+from deimos.quant.kquants import _crumbs, _q3k_scales
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,24 @@ def _pack_q5_0(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
     }
 
 
+def _pack_q3_k(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
+    # GGUF block (110 bytes): hmask[32] | qs[64] 2-bit | scales[12] 6-bit packed | d f16;
+    # w = d * (sc - 32) * (q + 4 hbit - 4) per sub-block of 16 (deimos.quant.kquants.Q3_K).
+    # The same values as Q6_K codes q6 = q + 4 hbit + 28 (28..35) with Q6_K's int8 scales
+    # (sc - 32) and d: packed in Q6_K's layout (qw, qh, sc, d as _pack_q6_k), run by its
+    # kernels. Exact, but 6.56 bits per weight on the GPU instead of GGUF's 3.44.
+    n = b.shape[0]
+    hm = b[:, 0:32].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    hbit = (hm & 1).reshape(n, 256)
+    codes = (_crumbs(b[:, 32:96]) + 4 * hbit + 28).astype(np.uint8)
+    return {
+        "qw": _torch(_nibble_words(codes.reshape(-1, 32)), rows),
+        "qh": _torch(_bit_bytes((codes >> 4).reshape(-1, 32), 2), rows),
+        "sc": _torch(_q3k_scales(b[:, 96:108]), rows),
+        "d": _torch(_f16(b, 108), rows),
+    }
+
+
 _PACKERS: dict[GGMLType, Callable[[np.ndarray, int], dict[str, torch.Tensor]]] = {
     GGMLType.Q4_K: _pack_q4_k,
     GGMLType.Q6_K: _pack_q6_k,
@@ -191,7 +212,10 @@ _PACKERS: dict[GGMLType, Callable[[np.ndarray, int], dict[str, torch.Tensor]]] =
     GGMLType.Q4_0: _pack_q4_0,
     GGMLType.Q4_1: _pack_q4_1,
     GGMLType.Q5_0: _pack_q5_0,
+    GGMLType.Q3_K: _pack_q3_k,
 }
+# formats packed in another format's layout (same values): the kernels see that format
+KERNEL_TYPE: dict[GGMLType, GGMLType] = {GGMLType.Q3_K: GGMLType.Q6_K}
 
 PACKED_TYPES: tuple[GGMLType, ...] = tuple(_PACKERS)
 
@@ -222,4 +246,4 @@ def pack(blocks: np.ndarray, ggml_type: GGMLType | int, name: str = "?") -> Pack
         )
     k = row_bytes // type_size * block_size
     flat = np.ascontiguousarray(blocks).reshape(-1, type_size)
-    return PackedWeight(t, rows, k, _PACKERS[t](flat, rows))
+    return PackedWeight(KERNEL_TYPE.get(t, t), rows, k, _PACKERS[t](flat, rows))
