@@ -11,7 +11,7 @@ matmul the columns are stored in word order (``permuted=True``: each (row, group
 64-byte run; x is permuted to match, ``permuted_columns``) instead of the element order's
 W-strided 8-byte stores (see BENCHMARKS.md for the measured effect).
 Scales per group, as the GEMV applies them: value = s * q (+ mn), where for Q4_K/Q5_K
-s = d * sc, mn = -dmin * m; Q6_K s = d * sc16 (first/second half of the group); Q4_1 mn = m;
+s = d * sc, mn = -dmin * m; Q6_K s = d * sc16 (first/second half of the group); Q4_1/Q5_1 mn = m;
 the others s = d. The code helpers are the GEMV's, so both kernels decode the same bits.
 
 ``dequant_matmul`` is the tensor-core dequant-GEMM that will replace the fp16 round trip: the
@@ -33,6 +33,7 @@ from deimos.quant.triton.dequant_gemv import (
     Q4_1,
     Q4_K,
     Q5_0,
+    Q5_1,
     Q5_K,
     Q6_K,
     Q8_0,
@@ -55,14 +56,14 @@ def _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL, FMT: tl.
     W: tl.constexpr = 8 if FMT == Q8_0 else 4
     NK: tl.constexpr = 32 // W
     HALF: tl.constexpr = NK // 2
-    HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1
+    HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1 or FMT == Q5_1
     o_w = tl.arange(0, W)
     o_k = tl.arange(0, NK)
     m_ns = m_n[:, None] & m_s[None, :]
     m_w = m_ns[:, :, None] & (o_w < W)[None, None, :]
     o_q = o_n[:, None, None] * (S_TOTAL * W) + u[None, :, None] * W + o_w[None, None, :]
     b_w = tl.load(p_qw + o_q, mask=m_w, other=0)[:, :, :, None]
-    if FMT == Q6_K or FMT == Q5_K or FMT == Q5_0:
+    if FMT == Q6_K or FMT == Q5_K or FMT == Q5_0 or FMT == Q5_1:
         b_h = tl.load(p_qh + o_q, mask=m_w, other=0).to(tl.int32)[:, :, :, None]
     else:
         b_h = b_w

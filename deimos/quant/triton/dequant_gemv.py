@@ -42,7 +42,7 @@ FMT_ID: dict[GGMLType, int] = {
     t: i
     for i, t in enumerate(
         [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q5_K, GGMLType.Q4_0,
-         GGMLType.Q4_1, GGMLType.Q5_0]
+         GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1]
     )
 }  # fmt: skip
 Q4_K = tl.constexpr(FMT_ID[GGMLType.Q4_K])
@@ -52,6 +52,7 @@ Q5_K = tl.constexpr(FMT_ID[GGMLType.Q5_K])
 Q4_0 = tl.constexpr(FMT_ID[GGMLType.Q4_0])
 Q4_1 = tl.constexpr(FMT_ID[GGMLType.Q4_1])
 Q5_0 = tl.constexpr(FMT_ID[GGMLType.Q5_0])
+Q5_1 = tl.constexpr(FMT_ID[GGMLType.Q5_1])
 MAX_BATCH = 8
 NUM_WARPS = 4
 # 2^23 as float: for 0 <= q < 2^23 the bits (q | 0x4B000000) are the float 2^23 + q exactly.
@@ -74,7 +75,7 @@ def _codes(b_w, b_h, k, FMT: tl.constexpr):
     q = (b_w >> (4 * k)) & 0xF
     if FMT == Q6_K:
         return _code_float(q | (((b_h >> (2 * k)) & 3) << 4), 32.0)
-    if FMT == Q5_K:
+    if FMT == Q5_K or FMT == Q5_1:
         return _code_float(q | (((b_h >> k) & 1) << 4), 0.0)
     if FMT == Q5_0:
         return _code_float(q | (((b_h >> k) & 1) << 4), 16.0)
@@ -135,7 +136,7 @@ def group_scales(p_s, p_d, p_m, o_n, u, m, S_TOTAL, FMT: tl.constexpr):
         o_g = o_n[:, None] * S_TOTAL + u[None, :]
         s_lo = tl.load(p_d + o_g, mask=m, other=0.0).to(tl.float32)
         s_hi = s_lo
-        if FMT == Q4_1:
+        if FMT == Q4_1 or FMT == Q5_1:
             mn = tl.load(p_m + o_g, mask=m, other=0.0).to(tl.float32)
         else:
             mn = s_lo
@@ -154,7 +155,7 @@ def _gemv_kernel(
     W: tl.constexpr = 8 if FMT == Q8_0 else 4  # int32 words per group of 32 elements
     NK: tl.constexpr = 32 // W  # codes per word
     HALF: tl.constexpr = NK // 2  # codes k < HALF are the group's first 16 elements
-    HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1
+    HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1 or FMT == Q5_1
     i_n = tl.program_id(0)  # row tiles on axis 0: a 262144-row vocabulary is 65536 tiles,
     i_b = tl.program_id(1)  # past CUDA's 65535 limit of the other axes
     S_TOTAL = K // 32
@@ -173,7 +174,7 @@ def _gemv_kernel(
         # entry of word w of group u in qw (and qh); code k of it is element 32u + W k + w
         o_q = o_n[:, None, None] * (S_TOTAL * W) + u[None, :, None] * W + o_w[None, None, :]
         b_w = tl.load(p_qw + o_q, mask=m_w, other=0)
-        if FMT == Q6_K or FMT == Q5_K or FMT == Q5_0:
+        if FMT == Q6_K or FMT == Q5_K or FMT == Q5_0 or FMT == Q5_1:
             b_h = tl.load(p_qh + o_q, mask=m_w, other=0).to(tl.int32)
         else:
             b_h = b_w
@@ -200,7 +201,7 @@ class PreparedX(NamedTuple):
     """An activation made ready once for every projection that reads it.
 
     x: float32 ``[B, K]`` contiguous; xsum: float32 ``[B, K/32]``, the sums of x over each group
-    of 32 (the min terms of Q4_K/Q5_K/Q4_1).
+    of 32 (the min terms of Q4_K/Q5_K/Q4_1/Q5_1).
     """
 
     x: torch.Tensor

@@ -18,7 +18,7 @@ byte j of word q (of either plane) is the code of element 32u + q + 8j. The weig
 32u + W k + w (W = 4 words for nibble formats, 8 for Q8_0), so:
   - Q8_0: weight word w and x word w hold the same four elements;
   - nibble formats: (word w >> 4p) & 0x0F0F0F0F holds codes k = p, p+2, p+4, p+6 of word w,
-    elements 4p + w + 8j: x word 4p + w. Fifth bits (Q5_K, Q5_0) and Q6_K's two high bits
+    elements 4p + w + 8j: x word 4p + w. Fifth bits (Q5_K, Q5_0, Q5_1) and Q6_K's two high bits
     come from their arrays, moved into bit 4.. of each byte by a multiply that spreads the
     bit fields (no carry reaches a kept bit; see _spread1/_spread2).
 Offsets (Q4_0: 8, Q5_0: 16, Q6_K: 32) are subtracted as offset * sum of the x codes, exact
@@ -47,6 +47,7 @@ from deimos.quant.triton.dequant_gemv import (
     Q4_1,
     Q4_K,
     Q5_0,
+    Q5_1,
     Q5_K,
     Q6_K,
     Q8_0,
@@ -109,7 +110,7 @@ def _gemv_q8_kernel(
     FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     W: tl.constexpr = 8 if FMT == Q8_0 else 4  # weight words per group of 32
-    HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1
+    HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1 or FMT == Q5_1
     OFFSET: tl.constexpr = 8 if FMT == Q4_0 else (16 if FMT == Q5_0 else (32 if FMT == Q6_K else 0))
     i_n = tl.program_id(0)  # row tiles on axis 0: a 262144-row vocabulary is 65536 tiles,
     i_b = tl.program_id(1)  # past CUDA's 65535 limit of the other axes
@@ -138,7 +139,7 @@ def _gemv_q8_kernel(
             d_lo = _dp4a(b_w, b_x, zero, ASM) * PLANE + _dp4a(b_w, b_xr, zero, ASM)
             d_hi = d_lo
         else:
-            if FMT == Q6_K or FMT == Q5_K or FMT == Q5_0:
+            if FMT == Q6_K or FMT == Q5_K or FMT == Q5_0 or FMT == Q5_1:
                 b_h = tl.load(p_qh + o_q, mask=m_w, other=0).to(tl.int32)
             x0 = tl.load(p_xq + o_x, mask=m_w, other=0)  # x words 0..3: parity 0
             x1 = tl.load(p_xq + o_x + 4, mask=m_w, other=0)  # x words 4..7: parity 1
@@ -149,7 +150,7 @@ def _gemv_q8_kernel(
             if FMT == Q6_K:
                 c0 |= _spread2(b_h, 0)
                 c1 |= _spread2(b_h, 1)
-            elif FMT == Q5_K or FMT == Q5_0:
+            elif FMT == Q5_K or FMT == Q5_0 or FMT == Q5_1:
                 c0 |= _spread1(b_h, 0)
                 c1 |= _spread1(b_h, 1)
             if FMT == Q6_K:  # bytes 0-1: elements 0-15 (first scale), 2-3: 16-31

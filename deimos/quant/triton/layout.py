@@ -186,6 +186,17 @@ def _pack_q5_0(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
     }
 
 
+def _pack_q5_1(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
+    # GGUF block (24 bytes): d f16 | m f16 | qh u32 (bit e = fifth bit of element e) | qs[16];
+    # w = d * q + m. qw as Q4_0; qh as Q5_0's; d, m f16 [n, k/32]
+    return {
+        "qw": _torch(_nibble_words(_legacy_nibbles(b[:, 8:24])), rows),
+        "qh": _torch(_bit_bytes(_fifth_bits(b, 4), 1), rows),
+        "d": _torch(_f16(b, 0), rows),
+        "m": _torch(_f16(b, 2), rows),
+    }
+
+
 def _pack_q3_k(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
     # GGUF block (110 bytes): hmask[32] | qs[64] 2-bit | scales[12] 6-bit packed | d f16;
     # w = d * (sc - 32) * (q + 4 hbit - 4) per sub-block of 16 (deimos.quant.kquants.Q3_K).
@@ -212,6 +223,7 @@ _PACKERS: dict[GGMLType, Callable[[np.ndarray, int], dict[str, torch.Tensor]]] =
     GGMLType.Q4_0: _pack_q4_0,
     GGMLType.Q4_1: _pack_q4_1,
     GGMLType.Q5_0: _pack_q5_0,
+    GGMLType.Q5_1: _pack_q5_1,
     GGMLType.Q3_K: _pack_q3_k,
 }
 # formats packed in another format's layout (same values): the kernels see that format

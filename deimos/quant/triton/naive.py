@@ -83,4 +83,6 @@ def dequantize_packed(p: PackedWeight) -> torch.Tensor:
         return q.float() * d + _per_group(t["m"].float(), 32)
     if p.ggml_type == GGMLType.Q5_0:
         return ((q | (_bits(t["qh"], 1) << 4)) - 16).float() * d
+    if p.ggml_type == GGMLType.Q5_1:
+        return (q | (_bits(t["qh"], 1) << 4)).float() * d + _per_group(t["m"].float(), 32)
     raise ValueError(f"dequantize_packed: no layout for {p.ggml_type.name}")
