@@ -134,3 +134,18 @@ def test_generator_graphs_match_eager_generator(model) -> None:
         a = list(eager.run(Request(prompt, 12, SamplingParams(temperature=0.0))))
         b = list(graphed.run(Request(prompt, 12, SamplingParams(temperature=0.0))))
         assert a == b, f"prompt of {n}: {a} vs {b}"
+
+
+def test_step_graph_rejects_what_it_cannot_run(model) -> None:
+    from deimos.runtime.graph import StepGraph
+
+    kv = KVCache(model.config, 40, device="cuda")
+    graph = StepGraph(model, kv, 16)
+    with pytest.raises(ValueError, match="17 tokens for a graph of 16"):
+        graph.run(list(range(17)))
+    with pytest.raises(ValueError, match="0 tokens"):
+        graph.run([])
+    kv.commit(30)  # 30 + 16 rows > 40: no room for the padded step
+    with pytest.raises(ValueError, match="pass the cache"):
+        graph.run([1, 2])
+    assert kv.length == 30

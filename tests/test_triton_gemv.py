@@ -201,3 +201,15 @@ def test_dequant_matmul(t: GGMLType) -> None:
     got = dequant_matmul(pack(blocks, t).to(DEVICE), xs.to(DEVICE), out=out).double().cpu()
     rel = ((got - want).norm() / want.norm()).item()
     assert rel < 1e-3, f"{t.name}: relative RMS error {rel:.2e}"
+
+
+def test_dequant_matmul_bad_input() -> None:
+    from deimos.models.gpu.dequant import dequant_matmul
+
+    w = pack(_blocks(GGMLType.Q4_K, 4, 256, seed=0), GGMLType.Q4_K).to(DEVICE)
+    with pytest.raises(ValueError, match=r"x must be \[M, 256\]"):
+        dequant_matmul(w, torch.zeros(3, 512, device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        dequant_matmul(w, torch.zeros(256, 3, device=DEVICE).T)
+    with pytest.raises(ValueError, match="out must be contiguous float32"):
+        dequant_matmul(w, torch.zeros(3, 256, device=DEVICE), out=torch.zeros(3, 5, device=DEVICE))

@@ -462,3 +462,20 @@ def test_fused_quantized_outputs() -> None:
     _same_quantized("decode_attention", qx, out)
     with pytest.raises(ValueError, match="does not fit"):
         add_rms_norm(x, r, w, 1e-6, quantized=empty_quantized(1, 64, DEVICE))
+
+
+def test_fused_quantized_and_device_start_bad_input() -> None:
+    from deimos.kernels.triton import decode_attention, gated_act, prefill_attention
+    from deimos.quant.triton.gemv_q8 import empty_quantized
+
+    g = _rand(1, 64, seed=1)
+    with pytest.raises(ValueError, match="does not fit"):
+        gated_act(g, g, "silu", quantized=empty_quantized(1, 32, DEVICE))
+    k, v = _cache(8, 8, 2, 64, seed=2)
+    q = _rand(1, 4, 64, seed=3)
+    pos = torch.tensor([7], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="does not fit"):
+        decode_attention(q, k, v, pos, 0.125, quantized=empty_quantized(1, 64, DEVICE))
+    qp = _rand(2, 4, 64, seed=4, dtype=torch.float16)
+    with pytest.raises(ValueError, match="device start must be an int tensor"):
+        prefill_attention(qp, k, v, torch.tensor([0.0, 1.0], device=DEVICE), 0.125)
