@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE / "llama_ref"))
 sys.path.insert(0, str(HERE))
 import driver  # noqa: E402
 import requantize  # noqa: E402
-from make_synth_mix_reference import LINE  # noqa: E402
+from make_synth_mix_reference import quantize_types  # noqa: E402
 
 REPO = HERE.parent
 PROMPTS = REPO / "tests" / "data" / "prompts.json"
@@ -88,12 +88,7 @@ def llama_quantize_types(lib: Path, model: Path, ggml_type: str, pure: bool,
                        capture_output=True, text=True, env=env)
     if r.returncode != 0:
         sys.exit(f"llama-quantize {' '.join(args)} failed:\n{r.stderr[-2000:]}")
-    types = {}
-    for line in (r.stdout + r.stderr).splitlines():
-        m = LINE.match(line.strip())
-        if m:
-            name, cur, new = m.groups()
-            types[name] = (new or cur).upper()
+    types = quantize_types(r.stdout + r.stderr)
     if len(types) != len(plans):
         sys.exit(f"llama-quantize {' '.join(args)}: {len(types)} tensor lines, "
                  f"expected {len(plans)}")

@@ -54,6 +54,17 @@ def llama_cpu_dir() -> Path:
     return Path(value) if value else test_data_dir() / "llama-cpu"
 
 
+def quantize_types(output: str) -> dict[str, str]:
+    """Tensor name -> the GGML type llama-quantize gives it, from its log lines."""
+    types = {}
+    for line in output.splitlines():
+        m = LINE.match(line.strip())
+        if m:
+            name, cur, new = m.groups()
+            types[name] = (new or cur).upper()
+    return types
+
+
 def dry_run(model: Path, ftype: str) -> dict[str, str]:
     exe = llama_cpu_dir() / "llama-quantize"
     env = dict(os.environ, LD_LIBRARY_PATH=str(llama_cpu_dir()))
@@ -61,12 +72,7 @@ def dry_run(model: Path, ftype: str) -> dict[str, str]:
                        capture_output=True, text=True, env=env)
     if r.returncode != 0:
         sys.exit(f"llama-quantize {ftype} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
-    types = {}
-    for line in (r.stdout + r.stderr).splitlines():
-        m = LINE.match(line.strip())
-        if m:
-            name, cur, new = m.groups()
-            types[name] = (new or cur).upper()
+    types = quantize_types(r.stdout + r.stderr)
     if not types:
         sys.exit(f"no tensor lines in llama-quantize's output for {ftype}")
     return types

@@ -47,6 +47,7 @@ from deimos.gguf import GGUFFile  # noqa: E402
 from deimos.gguf.constants import GGML_BLOCK, GGMLType  # noqa: E402
 from deimos.quant import dequantize  # noqa: E402
 from deimos.synth import mix  # noqa: E402
+from deimos.synth.writer import writable_value  # noqa: E402
 
 # general.file_type (llama_ftype) of the float targets, which have no mix
 _FLOAT_FILE_TYPE = {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.BF16: 32}
@@ -208,17 +209,6 @@ def plan(src: GGUFFile, target: Target) -> list[Plan]:
     return out
 
 
-def _writable(value: object) -> object:
-    # strings go back as their original bytes; numpy arrays as lists (GGUFWriter's form)
-    if isinstance(value, str):
-        return value.encode("utf-8", "surrogateescape")
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, list):
-        return [_writable(v) for v in value]
-    return value
-
-
 def _copy_metadata(src: GGUFFile, w: GGUFWriter, target: Target) -> None:
     for key, value in src.metadata.items():
         if key in ("general.architecture", "general.alignment"):
@@ -229,7 +219,7 @@ def _copy_metadata(src: GGUFFile, w: GGUFWriter, target: Target) -> None:
             value = target.file_type
         if sub is not None and len(value) == 0:
             continue  # GGUFWriter cannot write an empty array; llama.cpp treats it as absent
-        w.add_key_value(key, _writable(value), GGUFValueType(int(types[0])), sub_type=sub)
+        w.add_key_value(key, writable_value(value), GGUFValueType(int(types[0])), sub_type=sub)
     if "general.file_type" not in src.metadata:
         w.add_uint32("general.file_type", target.file_type)
     if ("general.quantization_version" not in src.metadata

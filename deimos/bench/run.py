@@ -2,11 +2,11 @@
 interleaved with llama-bench on the same file; no round is reported while another process uses
 the GPU.
 
-A round, as llama-bench's pp/tg tests: prefill = one forward of ``n_prompt`` random tokens into
-an empty cache; decode = ``n_gen`` single-token steps from an empty cache, each step's greedy
-token read back and fed to the next, as generation does (on CUDA the steps replay the decode
-graph, captured in the warm-up round, deimos.runtime.graph; a prompt of up to 512 tokens
-is one prefill graph; the timed prefill includes the host copy of its tokens). Times are wall clock between
+A round, as llama-bench's pp/tg tests: prefill = ``n_prompt`` random tokens into an empty
+cache (in the generator's chunks of 512); decode = ``n_gen`` single-token steps from an empty
+cache, each step's greedy token read back and fed to the next, as generation does. Both go
+through the engine's Generator, so on CUDA they replay its graphs (captured before the first
+round, deimos.runtime.graph); the timed prefill includes the host copy of its tokens. Times are wall clock between
 device synchronizations. Decode bandwidth counts the file's weight bytes read per token
 (every matrix once; the token embedding only if it is also the output projection).
 """
@@ -24,9 +24,7 @@ from deimos.bench.contention import ContentionCheck, Nvml
 from deimos.bench.llama import run_llama_bench
 from deimos.bench.stats import BenchReport, RoundTimes, summarize
 from deimos.gguf import GGUFFile
-from deimos.models.batch import Batch
-from deimos.runtime.graph import DecodeGraph, PrefillGraphs
-from deimos.runtime.kv_cache import KVCache
+from deimos.engine.generator import Generator
 
 log = logging.getLogger("deimos")
 
@@ -62,51 +60,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class Session:
-    """One cache (and decode graph) for every round: the graph is captured once."""
-
-    def __init__(self, model, capacity: int, device: torch.device):
-        self.model = model
-        self.kv = KVCache(model.config, capacity, device=str(device))
-        self.graph = self.prefill_graphs = None
-        if device.type == "cuda" and getattr(model.ops, "graph_safe", False):
-            self.graph = DecodeGraph(model, self.kv)
-            self.prefill_graphs = PrefillGraphs(model, self.kv)
-
-    def prefill(self, tokens: torch.Tensor) -> None:
-        """One chunk (a bucket graph when one holds it, else eager)."""
-        if self.prefill_graphs is not None and self.prefill_graphs.run(tokens.tolist()) is not None:
-            return
-        dev = self.kv.k[0].device
-        self.model.forward(Batch(tokens.to(dev), torch.arange(tokens.shape[0], device=dev), self.kv))
-
-    def decode(self, token: int) -> int:
-        if self.graph is not None:
-            logits = self.graph.step(token)
-        else:
-            pos = torch.tensor([self.kv.length], device=self.kv.k[0].device)
-            tok = torch.tensor([token], device=pos.device)
-            logits = self.model.forward(Batch(tok, pos, self.kv))[0]
-        return int(torch.argmax(logits))
-
-
-def time_round(session: Session, n_prompt: int, n_gen: int, device: torch.device,
-               gen: torch.Generator) -> RoundTimes:
-    mc = session.model.config
-    kv = session.kv
-    tokens = torch.randint(0, mc.n_vocab, (n_prompt,), generator=gen)
-    kv.truncate(0)
+def time_round(gen: Generator, n_prompt: int, n_gen: int, device: torch.device,
+               rng: torch.Generator) -> RoundTimes:
+    """Prefill ``n_prompt`` random tokens into an empty cache, then ``n_gen`` greedy steps
+    from an empty cache, through the generator's own paths (graphs on CUDA)."""
+    n_vocab = gen.model.config.n_vocab
+    tokens = torch.randint(0, n_vocab, (n_prompt,), generator=rng).tolist()
+    gen.reset()
     _sync(device)
     t0 = time.perf_counter()
-    session.prefill(tokens)
+    gen.prefill(tokens)
     _sync(device)
     t1 = time.perf_counter()
-    kv.truncate(0)
-    token = int(torch.randint(0, mc.n_vocab, (1,), generator=gen))
+    gen.reset()
+    token = int(torch.randint(0, n_vocab, (1,), generator=rng))
     _sync(device)
     t2 = time.perf_counter()
     for _ in range(n_gen):
-        token = session.decode(token)
+        token = int(torch.argmax(gen.forward([token])))
     _sync(device)
     t3 = time.perf_counter()
     return RoundTimes(t1 - t0, t3 - t2, n_prompt, n_gen)
@@ -125,9 +96,10 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     device = torch.device(cfg.device)
     model = load_model(file, device=cfg.device)
     gen = torch.Generator().manual_seed(cfg.seed)
-    session = Session(model, cfg.n_prompt + cfg.n_gen, device)
-    # warm-up (JIT compiles every kernel of both paths, captures the graphs), not reported
-    time_round(session, cfg.n_prompt, 4, device, gen)
+    generator = Generator(model, cfg.n_prompt + cfg.n_gen, device=str(device))
+    generator.warm()  # captures the graphs (compiling every kernel they run)
+    # warm-up round (the eager kernels of a path without graphs compile here), not reported
+    time_round(generator, cfg.n_prompt, 4, device, gen)
     check = ContentionCheck.from_snapshots(before, nvml.processes(), os.getpid())
 
     def idle(what: str) -> bool:
@@ -144,7 +116,7 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     vs_llama = cfg.vs_llama
     for r in range(cfg.rounds):
         if idle("deimos"):
-            ours.append(time_round(session, cfg.n_prompt, cfg.n_gen, device, gen))
+            ours.append(time_round(generator, cfg.n_prompt, cfg.n_gen, device, gen))
             log.info("bench: round %d deimos: pp %.1f t/s, tg %.1f t/s", r, ours[-1].prefill_tps,
                      ours[-1].decode_tps)
         else:

@@ -57,7 +57,20 @@ class Generator:
         del self.cached[n:]
         return n
 
-    def _forward(self, tokens: list[int]) -> torch.Tensor:
+    def reset(self) -> None:
+        """Forget everything cached (the next prompt is prefilled whole)."""
+        self.kv.truncate(0)
+        self.cached.clear()
+
+    def prefill(self, tokens: list[int]) -> torch.Tensor:
+        """``tokens`` appended to the cache in chunks of PREFILL_CHUNK; the last one's logits."""
+        for i in range(0, len(tokens), PREFILL_CHUNK):
+            logits = self.forward(tokens[i : i + PREFILL_CHUNK])
+        return logits
+
+    def forward(self, tokens: list[int]) -> torch.Tensor:
+        """One step of ``tokens`` at the cache's next positions (a graph replay when one
+        holds it): the logits [n_vocab] of the last, valid until the next step."""
         logits = None
         if len(tokens) == 1 and self.graph is not None:
             logits = self.graph.step(tokens[0])
@@ -95,9 +108,7 @@ class Generator:
             return
         try:
             req.cached_tokens = self._reuse_prefix(req.prompt_ids)
-            rest = req.prompt_ids[req.cached_tokens:]
-            for i in range(0, len(rest), PREFILL_CHUNK):
-                logits = self._forward(rest[i : i + PREFILL_CHUNK])
+            logits = self.prefill(req.prompt_ids[req.cached_tokens:])
             while True:
                 if not _device_sampling(req):
                     logits = logits.float().cpu()
@@ -116,7 +127,7 @@ class Generator:
                 yield token
                 if req.finish_reason is not None:
                     return
-                logits = self._forward([token])
+                logits = self.forward([token])
         except BaseException:
             # a failed or abandoned step leaves the cache consistent with ``cached``
             self.kv.truncate(min(self.kv.length, len(self.cached)))

@@ -134,6 +134,21 @@ async def _events(job: Job, request: Request, poll: bool) -> AsyncIterator[Piece
         job.cancelled.set()  # no-op once done; otherwise frees the engine at the next token
 
 
+async def _collect(job: Job, request: Request) -> tuple[list[str], list, Done | None]:
+    """A whole answer: its text pieces, their logprobs and the final event (None when the
+    client left first); a failure raises as its API error."""
+    text, lps, done = [], [], None
+    async for ev in _events(job, request, poll=True):
+        if isinstance(ev, Piece):
+            text.append(ev.text)
+            lps += ev.logprobs
+        elif isinstance(ev, Failed):
+            raise _failure(ev.error)
+        else:
+            done = ev
+    return text, lps, done
+
+
 def _failure(err: BaseException) -> APIError:
     if isinstance(err, (RequestError, ValueError)):
         return bad_request(str(err))
@@ -250,15 +265,7 @@ async def chat_completions(server: Server, body: ChatCompletionRequest, request:
         return "tool_calls" if calls else done.finish_reason
 
     if not body.stream:
-        text, lps, done = [], [], None
-        async for ev in _events(job, request, poll=True):
-            if isinstance(ev, Piece):
-                text.append(ev.text)
-                lps += ev.logprobs
-            elif isinstance(ev, Failed):
-                raise _failure(ev.error)
-            else:
-                done = ev
+        text, lps, done = await _collect(job, request)
         if done is None:  # the client left
             _record(request, job, False, None, disconnected=True)
             return JSONResponse({}, status_code=499)
@@ -370,15 +377,8 @@ async def completions(server: Server, body: CompletionRequest, request: Request)
     want_lps = body.logprobs is not None
 
     if not body.stream:
-        text, lps, done = [echo], [], None
-        async for ev in _events(job, request, poll=True):
-            if isinstance(ev, Piece):
-                text.append(ev.text)
-                lps += ev.logprobs
-            elif isinstance(ev, Failed):
-                raise _failure(ev.error)
-            else:
-                done = ev
+        pieces, lps, done = await _collect(job, request)
+        text = [echo, *pieces]
         if done is None:
             _record(request, job, False, None, disconnected=True)
             return JSONResponse({}, status_code=499)

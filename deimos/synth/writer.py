@@ -150,13 +150,13 @@ def read_tokenizer(donor: str | os.PathLike[str]) -> dict[str, tuple]:
             if sub is not None and len(value) == 0:
                 continue  # GGUFWriter cannot write an empty array; llama.cpp treats it as absent
             out[key] = (GGUFValueType(int(types[0])),
-                        None if sub is None else GGUFValueType(int(sub)), _writable(value))
+                        None if sub is None else GGUFValueType(int(sub)), writable_value(value))
         if "tokenizer.ggml.tokens" not in out:
             raise ValueError(f"{donor}: no tokenizer.ggml.tokens, not a usable vocabulary donor")
         return out
 
 
-def _writable(value: object) -> object:
+def writable_value(value: object) -> object:
     # The reader decodes strings with surrogateescape (GGUF does not promise valid UTF-8);
     # bytes make GGUFWriter write them back unchanged. Numeric arrays come as numpy arrays,
     # which GGUFWriter does not take as a sequence.
@@ -165,7 +165,7 @@ def _writable(value: object) -> object:
     if isinstance(value, np.ndarray):
         return value.tolist()
     if isinstance(value, list):
-        return [_writable(v) for v in value]
+        return [writable_value(v) for v in value]
     return value
 
 

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from deimos.kernels.triton._attention_io import check_attention_io
+from deimos.kernels.triton._softmax import online_softmax_step
 from deimos.quant.triton.gemv_q8 import quantize_groups
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -77,13 +78,7 @@ def _decode_split_kernel(
         b_v = tl.load(p_vb, mask=m_kd, other=0.0)
         qk = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.float32) * qk_scale  # [G_PAD, BLOCK_S]
         qk = tl.where(m_s[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(qk - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, out_dtype=tl.float32)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(qk, b_v, m_i, l_i, acc)
     # partials of head h, split j at [(b * Hq + h) * N_SPLIT + j]
     o_part = (i_b * (HKV * G) + o_h) * N_SPLIT + i_sp
     tl.store(p_m + o_part, m_i, mask=m_g)

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from deimos.kernels.triton._attention_io import check_attention_io
+from deimos.kernels.triton._softmax import online_softmax_step
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -86,14 +87,7 @@ def _prefill_kernel(
         if window > 0:
             ok = ok & (delta < window)
         qk = tl.where(ok, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        # a row with nothing visible yet keeps max -inf: subtract 0 instead (exp2(-inf) = 0)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(qk - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, out_dtype=tl.float32)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(qk, b_v, m_i, l_i, acc)
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only
     out = acc / l_i[:, None]
     p_ob = p_o + o_t[:, None].to(tl.int64) * so_t + o_h[:, None] * so_h + o_d[None, :]

@@ -32,14 +32,13 @@ from deimos.quant.triton.dequant_gemv import (
     FMT_ID,
     Q4_1,
     Q4_K,
-    Q5_0,
     Q5_1,
     Q5_K,
-    Q6_K,
     Q8_0,
     _codes,
     gemv_out,
     group_scales,
+    group_words,
     weight_arrays,
 )
 from deimos.quant.triton.layout import PackedWeight
@@ -57,18 +56,10 @@ def _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL, FMT: tl.
     NK: tl.constexpr = 32 // W
     HALF: tl.constexpr = NK // 2
     HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1 or FMT == Q5_1
-    o_w = tl.arange(0, W)
-    o_k = tl.arange(0, NK)
     m_ns = m_n[:, None] & m_s[None, :]
-    m_w = m_ns[:, :, None] & (o_w < W)[None, None, :]
-    o_q = o_n[:, None, None] * (S_TOTAL * W) + u[None, :, None] * W + o_w[None, None, :]
-    b_w = tl.load(p_qw + o_q, mask=m_w, other=0)[:, :, :, None]
-    if FMT == Q6_K or FMT == Q5_K or FMT == Q5_0 or FMT == Q5_1:
-        b_h = tl.load(p_qh + o_q, mask=m_w, other=0).to(tl.int32)[:, :, :, None]
-    else:
-        b_h = b_w
-    k4 = o_k[None, None, None, :]
-    q = _codes(b_w, b_h, k4, FMT)  # [BLOCK_N, BLOCK_S, W, NK]: code k of word w
+    b_w, b_h, m_w = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT)
+    k4 = tl.arange(0, NK)[None, None, None, :]
+    q = _codes(b_w[:, :, :, None], b_h[:, :, :, None], k4, FMT)  # [BLOCK_N, BLOCK_S, W, NK]: code k of word w
     s_lo, s_hi, mn = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT)
     val = tl.where(k4 < HALF, s_lo[:, :, None, None], s_hi[:, :, None, None]) * q
     if HAS_MIN:

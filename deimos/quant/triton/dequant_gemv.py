@@ -144,6 +144,24 @@ def group_scales(p_s, p_d, p_m, o_n, u, m, S_TOTAL, FMT: tl.constexpr):
 
 
 @triton.jit
+def group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT: tl.constexpr):
+    """The packed words of groups ``u`` of rows ``o_n`` (int64), each ``[BLOCK_N, BLOCK_S, W]``
+    (W = 8 words a group for Q8_0, 4 for the nibble formats; code k of word w of group u is
+    element 32u + W k + w): (qw, the high bits' entries of the same words for the formats
+    that have them (Q6_K, Q5_K, Q5_0, Q5_1; qw again for the others), the load mask)."""
+    W: tl.constexpr = 8 if FMT == Q8_0 else 4
+    o_w = tl.arange(0, W)
+    m_w = (m_n[:, None] & m_s[None, :])[:, :, None] & (o_w < W)[None, None, :]
+    o_q = o_n[:, None, None] * (S_TOTAL * W) + u[None, :, None] * W + o_w[None, None, :]
+    b_w = tl.load(p_qw + o_q, mask=m_w, other=0)
+    if FMT == Q6_K or FMT == Q5_K or FMT == Q5_0 or FMT == Q5_1:
+        b_h = tl.load(p_qh + o_q, mask=m_w, other=0).to(tl.int32)
+    else:
+        b_h = b_w
+    return b_w, b_h, m_w
+
+
+@triton.jit
 def _gemv_kernel(
     p_qw, p_qh, p_s, p_d, p_m,  # weight arrays (unused ones get any pointer)
     p_x, p_xs, p_y,  # x [B, K] f32, group sums of x [B, K/32] f32, y [B, N] f32
@@ -170,14 +188,7 @@ def _gemv_kernel(
         u = s0 + o_s
         m_s = u < S_TOTAL
         m_ns = m_n[:, None] & m_s[None, :]
-        m_w = m_ns[:, :, None] & (o_w < W)[None, None, :]
-        # entry of word w of group u in qw (and qh); code k of it is element 32u + W k + w
-        o_q = o_n[:, None, None] * (S_TOTAL * W) + u[None, :, None] * W + o_w[None, None, :]
-        b_w = tl.load(p_qw + o_q, mask=m_w, other=0)
-        if FMT == Q6_K or FMT == Q5_K or FMT == Q5_0 or FMT == Q5_1:
-            b_h = tl.load(p_qh + o_q, mask=m_w, other=0).to(tl.int32)
-        else:
-            b_h = b_w
+        b_w, b_h, m_w = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT)
         # x pointers of the weights' full [BLOCK_N, BLOCK_S, W] shape (rows broadcast), so that
         # x gets the weights' register layout (no layout conversion through shared memory)
         o_x = (u[None, :, None] * 32 + o_w[None, None, :]) + (o_n * 0)[:, None, None]

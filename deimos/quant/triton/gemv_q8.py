@@ -55,6 +55,7 @@ from deimos.quant.triton.dequant_gemv import (
     gemv_grid,
     gemv_out,
     group_scales,
+    group_words,
     weight_arrays,
 )
 from deimos.quant.triton.layout import PackedWeight
@@ -126,9 +127,7 @@ def _gemv_q8_kernel(
         u = s0 + o_s
         m_s = u < S_TOTAL
         m_ns = m_n[:, None] & m_s[None, :]
-        m_w = m_ns[:, :, None] & (o_w < W)[None, None, :]
-        o_q = o_n[:, None, None] * (S_TOTAL * W) + u[None, :, None] * W + o_w[None, None, :]
-        b_w = tl.load(p_qw + o_q, mask=m_w, other=0)
+        b_w, b_h, m_w = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT)
         # x words of the weights' full shape (rows broadcast): the weights' register layout
         o_x = u[None, :, None] * 16 + o_w[None, None, :] + (o_n * 0)[:, None, None]
         zero = tl.zeros([BLOCK_N, BLOCK_S, W], dtype=tl.int32)
@@ -139,8 +138,6 @@ def _gemv_q8_kernel(
             d_lo = _dp4a(b_w, b_x, zero, ASM) * PLANE + _dp4a(b_w, b_xr, zero, ASM)
             d_hi = d_lo
         else:
-            if FMT == Q6_K or FMT == Q5_K or FMT == Q5_0 or FMT == Q5_1:
-                b_h = tl.load(p_qh + o_q, mask=m_w, other=0).to(tl.int32)
             x0 = tl.load(p_xq + o_x, mask=m_w, other=0)  # x words 0..3: parity 0
             x1 = tl.load(p_xq + o_x + 4, mask=m_w, other=0)  # x words 4..7: parity 1
             x0r = tl.load(p_xq + o_x + 8, mask=m_w, other=0)
