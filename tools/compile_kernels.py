@@ -90,7 +90,7 @@ def _q8_jobs() -> list[Job]:
 
     jobs = []
     for t in FMT_ID:  # the kernels' formats (a format packed in another's layout adds none)
-        cfg = q.q8_config(t, 4096, 4096, 1)
+        cfg = q.launch_config(t, 4096, 4096, 1)
         args = [MockTensor(a.dtype) for a in weight_arrays(_packed_sample(t, 4096))]
         args += [MockTensor(torch.int32), MockTensor(torch.float32), MockTensor(torch.int32),
                  MockTensor(torch.float32), 4096, 4096]

@@ -69,7 +69,7 @@ class ReferenceOps:
         q = apply_rope(q, cos, sin, self.cfg.rope_type)
         k = apply_rope(k, cos, sin, self.cfg.rope_type)
         kv = step.batch.kv
-        kv.write(layer, step.start, step.batch.positions, k, v)
+        kv.write(layer, step.start, k, v)
         k_all, v_all, k_pos = kv.view(layer, step.start + step.n)
         return causal_attention(q, k_all, v_all, step.batch.positions, k_pos, scale, window)
 

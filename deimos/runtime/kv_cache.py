@@ -57,16 +57,11 @@ class KVCache:
             raise ContextFullError(f"context full: {self.length + n} tokens > context size {self.capacity}")
         self.length += n
 
-    def write(self, layer: int, start: int | None, positions: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> None:
-        """k ``[T, Hkv, D]``, v at ``positions``: by a slice from ``start`` (host), or with
-        ``start=None`` scattered at the device ``positions`` (what a CUDA graph can replay)."""
-        if start is not None:
-            self.k[layer][start : start + k.shape[0]] = k
-            self.v[layer][start : start + v.shape[0]] = v
-        else:
-            self.k[layer].index_copy_(0, positions, k.to(self.dtype))
-            self.v[layer].index_copy_(0, positions, v.to(self.dtype))
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k ``[T, Hkv, D]`` and v of ``layer`` at positions ``start`` .. ``start + T - 1``.
+        (The GPU path stores them in its RoPE kernel, at positions read on the device.)"""
+        self.k[layer][start : start + k.shape[0]] = k
+        self.v[layer][start : start + v.shape[0]] = v
 
     def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys, values and their positions ``[0, end)`` of ``layer``."""

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deimos.gguf.constants import GGMLType
 from deimos.quant.triton.dequant_gemv import (
     FMT_ID,
     Q4_1,
@@ -176,7 +177,7 @@ def dequant_matmul(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = 
 def permuted_columns(w: PackedWeight) -> torch.Tensor:
     """int64 ``[k]`` on w's device: column p of ``dequantize_fp16(w, permuted=True)`` holds
     element ``cols[p]`` of the row, so ``x[:, cols] @ Wp.T == x @ W.T``."""
-    wd = 8 if w.ggml_type.name == "Q8_0" else 4
+    wd = 8 if w.ggml_type == GGMLType.Q8_0 else 4
     nk = 32 // wd
     p = torch.arange(w.k, device=w.device)
     u, r = p // 32, p % 32

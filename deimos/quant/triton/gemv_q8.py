@@ -40,9 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
-from deimos.gguf.constants import GGMLType
 from deimos.quant.triton.dequant_gemv import (
     FMT_ID,
+    LaunchConfig,
     Q4_0,
     Q4_1,
     Q4_K,
@@ -56,13 +56,13 @@ from deimos.quant.triton.dequant_gemv import (
     gemv_out,
     group_scales,
     group_words,
+    launch_config,
     weight_arrays,
 )
 from deimos.quant.triton.layout import PackedWeight
 
 # read once: whether kernels run in Triton's interpreter (no inline PTX there)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-NUM_WARPS = 4
 # x is kept as the 15-bit fixed-point integer PLANE * q1 + q2 per group: two int8 planes
 PLANE_INT = 254
 PLANE = tl.constexpr(PLANE_INT)
@@ -286,21 +286,8 @@ def quantize_x_reference(x: torch.Tensor) -> torch.Tensor:
     return ((q1 * PLANE_INT + q2) * (amax / (127.0 * PLANE_INT))).view_as(x2)
 
 
-class Q8Config(NamedTuple):
-    block_n: int
-    block_s: int
-    num_warps: int
-
-
-def q8_config(ggml_type, n: int, k: int, b: int) -> Q8Config:
-    """4 rows x 32 groups (Q8_0: 16) per program step and 4 warps, as the fp32 kernel: a
-    thread holds one row's group (16 or 32 bytes of weights, 32 bytes of x)."""
-    del n, k, b
-    return Q8Config(4, 16 if ggml_type == GGMLType.Q8_0 else 32, NUM_WARPS)
-
-
 def gemv_q8(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
-            cfg: Q8Config | None = None) -> torch.Tensor:
+            cfg: LaunchConfig | None = None) -> torch.Tensor:
     """y = W x for a packed quantized W ``[n, k]`` and an activation from ``quantize_x``:
     float32 ``[B, n]`` (``out`` if given: contiguous float32 ``[B, n]``)."""
     if w.ggml_type not in FMT_ID:
@@ -311,7 +298,7 @@ def gemv_q8(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
     if x.xq.device != w.device:
         raise ValueError(f"gemv_q8: x is on {x.xq.device}, the weight on {w.device}")
     out = gemv_out(out, b, w.n, x.xq.device, "gemv_q8")
-    cfg = cfg or q8_config(w.ggml_type, w.n, k, b)
+    cfg = cfg or launch_config(w.ggml_type, w.n, k, b)  # the fp32 kernel's rule: same tiles
     _gemv_q8_kernel[gemv_grid(w.n, b, cfg.block_n)](
         *weight_arrays(w), x.xq, x.xd, x.xs, out,
         w.n, k, FMT=FMT_ID[w.ggml_type], BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
