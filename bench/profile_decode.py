@@ -1,8 +1,8 @@
 """Where a decode step's time goes: per-kernel GPU time of one-token steps (torch.profiler
 over eager steps: the same kernels the graph replays), against the replayed graph's time per
-token, and every matrix's GEMV alone against its bytes.
+token (each matrix's GEMV alone against its bytes: bench/sweep_gemv.py).
 
-    python bench/profile_decode.py MODEL.gguf [--ctx 512] [--steps 8]
+    python bench/profile_decode.py MODEL.gguf [--ctx 512] [--steps 8] [--prefill N [--own-gemm]]
 
 Measures only; prints a table. Needs a CUDA GPU.
 """
@@ -18,7 +18,6 @@ import torch
 from deimos.gguf import GGUFFile
 from deimos.models import load_model
 from deimos.models.batch import Batch
-from deimos.quant.triton.bench import ROOF_GBS, time_graph
 from deimos.runtime.graph import DecodeGraph
 from deimos.runtime.kv_cache import KVCache
 
@@ -64,7 +63,13 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512, help="tokens in the cache while timing")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prefill", type=int, default=0, help="also profile one prefill of this many tokens")
+    ap.add_argument("--own-gemm", action="store_true",
+                    help="prefill through our dequant-GEMM instead of fp16 dequantization + cuBLAS")
     args = ap.parse_args()
+    if args.own_gemm:
+        from deimos.models.gpu import QuantLinear
+
+        QuantLinear.own_gemm = True
     f = GGUFFile(args.model)
     model = load_model(f, device="cuda")
     cfg = model.config
@@ -113,29 +118,6 @@ def main() -> None:
 
     if args.prefill:
         profile_prefill(model, args.prefill)
-
-    # each distinct matrix shape's GEMV alone
-    from deimos.models.gpu import QuantLinear
-    from deimos.quant.triton import gemv, prepare_x
-
-    seen = {}
-    lins = [model.lm_head] + [getattr(getattr(layer, blk), n) for layer in model.layers[:1]
-                              for blk, names in (("attn", "qkvo"), ("mlp", ("gate", "up", "down")))
-                              for n in names]  # fmt: skip
-    print(f"\n{'matrix':28} {'type':6} {'N x K':>13} {'us':>7} {'GB/s':>6} {'roof':>5}")
-    for lin in lins:
-        if not isinstance(lin, QuantLinear):
-            continue
-        key = (lin.ggml_type, lin.packed.n, lin.packed.k)
-        if key in seen:
-            continue
-        xp = prepare_x(torch.randn(1, lin.packed.k, device="cuda"))
-        out = torch.empty(1, lin.packed.n, device="cuda")
-        sec = time_graph(lambda lin=lin, xp=xp, out=out: gemv(lin.packed, xp, out))
-        seen[key] = sec
-        gbs = lin.packed.nbytes / sec / 1e9
-        print(f"{lin.name[:28]:28} {lin.ggml_type.name:6} {lin.packed.n:>6}x{lin.packed.k:<6} "
-              f"{sec * 1e6:7.1f} {gbs:6.0f} {gbs / ROOF_GBS:5.0%}")
 
 
 if __name__ == "__main__":

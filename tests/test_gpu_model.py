@@ -147,7 +147,7 @@ def test_kernel_fallback_dense_fp16(synth_dir) -> None:
 
 
 def test_triton_ops_whole_tiny_model(synth_dir) -> None:
-    """The Triton layer ops (fused add+RMSNorm, q/k norms, RoPE in place, prefill flash
+    """The Triton layer ops (fused add+RMSNorm, q/k head norms fused into RoPE, prefill flash
     attention, cache scatter + split-K decode attention over the whole cache, gated
     activation) in whole models: a 6-token prefill and 3 decode steps against the CPU
     reference. The matrices stay the reference's (the GEMV kernels have their own tests and

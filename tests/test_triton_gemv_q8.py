@@ -21,7 +21,13 @@ if not torch.cuda.is_available():
 from deimos.gguf.constants import GGMLType  # noqa: E402
 from deimos.quant import get_format  # noqa: E402
 from deimos.quant.triton import PACKED_TYPES, pack  # noqa: E402
-from deimos.quant.triton.gemv_q8 import PLANE_INT, gemv_q8, quantize_x, quantize_x_reference  # noqa: E402
+from deimos.quant.triton.gemv_q8 import (  # noqa: E402
+    PLANE_INT,
+    Q8Config,
+    gemv_q8,
+    quantize_x,
+    quantize_x_reference,
+)
 from deimos.quant.triton.naive import gemv_ref  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -77,6 +83,26 @@ def test_gemv_q8_random_blocks(t: GGMLType, shape: tuple[int, int, int]) -> None
     assert rel < 1e-5, f"{t.name}: relative RMS error {rel:.2e} against the dequantized-x oracle"
     exact = gemv_ref(blocks, t, x.float())
     assert _rel(y, exact) < 1e-4, "activation rounding error larger than 15-bit fixed point makes"
+
+
+# tiles other than the default: x broadcast over rows held in registers (xb), one row per
+# program, rows on warps; row and group tails (37 rows, 40 groups) masked
+TILES = [Q8Config(4, 32, 1, True), Q8Config(2, 64, 2, True), Q8Config(1, 32, 1, True),
+         Q8Config(8, 16, 4, False)]
+
+
+@pytest.mark.parametrize("cfg", TILES, ids=lambda c: f"n{c.block_n}_s{c.block_s}_w{c.num_warps}_xb{int(c.xb)}")
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q5_0],
+                         ids=lambda t: t.name)
+def test_gemv_q8_tiles(t: GGMLType, cfg: Q8Config) -> None:
+    n, k, b = 37, 1280, 2
+    blocks = _blocks(t, n, k, seed=3)
+    x = torch.randn(b, k, generator=torch.Generator().manual_seed(4))
+    w = pack(blocks, t).to(DEVICE)
+    out = torch.full((b, n), float("nan"), device=DEVICE)
+    y = gemv_q8(w, quantize_x(x.to(DEVICE)), out=out, cfg=cfg)
+    assert torch.isfinite(out).all(), "outputs left unwritten"
+    assert _rel(y, gemv_ref(blocks, t, quantize_x_reference(x))) < 1e-5
 
 
 def test_gemv_q8_errors() -> None:

@@ -75,7 +75,8 @@ DTYPES = [torch.float32, torch.float16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("t,d", [(1, 64), (7, 60), (63, 576)], ids=lambda v: str(v))
+# (1, 1000), (2, 2560): a decode row split over programs of 256 (the last partly masked)
+@pytest.mark.parametrize("t,d", [(1, 64), (7, 60), (63, 576), (1, 1000), (2, 2560)], ids=lambda v: str(v))
 def test_rms_norm(t: int, d: int, dtype: torch.dtype) -> None:
     x = _rand(t, d, seed=t + d, dtype=dtype, scale=3.0)
     w = _rand(d, seed=d, dtype=torch.float32)
@@ -86,7 +87,8 @@ def test_rms_norm(t: int, d: int, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("t,d", [(1, 64), (7, 60), (63, 576)], ids=lambda v: str(v))
+# (1, 1000), (2, 2560): a decode row split over programs of 256 (the last partly masked)
+@pytest.mark.parametrize("t,d", [(1, 64), (7, 60), (63, 576), (1, 1000), (2, 2560)], ids=lambda v: str(v))
 def test_add_rms_norm(t: int, d: int, dtype: torch.dtype) -> None:
     x = _rand(t, d, seed=t, dtype=dtype)
     r = _rand(t, d, seed=t + 1, dtype=dtype, scale=4.0)
@@ -157,6 +159,36 @@ def test_rope(case: tuple) -> None:
     _close(label + " k in place", k, ref_k, tol)
     if rd < d:  # dims past rope_dim are copied bit for bit
         assert torch.equal(qo[..., rd:].cpu(), ref_q[..., rd:])
+
+
+@pytest.mark.parametrize("case", [(1, 4, 2, 128, 128, "neox"), (5, 3, 1, 80, 32, "norm")],
+                         ids=lambda c: f"T{c[0]}_d{c[3]}_r{c[4]}_{c[5]}")
+def test_rope_with_head_norms(case: tuple) -> None:
+    """qk-norm fused into RoPE (one launch, k and v into the cache): oracle = the reference
+    RMSNorm of every head, then the reference rotation."""
+    t, hq, hk, d, rd, kind = case
+    qkv = _rand(t, (hq + 2 * hk) * d, seed=d, scale=5.0)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+    qn, kn = _rand(d, seed=1) + 1.0, _rand(d, seed=2) + 1.0
+    pos = torch.arange(3, 3 + t, device=DEVICE)
+    cos, sin = ref_rope.rope_cos_sin(pos.cpu(), rd, 1e6, 1.0, None)
+    ref_q = ref_rope.apply_rope(ref_norm.rms_norm(q.cpu().reshape(-1, d), qn.cpu(), 1e-6).view(t, hq, d),
+                                cos, sin, kind)  # fmt: skip
+    ref_k = ref_rope.apply_rope(ref_norm.rms_norm(k.cpu().reshape(-1, d), kn.cpu(), 1e-6).view(t, hk, d),
+                                cos, sin, kind)  # fmt: skip
+    k_cache = torch.full((t + 8, hk, d), NAN, device=DEVICE)
+    v_cache = torch.full((t + 8, hk, d), NAN, device=DEVICE)
+    inv = rope_inv_freq(rd, 1e6, device=DEVICE)
+    want_v = v.clone()
+    apply_rope(q, k, pos.to(torch.int32), inv, kind, inplace=True, cache=(v, k_cache, v_cache),
+               head_norms=(qn, kn, 1e-6))  # fmt: skip
+    _close("rope+norm q", q, ref_q, 2e-4)
+    _close("rope+norm k", k_cache[3 : 3 + t], ref_k, 2e-4)
+    assert torch.equal(v_cache[3 : 3 + t].cpu(), want_v.cpu())
+    with pytest.raises(ValueError, match="head-norm weight"):
+        apply_rope(q, k, pos, inv, kind, head_norms=(qn[:16], kn, 1e-6))
 
 
 def test_rope_errors() -> None:

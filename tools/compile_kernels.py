@@ -90,13 +90,18 @@ def _q8_jobs() -> list[Job]:
 
     jobs = []
     for t in FMT_ID:  # the kernels' formats (a format packed in another's layout adds none)
-        cfg = q.launch_config(t, 4096, 4096, 1)
-        args = [MockTensor(a.dtype) for a in weight_arrays(_packed_sample(t, 4096))]
-        args += [MockTensor(torch.int32), MockTensor(torch.float32), MockTensor(torch.int32),
-                 MockTensor(torch.float32), 4096, 4096]
-        jobs.append(Job("gemv_q8_" + t.name, _describe(cfg),
-                        _warm_args(q._gemv_q8_kernel, args, FMT=FMT_ID[t], BLOCK_N=cfg.block_n,
-                                   BLOCK_S=cfg.block_s, ASM=True, num_warps=cfg.num_warps)))
+        # every config the shape rule gives for the model shapes we know (1024..262144 rows,
+        # K = 1024..18432)
+        cfgs = sorted({q.q8_config(t, n, k, 1) for n in (1024, 2048, 4096, 6144, 28672, 262144)
+                       for k in (1024, 2048, 2560, 3072, 4096, 9728, 14336, 18432)})
+        for cfg in cfgs:
+            args = [MockTensor(a.dtype) for a in weight_arrays(_packed_sample(t, 4096))]
+            args += [MockTensor(torch.int32), MockTensor(torch.float32), MockTensor(torch.int32),
+                     MockTensor(torch.float32), 4096, 4096]
+            jobs.append(Job("gemv_q8_" + t.name, _describe(cfg) + f" xb={int(cfg.xb)}",
+                            _warm_args(q._gemv_q8_kernel, args, FMT=FMT_ID[t], BLOCK_N=cfg.block_n,
+                                       BLOCK_S=cfg.block_s, ASM=True, XB=cfg.xb,
+                                       num_warps=cfg.num_warps)))
     from deimos.models.gpu import dequant
 
     for t in FMT_ID:  # the kernels' formats (a format packed in another's layout adds none)
@@ -164,15 +169,15 @@ def _layer_jobs() -> list[Job]:
     f16, f32, i32, i64 = torch.float16, torch.float32, torch.int32, torch.int64
     jobs = []
     for d in (576, 4096, 5376):
-        c = norm.norm_config(d)
-        for res in (False, True):
-            for quant in (False, True):
-                jobs.append(Job("rms_norm" + ("+add" if res else "") + ("+q8" if quant else ""),
-                                f"D={d} B={c.block_d} w={c.num_warps}",
-                                _warm(norm._rms_norm_kernel,
-                                      [f32] * 5 + [4096] * 4 + [d, 1e-6, i32, f32, i32],
-                                      HAS_RESIDUAL=res, BLOCK_D=c.block_d, QUANT=quant,
-                                      num_warps=c.num_warps)))
+        for c in dict.fromkeys((norm.norm_config(d), norm.norm_config(d, 1, split=True))):
+            for res in (False, True):
+                for quant in (False, True):
+                    jobs.append(Job("rms_norm" + ("+add" if res else "") + ("+q8" if quant else ""),
+                                    f"D={d} B={c.block_d} w={c.num_warps} C={c.chunk}",
+                                    _warm(norm._rms_norm_kernel,
+                                          [f32] * 5 + [4096] * 4 + [d, 1e-6, i32, f32, i32],
+                                          HAS_RESIDUAL=res, BLOCK_D=c.block_d, QUANT=quant,
+                                          CHUNK=c.chunk, num_warps=c.num_warps)))
     for act in activation.ACTIVATIONS.values():
         for quant in (False, True):
             args = [f32] * 3 + [28672, 28672, 14336, 14336, i32, f32, i32]
@@ -181,11 +186,11 @@ def _layer_jobs() -> list[Job]:
                                   BLOCK_F=activation.BLOCK, QUANT=quant,
                                   num_warps=activation.NUM_WARPS)))
     for hq, hk, d in ((32, 8, 128), (8, 4, 256), (9, 3, 64)):
-        for neox in (False, True):
-            args = [f32] * 6 + [i32, f32] + [d * (hq + 2 * hk), d] * 6 + [hq, hk, d, d]
-            jobs.append(Job("rope", f"H={hq}+{hk} D={d} neox={int(neox)}",
+        for neox, norm_ in ((False, False), (True, False), (True, True)):
+            args = [f32] * 6 + [i32, f32, f32, f32] + [d * (hq + 2 * hk), d] * 6 + [hq, hk, d, d, 1e-6]
+            jobs.append(Job("rope", f"H={hq}+{hk} D={d} neox={int(neox)} norm={int(norm_)}",
                             _warm(rope._rope_kernel, args, NEOX=neox, HAS_K=True, TO_CACHE=True,
-                                  BLOCK_H=4, BLOCK_D=d, num_warps=4)))
+                                  BLOCK_H=4, BLOCK_D=d, HAS_NORM=norm_, num_warps=4)))
     for hq, hk, d, s in ((32, 8, 128, 4096), (8, 4, 256, 4096), (9, 3, 64, 2048)):
         c = decode_attention.decode_config(s, 1, hk, d)
         args = [f16, f16, f16, i32, f32, f32, f32, hq * d, d, hk * d, d, hk * d, d,

@@ -39,10 +39,11 @@ class Attention:
              (f"{p}.attn_v", cfg.n_head_kv * cfg.head_dim_v)], cfg.n_embd)  # fmt: skip
         self.o = w.linear(f"{p}.attn_output", cfg.n_embd, cfg.n_head * cfg.head_dim_v, bias=None)
         self.ops = w.ops
-        self.q_norm = self.k_norm = None
+        # qk-norm (qwen3, gemma3): every q and k head RMS-normalized, done by the ops with RoPE
+        self.head_norms = None
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(w.vector(f"{p}.attn_q_norm.weight", cfg.head_dim), cfg.rms_eps, w.ops)
-            self.k_norm = RMSNorm(w.vector(f"{p}.attn_k_norm.weight", cfg.head_dim), cfg.rms_eps, w.ops)
+            self.head_norms = (w.vector(f"{p}.attn_q_norm.weight", cfg.head_dim),
+                               w.vector(f"{p}.attn_k_norm.weight", cfg.head_dim), cfg.rms_eps)  # fmt: skip
         self.layer = layer
         self.rope_base = cfg.layer_rope_base(layer)
         self.window = cfg.sliding_window if cfg.is_swa(layer) else 0
@@ -52,10 +53,8 @@ class Attention:
         q = self.q(x).view(n, cfg.n_head, cfg.head_dim)
         k = self.k(x).view(n, cfg.n_head_kv, cfg.head_dim)
         v = self.v(x).view(n, cfg.n_head_kv, cfg.head_dim_v)
-        if self.q_norm is not None:
-            q = self.q_norm(q, fused=False)
-            k = self.k_norm(k, fused=False)
-        out = self.ops.attention(q, k, v, self.layer, step, self.rope_base, cfg.attn_scale, self.window)
+        out = self.ops.attention(q, k, v, self.layer, step, self.rope_base, cfg.attn_scale, self.window,
+                                 self.head_norms)
         return self.o(out.reshape(n, cfg.n_head * cfg.head_dim_v))
 
 

@@ -36,8 +36,10 @@ class Ops(Protocol):
     def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]: ...
     def rms_norm(self, x, weight, eps) -> torch.Tensor: ...
     def attention(self, q, k, v, layer: int, step: StepState, rope_base: float, scale: float,
-                  window: int) -> torch.Tensor:
-        """RoPE on q and k, the step's k and v into the cache, attention over the cache."""
+                  window: int, head_norms: tuple | None = None) -> torch.Tensor:
+        """The q and k heads RMS-normalized when ``head_norms=(q_weight, k_weight, eps)``
+        (qk-norm), RoPE on q and k, the step's k and v into the cache, attention over the
+        cache."""
         ...
     def gated_act(self, gate, up, activation: str) -> torch.Tensor: ...
 
@@ -64,7 +66,11 @@ class ReferenceOps:
     def rms_norm(self, x, weight, eps):
         return rms_norm(x, weight, eps)
 
-    def attention(self, q, k, v, layer, step, rope_base, scale, window):
+    def attention(self, q, k, v, layer, step, rope_base, scale, window, head_norms=None):
+        if head_norms is not None:
+            qn, kn, eps = head_norms
+            q = rms_norm(q.reshape(-1, q.shape[-1]), qn, eps).view(q.shape)
+            k = rms_norm(k.reshape(-1, k.shape[-1]), kn, eps).view(k.shape)
         cos, sin = step.rope[rope_base]
         q = apply_rope(q, cos, sin, self.cfg.rope_type)
         k = apply_rope(k, cos, sin, self.cfg.rope_type)

@@ -26,8 +26,12 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_D: tl.constexpr,
     QUANT: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):  # fmt: skip
+    """Program (row, chunk): the whole row's sum of squares, then its CHUNK elements normalized,
+    stored (and the residual sum stored) and quantized. CHUNK == BLOCK_D: one program a row."""
     i_t = tl.program_id(0).to(tl.int64)
+    i_c = tl.program_id(1)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
     b_x = tl.load(p_x + i_t * stride_x + o_d, mask=m_d, other=0.0).to(tl.float32)
@@ -35,16 +39,23 @@ def _rms_norm_kernel(
         b_r = tl.load(p_r + i_t * stride_r + o_d, mask=m_d, other=0.0).to(tl.float32)
         # round the sum to the residual's dtype first: the norm sees what is stored, as in the
         # reference (x + residual in the tensors' dtype)
-        b_s = (b_x + b_r).to(p_rout.dtype.element_ty)
-        tl.store(p_rout + i_t * stride_rout + o_d, b_s, mask=m_d)
-        b_x = b_s.to(tl.float32)
-    b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_x = (b_x + b_r).to(p_rout.dtype.element_ty).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=0) / D + eps)
+    if CHUNK < BLOCK_D:  # this program's chunk again (L1/L2), the row's other chunks are others'
+        o_d = i_c * CHUNK + tl.arange(0, CHUNK)
+        m_d = o_d < D
+        b_x = tl.load(p_x + i_t * stride_x + o_d, mask=m_d, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            b_r = tl.load(p_r + i_t * stride_r + o_d, mask=m_d, other=0.0).to(tl.float32)
+            b_x = (b_x + b_r).to(p_rout.dtype.element_ty).to(tl.float32)
+    if HAS_RESIDUAL:
+        tl.store(p_rout + i_t * stride_rout + o_d, b_x.to(p_rout.dtype.element_ty), mask=m_d)
+    b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_y = (b_x * rstd * b_w).to(p_y.dtype.element_ty)
     tl.store(p_y + i_t * stride_y + o_d, b_y, mask=m_d)
-    if QUANT:  # the row also as the GEMV's integer activation (gemv_q8.quantize_groups)
-        G: tl.constexpr = BLOCK_D // 32
-        o_g = tl.arange(0, G)
+    if QUANT:  # the chunk also as the GEMV's integer activation (gemv_q8.quantize_groups)
+        G: tl.constexpr = CHUNK // 32
+        o_g = i_c * G + tl.arange(0, G)
         quantize_groups(tl.reshape(b_y.to(tl.float32), (G, 4, 8)), o_g, o_g < D // 32,
                         p_xq + i_t * (D // 2), p_xd + i_t * (D // 32), p_xs + i_t * (D // 16))
 
@@ -52,13 +63,31 @@ def _rms_norm_kernel(
 class NormConfig(NamedTuple):
     block_d: int
     num_warps: int
+    chunk: int  # elements a program normalizes and stores (block_d: the whole row)
 
 
-def norm_config(d: int) -> NormConfig:
+SPLIT_CHUNK = 256  # a decode row (T <= 8) split into programs of 256 elements (8 groups)
+
+
+def norm_config(d: int, t: int = 1, split: bool = False) -> NormConfig:
     """A row per program; warps grow with the row so each thread holds 8..16 elements
-    (D = 4096: 8 warps x 32 threads x 16). Memory bound: no tuning beyond that."""
+    (D = 4096: 8 warps x 32 threads x 16). Memory bound: no tuning beyond that. ``split``
+    (few rows, output not aliasing an input): each row over D / 256 programs of 4 warps that
+    all read the row for its sum of squares and store a chunk each, instead of one program
+    doing a decode step's whole row alone."""
     block = triton.next_power_of_2(d)
-    return NormConfig(block, max(1, min(16, block // 512)))
+    if split and t <= 8 and block >= 2 * SPLIT_CHUNK:
+        return NormConfig(block, 4, SPLIT_CHUNK)
+    return NormConfig(block, max(1, min(16, block // 512)), block)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' storage ranges meet (then a program could read a row another has
+    already written)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + a.untyped_storage().nbytes()
+    b1 = b0 + b.untyped_storage().nbytes()
+    return a0 < b1 and b0 < a1
 
 
 def _check_rows(name: str, t: torch.Tensor, d: int) -> None:
@@ -70,19 +99,22 @@ def _check_rows(name: str, t: torch.Tensor, d: int) -> None:
 
 def _launch(x, residual, w, eps, out, residual_out, quantized=None) -> None:
     t, d = x.shape
-    cfg = norm_config(d)
     r = residual if residual is not None else x
     ro = residual_out if residual_out is not None else out
+    ins = [x] if residual is None else [x, residual]
+    outs = [out] if residual_out is None else [out, residual_out]
+    split = not any(_overlap(a, b) for a in ins for b in outs)
+    cfg = norm_config(d, t, split)
     if quantized is not None and (d % 32 or tuple(quantized.shape) != (t, d)):
         raise ValueError(f"rms_norm: quantized output {tuple(quantized.shape)} does not fit [{t}, {d}] "
                          "(D a multiple of 32)")
     q = quantized if quantized is not None else (x, x, x)
-    _rms_norm_kernel[(t,)](
+    _rms_norm_kernel[(t, triton.cdiv(d, cfg.chunk))](
         x, r, w, out, ro,
         x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
         d, eps, q[0], q[1], q[2],
         HAS_RESIDUAL=residual is not None, BLOCK_D=cfg.block_d, QUANT=quantized is not None,
-        num_warps=cfg.num_warps,
+        CHUNK=cfg.chunk, num_warps=cfg.num_warps,
     )  # fmt: skip
 
 

@@ -24,10 +24,11 @@ ROPE_TYPES = {"norm": 0, "neox": 1}
 
 @triton.jit
 def _rope_heads(
-    p_x, p_y, p_pos_freq, pos, h0, stride_xh, stride_yh, H, D, R,
-    NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    p_x, p_y, p_pos_freq, pos, h0, stride_xh, stride_yh, H, D, R, p_nw, eps,
+    NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
-    """Heads h0 .. h0+BLOCK_H-1 of one token: p_x / p_y point at the token's rows."""
+    """Heads h0 .. h0+BLOCK_H-1 of one token: p_x / p_y point at the token's rows. HAS_NORM:
+    each head first RMS-normalized over its D dims with the weight at ``p_nw`` (qk-norm)."""
     o_h = h0 + tl.arange(0, BLOCK_H)
     o_d = tl.arange(0, BLOCK_D)
     half = R // 2
@@ -45,6 +46,10 @@ def _rope_heads(
     p_row = p_x + o_h[:, None] * stride_xh
     b_x = tl.load(p_row + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     b_p = tl.load(p_row + partner[None, :], mask=m_rot, other=0.0).to(tl.float32)
+    if HAS_NORM:  # the partner is in the same head: the same rstd, its own weight
+        rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / D + eps)[:, None]
+        b_x = b_x * rstd * tl.load(p_nw + o_d, mask=o_d < D, other=0.0).to(tl.float32)[None, :]
+        b_p = b_p * rstd * tl.load(p_nw + partner, mask=rot, other=0.0).to(tl.float32)[None, :]
     theta = pos * tl.load(p_pos_freq + i_f, mask=rot, other=0.0)
     c = tl.cos(theta)[None, :]
     s = tl.sin(theta)[None, :]
@@ -66,14 +71,15 @@ def _copy_heads(p_x, p_y, h0, stride_xh, stride_yh, H, D, BLOCK_H: tl.constexpr,
 
 @triton.jit
 def _rope_kernel(
-    p_q, p_k, p_qo, p_ko, p_v, p_vo, p_pos, p_inv_freq,
+    p_q, p_k, p_qo, p_ko, p_v, p_vo, p_pos, p_inv_freq, p_qn, p_kn,
     sq_t, sq_h, sk_t, sk_h, sqo_t, sqo_h, sko_t, sko_h, sv_t, sv_h, svo_t, svo_h,
-    HQ, HK, D, R,
+    HQ, HK, D, R, eps,
     NEOX: tl.constexpr, HAS_K: tl.constexpr, TO_CACHE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
     """Grid (T, head blocks of q then of k). TO_CACHE: k' and v go to the cache rows at the
-    token's position (ko/vo are the layer's cache), else k' to row t of ko."""
+    token's position (ko/vo are the layer's cache), else k' to row t of ko. HAS_NORM: q and
+    k heads RMS-normalized first (weights p_qn, p_kn)."""
     i_t = tl.program_id(0).to(tl.int64)
     i_hb = tl.program_id(1)
     pos_i = tl.load(p_pos + i_t).to(tl.int64)
@@ -81,12 +87,12 @@ def _rope_kernel(
     n_qb = tl.cdiv(HQ, BLOCK_H)
     if i_hb < n_qb:
         _rope_heads(p_q + i_t * sq_t, p_qo + i_t * sqo_t, p_inv_freq, pos, i_hb * BLOCK_H,
-                    sq_h, sqo_h, HQ, D, R, NEOX, BLOCK_H, BLOCK_D)  # fmt: skip
+                    sq_h, sqo_h, HQ, D, R, p_qn, eps, NEOX, BLOCK_H, BLOCK_D, HAS_NORM)  # fmt: skip
     elif HAS_K:
         h0 = (i_hb - n_qb) * BLOCK_H
         row = pos_i if TO_CACHE else i_t
         _rope_heads(p_k + i_t * sk_t, p_ko + row * sko_t, p_inv_freq, pos, h0,
-                    sk_h, sko_h, HK, D, R, NEOX, BLOCK_H, BLOCK_D)  # fmt: skip
+                    sk_h, sko_h, HK, D, R, p_kn, eps, NEOX, BLOCK_H, BLOCK_D, HAS_NORM)  # fmt: skip
         if TO_CACHE:
             _copy_heads(p_v + i_t * sv_t, p_vo + row * svo_t, h0, sv_h, svo_h, HK, D,
                         BLOCK_H, BLOCK_D)  # fmt: skip
@@ -130,8 +136,12 @@ def apply_rope(
     rope_type: str,
     inplace: bool = False,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` (or None) at ``positions`` ``[T]`` (int).
+
+    ``head_norms=(q_weight, k_weight, eps)``: every head of q and k RMS-normalized over its D
+    dims first (qwen3's / gemma3's qk-norm, weights ``[D]``), in the same launch.
 
     ``cache=(v, k_cache, v_cache)``: the rotated k and v ``[T, Hk, D]`` are stored straight
     into the layer's cache ``[S, Hk, D]`` at rows ``positions`` (decode: one launch instead of
@@ -171,6 +181,15 @@ def apply_rope(
     else:
         ko = k if k is None or inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
         v = vo = None
+    if head_norms is not None:
+        qn, kn, eps = head_norms
+        for name, t in (("q", qn), ("k", kn)):
+            if t.shape != (d,) or t.device != q.device:
+                raise ValueError(f"apply_rope: the {name} head-norm weight must be [{d}] on {q.device}, "
+                                 f"got {tuple(t.shape)} on {t.device}")  # fmt: skip
+    else:
+        qn = kn = inv_freq
+        eps = 0.0
     if n_t == 0:
         return qo, ko
     kk, kko = (k, ko) if k is not None else (q, qo)
@@ -179,13 +198,14 @@ def apply_rope(
     block_h = 4
     blocks = triton.cdiv(hq, block_h) + triton.cdiv(hk, block_h)
     _rope_kernel[(n_t, blocks)](
-        q, kk, qo, kko, vv, vvo, positions, inv_freq,
+        q, kk, qo, kko, vv, vvo, positions, inv_freq, qn, kn,
         q.stride(0), q.stride(1), kk.stride(0), kk.stride(1),
         qo.stride(0), qo.stride(1), kko.stride(0), kko.stride(1),
         vv.stride(0), vv.stride(1), vvo.stride(0), vvo.stride(1),
-        hq, max(hk, 1), d, r,
+        hq, max(hk, 1), d, r, eps,
         NEOX=rope_type == "neox", HAS_K=k is not None, TO_CACHE=cache is not None,
-        BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d), num_warps=4,
+        BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d), HAS_NORM=head_norms is not None,
+        num_warps=4,
     )  # fmt: skip
     return qo, ko
 

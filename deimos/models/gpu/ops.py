@@ -56,12 +56,13 @@ class TritonOps:
     def rms_norm(self, x, weight, eps):
         return rms_norm(x, weight, eps)
 
-    def attention(self, q, k, v, layer, step, rope_base, scale, window):
+    def attention(self, q, k, v, layer, step, rope_base, scale, window, head_norms=None):
         kv = step.batch.kv
         k_cache, v_cache = kv.k[layer], kv.v[layer]
-        # one launch: q rotated in place, k rotated and v copied into the cache rows
+        # one launch: q (head-normed and) rotated in place, k rotated and v copied into the
+        # cache rows. In place on q: it is the step's own GEMV output
         apply_rope(q, k, step.rope, self.inv_freq[rope_base], self.cfg.rope_type, inplace=True,
-                   cache=(v, k_cache, v_cache))
+                   cache=(v, k_cache, v_cache), head_norms=head_norms)
         if step.n == 1:
             # the combine kernel quantizes per head: whole groups of 32 in each head
             qx = self._quantized_for(1, q.shape[1] * q.shape[2], q.device) if q.shape[2] % 32 == 0 else None

@@ -40,9 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deimos.gguf.constants import GGMLType
 from deimos.quant.triton.dequant_gemv import (
     FMT_ID,
-    LaunchConfig,
     Q4_0,
     Q4_1,
     Q4_K,
@@ -56,7 +56,6 @@ from deimos.quant.triton.dequant_gemv import (
     gemv_out,
     group_scales,
     group_words,
-    launch_config,
     weight_arrays,
 )
 from deimos.quant.triton.layout import PackedWeight
@@ -109,6 +108,7 @@ def _gemv_q8_kernel(
     p_xq, p_xd, p_xs, p_y,  # x codes [B, K/2] i32, scales [B, K/32] f32, code sums [B, K/16] i32
     N, K,
     FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ASM: tl.constexpr,
+    XB: tl.constexpr = False,
 ):  # fmt: skip
     W: tl.constexpr = 8 if FMT == Q8_0 else 4  # weight words per group of 32
     HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1 or FMT == Q5_1
@@ -129,19 +129,24 @@ def _gemv_q8_kernel(
         m_ns = m_n[:, None] & m_s[None, :]
         b_w, b_h, m_w = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT)
         # x words of the weights' full shape (rows broadcast): the weights' register layout
-        o_x = u[None, :, None] * 16 + o_w[None, None, :] + (o_n * 0)[:, None, None]
+        if XB:
+            o_x = u[None, :, None] * 16 + o_w[None, None, :]
+            m_x = m_s[None, :, None] & (o_w < W)[None, None, :]
+        else:
+            o_x = u[None, :, None] * 16 + o_w[None, None, :] + (o_n * 0)[:, None, None]
+            m_x = m_w
         zero = tl.zeros([BLOCK_N, BLOCK_S, W], dtype=tl.int32)
         # x plane 0 (coarse codes) at words 16u + 0..7, plane 1 (residual codes) at 16u + 8..15
         if FMT == Q8_0:
-            b_x = tl.load(p_xq + o_x, mask=m_w, other=0)
-            b_xr = tl.load(p_xq + o_x + 8, mask=m_w, other=0)
+            b_x = tl.load(p_xq + o_x, mask=m_x, other=0)
+            b_xr = tl.load(p_xq + o_x + 8, mask=m_x, other=0)
             d_lo = _dp4a(b_w, b_x, zero, ASM) * PLANE + _dp4a(b_w, b_xr, zero, ASM)
             d_hi = d_lo
         else:
-            x0 = tl.load(p_xq + o_x, mask=m_w, other=0)  # x words 0..3: parity 0
-            x1 = tl.load(p_xq + o_x + 4, mask=m_w, other=0)  # x words 4..7: parity 1
-            x0r = tl.load(p_xq + o_x + 8, mask=m_w, other=0)
-            x1r = tl.load(p_xq + o_x + 12, mask=m_w, other=0)
+            x0 = tl.load(p_xq + o_x, mask=m_x, other=0)  # x words 0..3: parity 0
+            x1 = tl.load(p_xq + o_x + 4, mask=m_x, other=0)  # x words 4..7: parity 1
+            x0r = tl.load(p_xq + o_x + 8, mask=m_x, other=0)
+            x1r = tl.load(p_xq + o_x + 12, mask=m_x, other=0)
             c0 = b_w & 0x0F0F0F0F
             c1 = (b_w >> 4) & 0x0F0F0F0F
             if FMT == Q6_K:
@@ -286,8 +291,28 @@ def quantize_x_reference(x: torch.Tensor) -> torch.Tensor:
     return ((q1 * PLANE_INT + q2) * (amax / (127.0 * PLANE_INT))).view_as(x2)
 
 
+class Q8Config(NamedTuple):
+    """A launch of the integer-activation GEMV: a program computes ``block_n`` rows, ``block_s``
+    groups of 32 per loop step, on ``num_warps`` warps. ``xb``: x is loaded once per thread as
+    ``[1, block_s, W]`` and broadcast over the rows in registers (the tile then wants
+    ``block_s = 32 * num_warps``: threads along the groups, rows in registers); without it x
+    is loaded in the weights' full ``[block_n, block_s, W]`` shape (rows on warps: every warp
+    loads the same x from L1)."""
+
+    block_n: int
+    block_s: int
+    num_warps: int
+    xb: bool = False
+
+
+def q8_config(ggml_type: GGMLType, n: int, k: int, b: int) -> Q8Config:
+    """The launch rule (measured on the H200: bench/sweep_gemv.py)."""
+    del n, k, b
+    return Q8Config(4, 16 if ggml_type == GGMLType.Q8_0 else 32, 4)
+
+
 def gemv_q8(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
-            cfg: LaunchConfig | None = None) -> torch.Tensor:
+            cfg: Q8Config | None = None) -> torch.Tensor:
     """y = W x for a packed quantized W ``[n, k]`` and an activation from ``quantize_x``:
     float32 ``[B, n]`` (``out`` if given: contiguous float32 ``[B, n]``)."""
     if w.ggml_type not in FMT_ID:
@@ -298,10 +323,10 @@ def gemv_q8(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
     if x.xq.device != w.device:
         raise ValueError(f"gemv_q8: x is on {x.xq.device}, the weight on {w.device}")
     out = gemv_out(out, b, w.n, x.xq.device, "gemv_q8")
-    cfg = cfg or launch_config(w.ggml_type, w.n, k, b)  # the fp32 kernel's rule: same tiles
+    cfg = cfg or q8_config(w.ggml_type, w.n, k, b)
     _gemv_q8_kernel[gemv_grid(w.n, b, cfg.block_n)](
         *weight_arrays(w), x.xq, x.xd, x.xs, out,
         w.n, k, FMT=FMT_ID[w.ggml_type], BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
-        ASM=not _INTERPRETED, num_warps=cfg.num_warps,
+        ASM=not _INTERPRETED, XB=cfg.xb, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out
