@@ -51,7 +51,7 @@ def decode_linears(model) -> list[QuantLinear]:
 def candidates(rule: Q8Config, k: int, quick: bool) -> list[Q8Config]:
     groups = k // 32
     out = [rule]
-    for warps in (2, 4, 8) if not quick else (4, 8):
+    for warps in (1, 2, 4, 8) if not quick else (1, 4, 8):
         for mult in (1, 2):
             s = 32 * warps * mult
             if s > max(64, 2 * groups):
@@ -97,8 +97,8 @@ def main() -> None:
             best = min(times, key=times.get)
             gb = lin.packed.nbytes / 1e9
             print(f"{t.name:5} {n:>7}x{k:<6} {calls[key]:>5} {times[rule] * 1e6:8.2f} "
-                  f"{gb / times[rule] / ROOF_GBS * 1e3:5.0%} {times[best] * 1e6:8.2f} "
-                  f"{gb / times[best] / ROOF_GBS * 1e3:5.0%}  {tuple(best)}", flush=True)
+                  f"{gb / times[rule] / ROOF_GBS:5.0%} {times[best] * 1e6:8.2f} "
+                  f"{gb / times[best] / ROOF_GBS:5.0%}  {tuple(best)}", flush=True)
             ranked = sorted(times, key=times.get)[:4]
             print("      top: " + "  ".join(f"{tuple(c)} {times[c] * 1e6:.2f}" for c in ranked))
             t_rule += calls[key] * times[rule]

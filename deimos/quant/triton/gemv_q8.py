@@ -18,9 +18,10 @@ byte j of word q (of either plane) is the code of element 32u + q + 8j. The weig
 32u + W k + w (W = 4 words for nibble formats, 8 for Q8_0), so:
   - Q8_0: weight word w and x word w hold the same four elements;
   - nibble formats: (word w >> 4p) & 0x0F0F0F0F holds codes k = p, p+2, p+4, p+6 of word w,
-    elements 4p + w + 8j: x word 4p + w. Fifth bits (Q5_K, Q5_0, Q5_1) and Q6_K's two high bits
-    come from their arrays, moved into bit 4.. of each byte by a multiply that spreads the
-    bit fields (no carry reaches a kept bit; see _spread1/_spread2).
+    elements 4p + w + 8j: x word 4p + w. Fifth bits (Q5_K, Q5_0, Q5_1) come from their array,
+    moved into bit 4 of each byte by a multiply that spreads the bit fields (no carry reaches a
+    kept bit; see _spread1); Q6_K's two high bits are stored so that two masks and a shift put
+    them in bits 4-5 (``_q6_high``).
 Offsets (Q4_0: 8, Q5_0: 16, Q6_K: 32) are subtracted as offset * sum of the x codes, exact
 in integers; Q6_K's two scales per group (elements 0-15, 16-31 = bytes 0-1, 2-3) take two
 dot products per word.
@@ -56,6 +57,7 @@ from deimos.quant.triton.dequant_gemv import (
     gemv_out,
     group_scales,
     group_words,
+    masked_load,
     weight_arrays,
 )
 from deimos.quant.triton.layout import PackedWeight
@@ -92,14 +94,11 @@ def _spread1(h, p: tl.constexpr):
 
 
 @triton.jit
-def _spread2(h, p: tl.constexpr):
-    """int16 bits ``h`` (bits 2k..2k+1 = high bits of code k): codes p, p+2, p+4, p+6 -> bits
-    4-5 of bytes 0..3. Even fields (at 0, 8 after >> 2p) x 0x101 -> 0 and 16; odd fields (at
-    4, 12) x 0x1010 -> 8 and 24; the collisions (at 8 and 16) are masked off."""
-    t = h >> (2 * p)
-    even = ((t & 0x0303) * 0x101) & 0x00030003
-    odd = ((t & 0x3030) * 0x1010) & 0x03000300
-    return (even | odd) << 4
+def _q6_high(h):
+    """Q6_K's int16 high-bit entry (layout.Q6_HIGH_SHIFT: nibble j of codes 2j, 2j+1 at bits
+    4, 12, 0, 8) -> nibble j at bits 4-7 of byte j: bits 4-5 of byte j = high bits of code 2j,
+    bits 6-7 = of code 2j + 1. Sign-extended bits of h (16..31) are masked or shifted out."""
+    return (h & 0xF0F0) | ((h << 20) & -0x0F100000)  # -0x0F100000 == 0xF0F00000 as int32
 
 
 @triton.jit
@@ -108,17 +107,21 @@ def _gemv_q8_kernel(
     p_xq, p_xd, p_xs, p_y,  # x codes [B, K/2] i32, scales [B, K/32] f32, code sums [B, K/16] i32
     N, K,
     FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ASM: tl.constexpr,
-    XB: tl.constexpr = False,
+    XB: tl.constexpr = False, EVEN: tl.constexpr = False,
 ):  # fmt: skip
+    """EVEN: BLOCK_S divides the groups of a row, so nothing is masked but the stores (rows past
+    N are clamped to row N - 1 for loading and never stored)."""
     W: tl.constexpr = 8 if FMT == Q8_0 else 4  # weight words per group of 32
     HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1 or FMT == Q5_1
     OFFSET: tl.constexpr = 8 if FMT == Q4_0 else (16 if FMT == Q5_0 else (32 if FMT == Q6_K else 0))
     i_n = tl.program_id(0)  # row tiles on axis 0: a 262144-row vocabulary is 65536 tiles,
     i_b = tl.program_id(1)  # past CUDA's 65535 limit of the other axes
     S_TOTAL = K // 32
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    o_n = o_n.to(tl.int64)
+    MASKED: tl.constexpr = not EVEN
+    o_y = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_y = o_y < N
+    o_n = tl.minimum(o_y, N - 1).to(tl.int64)  # rows that are loaded (the stored ones: m_y)
+    m_n = o_n >= 0
     o_s = tl.arange(0, BLOCK_S)
     o_w = tl.arange(0, W)
     p_xq += i_b * (K // 2)
@@ -127,7 +130,7 @@ def _gemv_q8_kernel(
         u = s0 + o_s
         m_s = u < S_TOTAL
         m_ns = m_n[:, None] & m_s[None, :]
-        b_w, b_h, m_w = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT)
+        b_w, b_h, m_w = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT, MASKED)
         # x words of the weights' full shape (rows broadcast): the weights' register layout
         if XB:
             o_x = u[None, :, None] * 16 + o_w[None, None, :]
@@ -138,20 +141,21 @@ def _gemv_q8_kernel(
         zero = tl.zeros([BLOCK_N, BLOCK_S, W], dtype=tl.int32)
         # x plane 0 (coarse codes) at words 16u + 0..7, plane 1 (residual codes) at 16u + 8..15
         if FMT == Q8_0:
-            b_x = tl.load(p_xq + o_x, mask=m_x, other=0)
-            b_xr = tl.load(p_xq + o_x + 8, mask=m_x, other=0)
+            b_x = masked_load(p_xq + o_x, m_x, MASKED)
+            b_xr = masked_load(p_xq + o_x + 8, m_x, MASKED)
             d_lo = _dp4a(b_w, b_x, zero, ASM) * PLANE + _dp4a(b_w, b_xr, zero, ASM)
             d_hi = d_lo
         else:
-            x0 = tl.load(p_xq + o_x, mask=m_x, other=0)  # x words 0..3: parity 0
-            x1 = tl.load(p_xq + o_x + 4, mask=m_x, other=0)  # x words 4..7: parity 1
-            x0r = tl.load(p_xq + o_x + 8, mask=m_x, other=0)
-            x1r = tl.load(p_xq + o_x + 12, mask=m_x, other=0)
+            x0 = masked_load(p_xq + o_x, m_x, MASKED)  # x words 0..3: parity 0
+            x1 = masked_load(p_xq + o_x + 4, m_x, MASKED)  # x words 4..7: parity 1
+            x0r = masked_load(p_xq + o_x + 8, m_x, MASKED)
+            x1r = masked_load(p_xq + o_x + 12, m_x, MASKED)
             c0 = b_w & 0x0F0F0F0F
             c1 = (b_w >> 4) & 0x0F0F0F0F
             if FMT == Q6_K:
-                c0 |= _spread2(b_h, 0)
-                c1 |= _spread2(b_h, 1)
+                e = _q6_high(b_h)
+                c0 |= e & 0x30303030
+                c1 |= (e >> 2) & 0x30303030
             elif FMT == Q5_K or FMT == Q5_0 or FMT == Q5_1:
                 c0 |= _spread1(b_h, 0)
                 c1 |= _spread1(b_h, 1)
@@ -167,10 +171,10 @@ def _gemv_q8_kernel(
                         + _dp4a(c0, x0r, _dp4a(c1, x1r, zero, ASM), ASM))  # fmt: skip
                 d_hi = d_lo
         i_lo = tl.sum(d_lo, axis=2)
-        xs_lo = tl.load(p_xs + i_b * (2 * S_TOTAL) + 2 * u, mask=m_s, other=0)[None, :]
-        xs_hi = tl.load(p_xs + i_b * (2 * S_TOTAL) + 2 * u + 1, mask=m_s, other=0)[None, :]
-        xd = tl.load(p_xd + i_b * S_TOTAL + u, mask=m_s, other=0.0)[None, :]
-        s_lo, s_hi, mn = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT)
+        xs_lo = masked_load(p_xs + i_b * (2 * S_TOTAL) + 2 * u, m_s, MASKED)[None, :]
+        xs_hi = masked_load(p_xs + i_b * (2 * S_TOTAL) + 2 * u + 1, m_s, MASKED)[None, :]
+        xd = masked_load(p_xd + i_b * S_TOTAL + u, m_s, MASKED)[None, :]
+        s_lo, s_hi, mn = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT, MASKED)
         if FMT == Q6_K:
             i_hi = tl.sum(d_hi, axis=2)
             dot = (s_lo * (i_lo - OFFSET * xs_lo).to(tl.float32)
@@ -180,7 +184,7 @@ def _gemv_q8_kernel(
         if HAS_MIN:
             dot += mn * (xs_lo + xs_hi).to(tl.float32)
         acc += xd * dot
-    tl.store(p_y + i_b * N + o_n, tl.sum(acc, axis=1), mask=m_n)
+    tl.store(p_y + i_b * N + o_y, tl.sum(acc, axis=1), mask=m_y)
 
 
 @triton.jit
@@ -306,9 +310,26 @@ class Q8Config(NamedTuple):
 
 
 def q8_config(ggml_type: GGMLType, n: int, k: int, b: int) -> Q8Config:
-    """The launch rule (measured on the H200: bench/sweep_gemv.py)."""
-    del n, k, b
-    return Q8Config(4, 16 if ggml_type == GGMLType.Q8_0 else 32, 4)
+    """The launch rule, from bench/sweep_gemv.py on the H200 (2026-11-29, every matrix of the
+    four benchmark models under 14-31 tiles each; BENCHMARKS.md):
+    - Q8_0 (bound by bytes: 2 bytes of x per weight byte) gains most from loading x once per
+      thread: one warp a program, x broadcast over 1-2 rows in registers. 8B shapes 62-78% ->
+      71-98% of the roof (4096x14336: 27.9 -> 17.7 us; 28672x4096: 38.2 -> 30.9 us).
+    - The nibble formats are bound by instructions (the scale decode), not by x loads: rows on
+      warps stays best except for N <= 1024 (k/v projections: too few rows for 132 SMs).
+    """
+    del b
+    if ggml_type == GGMLType.Q8_0:
+        if n <= 1024 and k >= 2048:
+            return Q8Config(1, 128, 2, True)
+        if k <= 1024:
+            return Q8Config(8, 16, 4) if n >= 65536 else Q8Config(8, 32, 1, True)
+        if n >= 65536:
+            return Q8Config(1, 32, 1, True)
+        return Q8Config(1 if n >= 16384 or k >= 8192 else 2, 64, 1, True)
+    if n <= 1024 and k >= 4096:
+        return Q8Config(1, 64, 2, True) if ggml_type == GGMLType.Q6_K else Q8Config(1, 128, 2, True)
+    return Q8Config(4, 32, 4)
 
 
 def gemv_q8(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
@@ -327,6 +348,6 @@ def gemv_q8(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
     _gemv_q8_kernel[gemv_grid(w.n, b, cfg.block_n)](
         *weight_arrays(w), x.xq, x.xd, x.xs, out,
         w.n, k, FMT=FMT_ID[w.ggml_type], BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
-        ASM=not _INTERPRETED, XB=cfg.xb, num_warps=cfg.num_warps,
+        ASM=not _INTERPRETED, XB=cfg.xb, EVEN=(k // 32) % cfg.block_s == 0, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out

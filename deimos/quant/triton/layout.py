@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from deimos.gguf.constants import GGML_BLOCK, GGMLType
-from deimos.quant.kquants import _crumbs, _q3k_scales
+from deimos.quant.kquants import _crumbs, _q3k_scales, _scale_min_k4
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,21 @@ def _bit_bytes(bits: np.ndarray, width: int) -> np.ndarray:
     return out.astype(np.uint8) if width == 1 else out.astype(np.uint16).view(np.int16)
 
 
+# Q6_K's high 2 bits: code k of word w (element 32u + 4k + w) at bits Q6_HIGH_SHIFT[k].. of
+# int16 entry 4u + w. Codes 2j and 2j + 1 share nibble j, placed at bits (4, 12, 0, 8)[j] so
+# that (h & 0xF0F0) | (h << 20 & 0xF0F00000) puts nibble j at bits 4-7 of byte j: the high
+# bits of the GEMV's two code words (codes 0,2,4,6 and 1,3,5,7 in bytes 0..3) in three
+# operations instead of a spread per byte.
+Q6_HIGH_SHIFT = (4, 6, 12, 14, 0, 2, 8, 10)
+
+
+def _q6_high(bits: np.ndarray) -> np.ndarray:
+    """2-bit values ``[g, 32]`` (element order) -> int16 ``[g, 4]`` (``Q6_HIGH_SHIFT``)."""
+    b = bits.astype(np.uint32).reshape(-1, 8, 4)
+    shift = np.array(Q6_HIGH_SHIFT, dtype=np.uint32).reshape(1, 8, 1)
+    return np.bitwise_or.reduce(b << shift, axis=1).astype(np.uint16).view(np.int16)
+
+
 def _f16(blocks: np.ndarray, off: int) -> np.ndarray:
     return np.ascontiguousarray(blocks[:, off : off + 2]).view(np.float16)[:, 0]
 
@@ -96,15 +111,28 @@ def _pack_q4_k(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
     # GGUF block (144 bytes / 256 elements): d f16 | dmin f16 | scales[12] | qs[128]
     # element 32j + l (sub-block j) = nibble j % 2 of qs[32 * (j // 2) + l]
     # qw   int32 [n, k/8]      codes, layout above
-    # meta int32 [n, k/64]    4 words per block: the block's first 16 bytes unchanged:
-    #      word 0 = d | dmin << 16 (f16 bits); words 1..3 = scales[0..11] (6-bit packed, see
-    #      deimos.quant.kquants._scale_min_k4), decoded per group in the kernel
+    # meta int32 [n, k/64]    4 words per block (_k4_meta)
     qs = b[:, 16:144].reshape(-1, 4, 1, 32)
     codes = np.concatenate([qs & 0xF, qs >> 4], axis=2).reshape(-1, 32)  # group 8*blk + j
     return {
         "qw": _torch(_nibble_words(codes), rows),
-        "meta": _torch(b[:, 0:16], rows, np.int32),
+        "meta": _torch(_k4_meta(b), rows, np.int32),
     }
+
+
+def _k4_meta(b: np.ndarray) -> np.ndarray:
+    """A Q4_K/Q5_K block's first 16 bytes (d, dmin, 12 bytes of 6-bit scales and mins) -> the
+    same 16 bytes arranged so a group's scale and min take two loads and a few operations:
+      word 0 = d | dmin << 16 (f16 bits, unchanged)
+      byte j of word 1 (j < 4) / word 2 (group j + 4): scale | (min & 3) << 6
+      nibble j of word 3 (bits 4j..4j+3): min >> 2 of group j"""
+    sc, mn = _scale_min_k4(b[:, 4:16])  # uint8 [blocks, 8]
+    out = np.empty((b.shape[0], 16), dtype=np.uint8)
+    out[:, 0:4] = b[:, 0:4]
+    out[:, 4:12] = sc | ((mn & 3) << 6)
+    hi = (mn >> 2).astype(np.uint32) << (4 * np.arange(8, dtype=np.uint32))
+    out[:, 12:16] = np.bitwise_or.reduce(hi, axis=1).astype("<u4").view(np.uint8).reshape(-1, 4)
+    return out
 
 
 def _pack_q5_k(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
@@ -117,7 +145,7 @@ def _pack_q5_k(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
     return {
         "qw": _torch(_nibble_words(low), rows),
         "qh": _torch(_bit_bytes((qh & 1).reshape(-1, 32), 1), rows),
-        "meta": _torch(b[:, 0:16], rows, np.int32),
+        "meta": _torch(_k4_meta(b), rows, np.int32),
     }
 
 
@@ -126,14 +154,14 @@ def _pack_q6_k(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
     # element 128h + 32g + l: low 4 bits = nibble g // 2 of ql[64h + 32(g % 2) + l],
     # high 2 bits = bits 2g.. of qh[32h + l]; w = d * sc[element // 16] * (q - 32)
     # qw int32 [n, k/8]   low 4 bits, layout above
-    # qh int16 [n, k/8]   bits 2k..2k+1 of entry 4u + w = high bits of element 32u + 4k + w
+    # qh int16 [n, k/8]   bits Q6_HIGH_SHIFT[k].. of entry 4u + w = high bits of element 32u + 4k + w
     # sc int8 [n, k/16]   the 16 scales of each block, in order; d f16 [n, k/256]
     ql = b[:, 0:128].reshape(-1, 2, 2, 32)
     low = np.concatenate([ql & 0xF, ql >> 4], axis=2)  # [m, h, g, l]
     qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
     return {
         "qw": _torch(_nibble_words(low.reshape(-1, 32)), rows),
-        "qh": _torch(_bit_bytes((qh & 3).reshape(-1, 32), 2), rows),
+        "qh": _torch(_q6_high((qh & 3).reshape(-1, 32)), rows),
         "sc": _torch(b[:, 192:208], rows, np.int8),
         "d": _torch(_f16(b, 208), rows),
     }
@@ -209,7 +237,7 @@ def _pack_q3_k(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
     codes = (_crumbs(b[:, 32:96]) + 4 * hbit + 28).astype(np.uint8)
     return {
         "qw": _torch(_nibble_words(codes.reshape(-1, 32)), rows),
-        "qh": _torch(_bit_bytes((codes >> 4).reshape(-1, 32), 2), rows),
+        "qh": _torch(_q6_high((codes >> 4).reshape(-1, 32)), rows),
         "sc": _torch(_q3k_scales(b[:, 96:108]), rows),
         "d": _torch(_f16(b, 108), rows),
     }

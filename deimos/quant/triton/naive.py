@@ -13,7 +13,7 @@ import torch
 
 from deimos.gguf.constants import GGMLType
 from deimos.quant import dequantize
-from deimos.quant.triton.layout import PackedWeight
+from deimos.quant.triton.layout import Q6_HIGH_SHIFT, PackedWeight
 
 
 def gemv_ref(blocks: np.ndarray, ggml_type: GGMLType, x: torch.Tensor) -> torch.Tensor:
@@ -39,6 +39,14 @@ def _bits(qh: torch.Tensor, width: int) -> torch.Tensor:
     return b.reshape(n, -1)
 
 
+def _q6_high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """Q6_K's high 2 bits ``[n, k]`` from its int16 entries (layout.Q6_HIGH_SHIFT)."""
+    n = qh.shape[0]
+    shifts = torch.tensor(Q6_HIGH_SHIFT, dtype=torch.int32)
+    b = (qh.to(torch.int32).reshape(n, -1, 1, 4) >> shifts.reshape(1, 1, 8, 1)) & 3
+    return b.reshape(n, -1)
+
+
 def _per_group(v: torch.Tensor, size: int) -> torch.Tensor:
     """``[n, k/size]`` per-group values -> ``[n, k]`` (each repeated ``size`` times)."""
     return v.repeat_interleave(size, dim=1)
@@ -51,9 +59,10 @@ def _k4_scales(meta: torch.Tensor) -> tuple[torch.Tensor, ...]:
     raw = meta.contiguous().view(torch.uint8).reshape(n, -1, 16).to(torch.int32)
     d = meta[:, :, 0].contiguous().view(torch.float16)[:, 0::2].float()
     dmin = meta[:, :, 0].contiguous().view(torch.float16)[:, 1::2].float()
-    a, b, c = raw[..., 4:8], raw[..., 8:12], raw[..., 12:16]
-    sc = torch.cat([a & 63, (c & 0xF) | ((a >> 6) << 4)], dim=2).reshape(n, -1).float()
-    mn = torch.cat([b & 63, (c >> 4) | ((b >> 6) << 4)], dim=2).reshape(n, -1).float()
+    byte = raw[..., 4:12]  # group j: scale | (min & 3) << 6 (layout._k4_meta)
+    high = (meta[:, :, 3:4] >> (4 * torch.arange(8, dtype=torch.int32))) & 0xF  # min >> 2
+    sc = (byte & 63).reshape(n, -1).float()
+    mn = ((byte >> 6) | (high << 2)).reshape(n, -1).float()
     return d, dmin, sc, mn
 
 
@@ -73,7 +82,7 @@ def dequantize_packed(p: PackedWeight) -> torch.Tensor:
         m1 = _per_group(dmin, 8) * mn
         return _per_group(d1, 32) * q.float() - _per_group(m1, 32)
     if p.ggml_type == GGMLType.Q6_K:
-        q = (q | (_bits(t["qh"], 2) << 4)) - 32
+        q = (q | (_q6_high_bits(t["qh"]) << 4)) - 32
         ds = _per_group(t["d"].float(), 16) * t["sc"].float()
         return _per_group(ds, 16) * q.float()
     d = _per_group(t["d"].float(), 32)
