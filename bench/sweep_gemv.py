@@ -59,8 +59,10 @@ def candidates(rule: Q8Config, k: int, quick: bool) -> list[Q8Config]:
             for rows in (1, 2, 4, 8):
                 if rows * mult <= 8:
                     out.append(Q8Config(rows, s, warps, True))
-    for rows in (2, 8):
-        out.append(rule._replace(block_n=rows))
+    # rows on warps (no x broadcast), 1-4 groups a thread and step
+    for rows, step in ((4, 32), (4, 64), (4, 128), (8, 16), (8, 32), (2, 32)):
+        if step <= max(32, groups):
+            out.append(Q8Config(rows, step, 4))
     return list(dict.fromkeys(out))
 
 

@@ -119,6 +119,40 @@ def test_kernel_input_prepared_once(synth_dir) -> None:
     assert cache.quantized(x.clone()) is not first
 
 
+def test_kernel_linears_fuse_what_shares_a_format(tmp_path) -> None:
+    """q/k/v of mixed formats (Q4_K_M gives some layers' v Q6_K): the parts that share a
+    format are one matrix, the others stand alone; every part computes its own rows."""
+    import gguf
+    import numpy as np
+
+    from deimos.gguf.constants import GGML_BLOCK
+    from deimos.models.gpu.source import GpuWeights
+    from deimos.quant import get_format
+
+    rng = np.random.default_rng(0)
+    k = 256
+    spec = [("q", GGMLType.Q4_K, 64), ("k", GGMLType.Q4_K, 32), ("v", GGMLType.Q6_K, 32)]
+    blocks = {}
+    w = gguf.GGUFWriter(str(tmp_path / "mix.gguf"), "llama")
+    for name, t, n in spec:
+        blocks[name] = get_format(t).random_blocks(n * k // GGML_BLOCK[t][0], rng).reshape(n, -1)
+        w.add_tensor(f"{name}.weight", blocks[name], raw_dtype=gguf.GGMLQuantizationType(int(t)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = GGUFFile(tmp_path / "mix.gguf")
+    src = GpuWeights(f, DEVICE)
+    q, kk, v = src.linears([f.tensors[f"{name}.weight"] for name, _, _ in spec], [None] * 3)
+    assert isinstance(q, LinearPart) and isinstance(kk, LinearPart) and q.group is kk.group
+    assert isinstance(v, QuantLinear) and v.ggml_type == GGMLType.Q6_K
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1))
+    for lin, (name, t, n) in zip((q, kk, v), spec):
+        dense = torch.from_numpy(get_format(t).decode_blocks(blocks[name].reshape(-1, GGML_BLOCK[t][1])))
+        want = quantize_x_reference(x) @ dense.reshape(n, k).float().T
+        assert _rel(want, lin(x.to(DEVICE))) < 1e-4, name
+
+
 def test_kernel_embedding_and_tied_head(synth_dir) -> None:
     f = _synth(synth_dir, "qwen2", "Q8_0")  # qwen2-tiny: tied embeddings
     ref, kern = _kernel_model(f)

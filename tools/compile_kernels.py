@@ -92,15 +92,17 @@ def _q8_jobs() -> list[Job]:
     for t in FMT_ID:  # the kernels' formats (a format packed in another's layout adds none)
         # every config the shape rule gives for the model shapes we know (1024..262144 rows,
         # K = 1024..18432)
-        cfgs = sorted({q.q8_config(t, n, k, 1) for n in (1024, 2048, 4096, 6144, 28672, 262144)
+        # (EVEN: the step divides a row's groups, so loads go unmasked)
+        cfgs = sorted({(q.q8_config(t, n, k, 1), k // 32 % q.q8_config(t, n, k, 1).block_s == 0)
+                       for n in (1024, 2048, 4096, 6144, 28672, 262144)
                        for k in (1024, 2048, 2560, 3072, 4096, 9728, 14336, 18432)})
-        for cfg in cfgs:
+        for cfg, even in cfgs:
             args = [MockTensor(a.dtype) for a in weight_arrays(_packed_sample(t, 4096))]
             args += [MockTensor(torch.int32), MockTensor(torch.float32), MockTensor(torch.int32),
                      MockTensor(torch.float32), 4096, 4096]
-            jobs.append(Job("gemv_q8_" + t.name, _describe(cfg) + f" xb={int(cfg.xb)}",
+            jobs.append(Job("gemv_q8_" + t.name, _describe(cfg) + f" xb={int(cfg.xb)} even={int(even)}",
                             _warm_args(q._gemv_q8_kernel, args, FMT=FMT_ID[t], BLOCK_N=cfg.block_n,
-                                       BLOCK_S=cfg.block_s, ASM=True, XB=cfg.xb,
+                                       BLOCK_S=cfg.block_s, ASM=True, XB=cfg.xb, EVEN=even,
                                        num_warps=cfg.num_warps)))
     from deimos.models.gpu import dequant
 

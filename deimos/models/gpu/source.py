@@ -98,12 +98,25 @@ class GpuWeights:
         return QuantLinear(packed, bias, info.name, self.inputs, self.notices)
 
     def linears(self, infos: list[TensorInfo], biases: list[torch.Tensor | None]) -> list:
-        """Linears that read one input: as parts of one concatenated matrix (``LinearGroup``)
-        when they share a kernel format and K, else one by one."""
+        """Linears that read one input: those that share a kernel format and K as parts of one
+        concatenated matrix (``LinearGroup``: one launch; e.g. q and k when v has another
+        format, as Q4_K_M files mix), the others one by one. In the order given."""
         packs = [self._packed(i) for i in infos]
-        if (len(infos) < 2 or any(p is None for p in packs)
-                or len({(p.ggml_type, p.k) for p in packs}) != 1):  # fmt: skip
-            return [self.linear(i, b) for i, b in zip(infos, biases)]
+        by_format: dict[tuple, list[int]] = {}
+        for i, p in enumerate(packs):
+            if p is not None:
+                by_format.setdefault((p.ggml_type, p.k), []).append(i)
+        out: list = [None] * len(infos)
+        for members in by_format.values():
+            if len(members) > 1:
+                for i, part in zip(members, self._fused([infos[i] for i in members],
+                                                        [packs[i] for i in members],
+                                                        [biases[i] for i in members])):  # fmt: skip
+                    out[i] = part
+        return [o if o is not None else self.linear(i, b) for o, i, b in zip(out, infos, biases)]
+
+    def _fused(self, infos: list[TensorInfo], packs: list[PackedWeight],
+               biases: list[torch.Tensor | None]) -> list[LinearPart]:
         first = packs[0]
         tensors = {k: torch.cat([p.tensors[k] for p in packs]) for k in first.tensors}
         for info in infos:  # the separate copies are not needed any more
