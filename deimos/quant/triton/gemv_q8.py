@@ -316,12 +316,14 @@ def q8_config(ggml_type: GGMLType, n: int, k: int, b: int) -> Q8Config:
       thread: one warp a program, x broadcast over 1-2 rows in registers. 8B shapes 62-78% ->
       71-98% of the roof (4096x14336: 27.9 -> 17.7 us; 28672x4096: 38.2 -> 30.9 us).
     - The nibble formats are bound by instructions (the scale decode), not by x loads: rows on
-      warps stays best except for N <= 1024 (k/v projections: too few rows for 132 SMs). The
-      widest step that divides a row's groups (no masks; a thread takes 1-4 groups a step,
-      fewer loop instructions per group: Q4_K 88 -> 73 at 128 groups; Q6_K capped at 64, its
-      registers grow past 72).
+      warps, 4 rows a program. Two groups a thread and step (fewer loop instructions a group)
+      pay off on long rows: Q4_K from K = 8192 (4096x14336: 13.0 -> 12.7 us; at K = 4096 one
+      group stays best, 28672x4096: 27.4 vs 28.9 us), Q6_K from 128 groups (4096x14336: 19.1
+      -> 16.6 us). Few rows (N <= 1024, k/v): x broadcast over one row (Q4_K) or four groups a
+      thread (Q6_K: 3.8 -> 3.3 us).
     """
     del b
+    groups = k // 32
     if ggml_type == GGMLType.Q8_0:
         if n <= 1024 and k >= 2048:
             return Q8Config(1, 128, 2, True)
@@ -330,15 +332,13 @@ def q8_config(ggml_type: GGMLType, n: int, k: int, b: int) -> Q8Config:
         if n >= 65536:
             return Q8Config(1, 32, 1, True)
         return Q8Config(1 if n >= 16384 or k >= 8192 else 2, 64, 1, True)
+    if ggml_type == GGMLType.Q6_K:
+        if n <= 1024 and k >= 4096:
+            return Q8Config(4, 128, 4)
+        return Q8Config(4, 64 if groups >= 128 else 32, 4)
     if n <= 1024 and k >= 4096:
-        return Q8Config(1, 64, 2, True) if ggml_type == GGMLType.Q6_K else Q8Config(1, 128, 2, True)
-    groups = k // 32
-    for step in (64, 32) if ggml_type == GGMLType.Q6_K else (128, 64, 32):
-        if groups % step == 0:
-            return Q8Config(4, step, 4)
-    if groups % 16 == 0:
-        return Q8Config(8, 16, 4)
-    return Q8Config(4, 32, 4)
+        return Q8Config(1, 128, 2, True)
+    return Q8Config(4, 64 if groups >= 256 else 32, 4)
 
 
 def gemv_q8(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
