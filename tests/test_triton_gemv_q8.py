@@ -89,7 +89,7 @@ def test_gemv_q8_random_blocks(t: GGMLType, shape: tuple[int, int, int]) -> None
 # tiles other than the default: x broadcast over rows held in registers (xb), one row per
 # program, rows on warps; row and group tails (37 rows, 40 groups) masked
 TILES = [Q8Config(4, 32, 1, True), Q8Config(2, 64, 2, True), Q8Config(1, 32, 1, True),
-         Q8Config(8, 16, 4, False)]
+         Q8Config(8, 16, 4, False), Q8Config(4, 64, 4, False)]
 
 
 @pytest.mark.parametrize("k", [1280, 2048])  # 2048: 64 groups, whole tiles (unmasked loads)
