@@ -36,6 +36,7 @@ KSIGN = _ro(SIGN8[g.KSIGNS_IQ2XS])
 _F = {name: _ro(getattr(g, name).astype(np.float32)) for name in (
     "IQ2XXS_GRID", "IQ2XS_GRID", "IQ2S_GRID", "IQ3XXS_GRID", "IQ3S_GRID", "IQ1S_GRID")}
 _KV_IQ4NL = _ro(g.KVALUES_IQ4NL.astype(np.float32))
+_KV_IQ4NL_I8 = _ro(g.KVALUES_IQ4NL.astype(np.int8))
 
 _SHIFT_7 = np.array([0, 7, 14, 21], dtype=np.uint32)  # 4 x 7-bit sign indices in a u32
 _IQ1S_DELTA = np.float32(0.125)
@@ -210,10 +211,14 @@ class IQ4_NL(QuantFormat, ggml_type=GGMLType.IQ4_NL):
     # 0 d (f16) | 2 qs[16] nibbles (byte j: element j low, element j+16 high)
     # w = d * kvalues_iq4nl[q]
 
-    def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
-        d = f16_at(blocks, 0)
+    def codes_and_scale(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(int8 codes ``[n, 32]`` = kvalues_iq4nl[q], d ``[n, 1]`` (an f16 widened)): w = d * code."""
         qs = blocks[:, 2:18]
-        return d * _KV_IQ4NL.take(np.concatenate([qs & 0x0F, qs >> 4], axis=1))
+        return _KV_IQ4NL_I8.take(np.concatenate([qs & 0x0F, qs >> 4], axis=1)), f16_at(blocks, 0)
+
+    def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
+        codes, d = self.codes_and_scale(blocks)
+        return d * as_f32(codes)
 
     def random_blocks(self, n: int, rng: np.random.Generator) -> np.ndarray:
         b = random_bytes(n, self.type_size, rng)

@@ -32,9 +32,9 @@ class TQ1_0(QuantFormat, ggml_type=GGMLType.TQ1_0):
     # elements 160..239: trit n of qs[32 + m] (m < 16) -> 160 + n*16 + m
     # elements 240..255: trit n of qh[j] -> 240 + n*4 + j;  w = (t - 1) * d
 
-    def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
+    def codes_and_scale(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(int8 codes ``[n, 256]`` in {-1, 0, 1}, d ``[n, 1]`` (an f16 widened)): w = code * d."""
         n = blocks.shape[0]
-        d = f16_at(blocks, 52)
         t = np.concatenate(
             [
                 _trits(blocks[:, 0:32], 5).reshape(n, 160),
@@ -43,7 +43,11 @@ class TQ1_0(QuantFormat, ggml_type=GGMLType.TQ1_0):
             ],
             axis=1,
         )
-        return as_f32(t.astype(np.int8) - 1) * d
+        return t.astype(np.int8) - 1, f16_at(blocks, 52)
+
+    def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
+        codes, d = self.codes_and_scale(blocks)
+        return as_f32(codes) * d
 
     def random_blocks(self, n: int, rng: np.random.Generator) -> np.ndarray:
         b = np.empty((n, self.type_size), dtype=np.uint8)
@@ -58,11 +62,15 @@ class TQ2_0(QuantFormat, ggml_type=GGMLType.TQ2_0):
     # 0 qs[64] 2-bit (values 0..2) | 64 d (f16)
     # element h*128 + l*32 + m = bits 2l..2l+1 of qs[h*32 + m];  w = (q - 1) * d
 
-    def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
+    def codes_and_scale(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(int8 codes ``[n, 256]`` in {-1, 0, 1}, d ``[n, 1]`` (an f16 widened)): w = code * d."""
         n = blocks.shape[0]
-        d = f16_at(blocks, 64)
         q = blocks[:, 0:64].reshape(n, 2, 1, 32) >> _SHIFT4.reshape(1, 1, 4, 1)
-        return as_f32((q & 3).reshape(n, 256).astype(np.int8) - 1) * d
+        return (q & 3).reshape(n, 256).astype(np.int8) - 1, f16_at(blocks, 64)
+
+    def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
+        codes, d = self.codes_and_scale(blocks)
+        return as_f32(codes) * d
 
     def random_blocks(self, n: int, rng: np.random.Generator) -> np.ndarray:
         b = random_bytes(n, self.type_size, rng)

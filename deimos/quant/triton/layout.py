@@ -16,7 +16,8 @@ code (word w, byte b <-> element 32u + 8b + w). Extra code bits go to their own 
 same (group, word) order, scales to theirs. Bytes per weight stay exactly GGUF's: a repack
 moves bytes, it never widens them. The one exception is a format packed in another format's
 layout (``KERNEL_TYPE``: Q3_K as Q6_K codes, exact values, 6.56 instead of 3.44 bits per
-weight) until it has a layout of its own; it is still far below fp16's 16.
+weight; TQ1_0, TQ2_0 and IQ4_NL as Q8_0, 8.5 bits) until it has a layout of its own; it is
+still far below fp16's 16.
 
 ``pack(blocks, ggml_type)`` works on CPU numpy (uint8 ``[rows, row_bytes]``, the raw GGUF tensor
 bytes) and returns a ``PackedWeight`` of torch CPU tensors; move it with ``.to(device)``.
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from deimos.gguf.constants import GGML_BLOCK, GGMLType
+from deimos.quant import get_format
 from deimos.quant.kquants import _crumbs, _q3k_scales, _scale_min_k4
 
 
@@ -243,6 +245,24 @@ def _pack_q3_k(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
     }
 
 
+def _as_q8_0(t: GGMLType) -> Callable[[np.ndarray, int], dict[str, torch.Tensor]]:
+    """A format whose weights are int8 codes times one f16 scale per block (TQ1_0, TQ2_0:
+    codes -1..1, d per 256; IQ4_NL: kvalues_iq4nl, d per 32), packed in Q8_0's layout: each
+    group of 32 becomes a Q8_0 block with the block's d. Exact; TQ at 8.5 instead of 1.7-2.1
+    bits per weight, IQ4_NL 8.5 instead of 4.5, but quantized, on the Q8_0 kernels."""
+    fmt = get_format(t)
+
+    def packer(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
+        codes, d = fmt.codes_and_scale(b)
+        groups = codes.reshape(-1, 32)
+        q8 = np.empty((groups.shape[0], 34), dtype=np.uint8)
+        q8[:, 0:2] = np.repeat(d.astype(np.float16), fmt.block_size // 32).view(np.uint8).reshape(-1, 2)
+        q8[:, 2:34] = groups.view(np.uint8)
+        return _pack_q8_0(q8, rows)
+
+    return packer
+
+
 _PACKERS: dict[GGMLType, Callable[[np.ndarray, int], dict[str, torch.Tensor]]] = {
     GGMLType.Q4_K: _pack_q4_k,
     GGMLType.Q6_K: _pack_q6_k,
@@ -253,9 +273,17 @@ _PACKERS: dict[GGMLType, Callable[[np.ndarray, int], dict[str, torch.Tensor]]] =
     GGMLType.Q5_0: _pack_q5_0,
     GGMLType.Q5_1: _pack_q5_1,
     GGMLType.Q3_K: _pack_q3_k,
+    GGMLType.TQ1_0: _as_q8_0(GGMLType.TQ1_0),
+    GGMLType.TQ2_0: _as_q8_0(GGMLType.TQ2_0),
+    GGMLType.IQ4_NL: _as_q8_0(GGMLType.IQ4_NL),
 }
 # formats packed in another format's layout (same values): the kernels see that format
-KERNEL_TYPE: dict[GGMLType, GGMLType] = {GGMLType.Q3_K: GGMLType.Q6_K}
+KERNEL_TYPE: dict[GGMLType, GGMLType] = {
+    GGMLType.Q3_K: GGMLType.Q6_K,
+    GGMLType.TQ1_0: GGMLType.Q8_0,
+    GGMLType.TQ2_0: GGMLType.Q8_0,
+    GGMLType.IQ4_NL: GGMLType.Q8_0,
+}
 
 PACKED_TYPES: tuple[GGMLType, ...] = tuple(_PACKERS)
 
