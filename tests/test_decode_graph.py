@@ -136,6 +136,23 @@ def test_generator_graphs_match_eager_generator(model) -> None:
         assert a == b, f"prompt of {n}: {a} vs {b}"
 
 
+def test_generator_samples_on_the_device(model, monkeypatch) -> None:
+    """top-k/top-p/min-p, penalties and a seeded draw run on the GPU logits (the vocabulary is
+    not copied to the host); the same seed gives the same tokens."""
+    from deimos.kernels.sampling import Sampler
+
+    seen = []
+    sample = Sampler.sample
+    monkeypatch.setattr(Sampler, "sample", lambda self, x: (seen.append(x.device.type), sample(self, x))[1])
+    gen = Generator(model, 300, device="cuda")
+    prompt = torch.randint(0, model.config.n_vocab, (20,), generator=torch.Generator().manual_seed(6)).tolist()
+    p = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.1, seed=5)
+    a = list(gen.run(Request(prompt, 16, p)))
+    b = list(gen.run(Request(prompt, 16, p)))
+    assert a == b and len(a) == 16 and all(0 <= t < model.config.n_vocab for t in a)
+    assert set(seen) == {"cuda"}
+
+
 def test_step_graph_rejects_what_it_cannot_run(model) -> None:
     from deimos.runtime.graph import StepGraph
 

@@ -270,3 +270,23 @@ def test_top_p_over_a_vocabulary_with_masked_tokens():
     assert ids.numel() > 0 and bool(torch.isfinite(logits[ids]).all())
     probs = torch.softmax(logits.double(), 0)
     assert 0.5 <= float(probs[ids].sum()) < 0.5 + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [dict(top_k=40, top_p=0.95, min_p=0.05), dict(top_k=0, top_p=0.9, min_p=0.0),
+                                 dict(top_k=0, top_p=1.0, min_p=0.1), dict(**OFF)],
+                         ids=["default", "top_p", "min_p", "none"])  # fmt: skip
+def test_gpu_sampling_equals_host(cfg):
+    """The engine samples where the logits are: on the GPU the same seed draws the same tokens
+    as on host copies of the same logits (penalties included), at a 151936-token vocabulary."""
+    if not torch.cuda.is_available():
+        pytest.fail("gpu test needs CUDA (run on the GPU machine)")
+    p = SamplingParams(temperature=0.8, repetition_penalty=1.1, seed=7, **cfg)
+    dev, host = Sampler(p, 151936), Sampler(p, 151936)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(40):
+        x = (torch.randn(151936, generator=g) * 3).cuda()
+        a, b = dev.sample(x), host.sample(x.cpu())
+        assert a == b
+        dev.accept(a)
+        host.accept(b)

@@ -135,7 +135,7 @@ class Generator:
 
 
 def _device_sampling(req: Request) -> bool:
-    """Plain greedy decoding picks the token where the logits are (one int read back); every
-    other sampler step (penalties, processors, draws, logprobs) runs on host logits."""
-    p = req.sampling
-    return p.greedy and not p.penalties_enabled and not req.logits_processors and req.top_logprobs is None
+    """The sampler (penalties, top-k/top-p/min-p, temperature, the draw) runs where the logits
+    are: on a GPU the vocabulary never crosses to the host, one int is read back. Logits
+    processors (grammar masks) and logprobs work on host logits."""
+    return not req.logits_processors and req.top_logprobs is None

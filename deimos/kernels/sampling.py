@@ -1,7 +1,7 @@
-"""The sampler (torch), following llama.cpp's default sampler chain. Written to run where
-the logits are (every tensor it makes follows ``logits.device``; the draw's random number
-comes from the request's CPU generator either way); the engine still hands it host logits
-for everything but plain greedy decoding (engine/generator.py: not yet run on a GPU).
+"""The sampler (torch), following llama.cpp's default sampler chain. It runs where the
+logits are (every tensor it makes follows ``logits.device``; the draw's random number comes
+from the request's CPU generator either way): the engine hands it device logits unless a
+logits processor or logprobs need host ones (engine/generator.py).
 
 Order (llama.cpp common defaults, src/llama-sampler.cpp):
     penalties -> top_k -> top_p -> min_p -> temperature -> draw
