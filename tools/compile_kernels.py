@@ -26,6 +26,8 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 H200_SHARED_PER_BLOCK = 232_448
+# the decode-step kernels are launched with programmatic dependent launch (runtime.pdl)
+PDL_KW = {"PDL": True, "launch_pdl": True}
 TARGET_ARCH = 90
 
 
@@ -103,7 +105,7 @@ def _q8_jobs() -> list[Job]:
             jobs.append(Job("gemv_q8_" + t.name, _describe(cfg) + f" xb={int(cfg.xb)} even={int(even)}",
                             _warm_args(q._gemv_q8_kernel, args, FMT=FMT_ID[t], BLOCK_N=cfg.block_n,
                                        BLOCK_S=cfg.block_s, ASM=True, XB=cfg.xb, EVEN=even,
-                                       num_warps=cfg.num_warps)))
+                                       num_warps=cfg.num_warps, **PDL_KW)))
     from deimos.models.gpu import dequant
 
     for t in FMT_ID:  # the kernels' formats (a format packed in another's layout adds none)
@@ -179,20 +181,20 @@ def _layer_jobs() -> list[Job]:
                                     _warm(norm._rms_norm_kernel,
                                           [f32] * 5 + [4096] * 4 + [d, 1e-6, i32, f32, i32],
                                           HAS_RESIDUAL=res, BLOCK_D=c.block_d, QUANT=quant,
-                                          CHUNK=c.chunk, num_warps=c.num_warps)))
+                                          CHUNK=c.chunk, num_warps=c.num_warps, **PDL_KW)))
     for act in activation.ACTIVATIONS.values():
         for quant in (False, True):
             args = [f32] * 3 + [28672, 28672, 14336, 14336, i32, f32, i32]
             jobs.append(Job("gated_act" + ("+q8" if quant else ""), f"act={act} B={activation.BLOCK}",
                             _warm(activation._gated_act_kernel, args, ACT=act,
                                   BLOCK_F=activation.BLOCK, QUANT=quant,
-                                  num_warps=activation.NUM_WARPS)))
+                                  num_warps=activation.NUM_WARPS, **PDL_KW)))
     for hq, hk, d in ((32, 8, 128), (8, 4, 256), (9, 3, 64)):
         for neox, norm_ in ((False, False), (True, False), (True, True)):
             args = [f32] * 6 + [i32, f32, f32, f32] + [d * (hq + 2 * hk), d] * 6 + [hq, hk, d, d, 1e-6]
             jobs.append(Job("rope", f"H={hq}+{hk} D={d} neox={int(neox)} norm={int(norm_)}",
                             _warm(rope._rope_kernel, args, NEOX=neox, HAS_K=True, TO_CACHE=True,
-                                  BLOCK_H=4, BLOCK_D=d, HAS_NORM=norm_, num_warps=4)))
+                                  BLOCK_H=4, BLOCK_D=d, HAS_NORM=norm_, num_warps=4, **PDL_KW)))
     for hq, hk, d, s in ((32, 8, 128, 4096), (8, 4, 256, 4096), (9, 3, 64, 2048)):
         c = decode_attention.decode_config(s, 1, hk, d)
         args = [f16, f16, f16, i32, f32, f32, f32, hq * d, d, hk * d, d, hk * d, d,
@@ -200,13 +202,13 @@ def _layer_jobs() -> list[Job]:
         jobs.append(Job("decode_split", f"G={hq // hk} D={d} S={c.block_s} w={c.num_warps}",
                         _warm(decode_attention._decode_split_kernel, args, G=hq // hk,
                               G_PAD=decode_attention.GROUP_ROWS, BLOCK_S=c.block_s,
-                              BLOCK_D=d, num_warps=c.num_warps)))
+                              BLOCK_D=d, num_warps=c.num_warps, **PDL_KW)))
         for quant in (False, True):
             jobs.append(Job("decode_combine" + ("+q8" if quant else ""), f"D={d} splits={c.n_split}",
                             _warm(decode_attention._decode_combine_kernel,
                                   [f32, f32, f32, f32, hq * d, d, hq, d, c.n_split, i32, f32, i32],
                                   BLOCK_SPLIT=triton.next_power_of_2(c.n_split), BLOCK_D=d,
-                                  QUANT=quant, num_warps=4)))
+                                  QUANT=quant, num_warps=4, **PDL_KW)))
     for hq, hk, d in ((32, 8, 128), (8, 4, 256), (4, 1, 256), (9, 3, 64), (4, 2, 32)):
         c = prefill_attention.prefill_config(d)
         args = [f32, f16, f16, f32, hq * d, d, hk * d, d, hk * d, d, hq * d, d, 512, d, 0,

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deimos.runtime.pdl import launch_options, pdl_on, pdl_start
 from deimos.quant.triton.gemv_q8 import quantize_groups
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
@@ -22,8 +23,9 @@ _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 @triton.jit
 def _gated_act_kernel(
     p_g, p_u, p_y, stride_g, stride_u, stride_y, F, p_xq, p_xd, p_xs,
-    ACT: tl.constexpr, BLOCK_F: tl.constexpr, QUANT: tl.constexpr,
+    ACT: tl.constexpr, BLOCK_F: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_start(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     o_f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     m_f = o_f < F
@@ -81,6 +83,6 @@ def gated_act(
         _gated_act_kernel[(n_t, triton.cdiv(n_f, BLOCK))](
             gate, up, out, gate.stride(0), up.stride(0), out.stride(0), n_f, q[0], q[1], q[2],
             ACT=ACTIVATIONS[activation], BLOCK_F=BLOCK, QUANT=quantized is not None,
-            num_warps=NUM_WARPS,
+            num_warps=NUM_WARPS, **launch_options(pdl_on(gate.device)),
         )  # fmt: skip
     return out

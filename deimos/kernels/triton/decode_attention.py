@@ -30,6 +30,7 @@ import triton.language as tl
 
 from deimos.kernels.triton._attention_io import check_attention_io
 from deimos.kernels.triton._softmax import online_softmax_step
+from deimos.runtime.pdl import launch_options, pdl_on, pdl_start
 from deimos.quant.triton.gemv_q8 import quantize_groups
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -43,7 +44,9 @@ def _decode_split_kernel(
     sq_b, sq_h, sk_s, sk_h, sv_s, sv_h,
     S, HKV, D, SPLIT, N_SPLIT, scale, window,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_start(PDL)
     i_bh = tl.program_id(0)
     i_sp = tl.program_id(1)
     i_b = i_bh // HKV
@@ -90,8 +93,9 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_combine_kernel(
     p_m, p_l, p_acc, p_o, so_b, so_h, HQ, D, N_SPLIT, p_xq, p_xd, p_xs,
-    BLOCK_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
+    BLOCK_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_start(PDL)
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
     o_j = tl.arange(0, BLOCK_SPLIT)
@@ -174,7 +178,7 @@ def decode_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         s, hkv, d, cfg.split, cfg.n_split, scale, window,
         G=hq // hkv, G_PAD=GROUP_ROWS, BLOCK_S=cfg.block_s, BLOCK_D=block_d,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **launch_options(pdl_on(q.device)),
     )  # fmt: skip
     if quantized is not None and (d % 32 or tuple(quantized.shape) != (n_b, hq * d)):
         raise ValueError(f"decode_attention: quantized output {tuple(quantized.shape)} does not "
@@ -184,6 +188,6 @@ def decode_attention(
         part_m, part_l, part_acc, out, out.stride(0), out.stride(1), hq, d, cfg.n_split,
         qx[0], qx[1], qx[2],
         BLOCK_SPLIT=triton.next_power_of_2(cfg.n_split), BLOCK_D=block_d,
-        QUANT=quantized is not None, num_warps=4,
+        QUANT=quantized is not None, num_warps=4, **launch_options(pdl_on(q.device)),
     )  # fmt: skip
     return out

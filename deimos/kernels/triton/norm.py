@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deimos.runtime.pdl import launch_options, pdl_on, pdl_start
 from deimos.quant.triton.gemv_q8 import quantize_groups
 
 MAX_D = 16384
@@ -27,9 +28,11 @@ def _rms_norm_kernel(
     BLOCK_D: tl.constexpr,
     QUANT: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (row, chunk): the whole row's sum of squares, then its CHUNK elements normalized,
     stored (and the residual sum stored) and quantized. CHUNK == BLOCK_D: one program a row."""
+    pdl_start(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
     o_d = tl.arange(0, BLOCK_D)
@@ -114,7 +117,7 @@ def _launch(x, residual, w, eps, out, residual_out, quantized=None) -> None:
         x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
         d, eps, q[0], q[1], q[2],
         HAS_RESIDUAL=residual is not None, BLOCK_D=cfg.block_d, QUANT=quantized is not None,
-        CHUNK=cfg.chunk, num_warps=cfg.num_warps,
+        CHUNK=cfg.chunk, num_warps=cfg.num_warps, **launch_options(pdl_on(x.device)),
     )  # fmt: skip
 
 

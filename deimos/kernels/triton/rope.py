@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deimos.runtime.pdl import launch_options, pdl_on, pdl_start
+
 ROPE_TYPES = {"norm": 0, "neox": 1}
 
 
@@ -75,11 +77,12 @@ def _rope_kernel(
     sq_t, sq_h, sk_t, sk_h, sqo_t, sqo_h, sko_t, sko_h, sv_t, sv_h, svo_t, svo_h,
     HQ, HK, D, R, eps,
     NEOX: tl.constexpr, HAS_K: tl.constexpr, TO_CACHE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (T, head blocks of q then of k). TO_CACHE: k' and v go to the cache rows at the
     token's position (ko/vo are the layer's cache), else k' to row t of ko. HAS_NORM: q and
     k heads RMS-normalized first (weights p_qn, p_kn)."""
+    pdl_start(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     i_hb = tl.program_id(1)
     pos_i = tl.load(p_pos + i_t).to(tl.int64)
@@ -205,7 +208,7 @@ def apply_rope(
         hq, max(hk, 1), d, r, eps,
         NEOX=rope_type == "neox", HAS_K=k is not None, TO_CACHE=cache is not None,
         BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d), HAS_NORM=head_norms is not None,
-        num_warps=4,
+        num_warps=4, **launch_options(pdl_on(q.device)),
     )  # fmt: skip
     return qo, ko
 

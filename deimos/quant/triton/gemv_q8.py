@@ -60,6 +60,7 @@ from deimos.quant.triton.dequant_gemv import (
     masked_load,
     weight_arrays,
 )
+from deimos.runtime.pdl import launch_options, pdl_on, pdl_start
 from deimos.quant.triton.layout import PackedWeight
 
 # read once: whether kernels run in Triton's interpreter (no inline PTX there)
@@ -107,10 +108,11 @@ def _gemv_q8_kernel(
     p_xq, p_xd, p_xs, p_y,  # x codes [B, K/2] i32, scales [B, K/32] f32, code sums [B, K/16] i32
     N, K,
     FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ASM: tl.constexpr,
-    XB: tl.constexpr = False, EVEN: tl.constexpr = False,
+    XB: tl.constexpr = False, EVEN: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """EVEN: BLOCK_S divides the groups of a row, so nothing is masked but the stores (rows past
-    N are clamped to row N - 1 for loading and never stored)."""
+    N are clamped to row N - 1 for loading and never stored). PDL: deimos.runtime.pdl."""
+    pdl_start(PDL)
     W: tl.constexpr = 8 if FMT == Q8_0 else 4  # weight words per group of 32
     HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1 or FMT == Q5_1
     OFFSET: tl.constexpr = 8 if FMT == Q4_0 else (16 if FMT == Q5_0 else (32 if FMT == Q6_K else 0))
@@ -358,5 +360,6 @@ def gemv_q8(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
         *weight_arrays(w), x.xq, x.xd, x.xs, out,
         w.n, k, FMT=FMT_ID[w.ggml_type], BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
         ASM=not _INTERPRETED, XB=cfg.xb, EVEN=(k // 32) % cfg.block_s == 0, num_warps=cfg.num_warps,
+        **launch_options(pdl_on(out.device)),
     )  # fmt: skip
     return out
