@@ -26,7 +26,7 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 H200_SHARED_PER_BLOCK = 232_448
-# the decode-step kernels are launched with programmatic dependent launch (runtime.pdl)
+# the decode-step kernels are launched with programmatic dependent launch (quant.triton.pdl)
 PDL_KW = {"PDL": True, "launch_pdl": True}
 TARGET_ARCH = 90
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deimos.runtime.pdl import launch_options, pdl_on, pdl_start
+from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 from deimos.quant.triton.gemv_q8 import quantize_groups
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from deimos.kernels.triton._attention_io import check_attention_io
 from deimos.kernels.triton._softmax import online_softmax_step
-from deimos.runtime.pdl import launch_options, pdl_on, pdl_start
+from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 from deimos.quant.triton.gemv_q8 import quantize_groups
 
 LOG2E = tl.constexpr(1.4426950408889634)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deimos.runtime.pdl import launch_options, pdl_on, pdl_start
+from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 from deimos.quant.triton.gemv_q8 import quantize_groups
 
 MAX_D = 16384

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deimos.runtime.pdl import launch_options, pdl_on, pdl_start
+from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 
 ROPE_TYPES = {"norm": 0, "neox": 1}
 

@@ -60,7 +60,7 @@ from deimos.quant.triton.dequant_gemv import (
     masked_load,
     weight_arrays,
 )
-from deimos.runtime.pdl import launch_options, pdl_on, pdl_start
+from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 from deimos.quant.triton.layout import PackedWeight
 
 # read once: whether kernels run in Triton's interpreter (no inline PTX there)
@@ -111,7 +111,7 @@ def _gemv_q8_kernel(
     XB: tl.constexpr = False, EVEN: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """EVEN: BLOCK_S divides the groups of a row, so nothing is masked but the stores (rows past
-    N are clamped to row N - 1 for loading and never stored). PDL: deimos.runtime.pdl."""
+    N are clamped to row N - 1 for loading and never stored). PDL: deimos.quant.triton.pdl."""
     pdl_start(PDL)
     W: tl.constexpr = 8 if FMT == Q8_0 else 4  # weight words per group of 32
     HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1 or FMT == Q5_1
