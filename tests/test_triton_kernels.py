@@ -511,3 +511,15 @@ def test_fused_quantized_and_device_start_bad_input() -> None:
     qp = _rand(2, 4, 64, seed=4, dtype=torch.float16)
     with pytest.raises(ValueError, match="device start must be an int tensor"):
         prefill_attention(qp, k, v, torch.tensor([0.0, 1.0], device=DEVICE), 0.125)
+
+
+def test_pdl_launch_options() -> None:
+    """Programmatic dependent launch is asked for only where it can run (a compiled sm_90+
+    GPU), and then both the kernel's wait and Triton's launch attribute go together."""
+    from deimos.quant.triton.pdl import launch_options, pdl_on
+
+    assert launch_options(False) == {"PDL": False}
+    assert launch_options(True) == {"PDL": True, "launch_pdl": True}
+    assert pdl_on(torch.device("cpu")) is False
+    if INTERPRETED:
+        assert pdl_on(torch.device("cuda", 0)) is False  # the interpreter has no griddepcontrol
