@@ -123,7 +123,7 @@ def _gemv_q8_kernel(
     o_y = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_y = o_y < N
     o_n = tl.minimum(o_y, N - 1).to(tl.int64)  # rows that are loaded (the stored ones: m_y)
-    m_n = o_n >= 0
+    m_n = o_n >= 0  # every loaded row exists (all true; the shape the masks broadcast from)
     o_s = tl.arange(0, BLOCK_S)
     o_w = tl.arange(0, W)
     p_xq += i_b * (K // 2)
@@ -133,7 +133,8 @@ def _gemv_q8_kernel(
         m_s = u < S_TOTAL
         m_ns = m_n[:, None] & m_s[None, :]
         b_w, b_h, m_w = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT, MASKED)
-        # x words of the weights' full shape (rows broadcast): the weights' register layout
+        # XB: x words [1, S, W], broadcast over the rows held in registers; else in the weights'
+        # full shape (rows broadcast), the weights' register layout
         if XB:
             o_x = u[None, :, None] * 16 + o_w[None, None, :]
             m_x = m_s[None, :, None] & (o_w < W)[None, None, :]
