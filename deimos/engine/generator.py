@@ -110,8 +110,7 @@ class Generator:
             req.cached_tokens = self._reuse_prefix(req.prompt_ids)
             logits = self.prefill(req.prompt_ids[req.cached_tokens:])
             while True:
-                if not _device_sampling(req):
-                    logits = logits.float().cpu()
+                logits = logits.float() if _device_sampling(req) else logits.float().cpu()
                 processed = logits
                 for proc in req.logits_processors:
                     processed = proc(req.output_ids, processed)
