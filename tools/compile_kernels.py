@@ -87,15 +87,22 @@ def _q8_jobs() -> list[Job]:
     import torch
     from triton.runtime.jit import MockTensor
 
+    from deimos.gguf.constants import GGMLType
     from deimos.quant.triton import gemv_q8 as q
     from deimos.quant.triton.dequant_gemv import FMT_ID, weight_arrays
+    from deimos.quant.triton.layout import KERNEL_TYPE
+
+    # the kernels' formats, and IQ4_XS for Q8_0's layout with float32 scales (the kernels are
+    # specialized on the scale dtype); the other formats packed in another's layout add none
+    SAMPLE_TYPES = [*FMT_ID, GGMLType.IQ4_XS]
 
     jobs = []
-    for t in FMT_ID:  # the kernels' formats (a format packed in another's layout adds none)
+    for t in SAMPLE_TYPES:
+        kt = KERNEL_TYPE.get(t, t)
         # every config the shape rule gives for the model shapes we know (1024..262144 rows,
         # K = 1024..18432)
         # (EVEN: the step divides a row's groups, so loads go unmasked)
-        cfgs = sorted({(q.q8_config(t, n, k, 1), k // 32 % q.q8_config(t, n, k, 1).block_s == 0)
+        cfgs = sorted({(q.q8_config(kt, n, k, 1), k // 32 % q.q8_config(kt, n, k, 1).block_s == 0)
                        for n in (1024, 2048, 4096, 6144, 28672, 262144)
                        for k in (1024, 2048, 2560, 3072, 4096, 9728, 14336, 18432)})
         for cfg, even in cfgs:
@@ -103,12 +110,13 @@ def _q8_jobs() -> list[Job]:
             args += [MockTensor(torch.int32), MockTensor(torch.float32), MockTensor(torch.int32),
                      MockTensor(torch.float32), 4096, 4096]
             jobs.append(Job("gemv_q8_" + t.name, _describe(cfg) + f" xb={int(cfg.xb)} even={int(even)}",
-                            _warm_args(q._gemv_q8_kernel, args, FMT=FMT_ID[t], BLOCK_N=cfg.block_n,
+                            _warm_args(q._gemv_q8_kernel, args, FMT=FMT_ID[kt], BLOCK_N=cfg.block_n,
                                        BLOCK_S=cfg.block_s, ASM=True, XB=cfg.xb, EVEN=even,
                                        num_warps=cfg.num_warps, **PDL_KW)))
     from deimos.models.gpu import dequant
 
-    for t in FMT_ID:  # the kernels' formats (a format packed in another's layout adds none)
+    for t in SAMPLE_TYPES:
+        kt = KERNEL_TYPE.get(t, t)
         args = [MockTensor(a.dtype) for a in weight_arrays(_packed_sample(t, 4096))]
         args += [MockTensor(torch.float16), 4096, 4096]
         gc = dequant.gemm_config(512, 4096, 4096)
@@ -116,12 +124,12 @@ def _q8_jobs() -> list[Job]:
                                                              4096, 4096, 4096]
         jobs.append(Job("dequant_gemm_" + t.name,
                         f"M={gc.block_m} N={gc.block_n} S={gc.block_s} w={gc.num_warps}",
-                        _warm_args(dequant._dequant_gemm_kernel, gemm_args, FMT=FMT_ID[t],
+                        _warm_args(dequant._dequant_gemm_kernel, gemm_args, FMT=FMT_ID[kt],
                                    BLOCK_M=gc.block_m, BLOCK_N=gc.block_n, BLOCK_S=gc.block_s,
                                    num_warps=gc.num_warps)))
         for permuted in (False, True):
             jobs.append(Job("dequant_" + t.name, f"N={dequant.BLOCK_N} S={dequant.BLOCK_S} perm={int(permuted)}",
-                            _warm_args(dequant._dequant_kernel, args, FMT=FMT_ID[t],
+                            _warm_args(dequant._dequant_kernel, args, FMT=FMT_ID[kt],
                                        BLOCK_N=dequant.BLOCK_N, BLOCK_S=dequant.BLOCK_S,
                                        PERMUTED=permuted, num_warps=dequant.NUM_WARPS)))
     for dt in (torch.float32, torch.float16):

@@ -231,16 +231,22 @@ class IQ4_XS(QuantFormat, ggml_type=GGMLType.IQ4_XS):
     # sub-block ib: ls = nibble ib % 2 of scales_l[ib // 2] | bits 2ib..2ib+1 of scales_h << 4;
     # qs[16ib + j]: element j low nibble, element j+16 high; w = (d * (ls - 32)) * kvalues_iq4nl[q]
 
-    def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
+    def codes_and_scale(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(int8 codes ``[n, 256]`` = kvalues_iq4nl[q], float32 scales ``[n, 8]`` = d * (ls - 32)
+        of each sub-block of 32): w = scale * code."""
         n = blocks.shape[0]
         d = f16_at(blocks, 0)
         low = _halves(blocks[:, 4:8]).reshape(n, 8)
         high = (u16_at(blocks, 2) >> (2 * np.arange(8, dtype=np.uint16))) & 3
         ls = (low | (high << 4)).astype(np.int16) - 32
-        dl = d * as_f32(ls)  # [n, 8]
         qs = blocks[:, 8:136].reshape(n, 8, 16)
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=2)
-        return (dl[:, :, None] * _KV_IQ4NL.take(q)).reshape(n, 256)
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(n, 256)
+        return _KV_IQ4NL_I8.take(q), d * as_f32(ls)
+
+    def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
+        n = blocks.shape[0]
+        codes, dl = self.codes_and_scale(blocks)
+        return (dl[:, :, None] * as_f32(codes).reshape(n, 8, 32)).reshape(n, 256)
 
     def random_blocks(self, n: int, rng: np.random.Generator) -> np.ndarray:
         b = random_bytes(n, self.type_size, rng)

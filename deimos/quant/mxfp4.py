@@ -22,11 +22,15 @@ class MXFP4(QuantFormat, ggml_type=GGMLType.MXFP4):
     # 0 e (E8M0 exponent) | 1 qs[16] nibbles (byte j: element j low, element j+16 high)
     # w = kvalues[q] * 2^(e - 128)
 
-    def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
-        d = e8m0_to_f32_half(blocks[:, 0:1])
+    def codes_and_scale(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(int8 codes ``[n, 32]`` = kvalues[q], float32 scale ``[n, 1]`` = 2^(e - 128)):
+        w = code * scale."""
         qs = blocks[:, 1:17]
-        q = KVALUES_MXFP4.take(np.concatenate([qs & 0x0F, qs >> 4], axis=1))
-        return as_f32(q) * d
+        return KVALUES_MXFP4.take(np.concatenate([qs & 0x0F, qs >> 4], axis=1)), e8m0_to_f32_half(blocks[:, 0:1])
+
+    def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
+        codes, d = self.codes_and_scale(blocks)
+        return as_f32(codes) * d
 
     def random_blocks(self, n: int, rng: np.random.Generator) -> np.ndarray:
         b = random_bytes(n, self.type_size, rng)

@@ -74,9 +74,10 @@ class GpuWeights:
             packed = self._packed_all[info.name]
             if packed.ggml_type != info.ggml_type:
                 t, k = info.ggml_type.name, packed.ggml_type.name
+                bits = packed.nbytes * 8 / (packed.n * packed.k)
                 self.notices.once(
                     f"as:{t}", f"{t} ({info.name} and any later {t} tensor) runs in {k}'s GPU layout: "
-                    f"the same values, {k}'s bytes per weight", logging.INFO)
+                    f"the same values, {bits:.2f} bits per weight", logging.INFO)
             return packed
         if info.ggml_type not in PACKED_TYPES:
             t = info.ggml_type.name

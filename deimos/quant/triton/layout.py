@@ -16,8 +16,8 @@ code (word w, byte b <-> element 32u + 8b + w). Extra code bits go to their own 
 same (group, word) order, scales to theirs. Bytes per weight stay exactly GGUF's: a repack
 moves bytes, it never widens them. The one exception is a format packed in another format's
 layout (``KERNEL_TYPE``: Q3_K as Q6_K codes, exact values, 6.56 instead of 3.44 bits per
-weight; TQ1_0, TQ2_0 and IQ4_NL as Q8_0, 8.5 bits) until it has a layout of its own; it is
-still far below fp16's 16.
+weight; TQ1_0, TQ2_0, IQ4_NL as Q8_0, 8.5 bits; IQ4_XS, MXFP4 as Q8_0 with float32 scales,
+9 bits) until it has a layout of its own; it is still far below fp16's 16.
 
 ``pack(blocks, ggml_type)`` works on CPU numpy (uint8 ``[rows, row_bytes]``, the raw GGUF tensor
 bytes) and returns a ``PackedWeight`` of torch CPU tensors; move it with ``.to(device)``.
@@ -173,8 +173,12 @@ def _pack_q8_0(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
     # GGUF block (34 bytes / 32 elements): d f16 | qs int8[32]
     # qw int32 [n, k/4]: byte b (bits 8b..8b+7) of word 8u + w = code of element 32u + 8b + w
     # d  f16 [n, k/32]
-    words = np.ascontiguousarray(b[:, 2:34].reshape(-1, 4, 8).transpose(0, 2, 1))  # [m, w, b]
-    return {"qw": _torch(words, rows, np.int32), "d": _torch(_f16(b, 0), rows)}
+    return {"qw": _torch(_q8_words(b[:, 2:34]), rows, np.int32), "d": _torch(_f16(b, 0), rows)}
+
+
+def _q8_words(codes: np.ndarray) -> np.ndarray:
+    """Code bytes ``[g, 32]`` (element order) -> ``[g, 8, 4]`` bytes: word w, byte b = element 8b + w."""
+    return np.ascontiguousarray(codes.reshape(-1, 4, 8).transpose(0, 2, 1))
 
 
 def _legacy_nibbles(qs: np.ndarray) -> np.ndarray:
@@ -245,20 +249,20 @@ def _pack_q3_k(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _as_q8_0(t: GGMLType) -> Callable[[np.ndarray, int], dict[str, torch.Tensor]]:
-    """A format whose weights are int8 codes times one f16 scale per block (TQ1_0, TQ2_0:
-    codes -1..1, d per 256; IQ4_NL: kvalues_iq4nl, d per 32), packed in Q8_0's layout: each
-    group of 32 becomes a Q8_0 block with the block's d. Exact; TQ at 8.5 instead of 1.7-2.1
-    bits per weight, IQ4_NL 8.5 instead of 4.5, but quantized, on the Q8_0 kernels."""
+def _as_q8_0(t: GGMLType, scale_dtype: type = np.float16) -> Callable[[np.ndarray, int], dict[str, torch.Tensor]]:
+    """A format whose weights are int8 codes times one scale per 32 or per block, packed in
+    Q8_0's layout (``codes_and_scale`` of its class): TQ1_0/TQ2_0 (codes -1..1, f16 d per
+    256) and IQ4_NL (kvalues_iq4nl, f16 d per 32) with Q8_0's f16 scales; IQ4_XS (d * (ls - 32)
+    per 32) and MXFP4 (2^(e - 128)) with float32 scales, which f16 cannot hold exactly. The
+    same values, on the Q8_0 kernels (they read the scale in its own dtype): 8.5 or 9 bits a
+    weight instead of the fp16 fallback's 16."""
     fmt = get_format(t)
 
     def packer(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
-        codes, d = fmt.codes_and_scale(b)
-        groups = codes.reshape(-1, 32)
-        q8 = np.empty((groups.shape[0], 34), dtype=np.uint8)
-        q8[:, 0:2] = np.repeat(d.astype(np.float16), fmt.block_size // 32).view(np.uint8).reshape(-1, 2)
-        q8[:, 2:34] = groups.view(np.uint8)
-        return _pack_q8_0(q8, rows)
+        codes, scale = fmt.codes_and_scale(b)
+        per_group = np.repeat(scale.astype(scale_dtype), fmt.block_size // 32 // scale.shape[1], axis=1)
+        return {"qw": _torch(_q8_words(codes.reshape(-1, 32).view(np.uint8)), rows, np.int32),
+                "d": _torch(per_group.reshape(-1), rows)}
 
     return packer
 
@@ -276,6 +280,8 @@ _PACKERS: dict[GGMLType, Callable[[np.ndarray, int], dict[str, torch.Tensor]]] =
     GGMLType.TQ1_0: _as_q8_0(GGMLType.TQ1_0),
     GGMLType.TQ2_0: _as_q8_0(GGMLType.TQ2_0),
     GGMLType.IQ4_NL: _as_q8_0(GGMLType.IQ4_NL),
+    GGMLType.IQ4_XS: _as_q8_0(GGMLType.IQ4_XS, np.float32),
+    GGMLType.MXFP4: _as_q8_0(GGMLType.MXFP4, np.float32),
 }
 # formats packed in another format's layout (same values): the kernels see that format
 KERNEL_TYPE: dict[GGMLType, GGMLType] = {
@@ -283,6 +289,8 @@ KERNEL_TYPE: dict[GGMLType, GGMLType] = {
     GGMLType.TQ1_0: GGMLType.Q8_0,
     GGMLType.TQ2_0: GGMLType.Q8_0,
     GGMLType.IQ4_NL: GGMLType.Q8_0,
+    GGMLType.IQ4_XS: GGMLType.Q8_0,
+    GGMLType.MXFP4: GGMLType.Q8_0,
 }
 
 PACKED_TYPES: tuple[GGMLType, ...] = tuple(_PACKERS)
