@@ -273,7 +273,7 @@ def test_gpu_whole_synth_model(synth_dir, arch: str, typ: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("typ", ["TQ1_0", "TQ2_0", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("typ", ["TQ1_0", "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ3_XXS"])
 def test_gpu_whole_synth_model_q8_layouts(synth_dir, typ: str) -> None:
     """Formats that run in Q8_0's layout (the same values): whole llama-tiny files."""
     _compare_whole(_synth(synth_dir, "llama", typ), f"llama-tiny {typ}")

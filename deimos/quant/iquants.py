@@ -37,9 +37,18 @@ _F = {name: _ro(getattr(g, name).astype(np.float32)) for name in (
     "IQ2XXS_GRID", "IQ2XS_GRID", "IQ2S_GRID", "IQ3XXS_GRID", "IQ3S_GRID", "IQ1S_GRID")}
 _KV_IQ4NL = _ro(g.KVALUES_IQ4NL.astype(np.float32))
 _KV_IQ4NL_I8 = _ro(g.KVALUES_IQ4NL.astype(np.int8))
+_I1S = _ro(g.IQ1S_GRID.astype(np.int8))
 
 _SHIFT_7 = np.array([0, 7, 14, 21], dtype=np.uint32)  # 4 x 7-bit sign indices in a u32
 _IQ1S_DELTA = np.float32(0.125)
+
+
+def _scaled(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """int8 codes ``[n, 256]`` times float32 scales ``[n, 8]`` (one per sub-block of 32):
+    float32 ``[n, 256]``. The products are exact (codes and scales have few significant bits),
+    so this equals ggml's ``db * grid * sign`` bit for bit."""
+    n = codes.shape[0]
+    return (scale[:, :, None] * as_f32(codes).reshape(n, 8, 32)).reshape(n, 256)
 
 
 def _halves(b: np.ndarray) -> np.ndarray:
@@ -52,15 +61,19 @@ class IQ2_XXS(QuantFormat, ggml_type=GGMLType.IQ2_XXS):
     # aux: 4 x 7-bit sign index (bits 0-27) | 4-bit scale s (bits 28-31)
     # w = (d * (0.5 + s) * 0.25) * iq2xxs_grid[idx][j] * sign
 
-    def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
+    def codes_and_scale(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(int8 codes ``[n, 256]`` = signed grid values, float32 scales ``[n, 8]`` = db)."""
         n = blocks.shape[0]
         d = f16_at(blocks, 0)
         q = blocks[:, 2:66].reshape(n, 8, 8)
         aux = np.ascontiguousarray(q[:, :, 4:8]).view("<u4")  # [n, 8, 1]
-        db = d[:, :, None] * (0.5 + as_f32(aux >> 28)) * 0.25  # [n, 8, 1]
+        db = d * (0.5 + as_f32(aux[:, :, 0] >> 28)) * 0.25  # [n, 8]
         grid = _F["IQ2XXS_GRID"].take(q[:, :, 0:4], axis=0)  # [n, 8, 4, 8]
         sign = KSIGN.take((aux >> _SHIFT_7) & 127, axis=0)  # [n, 8, 4, 8]
-        return (db[..., None] * grid * sign).reshape(n, 256)
+        return (grid * sign).astype(np.int8).reshape(n, 256), db
+
+    def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
+        return _scaled(*self.codes_and_scale(blocks))
 
     def random_blocks(self, n: int, rng: np.random.Generator) -> np.ndarray:
         b = random_bytes(n, self.type_size, rng)
@@ -116,14 +129,18 @@ class IQ3_XXS(QuantFormat, ggml_type=GGMLType.IQ3_XXS):
     # 4 x 7-bit sign index (bits 0-27) | scale s (bits 28-31); db = d * (0.5 + s) * 0.5
     # group l of sub-block ib = grid[qs[8ib + 2l]] ++ grid[qs[8ib + 2l + 1]]
 
-    def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
+    def codes_and_scale(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(int8 codes ``[n, 256]`` = signed grid values, float32 scales ``[n, 8]`` = db)."""
         n = blocks.shape[0]
         d = f16_at(blocks, 0)
         aux = u32_at(blocks, 66, 8)[:, :, None]  # [n, 8, 1]
-        db = d[:, :, None] * (0.5 + as_f32(aux >> 28)) * 0.5
+        db = d * (0.5 + as_f32(aux[:, :, 0] >> 28)) * 0.5
         grid = _F["IQ3XXS_GRID"].take(blocks[:, 2:66].reshape(n, 8, 8), axis=0).reshape(n, 8, 4, 8)
         sign = KSIGN.take((aux >> _SHIFT_7) & 127, axis=0)
-        return (db[..., None] * grid * sign).reshape(n, 256)
+        return (grid * sign).astype(np.int8).reshape(n, 256), db
+
+    def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
+        return _scaled(*self.codes_and_scale(blocks))
 
     def random_blocks(self, n: int, rng: np.random.Generator) -> np.ndarray:
         b = random_bytes(n, self.type_size, rng)
@@ -136,7 +153,8 @@ class IQ3_S(QuantFormat, ggml_type=GGMLType.IQ3_S):
     # sub-block ib: index p (0..7) = qs[8ib + p] | bit p of qh[ib] << 8; sign bits of group l =
     # signs[4ib + l]; db = d * (1 + 2 * nibble ib % 2 of scales[ib // 2])
 
-    def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
+    def codes_and_scale(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(int8 codes ``[n, 256]`` = signed grid values, float32 scales ``[n, 8]`` = db)."""
         n = blocks.shape[0]
         d = f16_at(blocks, 0)
         qs = blocks[:, 2:66].reshape(n, 8, 8).astype(np.uint16)
@@ -146,7 +164,10 @@ class IQ3_S(QuantFormat, ggml_type=GGMLType.IQ3_S):
         db = d * as_f32(1 + 2 * s)  # [n, 8]
         grid = _F["IQ3S_GRID"].take(idx, axis=0).reshape(n, 8, 4, 8)
         sign = SIGN8.take(blocks[:, 74:106].reshape(n, 8, 4), axis=0)
-        return (db[:, :, None, None] * grid * sign).reshape(n, 256)
+        return (grid * sign).astype(np.int8).reshape(n, 256), db
+
+    def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
+        return _scaled(*self.codes_and_scale(blocks))
 
     def random_blocks(self, n: int, rng: np.random.Generator) -> np.ndarray:
         b = random_bytes(n, self.type_size, rng)
@@ -159,16 +180,21 @@ class IQ1_S(QuantFormat, ggml_type=GGMLType.IQ1_S):
     # 4 x 3-bit index high bits (bits 0-11) | scale s (bits 12-14) | delta sign (bit 15)
     # w = (d * (2s + 1)) * (iq1s_grid[idx][j] + (+-0.125))
 
-    def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
+    def codes_and_scale(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(int8 codes ``[n, 256]`` = 8 * (grid + delta) in -9..9, float32 scales ``[n, 8]`` =
+        d * (2s + 1) / 8: the same products, exact)."""
         n = blocks.shape[0]
         d = f16_at(blocks, 0)
         qh = u16_at(blocks, 34, 8)  # [n, 8]
         dl = d * as_f32(2 * ((qh >> 12) & 7) + 1)
-        delta = np.where(qh & 0x8000, -_IQ1S_DELTA, _IQ1S_DELTA)
+        delta = np.where(qh & 0x8000, -1, 1).astype(np.int8)  # 8 * (+-0.125)
         hi = (qh[:, :, None] >> np.array([0, 3, 6, 9], dtype=np.uint16)) & 7
         idx = blocks[:, 2:34].reshape(n, 8, 4).astype(np.uint16) | (hi << 8)
-        grid = _F["IQ1S_GRID"].take(idx, axis=0)  # [n, 8, 4, 8]
-        return (dl[:, :, None, None] * (grid + delta[:, :, None, None])).reshape(n, 256)
+        grid = _I1S.take(idx, axis=0)  # [n, 8, 4, 8] int8 -1..1
+        return (8 * grid + delta[:, :, None, None]).reshape(n, 256), dl * np.float32(0.125)
+
+    def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
+        return _scaled(*self.codes_and_scale(blocks))
 
     def random_blocks(self, n: int, rng: np.random.Generator) -> np.ndarray:
         b = random_bytes(n, self.type_size, rng)
@@ -244,9 +270,7 @@ class IQ4_XS(QuantFormat, ggml_type=GGMLType.IQ4_XS):
         return _KV_IQ4NL_I8.take(q), d * as_f32(ls)
 
     def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
-        n = blocks.shape[0]
-        codes, dl = self.codes_and_scale(blocks)
-        return (dl[:, :, None] * as_f32(codes).reshape(n, 8, 32)).reshape(n, 256)
+        return _scaled(*self.codes_and_scale(blocks))
 
     def random_blocks(self, n: int, rng: np.random.Generator) -> np.ndarray:
         b = random_bytes(n, self.type_size, rng)

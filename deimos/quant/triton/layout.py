@@ -16,8 +16,9 @@ code (word w, byte b <-> element 32u + 8b + w). Extra code bits go to their own 
 same (group, word) order, scales to theirs. Bytes per weight stay exactly GGUF's: a repack
 moves bytes, it never widens them. The one exception is a format packed in another format's
 layout (``KERNEL_TYPE``: Q3_K as Q6_K codes, exact values, 6.56 instead of 3.44 bits per
-weight; TQ1_0, TQ2_0, IQ4_NL as Q8_0, 8.5 bits; IQ4_XS, MXFP4 as Q8_0 with float32 scales,
-9 bits) until it has a layout of its own; it is still far below fp16's 16.
+weight; TQ1_0, TQ2_0, IQ4_NL as Q8_0, 8.5 bits; IQ4_XS, MXFP4 and the IQ1_S..IQ3_S formats
+with one scale per 32 as Q8_0 with float32 scales, 9 bits) until it has a layout of its own;
+it is still far below fp16's 16.
 
 ``pack(blocks, ggml_type)`` works on CPU numpy (uint8 ``[rows, row_bytes]``, the raw GGUF tensor
 bytes) and returns a ``PackedWeight`` of torch CPU tensors; move it with ``.to(device)``.
@@ -253,7 +254,8 @@ def _as_q8_0(t: GGMLType, scale_dtype: type = np.float16) -> Callable[[np.ndarra
     """A format whose weights are int8 codes times one scale per 32 or per block, packed in
     Q8_0's layout (``codes_and_scale`` of its class): TQ1_0/TQ2_0 (codes -1..1, f16 d per
     256) and IQ4_NL (kvalues_iq4nl, f16 d per 32) with Q8_0's f16 scales; IQ4_XS (d * (ls - 32)
-    per 32) and MXFP4 (2^(e - 128)) with float32 scales, which f16 cannot hold exactly. The
+    per 32), MXFP4 (2^(e - 128)), IQ2_XXS, IQ3_XXS, IQ3_S (signed grid values, db per 32) and
+    IQ1_S (8 * (grid +- 1/8), db / 8) with float32 scales, which f16 cannot hold exactly. The
     same values, on the Q8_0 kernels (they read the scale in its own dtype): 8.5 or 9 bits a
     weight instead of the fp16 fallback's 16."""
     fmt = get_format(t)
@@ -282,6 +284,8 @@ _PACKERS: dict[GGMLType, Callable[[np.ndarray, int], dict[str, torch.Tensor]]] =
     GGMLType.IQ4_NL: _as_q8_0(GGMLType.IQ4_NL),
     GGMLType.IQ4_XS: _as_q8_0(GGMLType.IQ4_XS, np.float32),
     GGMLType.MXFP4: _as_q8_0(GGMLType.MXFP4, np.float32),
+    **{t: _as_q8_0(t, np.float32) for t in (GGMLType.IQ2_XXS, GGMLType.IQ3_XXS, GGMLType.IQ3_S,
+                                            GGMLType.IQ1_S)},
 }
 # formats packed in another format's layout (same values): the kernels see that format
 KERNEL_TYPE: dict[GGMLType, GGMLType] = {
@@ -291,6 +295,10 @@ KERNEL_TYPE: dict[GGMLType, GGMLType] = {
     GGMLType.IQ4_NL: GGMLType.Q8_0,
     GGMLType.IQ4_XS: GGMLType.Q8_0,
     GGMLType.MXFP4: GGMLType.Q8_0,
+    GGMLType.IQ2_XXS: GGMLType.Q8_0,
+    GGMLType.IQ3_XXS: GGMLType.Q8_0,
+    GGMLType.IQ3_S: GGMLType.Q8_0,
+    GGMLType.IQ1_S: GGMLType.Q8_0,
 }
 
 PACKED_TYPES: tuple[GGMLType, ...] = tuple(_PACKERS)
