@@ -16,8 +16,9 @@ the others s = d. The code helpers are the GEMV's, so both kernels decode the sa
 
 ``dequant_matmul`` is the tensor-core dequant-GEMM that will replace the fp16 round trip: the
 same tile decode (``_dequant_tile``) feeding ``tl.dot`` directly, x gathered in word order.
-Tested against the decoders and compiled for sm_90; not yet measured on the GPU, so
-``QuantLinear`` keeps the cuBLAS path unless ``own_gemm`` is set.
+Tested against the decoders and compiled for sm_90. Measured on the H200 (BENCHMARKS.md,
+d75e7dc): 4-11x slower than dequantization + cuBLAS over a 512-token prefill (one untuned tile
+config, ~23 TFLOP/s on 8B), so ``QuantLinear`` keeps the cuBLAS path unless ``own_gemm`` is set.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class GemmConfig(NamedTuple):
 
 def gemm_config(m: int, n: int, k: int) -> GemmConfig:
     """64 x 64 output tiles, 64-element K steps, 4 warps: correct for every shape, not tuned
-    (not yet measured on the GPU; the engine's prefill still uses the cuBLAS path)."""
+    (measured 4-11x slower than the cuBLAS path the engine's prefill uses: a sweep is next)."""
     del m, n, k
     return GemmConfig(64, 64, 2, 4)
 

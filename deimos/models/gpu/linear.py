@@ -71,8 +71,9 @@ class QuantLinear:
     """y = x @ W^T (+ b), W packed ``[n, k]``.
 
     ``own_gemm``: prefill through our dequant-GEMM (dequant.dequant_matmul: the weights
-    decoded tile by tile in registers) instead of fp16 dequantization + cuBLAS. Off until it
-    is measured on the GPU; tests turn it on per linear."""
+    decoded tile by tile in registers) instead of fp16 dequantization + cuBLAS. Off: measured
+    4-11x slower on the H200 (BENCHMARKS.md); tests and ``bench/profile_decode.py --own-gemm``
+    turn it on."""
 
     own_gemm = False
 
