@@ -12,13 +12,10 @@ Oracle: the float32 CPU reference model of the same file (itself checked against
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernel_device import INTERPRETED  # noqa: F401, I001  (first: sets TRITON_INTERPRET)
 
 from testdata import REAL_MODELS, llama_cpp_path, model_path  # noqa: E402
 

@@ -9,14 +9,11 @@ kernels run in Triton's interpreter (dp4a emulated); gpu-marked tests use 8B sha
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernel_device import DEVICE, INTERPRETED  # noqa: I001  (first: sets TRITON_INTERPRET)
 
 from deimos.gguf.constants import GGMLType  # noqa: E402
 from deimos.quant import get_format  # noqa: E402
@@ -30,8 +27,6 @@ from deimos.quant.triton.gemv_q8 import (  # noqa: E402
 )
 from deimos.quant.triton.naive import gemv_ref  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cpu" if INTERPRETED else "cuda"
 
 
 def _blocks(t: GGMLType, n: int, k: int, seed: int) -> np.ndarray:
@@ -114,6 +109,10 @@ def test_gemv_q8_errors() -> None:
         quantize_x(torch.zeros(100))
     with pytest.raises(ValueError, match="batch 9"):
         quantize_x(torch.zeros(9, 256))
+    qx = quantize_x(torch.zeros(1, 256, device=DEVICE))
+    for bad in (Q8Config(3, 32, 4), Q8Config(4, 48, 4), Q8Config(4, 8, 4), Q8Config(4, 32, 3)):
+        with pytest.raises(ValueError, match="bad tile"):
+            gemv_q8(w, qx, cfg=bad)
 
 
 GPU_SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]

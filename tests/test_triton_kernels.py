@@ -12,13 +12,10 @@ tests marked ``gpu`` use real shapes, print timings and fail without CUDA.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernel_device import DEVICE, INTERPRETED  # noqa: I001  (first: sets TRITON_INTERPRET)
 
 from deimos.kernels import activation as ref_act  # noqa: E402
 from deimos.kernels import attention as ref_attn  # noqa: E402
@@ -38,8 +35,6 @@ from deimos.kernels.triton import (  # noqa: E402
     topk,
 )
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cpu" if INTERPRETED else "cuda"
 NAN = float("nan")
 
 

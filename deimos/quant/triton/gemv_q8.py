@@ -344,6 +344,10 @@ def q8_config(ggml_type: GGMLType, n: int, k: int, b: int) -> Q8Config:
     return Q8Config(4, 64 if groups >= 256 else 32, 4)
 
 
+def _pow2(v: int, most: int) -> bool:
+    return isinstance(v, int) and 0 < v <= most and v & (v - 1) == 0
+
+
 def gemv_q8(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
             cfg: Q8Config | None = None) -> torch.Tensor:
     """y = W x for a packed quantized W ``[n, k]`` and an activation from ``quantize_x``:
@@ -356,7 +360,12 @@ def gemv_q8(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
     if x.xq.device != w.device:
         raise ValueError(f"gemv_q8: x is on {x.xq.device}, the weight on {w.device}")
     out = gemv_out(out, b, w.n, x.xq.device, "gemv_q8")
-    cfg = cfg or q8_config(w.ggml_type, w.n, k, b)
+    if cfg is None:
+        cfg = q8_config(w.ggml_type, w.n, k, b)
+    elif not (_pow2(cfg.block_n, 64) and 16 <= cfg.block_s <= 512 and _pow2(cfg.block_s, 512)
+              and cfg.num_warps in (1, 2, 4, 8)):  # fmt: skip
+        raise ValueError(f"gemv_q8: bad tile {cfg} (block_n a power of two <= 64, block_s one in "
+                         "16..512, num_warps 1, 2, 4 or 8)")
     _gemv_q8_kernel[gemv_grid(w.n, b, cfg.block_n)](
         *weight_arrays(w), x.xq, x.xd, x.xs, out,
         w.n, k, FMT=FMT_ID[w.ggml_type], BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
