@@ -71,24 +71,20 @@ class _StubDriver:
 
 def _jobs() -> list[Job]:
     """Every (kernel, constexpr config) the wrappers launch on a GPU."""
-    from deimos.quant.triton import dequant_gemv as g
-
-    jobs = []
-    # real shapes: K = 4096 gives the full step; K = 256 (a single super-block) the smallest
-    for t in g.FMT_ID:
-        # launch_config is one config per format (its rule ignores the shape)
-        cfg = g.launch_config(t, 4096, 4096, 1)
-        jobs.append(Job("gemv_" + t.name, _describe(cfg), _gemv_warmup(g, t, 4096, cfg)))
-    return jobs + _q8_jobs() + _layer_jobs()
+    return _q8_jobs() + _layer_jobs()
 
 
 def _q8_jobs() -> list[Job]:
     """The int8-activation GEMV (dp4a inline PTX) per format, and the x quantizer."""
+    import importlib
+
     import torch
     from triton.runtime.jit import MockTensor
 
     from deimos.gguf.constants import GGMLType
-    from deimos.quant.triton import gemv_q8 as q
+
+    # by module path: the package re-exports the function of the same name
+    q = importlib.import_module("deimos.quant.triton.gemv_q8")
     from deimos.quant.triton.dequant_gemv import FMT_ID, weight_arrays
     from deimos.quant.triton.layout import KERNEL_TYPE
 
@@ -247,32 +243,6 @@ def _layer_jobs() -> list[Job]:
 
 def _describe(cfg: object) -> str:
     return f"N={cfg.block_n} S={cfg.block_s} warps={cfg.num_warps}"
-
-
-def _gemv_warmup(g: object, t: object, k: int, cfg: object):
-    import torch
-    from triton.runtime.jit import MockTensor
-
-    from deimos.quant import get_format
-    from deimos.quant.triton.layout import pack
-    import numpy as np
-
-    # dtypes of the arrays exactly as pack() makes them (pointer types are specialized on dtype)
-    fmt = get_format(t)
-    blocks = fmt.random_blocks(k // fmt.block_size, np.random.default_rng(0)).reshape(1, -1)
-    w = pack(blocks, t)
-    xp = g.PreparedX(torch.zeros(1, k), torch.zeros(1, k // 32))
-    y = torch.zeros(1, 1)
-    args = [MockTensor(a.dtype) for a in g._kernel_args(w, xp, y)]
-
-    def run():
-        return g._gemv_kernel.warmup(
-            *args, 4096, k,
-            FMT=g.FMT_ID[t], BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
-            num_warps=cfg.num_warps, grid=(1,),
-        )  # fmt: skip
-
-    return run
 
 
 def _resources(cubin: bytes) -> tuple[str, str]:

@@ -1,23 +1,23 @@
 """Triton kernels over quantized weights kept in their GGUF bytes on the GPU.
 
 ``pack(blocks, type)`` repacks a matrix's GGUF bytes once at load (layout.py draws the layouts);
-``gemv(packed, x)`` is the fused dequant-GEMV for decode (dequant_gemv.py); naive.py holds the torch
-oracles. Importing this package imports triton: set TRITON_INTERPRET=1 before that to run the
-kernels on CPU tensors.
+``gemv_q8(packed, quantize_x(x))`` is the decode GEMV on integer activations (gemv_q8.py); naive.py
+holds the torch oracles. Importing this package imports triton: set TRITON_INTERPRET=1 before that
+to run the kernels on CPU tensors.
 """
 
 from __future__ import annotations
 
-from deimos.quant.triton.dequant_gemv import MAX_BATCH, PreparedX, gemv, launch_config, prepare_x
+from deimos.quant.triton.dequant_gemv import MAX_BATCH
+from deimos.quant.triton.gemv_q8 import QuantizedX, gemv_q8, quantize_x
 from deimos.quant.triton.layout import PACKED_TYPES, PackedWeight, pack
 
 __all__ = [
     "MAX_BATCH",
     "PACKED_TYPES",
     "PackedWeight",
-    "PreparedX",
-    "gemv",
-    "launch_config",
+    "QuantizedX",
+    "gemv_q8",
     "pack",
-    "prepare_x",
+    "quantize_x",
 ]
