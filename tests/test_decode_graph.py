@@ -136,6 +136,35 @@ def test_generator_graphs_match_eager_generator(model) -> None:
         assert a == b, f"prompt of {n}: {a} vs {b}"
 
 
+def test_greedy_chain_stops_and_limits_like_the_eager_loop(model) -> None:
+    """Greedy requests run as a chain of replays a step ahead of the host (the graph's own
+    argmax feeds the next replay): the same tokens and finish reasons as the eager loop when
+    a stop token, max_tokens or the context ends them, and the cache left consistent with
+    what the generator records (a follow-up request reusing the prefix agrees too)."""
+    greedy = SamplingParams(temperature=0.0)
+    eager = Generator(model, 60, device="cuda", cuda_graph=False)
+    chained = Generator(model, 60, device="cuda")
+    prompt = torch.randint(0, model.config.n_vocab, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    full = list(eager.run(Request(prompt, 30, greedy)))
+    stop = full[6]
+    cases = [(30, frozenset(), "length"), (30, frozenset({stop}), "stop"), (50, frozenset(), "length"),
+             (1, frozenset(), "length"), (2, frozenset(), "length")]
+    for max_tokens, stops, reason in cases:
+        for gen in (eager, chained):
+            gen.reset()
+        a, b = Request(prompt, max_tokens, greedy, stops), Request(prompt, max_tokens, greedy, stops)
+        got_a, got_b = list(eager.run(a)), list(chained.run(b))
+        assert got_a == got_b, f"max_tokens {max_tokens}, stops {set(stops)}"
+        assert a.finish_reason == b.finish_reason == reason
+        assert chained.kv.length == len(chained.cached) <= 60
+        assert chained.cached[: len(prompt) + len(got_b) - 1] == prompt + got_b[:-1]
+        follow = prompt + got_b + [5, 6, 7]
+        if len(follow) < 60:
+            assert list(eager.run(Request(follow, 5, greedy))) == list(chained.run(Request(follow, 5, greedy)))
+    # the 50-token request ended at the context: prompt + outputs - 1 rows fed = 60
+    assert chained.graph.replays > 0
+
+
 def test_generator_samples_on_the_device(model, monkeypatch) -> None:
     """top-k/top-p/min-p, penalties and a seeded draw run on the GPU logits (the vocabulary is
     not copied to the host); the same seed gives the same tokens."""

@@ -115,14 +115,16 @@ def _q8_jobs() -> list[Job]:
         kt = KERNEL_TYPE.get(t, t)
         args = [MockTensor(a.dtype) for a in weight_arrays(_packed_sample(t, 4096))]
         args += [MockTensor(torch.float16), 4096, 4096]
-        gc = dequant.gemm_config(512, 4096, 4096)
-        gemm_args = [MockTensor(torch.float32)] + args[:5] + [MockTensor(torch.float32), 512, 4096,
+        gemm_args = [MockTensor(torch.float16)] + args[:5] + [MockTensor(torch.float32), 512, 4096,
                                                              4096, 4096, 4096]
-        jobs.append(Job("dequant_gemm_" + t.name,
-                        f"M={gc.block_m} N={gc.block_n} S={gc.block_s} w={gc.num_warps}",
-                        _warm_args(dequant._dequant_gemm_kernel, gemm_args, FMT=FMT_ID[kt],
-                                   BLOCK_M=gc.block_m, BLOCK_N=gc.block_n, BLOCK_S=gc.block_s,
-                                   num_warps=gc.num_warps)))
+        for gc in dict.fromkeys(dequant.gemm_config(m, 4096, 4096) for m in (16, 512)):
+            jobs.append(Job("dequant_gemm_" + t.name,
+                            f"M={gc.block_m} N={gc.block_n} S={gc.block_s} w={gc.num_warps} "
+                            f"st={gc.num_stages}",
+                            _warm_args(dequant._dequant_gemm_kernel, gemm_args, FMT=FMT_ID[kt],
+                                       BLOCK_M=gc.block_m, BLOCK_N=gc.block_n, BLOCK_S=gc.block_s,
+                                       EVEN_K=True, num_warps=gc.num_warps,
+                                       num_stages=gc.num_stages)))
         for permuted in (False, True):
             jobs.append(Job("dequant_" + t.name, f"N={dequant.BLOCK_N} S={dequant.BLOCK_S} perm={int(permuted)}",
                             _warm_args(dequant._dequant_kernel, args, FMT=FMT_ID[kt],
@@ -169,9 +171,10 @@ def _layer_jobs() -> list[Job]:
     import triton
 
     # by module path: the package re-exports functions of the same names as some modules
-    activation, decode_attention, norm, prefill_attention, rope, sampling = (
+    activation, decode_attention, greedy, norm, prefill_attention, rope, sampling = (
         importlib.import_module("deimos.kernels.triton." + m)
-        for m in ("activation", "decode_attention", "norm", "prefill_attention", "rope", "sampling")
+        for m in ("activation", "decode_attention", "greedy", "norm", "prefill_attention", "rope",
+                  "sampling")
     )
 
     f16, f32, i32, i64 = torch.float16, torch.float32, torch.int32, torch.int64
@@ -231,6 +234,11 @@ def _layer_jobs() -> list[Job]:
     jobs.append(Job("argmax_final", f"B={triton.next_power_of_2(n_blk)}",
                     _warm(sampling._argmax_final_kernel, [f32, i32, i64, n_blk],
                           BLOCK=triton.next_power_of_2(n_blk), num_warps=4)))
+    for vocab in (49152, 128256, 151936, 262144):
+        n_prog = greedy.GreedyState.programs(vocab)[1]
+        jobs.append(Job("greedy_next", f"V={vocab} P={n_prog} B={greedy.BLOCK}",
+                        _warm(greedy._greedy_kernel, [f32, vocab, 4096, f32, i32, i32, i32, i64, i64],
+                              N_PROG=n_prog, BLOCK=greedy.BLOCK, num_warps=4)))
     for k_pad in (64, 256):
         jobs.append(Job("topk_block", f"B={sampling.TOPK_BLOCK} K={k_pad}",
                         _warm(sampling._topk_block_kernel, [f32, i64, v, v, 64],

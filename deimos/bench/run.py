@@ -25,6 +25,8 @@ from deimos.bench.llama import run_llama_bench
 from deimos.bench.stats import BenchReport, RoundTimes, summarize
 from deimos.gguf import GGUFFile
 from deimos.engine.generator import Generator
+from deimos.engine.request import Request
+from deimos.kernels.sampling import SamplingParams
 
 log = logging.getLogger("deimos")
 
@@ -62,8 +64,10 @@ def _sync(device: torch.device) -> None:
 
 def time_round(gen: Generator, n_prompt: int, n_gen: int, device: torch.device,
                rng: torch.Generator) -> RoundTimes:
-    """Prefill ``n_prompt`` random tokens into an empty cache, then ``n_gen`` greedy steps
-    from an empty cache, through the generator's own paths (graphs on CUDA)."""
+    """Prefill ``n_prompt`` random tokens into an empty cache, then from an empty cache a
+    greedy request of one random token that makes ``n_gen`` tokens (``n_gen`` forward steps,
+    stop tokens ignored), through the generator's own paths (graphs and the device greedy
+    chain on CUDA): what a user's greedy request runs."""
     n_vocab = gen.model.config.n_vocab
     tokens = torch.randint(0, n_vocab, (n_prompt,), generator=rng).tolist()
     gen.reset()
@@ -73,13 +77,15 @@ def time_round(gen: Generator, n_prompt: int, n_gen: int, device: torch.device,
     _sync(device)
     t1 = time.perf_counter()
     gen.reset()
-    token = int(torch.randint(0, n_vocab, (1,), generator=rng))
+    req = Request([int(torch.randint(0, n_vocab, (1,), generator=rng))], n_gen,
+                  SamplingParams(temperature=0.0))  # fmt: skip
     _sync(device)
     t2 = time.perf_counter()
-    for _ in range(n_gen):
-        token = int(torch.argmax(gen.forward([token])))
+    made = sum(1 for _ in gen.run(req))
     _sync(device)
     t3 = time.perf_counter()
+    if made != n_gen:
+        raise RuntimeError(f"bench: the decode round made {made} tokens, not {n_gen}")
     return RoundTimes(t1 - t0, t3 - t2, n_prompt, n_gen)
 
 

@@ -110,27 +110,84 @@ class Generator:
             req.cached_tokens = self._reuse_prefix(req.prompt_ids)
             logits = self.prefill(req.prompt_ids[req.cached_tokens:])
             while True:
-                logits = logits.float() if _device_sampling(req) else logits.float().cpu()
-                processed = logits
-                for proc in req.logits_processors:
-                    processed = proc(req.output_ids, processed)
-                token = req.sampler.sample(processed)
-                if req.top_logprobs is not None:
-                    req.token_logprobs.append(logprobs(logits, token, req.top_logprobs))
-                req.sampler.accept(token)
-                req.output_ids.append(token)
-                if token in req.stop_ids:
-                    req.finish_reason = "stop"
-                elif len(req.output_ids) >= req.max_tokens or self.kv.length >= self.n_ctx:
-                    req.finish_reason = "length"
+                token = self._sample(req, logits)
                 yield token
                 if req.finish_reason is not None:
+                    return
+                if self.graph is not None and _chainable(req):
+                    yield from self._greedy_chain(req, token)
                     return
                 logits = self.forward([token])
         except BaseException:
             # a failed or abandoned step leaves the cache consistent with ``cached``
             self.kv.truncate(min(self.kv.length, len(self.cached)))
             raise
+
+    def _sample(self, req: Request, logits: torch.Tensor) -> int:
+        logits = logits.float() if _device_sampling(req) else logits.float().cpu()
+        processed = logits
+        for proc in req.logits_processors:
+            processed = proc(req.output_ids, processed)
+        token = req.sampler.sample(processed)
+        if req.top_logprobs is not None:
+            req.token_logprobs.append(logprobs(logits, token, req.top_logprobs))
+        self._emit(req, token)
+        return token
+
+    def _emit(self, req: Request, token: int) -> None:
+        """``token`` is the request's next output: recorded, and the request finished on a
+        stop token or the last output allowed: ``max_tokens``, or no cache row left to feed
+        it (every earlier output has been fed: prompt + outputs - 1 rows)."""
+        req.sampler.accept(token)
+        req.output_ids.append(token)
+        if token in req.stop_ids:
+            req.finish_reason = "stop"
+        elif (len(req.output_ids) >= req.max_tokens
+              or len(req.prompt_ids) + len(req.output_ids) - 1 >= self.n_ctx):  # fmt: skip
+            req.finish_reason = "length"
+
+    def _greedy_chain(self, req: Request, token: int) -> Iterator[int]:
+        """Greedy decoding a step ahead of the host: the decode graph writes its argmax as
+        the next replay's token (runtime/graph.py), so step j + 1 is enqueued before step j's
+        token is read and the GPU does not wait for the host between tokens. ``token`` (the
+        last output, not yet fed) starts the chain; step j feeds output ``first + j`` and
+        makes the next. A step is launched only while its output is within ``max_tokens`` and
+        a cache row is free, so the one step that can run past the end is the one fed a stop
+        token: its row is then recorded in ``cached`` like any fed token (a valid entry)."""
+        graph = self.graph
+        graph.start_chain(token)
+        first = len(req.output_ids) - 1
+        tickets: list[int] = []
+        launched = read = recorded = 0
+
+        def record() -> None:  # the launched steps' inputs known so far, into ``cached``
+            nonlocal recorded
+            while recorded < min(launched, read + 1):
+                self.cached.append(req.output_ids[first + recorded])
+                recorded += 1
+
+        while True:
+            while (launched - read < 2 and first + launched + 2 <= req.max_tokens
+                   and self.kv.length < self.n_ctx):  # fmt: skip
+                tickets.append(graph.launch_chained())
+                launched += 1
+                record()
+            if not tickets:  # unreachable: the last read output finished the request
+                raise RuntimeError("greedy chain: no step in flight for an unfinished request")
+            token = graph.chained_token(tickets.pop(0))
+            read += 1
+            self._emit(req, token)
+            record()
+            yield token
+            if req.finish_reason is not None:
+                return
+
+
+def _chainable(req: Request) -> bool:
+    """Greedy with nothing that needs the host between tokens (penalties read the history,
+    processors and logprobs the host logits): the chain of device-chosen tokens applies."""
+    return (req.sampling.greedy and not req.sampling.penalties_enabled
+            and _device_sampling(req))  # fmt: skip
 
 
 def _device_sampling(req: Request) -> bool:

@@ -27,9 +27,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from deimos.kernels.triton.greedy import GreedyState, greedy_next
 from deimos.models.batch import Batch
 from deimos.models.blocks import DecoderModel
-from deimos.runtime.kv_cache import KVCache
+from deimos.runtime.kv_cache import ContextFullError, KVCache
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
@@ -87,12 +88,18 @@ class StepGraph:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compiles the kernels, settles the allocator
             for _ in range(self.warmup):
-                self.model.step(batch, self.kv.length)
+                logits = self.model.step(batch, self.kv.length)[0]
+                self._after_step(logits, self._dev.clone())
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self._logits = self.model.step(batch, self.kv.length)[0]
+            self._after_step(self._logits, self._dev)
         self._graph = graph
+
+    def _after_step(self, logits: torch.Tensor, feed: torch.Tensor) -> None:
+        """What a subclass adds to the captured step after the logits (``feed``: the step's
+        own input buffer); the warm-up calls it on a scratch copy of the inputs."""
 
     def capture(self) -> None:
         """Capture now (at the cache's current length, whose rows are free) instead of at
@@ -122,12 +129,68 @@ class StepGraph:
 
 
 class DecodeGraph(StepGraph):
+    """The one-token step. It ends with the greedy choice on the device (greedy.py): the
+    argmax is written as the next replay's token and the position advanced, so greedy
+    decoding can run as a chain of replays (``start_chain``, ``launch_chained``,
+    ``chained_token``) with the host reading each token while the next step runs. A plain
+    ``step`` loads its token and position from the host as before (the chain's writes are
+    overwritten); the greedy kernel costs it a few microseconds."""
+
+    RING = 4  # pinned slots for chained tokens: more than the steps ever in flight
+
     def __init__(self, model: DecoderModel, kv: KVCache, warmup: int = 2, pool: tuple | None = None):
         super().__init__(model, kv, 1, warmup, pool)
+        device = model.device
+        self._greedy = GreedyState(model.config.n_vocab, device)
+        self._token = torch.zeros(1, dtype=torch.long, device=device)
+        self._ring = torch.zeros(self.RING, dtype=torch.long).pin_memory()
+        self._ring_np = self._ring.numpy()
+        self._ring_done = [torch.cuda.Event() for _ in range(self.RING)]
+        self._launched = 0
+
+    def _after_step(self, logits: torch.Tensor, feed: torch.Tensor) -> None:
+        greedy_next(logits, self._greedy, self._token, feed)
 
     def step(self, token: int) -> torch.Tensor:
         """``token`` at the cache's next position, committed; its logits ``[n_vocab]``."""
         return self.run([token])
+
+    def start_chain(self, token: int) -> None:
+        """The next ``launch_chained`` feeds ``token`` at the cache's next position; each one
+        after it feeds the greedy choice of the one before."""
+        if not self.fits(self.kv.length):
+            raise ContextFullError(f"context full: {self.kv.length + 1} tokens > context size "
+                                   f"{self.kv.capacity}")  # fmt: skip
+        self._load([token], self.kv.length)
+        if self._graph is None:
+            self._capture()
+
+    def launch_chained(self) -> int:
+        """Enqueue one step of the chain (no host synchronisation) and commit its cache row;
+        returns the ticket that ``chained_token`` reads its greedy choice with."""
+        if not self.fits(self.kv.length):
+            raise ContextFullError(f"context full: {self.kv.length + 1} tokens > context size "
+                                   f"{self.kv.capacity}")  # fmt: skip
+        self._graph.replay()
+        self.replays += 1
+        self.kv.commit(1)
+        slot = self._launched % self.RING
+        self._ring[slot].copy_(self._token, non_blocking=True)
+        self._ring_done[slot].record()
+        self._launched += 1
+        return self._launched - 1
+
+    def chained_token(self, ticket: int) -> int:
+        """The greedy token the step of ``ticket`` chose (waits for that step only). At most
+        RING - 1 later steps may have been launched since."""
+        if not self._launched - self.RING < ticket < self._launched:
+            raise ValueError(f"DecodeGraph: ticket {ticket} is not among the last {self.RING} steps")
+        slot = ticket % self.RING
+        self._ring_done[slot].synchronize()
+        token = int(self._ring_np[slot])
+        if token < 0:
+            raise ValueError("logits contain NaN")
+        return token
 
 
 class PrefillGraphs:

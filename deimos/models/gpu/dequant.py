@@ -51,22 +51,26 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL, FMT: tl.constexpr):
+def _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL, FMT: tl.constexpr,
+                  MASKED: tl.constexpr = True):
     """Rows ``o_n`` (int64) x groups ``u`` -> float32 ``[BLOCK_N, BLOCK_S, W, NK]``: element
-    32u + W k + w of each row at [row, group, w, k] (masked entries 0)."""
+    32u + W k + w of each row at [row, group, w, k] (masked entries 0; ``MASKED=False``:
+    every (row, group) exists and nothing is masked)."""
     W: tl.constexpr = 8 if FMT == Q8_0 else 4
     NK: tl.constexpr = 32 // W
     HALF: tl.constexpr = NK // 2
     HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1 or FMT == Q5_1
     m_ns = m_n[:, None] & m_s[None, :]
-    b_w, b_h, m_w = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT)
+    b_w, b_h, m_w = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT, MASKED)
     k4 = tl.arange(0, NK)[None, None, None, :]
     q = _codes(b_w[:, :, :, None], b_h[:, :, :, None], k4, FMT)  # [BLOCK_N, BLOCK_S, W, NK]: code k of word w
-    s_lo, s_hi, mn = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT)
+    s_lo, s_hi, mn = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT, MASKED)
     val = tl.where(k4 < HALF, s_lo[:, :, None, None], s_hi[:, :, None, None]) * q
     if HAS_MIN:
         val += mn[:, :, None, None]
-    return tl.where(m_w[:, :, :, None], val, 0.0)
+    if MASKED:
+        val = tl.where(m_w[:, :, :, None], val, 0.0)
+    return val
 
 
 @triton.jit
@@ -105,72 +109,86 @@ def _dequant_gemm_kernel(
     p_x, p_qw, p_qh, p_s, p_d, p_m, p_y,
     M, N, K, stride_xm, stride_ym,
     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    """y [M, N] = x [M, K] @ W^T: each K step decodes a [BLOCK_N, 32 BLOCK_S] weight tile to
-    fp16 in registers (word order, as the permuted dequantization) and multiplies it with the
-    x tile gathered in the same column order on the tensor cores (fp32 accumulation)."""
-    W: tl.constexpr = 8 if FMT == Q8_0 else 4
-    NK: tl.constexpr = 32 // W
+    """y [M, N] = xp [M, K] @ Wp^T, xp = x with its columns in the packed words' order
+    (``permuted_columns``): each K step loads a contiguous fp16 x tile, decodes a
+    [BLOCK_N, 32 BLOCK_S] weight tile to fp16 in registers (the same word order) and
+    multiplies the two on the tensor cores (fp32 accumulation). Program ids run over the M
+    tiles of one weight tile first, so a weight tile is read from memory once and its
+    neighbours hit L2; rows past N are clamped for loading and never stored."""
     BLOCK_K: tl.constexpr = BLOCK_S * 32
-    i_n = tl.program_id(0)
-    i_m = tl.program_id(1)
+    pid = tl.program_id(0)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    i_n = pid // m_tiles
+    i_m = pid % m_tiles
     S_TOTAL = K // 32
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < M
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    o_n64 = o_n.to(tl.int64)
-    # word-order column p of a K tile holds element 32 (p // 32) + W ((p % 32) % NK) + (p % 32) // NK
-    o_p = tl.arange(0, BLOCK_K)
-    o_e = (o_p // 32) * 32 + ((o_p % 32) % NK) * W + (o_p % 32) // NK
-    p_xrow = p_x + o_m[:, None].to(tl.int64) * stride_xm
+    o_y = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_n = tl.minimum(o_y, N - 1).to(tl.int64)
+    m_n = o_n >= 0
+    o_k = tl.arange(0, BLOCK_K)
+    p_xt = p_x + o_m[:, None].to(tl.int64) * stride_xm + o_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for s0 in range(0, S_TOTAL, BLOCK_S):
         u = s0 + tl.arange(0, BLOCK_S)
-        val = _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n64, m_n, u, u < S_TOTAL, S_TOTAL, FMT)
+        if EVEN_K:
+            val = _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, u >= 0, S_TOTAL, FMT, False)
+            b_x = tl.load(p_xt, mask=m_m[:, None], other=0.0)
+        else:
+            val = _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, u < S_TOTAL, S_TOTAL, FMT)
+            b_x = tl.load(p_xt, mask=m_m[:, None] & (s0 * 32 + o_k < K)[None, :], other=0.0)
         b_w = tl.reshape(val, (BLOCK_N, BLOCK_K)).to(tl.float16)
-        col = s0 * 32 + o_e
-        b_x = tl.load(p_xrow + col[None, :], mask=m_m[:, None] & (col < K)[None, :], other=0.0)
-        acc += tl.dot(b_x.to(tl.float16), tl.trans(b_w), out_dtype=tl.float32)
-    p_out = p_y + o_m[:, None].to(tl.int64) * stride_ym + o_n[None, :]
-    tl.store(p_out, acc, mask=m_m[:, None] & m_n[None, :])
+        acc += tl.dot(b_x, tl.trans(b_w), out_dtype=tl.float32)
+        p_xt += BLOCK_K
+    p_out = p_y + o_m[:, None].to(tl.int64) * stride_ym + o_y[None, :]
+    tl.store(p_out, acc, mask=m_m[:, None] & (o_y < N)[None, :])
 
 
 class GemmConfig(NamedTuple):
+    """A launch of the dequant-GEMM: ``block_m x block_n`` outputs a program, ``block_s``
+    groups of 32 a K step, ``num_stages`` software-pipeline stages."""
+
     block_m: int
     block_n: int
     block_s: int
     num_warps: int
+    num_stages: int = 3
 
 
 def gemm_config(m: int, n: int, k: int) -> GemmConfig:
-    """64 x 64 output tiles, 64-element K steps, 4 warps: correct for every shape, not tuned
-    (measured 4-11x slower than the cuBLAS path the engine's prefill uses: a sweep is next)."""
-    del m, n, k
-    return GemmConfig(64, 64, 2, 4)
+    """The launch rule (bench/sweep_gemm.py sets it)."""
+    del n, k
+    if m <= 64:
+        return GemmConfig(64, 64, 2, 4, 3)
+    return GemmConfig(128, 128, 2, 8, 3)
 
 
-def dequant_matmul(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W^T for a packed W ``[n, k]`` and x ``[M, k]`` (fp16/bf16/fp32, rows may be
-    strided): float32 ``[M, n]``, the weights never written out as fp16. x is rounded to fp16
-    for the tensor cores (as the cuBLAS path does)."""
+def dequant_matmul(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = None,
+                   cols: torch.Tensor | None = None, cfg: GemmConfig | None = None) -> torch.Tensor:
+    """y = x @ W^T for a packed W ``[n, k]`` and x ``[M, k]`` (fp16/bf16/fp32): float32
+    ``[M, n]``, the weights never written out as fp16. x is rounded to fp16 for the tensor
+    cores (as the cuBLAS path does) and its columns put in the packed order (``cols``: w's
+    ``permuted_columns``, computed when not given)."""
     if w.ggml_type not in FMT_ID:
         raise ValueError(f"dequant_matmul: no kernel for {w.ggml_type.name}")
-    if x.dim() != 2 or x.shape[1] != w.k or x.stride(1) != 1:
-        raise ValueError(f"dequant_matmul: x must be [M, {w.k}] with a contiguous last dim, "
-                         f"got {tuple(x.shape)}")  # fmt: skip
+    if x.dim() != 2 or x.shape[1] != w.k:
+        raise ValueError(f"dequant_matmul: x must be [M, {w.k}], got {tuple(x.shape)}")
     if x.device != w.device:
         raise ValueError(f"dequant_matmul: x is on {x.device}, the weight on {w.device}")
     m = x.shape[0]
     out = gemv_out(out, m, w.n, x.device, "dequant_matmul")
     if m == 0 or w.n == 0:
         return out
-    cfg = gemm_config(m, w.n, w.k)
-    grid = (triton.cdiv(w.n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    xp = x.to(torch.float16)[:, permuted_columns(w) if cols is None else cols]
+    cfg = cfg or gemm_config(m, w.n, w.k)
+    grid = (triton.cdiv(w.n, cfg.block_n) * triton.cdiv(m, cfg.block_m),)
     _dequant_gemm_kernel[grid](
-        x, *weight_arrays(w), out, m, w.n, w.k, x.stride(0), out.stride(0),
+        xp, *weight_arrays(w), out, m, w.n, w.k, xp.stride(0), out.stride(0),
         FMT=FMT_ID[w.ggml_type], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_S=cfg.block_s, num_warps=cfg.num_warps,
+        BLOCK_S=cfg.block_s, EVEN_K=(w.k // 32) % cfg.block_s == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 

@@ -105,7 +105,7 @@ class QuantLinear:
         if x.shape[0] == 1:
             y = gemv_q8(self.packed, self.inputs.quantized(x))
         elif self.own_gemm:
-            y = dequant_matmul(self.packed, x)
+            y = dequant_matmul(self.packed, x, cols=self._columns())
         else:
             self.notices.once(
                 "prefill", "prefill (T > 1): weights dequantized to fp16 per call (Triton) + "
