@@ -38,9 +38,13 @@ from deimos.quant.triton.bench import time_graph
 
 def candidates(m: int, n: int, k: int, quick: bool) -> list[GemmConfig]:
     out = [gemm_config(m, n, k)]
-    tiles = [(128, 128, 2, 8), (128, 128, 1, 4), (128, 128, 2, 4), (128, 64, 2, 4), (64, 128, 2, 4),
-             (128, 256, 1, 8), (128, 256, 2, 8), (256, 128, 1, 8), (64, 64, 2, 4), (128, 128, 4, 8),
-             (64, 256, 2, 8)]
+    if m <= 64:  # few rows: narrow M tiles, more programs along N
+        tiles = [(16, 64, 2, 4), (16, 128, 2, 4), (32, 64, 2, 4), (64, 64, 2, 4), (16, 64, 4, 4),
+                 (32, 128, 2, 4), (16, 32, 4, 2), (64, 128, 2, 4)]
+    else:
+        tiles = [(128, 128, 2, 4), (128, 64, 2, 4), (128, 128, 1, 4), (64, 128, 2, 4), (128, 128, 2, 8),
+                 (128, 256, 1, 8), (128, 256, 2, 8), (256, 128, 1, 8), (64, 64, 2, 4), (128, 128, 4, 8),
+                 (64, 256, 2, 8)]
     for bm, bn, bs, w in tiles[:5] if quick else tiles:
         for st in (3,) if quick else (2, 3, 4):
             out.append(GemmConfig(bm, bn, bs, w, st))
@@ -50,12 +54,15 @@ def candidates(m: int, n: int, k: int, quick: bool) -> list[GemmConfig]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("models", nargs="+")
-    ap.add_argument("-m", type=int, default=512, help="prompt tokens (GEMM rows)")
+    ap.add_argument("-m", type=int, nargs="+", default=[512], help="prompt tokens (GEMM rows)")
     ap.add_argument("--quick", action="store_true", help="fewer tiles")
     args = ap.parse_args()
-    m = args.m
-    for path in args.models:
-        model = load_model(GGUFFile(path), device="cuda")
+    model, loaded = None, None
+    for path, m in ((p, m) for p in args.models for m in args.m):
+        if loaded != path:
+            model = None
+            torch.cuda.empty_cache()
+            model, loaded = load_model(GGUFFile(path), device="cuda"), path
         lins = decode_linears(model)
         calls = Counter((lin.ggml_type, lin.packed.n, lin.packed.k) for lin in lins)
         first = {}
@@ -107,8 +114,6 @@ def main() -> None:
             tot["ours, rule"] += calls[key] * times.get(rule, float("nan"))
             tot["ours, best tiles"] += calls[key] * times[best]
         print("a prefill's linears: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in tot.items()))
-        del model
-        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

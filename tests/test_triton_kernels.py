@@ -294,6 +294,44 @@ def test_decode_attention(case: tuple) -> None:
     _close(f"decode {case}", out, _attn_ref(q, k, v, pos, n, scale, window), 3e-3)
 
 
+FUSED_ROPE_CASES = [
+    # (q_pos, cap, Hq, Hkv, D, R, rope type, head norms, window)
+    (0, 200, 4, 2, 64, 64, "norm", False, 0),
+    (63, 200, 4, 2, 64, 64, "neox", True, 0),
+    (64, 200, 8, 2, 64, 32, "norm", True, 0),
+    (130, 200, 4, 1, 128, 128, "neox", False, 40),
+    (199, 200, 6, 2, 32, 32, "norm", False, 0),
+]
+
+
+@pytest.mark.parametrize("case", FUSED_ROPE_CASES, ids=lambda c: "p{}_cap{}_h{}x{}_d{}_r{}_{}_n{}_w{}".format(*c))
+def test_decode_attention_fused_rope(case: tuple) -> None:
+    """RoPE (and qk-norm) fused into the decode attention launch (``new=NewToken``) against
+    apply_rope writing the cache, then the plain decode attention: the same output, and the
+    same rows q_pos of the k and v caches (row q_pos of the fused call's cache held garbage)."""
+    from deimos.kernels.triton.decode_attention import NewToken
+
+    q_pos, cap, hq, hkv, d, r, kind, norms, window = case
+    k_c, v_c = _cache(q_pos, cap, hkv, d, seed=q_pos + d)
+    qkv = _rand(1, hq + 2 * hkv, d, seed=d + 1, dtype=torch.float32)  # one projection output
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+    inv = rope_inv_freq(r, 10000.0, 1.0, None, DEVICE)
+    hn = (_rand(d, seed=3, dtype=torch.float32), _rand(d, seed=4, dtype=torch.float32), 1e-6) if norms else None
+    pos = torch.tensor([q_pos], dtype=torch.int32, device=DEVICE)
+    scale = d**-0.5
+    k_a, v_a, q_a = k_c.clone(), v_c.clone(), q.clone()
+    apply_rope(q_a, k, pos, inv, kind, inplace=True, cache=(v, k_a, v_a), head_norms=hn)
+    want = decode_attention(q_a, k_a, v_a, pos, scale, window)
+    k_b, v_b = k_c.clone(), v_c.clone()
+    k_b[q_pos] = float("nan")
+    v_b[q_pos] = float("nan")
+    got = decode_attention(q, k_b, v_b, pos, scale, window, out=_poison(q),
+                           new=NewToken(k, v, inv, kind, hn))  # fmt: skip
+    _close(f"fused rope {case}", got, want, 2e-3)
+    assert torch.equal(k_b[q_pos], k_a[q_pos]) and torch.equal(v_b[q_pos], v_a[q_pos])
+    assert torch.equal(k_b[:q_pos], k_a[:q_pos])
+
+
 def test_attention_errors() -> None:
     q = _rand(3, 4, 32, seed=1, dtype=torch.float16)
     k = _rand(10, 3, 32, seed=2, dtype=torch.float16)

@@ -204,12 +204,18 @@ def _layer_jobs() -> list[Job]:
                                   BLOCK_H=4, BLOCK_D=d, HAS_NORM=norm_, num_warps=4, **PDL_KW)))
     for hq, hk, d, s in ((32, 8, 128, 4096), (8, 4, 256, 4096), (9, 3, 64, 2048)):
         c = decode_attention.decode_config(s, 1, hk, d)
-        args = [f16, f16, f16, i32, f32, f32, f32, hq * d, d, hk * d, d, hk * d, d,
-                s, hk, d, c.split, c.n_split, d**-0.5, 0]
-        jobs.append(Job("decode_split", f"G={hq // hk} D={d} S={c.block_s} w={c.num_warps}",
-                        _warm(decode_attention._decode_split_kernel, args, G=hq // hk,
-                              G_PAD=decode_attention.GROUP_ROWS, BLOCK_S=c.block_s,
-                              BLOCK_D=d, num_warps=c.num_warps, **PDL_KW)))
+        for rope_kw in ({}, {"ROPE": True, "NEOX": False, "HAS_NORM": False},
+                        {"ROPE": True, "NEOX": True, "HAS_NORM": True}):
+            args = [f32 if rope_kw else f16, f16, f16, i32, f32, f32, f32, hq * d, d, hk * d, d,
+                    hk * d, d, s, hk, d, c.split, c.n_split, d**-0.5, 0,
+                    f32, f32, d, d, f32, f32, f32, 1e-6, d]
+            jobs.append(Job("decode_split" + ("+rope" if rope_kw else ""),
+                            f"G={hq // hk} D={d} S={c.block_s} w={c.num_warps}"
+                            + (f" neox={int(rope_kw['NEOX'])} norm={int(rope_kw['HAS_NORM'])}"
+                               if rope_kw else ""),
+                            _warm(decode_attention._decode_split_kernel, args, G=hq // hk,
+                                  G_PAD=decode_attention.GROUP_ROWS, BLOCK_S=c.block_s,
+                                  BLOCK_D=d, num_warps=c.num_warps, **rope_kw, **PDL_KW)))
         for quant in (False, True):
             jobs.append(Job("decode_combine" + ("+q8" if quant else ""), f"D={d} splits={c.n_split}",
                             _warm(decode_attention._decode_combine_kernel,

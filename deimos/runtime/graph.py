@@ -175,7 +175,7 @@ class DecodeGraph(StepGraph):
         self.replays += 1
         self.kv.commit(1)
         slot = self._launched % self.RING
-        self._ring[slot].copy_(self._token, non_blocking=True)
+        self._ring[slot : slot + 1].copy_(self._token, non_blocking=True)
         self._ring_done[slot].record()
         self._launched += 1
         return self._launched - 1

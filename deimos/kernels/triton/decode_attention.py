@@ -30,6 +30,7 @@ import triton.language as tl
 
 from deimos.kernels.triton._attention_io import check_attention_io
 from deimos.kernels.triton._softmax import online_softmax_step
+from deimos.kernels.triton.rope import ROPE_TYPES, rope_tile
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 from deimos.quant.triton.gemv_q8 import quantize_groups
 
@@ -43,9 +44,15 @@ def _decode_split_kernel(
     p_q, p_k, p_v, p_pos, p_m, p_l, p_acc,
     sq_b, sq_h, sk_s, sk_h, sv_s, sv_h,
     S, HKV, D, SPLIT, N_SPLIT, scale, window,
+    p_kn, p_vn, skn_h, svn_h, p_inv_freq, p_qnw, p_knw, eps, R,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, ROPE: tl.constexpr = False, NEOX: tl.constexpr = False,
+    HAS_NORM: tl.constexpr = False,
 ):  # fmt: skip
+    """ROPE (one query row, B = 1): q and the new token's k arrive as the projections made
+    them; each program rotates (and head-norms) its q heads itself, and the program whose
+    split holds q_pos rotates the new key, stores it and the new value in the cache row
+    q_pos and folds that key in from registers; no program reads row q_pos from the cache."""
     pdl_start(PDL)
     i_bh = tl.program_id(0)
     i_sp = tl.program_id(1)
@@ -53,8 +60,10 @@ def _decode_split_kernel(
     i_kv = i_bh % HKV
     pos = tl.load(p_pos + i_b)
     lo = i_sp * SPLIT
-    # keys [lo, hi) of this split, before the window (the S bound only guards a bad q_pos)
-    hi = tl.minimum(tl.minimum(lo + SPLIT, pos + 1), S)
+    own = (pos >= lo) & (pos < lo + SPLIT)  # this split holds the query's own key
+    # keys [lo, hi) of this split, before the window (the S bound only guards a bad q_pos);
+    # with ROPE the key at q_pos comes from registers, not the cache
+    hi = tl.minimum(tl.minimum(lo + SPLIT, pos if ROPE else pos + 1), S)
     if window > 0:
         lo = tl.maximum(lo, pos - window + 1)
     o_g = tl.arange(0, G_PAD)
@@ -62,8 +71,13 @@ def _decode_split_kernel(
     m_g = o_g < G
     m_d = o_d < D
     o_h = i_kv * G + o_g  # query heads of the group
-    p_qb = p_q + i_b.to(tl.int64) * sq_b + o_h[:, None] * sq_h + o_d[None, :]
-    b_q = tl.load(p_qb, mask=m_g[:, None] & m_d[None, :], other=0.0).to(p_k.dtype.element_ty)
+    if ROPE:
+        b_qf, m_qf = rope_tile(p_q, p_inv_freq, pos.to(tl.float32), i_kv * G, sq_h, i_kv * G + G,
+                            D, R, p_qnw, eps, NEOX, G_PAD, BLOCK_D, HAS_NORM)  # fmt: skip
+        b_q = b_qf.to(p_k.dtype.element_ty)
+    else:
+        p_qb = p_q + i_b.to(tl.int64) * sq_b + o_h[:, None] * sq_h + o_d[None, :]
+        b_q = tl.load(p_qb, mask=m_g[:, None] & m_d[None, :], other=0.0).to(p_k.dtype.element_ty)
     qk_scale = scale * LOG2E
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
@@ -82,6 +96,22 @@ def _decode_split_kernel(
         qk = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.float32) * qk_scale  # [G_PAD, BLOCK_S]
         qk = tl.where(m_s[None, :], qk, float("-inf"))
         m_i, l_i, acc = online_softmax_step(qk, b_v, m_i, l_i, acc)
+    if ROPE:
+        if own:
+            kt, m_kt = rope_tile(p_kn, p_inv_freq, pos.to(tl.float32), i_kv, skn_h, i_kv + 1, D, R,
+                              p_knw, eps, NEOX, 2, BLOCK_D, HAS_NORM)  # fmt: skip
+            k_new = tl.sum(kt, axis=0).to(p_k.dtype.element_ty)  # row 1 of the tile is masked
+            v_new = tl.load(p_vn + i_kv * svn_h + o_d, mask=m_d, other=0.0).to(p_v.dtype.element_ty)
+            p_row = pos.to(tl.int64)
+            tl.store(p_k + p_row * sk_s + i_kv * sk_h + o_d, k_new, mask=m_d)
+            tl.store(p_v + p_row * sv_s + i_kv * sv_h + o_d, v_new, mask=m_d)
+            qk1 = tl.sum(b_q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
+            m_new = tl.maximum(m_i, qk1)  # finite: the key is always visible
+            alpha = tl.exp2(m_i - m_new)
+            p1 = tl.exp2(qk1 - m_new)
+            l_i = l_i * alpha + p1
+            acc = acc * alpha[:, None] + p1[:, None] * v_new.to(tl.float32)[None, :]
+            m_i = m_new
     # partials of head h, split j at [(b * Hq + h) * N_SPLIT + j]
     o_part = (i_b * (HKV * G) + o_h) * N_SPLIT + i_sp
     tl.store(p_m + o_part, m_i, mask=m_g)
@@ -138,6 +168,48 @@ def decode_config(s: int, b: int, hkv: int, d: int) -> DecodeConfig:
     return DecodeConfig(block_s, split, triton.cdiv(s, split), 4)
 
 
+class NewToken(NamedTuple):
+    """The decode step's own token for ``decode_attention`` to rotate and store itself (RoPE
+    fused into the attention launch): q is passed un-rotated; k, v ``[1, Hkv, D]`` as the
+    projections made them (strided views are fine); rotation as deimos.kernels.triton.rope
+    (``inv_freq`` from ``rope_inv_freq``, ``rope_type`` "norm"/"neox", optional qk-norm
+    ``head_norms=(q_weight, k_weight, eps)``)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    inv_freq: torch.Tensor
+    rope_type: str
+    head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None
+
+
+def _new_token_args(new: NewToken | None, q: torch.Tensor, k: torch.Tensor) -> tuple[list, dict]:
+    """The split kernel's extra arguments for ``new`` (placeholders without it), checked."""
+    if new is None:
+        return [q, q, 0, 0, q, q, q, 0.0, 2], {}
+    n_b, hq, d = q.shape
+    hkv = k.shape[1]
+    if n_b != 1:
+        raise ValueError(f"decode_attention: a fused new token needs one query row, got {n_b}")
+    if new.rope_type not in ROPE_TYPES:
+        raise ValueError(f"decode_attention: unknown rope type {new.rope_type!r}")
+    for name, t in (("k", new.k), ("v", new.v)):
+        if t.shape != (1, hkv, d) or t.stride(2) != 1 or t.device != q.device:
+            raise ValueError(f"decode_attention: the new token's {name} must be [1, {hkv}, {d}] on "
+                             f"{q.device}, last dim contiguous; got {tuple(t.shape)}")  # fmt: skip
+    r = 2 * new.inv_freq.shape[0]
+    if new.inv_freq.dtype != torch.float32 or not 0 < r <= d or new.inv_freq.device != q.device:
+        raise ValueError(f"decode_attention: inv_freq must be float32 [R/2], R <= {d}, on {q.device}")
+    if new.head_norms is not None:
+        qn, kn, eps = new.head_norms
+        if qn.shape != (d,) or kn.shape != (d,):
+            raise ValueError(f"decode_attention: head-norm weights must be [{d}]")
+    else:
+        qn = kn = new.inv_freq
+        eps = 0.0
+    args = [new.k, new.v, new.k.stride(1), new.v.stride(1), new.inv_freq, qn, kn, eps, r]
+    return args, {"ROPE": True, "NEOX": new.rope_type == "neox", "HAS_NORM": new.head_norms is not None}
+
+
 def decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -147,6 +219,7 @@ def decode_attention(
     window: int = 0,
     out: torch.Tensor | None = None,
     quantized=None,
+    new: NewToken | None = None,
 ) -> torch.Tensor:
     """Attention of B query rows over a KV cache.
 
@@ -156,6 +229,9 @@ def decode_attention(
     the GPU), accumulation in fp32. Returns ``[B, Hq, D]`` in q's dtype (or ``out``).
     ``quantized``: a ``QuantizedX`` ``[B, Hq * D]`` (D a multiple of 32) that also receives the
     output rows as the output projection's integer activation.
+    ``new``: B = 1, q not yet rotated, and the key/value of q_pos not yet in the cache: this
+    launch rotates q and the new key (``NewToken``) and writes row q_pos of k and v (what
+    ``apply_rope(..., cache=...)`` followed by this function does, in one launch fewer).
     """
     out = check_attention_io("decode_attention", q, k, v, window, out, q_pos.device, "B")
     n_b, hq, d = q.shape
@@ -167,6 +243,7 @@ def decode_attention(
                          f"{q_pos.dtype} {tuple(q_pos.shape)}")  # fmt: skip
     if n_b == 0:
         return out
+    new_args, new_kw = _new_token_args(new, q, k)
     cfg = decode_config(s, n_b, hkv, d)
     f32 = dict(dtype=torch.float32, device=q.device)
     part_m = torch.empty((n_b, hq, cfg.n_split), **f32)
@@ -176,9 +253,9 @@ def decode_attention(
     _decode_split_kernel[(n_b * hkv, cfg.n_split)](
         q, k, v, q_pos, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        s, hkv, d, cfg.split, cfg.n_split, scale, window,
+        s, hkv, d, cfg.split, cfg.n_split, scale, window, *new_args,
         G=hq // hkv, G_PAD=GROUP_ROWS, BLOCK_S=cfg.block_s, BLOCK_D=block_d,
-        num_warps=cfg.num_warps, **launch_options(pdl_on(q.device)),
+        num_warps=cfg.num_warps, **new_kw, **launch_options(pdl_on(q.device)),
     )  # fmt: skip
     if quantized is not None and (d % 32 or tuple(quantized.shape) != (n_b, hq * d)):
         raise ValueError(f"decode_attention: quantized output {tuple(quantized.shape)} does not "

@@ -25,12 +25,14 @@ ROPE_TYPES = {"norm": 0, "neox": 1}
 
 
 @triton.jit
-def _rope_heads(
-    p_x, p_y, p_pos_freq, pos, h0, stride_xh, stride_yh, H, D, R, p_nw, eps,
+def rope_tile(
+    p_x, p_pos_freq, pos, h0, stride_xh, H, D, R, p_nw, eps,
     NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
-    """Heads h0 .. h0+BLOCK_H-1 of one token: p_x / p_y point at the token's rows. HAS_NORM:
-    each head first RMS-normalized over its D dims with the weight at ``p_nw`` (qk-norm)."""
+    """Heads h0 .. h0+BLOCK_H-1 (those < H) of one token's row ``p_x``, rotated at ``pos``
+    (float): float32 ``[BLOCK_H, BLOCK_D]`` (masked entries 0) and its mask. HAS_NORM: each
+    head first RMS-normalized over its D dims with the weight at ``p_nw`` (qk-norm). Also
+    the decode attention's prologue (decode_attention.py: RoPE fused there)."""
     o_h = h0 + tl.arange(0, BLOCK_H)
     o_d = tl.arange(0, BLOCK_D)
     half = R // 2
@@ -58,6 +60,19 @@ def _rope_heads(
     # first of a pair: a c - b s; second: b c + a s (a = first, b = second)
     y = tl.where(first[None, :], b_x * c - b_p * s, b_x * c + b_p * s)
     y = tl.where(rot[None, :], y, b_x)
+    return y, m
+
+
+@triton.jit
+def _rope_heads(
+    p_x, p_y, p_pos_freq, pos, h0, stride_xh, stride_yh, H, D, R, p_nw, eps,
+    NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    """``rope_tile`` of heads h0.. of one token stored at ``p_y`` (that token's row)."""
+    y, m = rope_tile(p_x, p_pos_freq, pos, h0, stride_xh, H, D, R, p_nw, eps,
+                     NEOX, BLOCK_H, BLOCK_D, HAS_NORM)  # fmt: skip
+    o_h = h0 + tl.arange(0, BLOCK_H)
+    o_d = tl.arange(0, BLOCK_D)
     p_out = p_y + o_h[:, None] * stride_yh + o_d[None, :]
     tl.store(p_out, y.to(p_y.dtype.element_ty), mask=m)
 

@@ -1,10 +1,10 @@
 """The layer ops on the Triton kernels (deimos.kernels.triton); the oracle is
 deimos.models.ops.ReferenceOps.
 
-Decode (one token) is written so a CUDA graph can replay it: the RoPE kernel stores the
-rotated keys and the values straight into the cache rows at the device positions, the
-split-K decode attention reads the length from the device, and no shape depends on the
-position. Prefill (T > 1) stores the same way and runs the causal flash kernel over the
+Decode (one token) is written so a CUDA graph can replay it: the split-K decode attention
+rotates q and the new key itself (RoPE and qk-norm fused into its launch), stores the new key
+and value straight into the cache row at the device position, reads the length from the
+device, and no shape depends on the position. Prefill (T > 1) stores the same way and runs the causal flash kernel over the
 whole cache with the chunk's start read on the device: a prefill chunk is graph-safe too.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from deimos.kernels.triton.activation import gated_act
-from deimos.kernels.triton.decode_attention import decode_attention
+from deimos.kernels.triton.decode_attention import NewToken, decode_attention
 from deimos.kernels.triton.norm import add_rms_norm, rms_norm
 from deimos.kernels.triton.prefill_attention import prefill_attention
 from deimos.kernels.triton.rope import apply_rope, rope_inv_freq
@@ -59,18 +59,25 @@ class TritonOps:
     def attention(self, q, k, v, layer, step, rope_base, scale, window, head_norms=None):
         kv = step.batch.kv
         k_cache, v_cache = kv.k[layer], kv.v[layer]
-        # one launch: q (head-normed and) rotated in place, k rotated and v copied into the
-        # cache rows. In place on q: it is the step's own GEMV output
-        apply_rope(q, k, step.rope, self.inv_freq[rope_base], self.cfg.rope_type, inplace=True,
-                   cache=(v, k_cache, v_cache), head_norms=head_norms)
-        if step.n == 1:
-            # the combine kernel quantizes per head: whole groups of 32 in each head
+        inv_freq = self.inv_freq[rope_base]
+        if step.n == 1 and v.shape == k.shape:
+            # one launch: the attention kernel rotates (and head-norms) q and the new key
+            # itself and stores the new key and value in the cache row. The combine kernel
+            # quantizes per head: whole groups of 32 in each head
             qx = self._quantized_for(1, q.shape[1] * q.shape[2], q.device) if q.shape[2] % 32 == 0 else None
-            out = decode_attention(q, k_cache, v_cache, step.rope, scale, window, quantized=qx)
+            new = NewToken(k, v, inv_freq, self.cfg.rope_type, head_norms)
+            out = decode_attention(q, k_cache, v_cache, step.rope, scale, window, quantized=qx,
+                                   new=new)  # fmt: skip
             if qx is not None:
                 out = out.view(1, -1)  # what the output projection reads
                 self.inputs.put(out, qx)
             return out
+        # one launch: q (head-normed and) rotated in place, k rotated and v copied into the
+        # cache rows. In place on q: it is the step's own GEMV output
+        apply_rope(q, k, step.rope, inv_freq, self.cfg.rope_type, inplace=True,
+                   cache=(v, k_cache, v_cache), head_norms=head_norms)
+        if step.n == 1:
+            return decode_attention(q, k_cache, v_cache, step.rope, scale, window)
         # the start read from the positions on the device: a prefill graph replays for any start
         return prefill_attention(q, k_cache, v_cache, step.rope, scale, window)
 
