@@ -1,7 +1,7 @@
 """Dequantize a packed weight (deimos.quant.triton layout) to fp16 on the GPU, in Triton.
 
-The interim prefill path (T > 1) until a tensor-core dequant-GEMM exists: each call writes the
-whole matrix as fp16 (2 bytes per weight) and torch.matmul reads it back, so it costs
+The prefill path (T > 1) where our dequant-GEMM was measured slower (``prefers_own_gemm``):
+each call writes the whole matrix as fp16 (2 bytes per weight) and torch.matmul reads it back, so it costs
 ~(type bytes + 4) per weight of memory traffic on top of the GEMM. Embedding lookups use it on
 a gathered subset of rows.
 
@@ -14,11 +14,11 @@ Scales per group, as the GEMV applies them: value = s * q (+ mn), where for Q4_K
 s = d * sc, mn = -dmin * m; Q6_K s = d * sc16 (first/second half of the group); Q4_1/Q5_1 mn = m;
 the others s = d. The code helpers are the GEMV's, so both kernels decode the same bits.
 
-``dequant_matmul`` is the tensor-core dequant-GEMM that will replace the fp16 round trip: the
-same tile decode (``_dequant_tile``) feeding ``tl.dot`` directly, x gathered in word order.
-Tested against the decoders and compiled for sm_90. Measured on the H200 (BENCHMARKS.md,
-d75e7dc): 4-11x slower than dequantization + cuBLAS over a 512-token prefill (one untuned tile
-config, ~23 TFLOP/s on 8B), so ``QuantLinear`` keeps the cuBLAS path unless ``own_gemm`` is set.
+``dequant_matmul`` is the tensor-core dequant-GEMM: the same tile decode (``_dequant_tile``)
+feeding ``tl.dot`` directly, x permuted once into the words' order. Tested against the
+decoders and compiled for sm_90; ``prefers_own_gemm`` says where the engine uses it (measured
+on the H200: faster than the fp16 round trip for short chunks in every format and for Q8_0
+at every length; the nibble formats' in-register decode loses from 128 rows on).
 """
 
 from __future__ import annotations
@@ -158,11 +158,28 @@ class GemmConfig(NamedTuple):
 
 
 def gemm_config(m: int, n: int, k: int) -> GemmConfig:
-    """The launch rule (bench/sweep_gemm.py sets it)."""
-    del n, k
+    """The launch rule, from bench/sweep_gemm.py on the H200 (2026-11-29, llama 8B Q4_K_M
+    and Q8_0 matrices, M = 16, 64, 128, 512; BENCHMARKS.md): 16-row tiles for a 16-row
+    chunk, 64 x 64 up to 64 rows, then 128-row tiles, 64 wide up to 16384 output rows."""
+    del k
+    if m <= 16:
+        return GemmConfig(16, 64, 2, 4, 3)
     if m <= 64:
         return GemmConfig(64, 64, 2, 4, 3)
-    return GemmConfig(128, 128, 2, 8, 3)
+    return GemmConfig(128, 64 if n <= 16384 else 128, 2, 4, 3)
+
+
+OWN_GEMM_MAX_ROWS = 64
+
+
+def prefers_own_gemm(ggml_type: GGMLType, m: int) -> bool:
+    """Whether ``dequant_matmul`` beat fp16 dequantization + cuBLAS for an ``m``-row product
+    on the H200 (bench/sweep_gemm.py, BENCHMARKS.md): up to 64 rows in every format (the
+    round trip writes and reads the whole fp16 matrix whatever m is: 8B Q4_K_M's linears
+    21.8 vs 26.1 ms at m = 16), and Q8_0's layout at every m (35.5 vs 42.9 ms at m = 512,
+    where its decode is cheap and its fp16 expansion dear); the nibble formats' decode costs
+    more than the round trip from 128 rows on (28.0 vs 26.7 ms; 62.0 vs 32.5 at 512)."""
+    return ggml_type == GGMLType.Q8_0 or m <= OWN_GEMM_MAX_ROWS
 
 
 def dequant_matmul(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = None,

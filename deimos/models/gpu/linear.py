@@ -3,8 +3,8 @@
 - ``QuantLinear`` (formats with a GEMV kernel): decode (T == 1) runs the integer-activation
   GEMV (gemv_q8: x turned once into two int8 planes, ``QuantizedX``, shared by every
   projection that reads the same activation; weight codes times x codes by dp4a);
-  T > 1 (prefill) dequantizes to fp16 per call (dequant.py) and runs torch.matmul: an interim
-  path until a tensor-core dequant-GEMM exists.
+  T > 1 (prefill) runs our tensor-core dequant-GEMM or, where that was measured slower
+  (long chunks of the nibble formats), dequantizes to fp16 per call and runs torch.matmul.
 - ``DenseLinear``: formats without a kernel, dequantized once at load to an fp16 matrix.
 - ``QuantEmbedding`` / ``DenseEmbedding``: gather the token rows, dequantize only those.
 
@@ -17,7 +17,13 @@ from __future__ import annotations
 import torch
 
 from deimos.gguf.constants import GGMLType
-from deimos.models.gpu.dequant import dequant_matmul, dequantize_fp16, gather_rows, permuted_columns
+from deimos.models.gpu.dequant import (
+    dequant_matmul,
+    dequantize_fp16,
+    gather_rows,
+    permuted_columns,
+    prefers_own_gemm,
+)
 from deimos.models.gpu.notices import Notices
 from deimos.quant.triton import PackedWeight
 from deimos.quant.triton.gemv_q8 import QuantizedX, gemv_q8, quantize_x
@@ -70,12 +76,13 @@ def _check_input(x: torch.Tensor, k: int, name: str) -> None:
 class QuantLinear:
     """y = x @ W^T (+ b), W packed ``[n, k]``.
 
-    ``own_gemm``: prefill through our dequant-GEMM (dequant.dequant_matmul: the weights
-    decoded tile by tile in registers) instead of fp16 dequantization + cuBLAS. Off: measured
-    4-11x slower on the H200 (BENCHMARKS.md); tests and ``bench/profile_decode.py --own-gemm``
-    turn it on."""
+    Prefill (T > 1) runs our dequant-GEMM (dequant.dequant_matmul: weights decoded tile by
+    tile in registers, tensor-core products) where it was measured faster than fp16
+    dequantization + cuBLAS (``dequant.prefers_own_gemm``: chunks of up to 64 rows in every
+    format, Q8_0's layout at every size), else that round trip. ``own_gemm`` True / False
+    forces one path (tests, ``bench/profile_decode.py --own-gemm``); None follows the rule."""
 
-    own_gemm = False
+    own_gemm: bool | None = None
 
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, name: str,
                  inputs: InputCache, notices: Notices):
@@ -104,12 +111,9 @@ class QuantLinear:
         _check_input(x, self.packed.k, self.name)
         if x.shape[0] == 1:
             y = gemv_q8(self.packed, self.inputs.quantized(x))
-        elif self.own_gemm:
+        elif self.own_gemm or (self.own_gemm is None and prefers_own_gemm(self.ggml_type, x.shape[0])):
             y = dequant_matmul(self.packed, x, cols=self._columns())
         else:
-            self.notices.once(
-                "prefill", "prefill (T > 1): weights dequantized to fp16 per call (Triton) + "
-                "torch.matmul, an interim path until a dequant-GEMM kernel exists")
             w16 = dequantize_fp16(self.packed, permuted=True)
             y = torch.matmul(self.inputs.half(x)[:, self._columns()], w16.T).float()
         return y if self.bias is None else y + self.bias
