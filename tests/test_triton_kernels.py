@@ -283,22 +283,15 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("case", DECODE_CASES,
                          ids=lambda c: "p{}_cap{}_h{}x{}_d{}_w{}".format(c[0][-1], *c[1:]))
-@pytest.mark.parametrize("combine", ["kernel", "in_split"])
-def test_decode_attention(case: tuple, combine: str) -> None:
-    """``in_split``: stage 2 done by the last split program of each kv head (counters), twice
-    with the same counters (they must come back to zero)."""
+def test_decode_attention(case: tuple) -> None:
     q_pos, cap, hq, hkv, d, window = case
     n = q_pos[-1] + 1
     k, v = _cache(n, cap, hkv, d, seed=n + d)
     q = _rand(len(q_pos), hq, d, seed=d, dtype=torch.float16)
     pos = torch.tensor(q_pos, dtype=torch.int32, device=DEVICE)
     scale = d**-0.5
-    counters = torch.zeros(len(q_pos) * hkv, dtype=torch.int32, device=DEVICE) if combine == "in_split" else None
-    for _ in range(2 if counters is not None else 1):
-        out = decode_attention(q, k, v, pos, scale, window, out=_poison(q), counters=counters)
-        _close(f"decode {case}", out, _attn_ref(q, k, v, pos, n, scale, window), 3e-3)
-    if counters is not None:
-        assert not counters.any()
+    out = decode_attention(q, k, v, pos, scale, window, out=_poison(q))
+    _close(f"decode {case}", out, _attn_ref(q, k, v, pos, n, scale, window), 3e-3)
 
 
 FUSED_ROPE_CASES = [
@@ -332,11 +325,9 @@ def test_decode_attention_fused_rope(case: tuple) -> None:
     k_b, v_b = k_c.clone(), v_c.clone()
     k_b[q_pos] = float("nan")
     v_b[q_pos] = float("nan")
-    counters = torch.zeros(hkv, dtype=torch.int32, device=DEVICE)
     got = decode_attention(q, k_b, v_b, pos, scale, window, out=_poison(q),
-                           new=NewToken(k, v, inv, kind, hn), counters=counters)  # fmt: skip
+                           new=NewToken(k, v, inv, kind, hn))  # fmt: skip
     _close(f"fused rope {case}", got, want, 2e-3)
-    assert not counters.any()
     assert torch.equal(k_b[q_pos], k_a[q_pos]) and torch.equal(v_b[q_pos], v_a[q_pos])
     assert torch.equal(k_b[:q_pos], k_a[:q_pos])
 
@@ -534,13 +525,6 @@ def test_fused_quantized_outputs() -> None:
     qx = empty_quantized(1, hq * dh, DEVICE)
     out = decode_attention(q, k, v, pos, dh**-0.5, quantized=qx)
     _same_quantized("decode_attention", qx, out)
-    for hq_, hkv_, dh_ in ((4, 2, 64), (6, 2, 96)):  # combined in the split launch; D = 96: 3 of 4 groups
-        k, v = _cache(s, s + 8, hkv_, dh_, seed=6)
-        q = _rand(1, hq_, dh_, seed=7)
-        qx = empty_quantized(1, hq_ * dh_, DEVICE)
-        counters = torch.zeros(hkv_, dtype=torch.int32, device=DEVICE)
-        out = decode_attention(q, k, v, pos, dh_**-0.5, quantized=qx, counters=counters)
-        _same_quantized(f"decode_attention in-split combine D={dh_}", qx, out)
     with pytest.raises(ValueError, match="does not fit"):
         add_rms_norm(x, r, w, 1e-6, quantized=empty_quantized(1, 64, DEVICE))
 

@@ -207,20 +207,16 @@ def _layer_jobs() -> list[Job]:
         c = decode_attention.decode_config(s, 1, hk, d)
         for rope_kw in ({}, {"ROPE": True, "NEOX": False, "HAS_NORM": False},
                         {"ROPE": True, "NEOX": True, "HAS_NORM": True}):
-            for comb in (False, True):
-                args = [f32 if rope_kw else f16, f16, f16, i32, f32, f32, f32, hq * d, d, hk * d,
-                        d, hk * d, d, s, hk, d, c.split, c.n_split, d**-0.5, 0,
-                        f32, f32, d, d, f32, f32, f32, 1e-6, d,
-                        i32, f32, hq * d, d, i32, f32, i32]
-                jobs.append(Job("decode_split" + ("+rope" if rope_kw else "") + ("+comb+q8" if comb else ""),
-                                f"G={hq // hk} D={d} S={c.block_s} w={c.num_warps}"
-                                + (f" neox={int(rope_kw['NEOX'])} norm={int(rope_kw['HAS_NORM'])}"
-                                   if rope_kw else ""),
-                                _warm(decode_attention._decode_split_kernel, args, G=hq // hk,
-                                      G_PAD=decode_attention.GROUP_ROWS, BLOCK_S=c.block_s,
-                                      BLOCK_D=d, num_warps=c.num_warps, COMBINE=comb,
-                                      G_POW=triton.next_power_of_2(hq // hk), QUANT=comb,
-                                      **rope_kw, **PDL_KW)))
+            args = [f32 if rope_kw else f16, f16, f16, i32, f32, f32, f32, hq * d, d, hk * d, d,
+                    hk * d, d, s, hk, d, c.split, c.n_split, d**-0.5, 0,
+                    f32, f32, d, d, f32, f32, f32, 1e-6, d]
+            jobs.append(Job("decode_split" + ("+rope" if rope_kw else ""),
+                            f"G={hq // hk} D={d} S={c.block_s} w={c.num_warps}"
+                            + (f" neox={int(rope_kw['NEOX'])} norm={int(rope_kw['HAS_NORM'])}"
+                               if rope_kw else ""),
+                            _warm(decode_attention._decode_split_kernel, args, G=hq // hk,
+                                  G_PAD=decode_attention.GROUP_ROWS, BLOCK_S=c.block_s,
+                                  BLOCK_D=d, num_warps=c.num_warps, **rope_kw, **PDL_KW)))
         for quant in (False, True):
             jobs.append(Job("decode_combine" + ("+q8" if quant else ""), f"D={d} splits={c.n_split}",
                             _warm(decode_attention._decode_combine_kernel,

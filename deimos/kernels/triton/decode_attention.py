@@ -14,9 +14,8 @@ The G heads are padded to 16 rows so both products are ``tl.dot`` (sm_90 needs M
 padding costs tensor-core work only, and decode is bound by reading K/V. Splits that lie past
 q_pos (or before the window) exit after writing an empty partial (max = -inf).
 Stage 2, grid (B, Hq): combine the n_split partials of a head: out = sum_j e^(m_j - M) acc_j /
-sum_j e^(m_j - M) l_j. With ``counters`` stage 2 runs inside stage 1's launch instead: the
-last program of each (row, kv head) to finish, known from an atomic counter, combines that
-group's heads (one launch a layer fewer; the engine's decode step does this).
+sum_j e^(m_j - M) l_j. (Stage 2 done by the last stage-1 program of each kv head instead,
+found with an atomic counter, was measured slower on the H200: BENCHMARKS.md.)
 
 n_split is chosen from S and B * Hkv so stage 1 has about 2 programs per SM of an H200
 (132 SMs); it depends only on shapes, so a captured graph stays valid as q_pos grows.
@@ -47,19 +46,14 @@ def _decode_split_kernel(
     sq_b, sq_h, sk_s, sk_h, sv_s, sv_h,
     S, HKV, D, SPLIT, N_SPLIT, scale, window,
     p_kn, p_vn, skn_h, svn_h, p_inv_freq, p_qnw, p_knw, eps, R,
-    p_count, p_o, so_b, so_h, p_xq, p_xd, p_xs,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr = False, ROPE: tl.constexpr = False, NEOX: tl.constexpr = False,
-    HAS_NORM: tl.constexpr = False, COMBINE: tl.constexpr = False, G_POW: tl.constexpr = 1,
-    QUANT: tl.constexpr = False,
+    HAS_NORM: tl.constexpr = False,
 ):  # fmt: skip
     """ROPE (one query row, B = 1): q and the new token's k arrive as the projections made
     them; each program rotates (and head-norms) its q heads and the new key itself, and the
     program whose split holds q_pos stores the new key and value in the cache row q_pos and
-    folds that key in from registers; no program reads row q_pos from the cache.
-    COMBINE: the last program of a (row, kv head) to finish (``p_count``, an int32 counter
-    per (row, kv head) that starts and ends at zero) merges the group's partials into the
-    output ``p_o`` (and its QuantizedX when QUANT): stage 2 without a launch of its own."""
+    folds that key in from registers; no program reads row q_pos from the cache."""
     pdl_start(PDL)
     i_bh = tl.program_id(0)
     i_sp = tl.program_id(1)
@@ -126,61 +120,6 @@ def _decode_split_kernel(
     tl.store(p_l + o_part, l_i, mask=m_g)
     tl.store(p_acc + o_part[:, None].to(tl.int64) * D + o_d[None, :], acc,
              mask=m_g[:, None] & m_d[None, :])  # fmt: skip
-    if COMBINE:
-        done = tl.atomic_add(p_count + i_bh, 1, sem="acq_rel")  # releases this partial
-        if done == N_SPLIT - 1:  # every other split's partial is visible now
-            n_valid = tl.minimum(pos // SPLIT + 1, N_SPLIT)  # later splits saw no key
-            _combine_group(p_m, p_l, p_acc, p_o, so_b, so_h, p_xq, p_xd, p_xs, i_b, i_kv,
-                           HKV, D, N_SPLIT, n_valid, G, G_POW, BLOCK_D, QUANT)  # fmt: skip
-            tl.atomic_xchg(p_count + i_bh, 0)
-
-
-@triton.jit
-def _combine_group(p_m, p_l, p_acc, p_o, so_b, so_h, p_xq, p_xd, p_xs, i_b, i_kv, HKV, D,
-                   N_SPLIT, n_valid, G: tl.constexpr, G_POW: tl.constexpr,
-                   BLOCK_D: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
-    """The G heads of kv head ``i_kv``: out = sum_j e^(m_j - M) acc_j / sum_j e^(m_j - M) l_j
-    over splits j < n_valid, folded a few splits at a time with a running max; partials are
-    read past L1 (other SMs wrote them during this launch)."""
-    CH: tl.constexpr = 4
-    o_g = tl.arange(0, G_POW)
-    o_c = tl.arange(0, CH)
-    o_d = tl.arange(0, BLOCK_D)
-    m_g = o_g < G
-    m_d = o_d < D
-    row = (i_b * HKV + i_kv) * G + o_g  # partial rows [(b * Hq + h)]
-    big_m = tl.full([G_POW], float("-inf"), dtype=tl.float32)
-    big_l = tl.zeros([G_POW], dtype=tl.float32)
-    out = tl.zeros([G_POW, BLOCK_D], dtype=tl.float32)
-    for j0 in range(0, n_valid, CH):
-        o_j = j0 + o_c
-        m_gj = m_g[:, None] & (o_j < n_valid)[None, :]
-        o_p = row[:, None] * N_SPLIT + o_j[None, :]  # [G_POW, CH]
-        b_m = tl.load(p_m + o_p, mask=m_gj, other=float("-inf"), volatile=True)
-        b_l = tl.load(p_l + o_p, mask=m_gj, other=0.0, volatile=True)
-        b_a = tl.load(p_acc + o_p[:, :, None].to(tl.int64) * D + o_d[None, None, :],
-                      mask=m_gj[:, :, None] & m_d[None, None, :], other=0.0, volatile=True)
-        m_new = tl.maximum(big_m, tl.max(b_m, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(big_m - m_safe)
-        w = tl.exp2(b_m - m_safe[:, None])
-        big_l = big_l * alpha + tl.sum(w * b_l, axis=1)
-        out = out * alpha[:, None] + tl.sum(w[:, :, None] * b_a, axis=1)
-        big_m = m_new
-    out = out / tl.where(m_g, big_l, 1.0)[:, None]
-    o_h = i_kv * G + o_g
-    b_o = out.to(p_o.dtype.element_ty)
-    tl.store(p_o + i_b.to(tl.int64) * so_b + o_h[:, None] * so_h + o_d[None, :], b_o,
-             mask=m_g[:, None] & m_d[None, :])  # fmt: skip
-    if QUANT:  # the row [Hq * D] also as the output projection's integer activation
-        NJ: tl.constexpr = BLOCK_D // 32
-        o_j = tl.arange(0, NJ)
-        HQ = HKV * G
-        K = HQ * D
-        grp = tl.reshape(o_h[:, None] * (D // 32) + o_j[None, :], (G_POW * NJ,))
-        m_grp = tl.reshape(m_g[:, None] & (o_j < D // 32)[None, :], (G_POW * NJ,))
-        quantize_groups(tl.reshape(b_o.to(tl.float32), (G_POW * NJ, 4, 8)), grp, m_grp,
-                        p_xq + i_b * (K // 2), p_xd + i_b * (K // 32), p_xs + i_b * (K // 16))  # fmt: skip
 
 
 @triton.jit
@@ -283,7 +222,6 @@ def decode_attention(
     out: torch.Tensor | None = None,
     quantized=None,
     new: NewToken | None = None,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of B query rows over a KV cache.
 
@@ -296,8 +234,6 @@ def decode_attention(
     ``new``: B = 1, q not yet rotated, and the key/value of q_pos not yet in the cache: this
     launch rotates q and the new key (``NewToken``) and writes row q_pos of k and v (what
     ``apply_rope(..., cache=...)`` followed by this function does, in one launch fewer).
-    ``counters``: int32 ``[>= B * Hkv]`` zeros, left zero (reused by every call): the last
-    split of each kv head combines the partials in the same launch (no combine kernel).
     """
     out = check_attention_io("decode_attention", q, k, v, window, out, q_pos.device, "B")
     n_b, hq, d = q.shape
@@ -320,21 +256,13 @@ def decode_attention(
         raise ValueError(f"decode_attention: quantized output {tuple(quantized.shape)} does not "
                          f"fit [{n_b}, {hq * d}] (D a multiple of 32)")
     qx = quantized if quantized is not None else (out, out, out)
-    if counters is not None and (counters.dtype != torch.int32 or counters.device != q.device
-                                 or counters.numel() < n_b * hkv):  # fmt: skip
-        raise ValueError(f"decode_attention: counters must be int32 [>= {n_b * hkv}] on {q.device}")
-    fuse = counters is not None
     _decode_split_kernel[(n_b * hkv, cfg.n_split)](
         q, k, v, q_pos, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         s, hkv, d, cfg.split, cfg.n_split, scale, window, *new_args,
-        counters if fuse else q_pos, out, out.stride(0), out.stride(1), qx[0], qx[1], qx[2],
         G=hq // hkv, G_PAD=GROUP_ROWS, BLOCK_S=cfg.block_s, BLOCK_D=block_d,
-        COMBINE=fuse, G_POW=triton.next_power_of_2(hq // hkv), QUANT=fuse and quantized is not None,
         num_warps=cfg.num_warps, **new_kw, **launch_options(pdl_on(q.device)),
     )  # fmt: skip
-    if fuse:
-        return out
     _decode_combine_kernel[(n_b, hq)](
         part_m, part_l, part_acc, out, out.stride(0), out.stride(1), hq, d, cfg.n_split,
         qx[0], qx[1], qx[2],

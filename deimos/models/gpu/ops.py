@@ -33,9 +33,6 @@ class TritonOps:
         # with the model's InputCache, a decode step's norm, activation and attention kernels
         # also write their output as the next GEMV's integer activation (one launch less each)
         self.inputs = inputs
-        # the decode attention's combine counters (one per kv head, zero between launches):
-        # its last split program combines the partials (one launch a layer fewer)
-        self.counters = torch.zeros(cfg.n_head_kv, dtype=torch.int32, device=device)
         bases = sorted({cfg.layer_rope_base(i) for i in range(cfg.n_layer)})
         self.inv_freq = {b: rope_inv_freq(cfg.rope_dim, b, cfg.rope_scale, freq_factors, device)
                          for b in bases}  # fmt: skip
@@ -70,7 +67,7 @@ class TritonOps:
             qx = self._quantized_for(1, q.shape[1] * q.shape[2], q.device) if q.shape[2] % 32 == 0 else None
             new = NewToken(k, v, inv_freq, self.cfg.rope_type, head_norms)
             out = decode_attention(q, k_cache, v_cache, step.rope, scale, window, quantized=qx,
-                                   new=new, counters=self.counters)  # fmt: skip
+                                   new=new)  # fmt: skip
             if qx is not None:
                 out = out.view(1, -1)  # what the output projection reads
                 self.inputs.put(out, qx)
@@ -80,7 +77,7 @@ class TritonOps:
         apply_rope(q, k, step.rope, inv_freq, self.cfg.rope_type, inplace=True,
                    cache=(v, k_cache, v_cache), head_norms=head_norms)
         if step.n == 1:
-            return decode_attention(q, k_cache, v_cache, step.rope, scale, window, counters=self.counters)
+            return decode_attention(q, k_cache, v_cache, step.rope, scale, window)
         # the start read from the positions on the device: a prefill graph replays for any start
         return prefill_attention(q, k_cache, v_cache, step.rope, scale, window)
 
