@@ -52,7 +52,7 @@ def candidates(rule: Q8Config, k: int, quick: bool) -> list[Q8Config]:
     groups = k // 32
     out = [rule]
     for warps in (1, 2, 4, 8) if not quick else (1, 4, 8):
-        for mult in (1, 2):
+        for mult in (1, 2, 4, 8) if warps <= 2 else (1, 2):  # mult: groups a thread and step
             s = 32 * warps * mult
             if s > max(64, 2 * groups):
                 continue

@@ -317,7 +317,11 @@ def q8_config(ggml_type: GGMLType, n: int, k: int, b: int) -> Q8Config:
     four benchmark models under 14-31 tiles each; BENCHMARKS.md):
     - Q8_0 (bound by bytes: 2 bytes of x per weight byte) gains most from loading x once per
       thread: one warp a program, x broadcast over 1-2 rows in registers. 8B shapes 62-78% ->
-      71-98% of the roof (4096x14336: 27.9 -> 17.7 us; 28672x4096: 38.2 -> 30.9 us).
+      71-98% of the roof (4096x14336: 27.9 -> 17.7 us; 28672x4096: 38.2 -> 30.9 us). Set
+      again from a third sweep (2026-11-29, up to 8 groups a thread and step): two rows
+      from K <= 4096 (28672x4096 36.6 -> 30.6 us, 128256x4096 156 -> 123 us), four groups a
+      thread at 6144 rows (7.3 -> 6.7 us), rows on 4 warps at 4096x4096 (7.0 -> 4.9 us):
+      8B Q8_0's GEMVs 2320 -> 2009 us a token.
     - The nibble formats are bound by instructions (the scale decode), not by x loads: rows on
       warps, 4 rows a program. Two groups a thread and step (fewer loop instructions a group)
       pay off on long rows: Q4_K from K = 8192 (4096x14336: 13.0 -> 12.7 us; at K = 4096 one
@@ -332,9 +336,11 @@ def q8_config(ggml_type: GGMLType, n: int, k: int, b: int) -> Q8Config:
             return Q8Config(1, 128, 2, True)
         if k <= 1024:
             return Q8Config(8, 16, 4) if n >= 65536 else Q8Config(8, 32, 1, True)
-        if n >= 65536:
-            return Q8Config(1, 32, 1, True)
-        return Q8Config(1 if n >= 16384 or k >= 8192 else 2, 64, 1, True)
+        if k >= 8192:
+            return Q8Config(1, 64, 1, True)
+        if n >= 16384:
+            return Q8Config(2, 32, 1, True)
+        return Q8Config(2, 128, 1, True) if n > 4096 else Q8Config(2, 32, 4)
     if ggml_type == GGMLType.Q6_K:
         if n <= 1024 and k >= 4096:
             return Q8Config(4, 128, 4)
