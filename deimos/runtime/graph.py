@@ -17,6 +17,11 @@ graph is captured once per (model, cache, length) and never patched or re-captur
 Padding tokens of a prefill chunk write cache rows past the chunk, which later steps
 overwrite before anything reads them; a chunk is padded only while the cache has the room.
 
+The decode graph ends with the greedy choice on the device (kernels/triton/greedy.py): its
+argmax becomes the next replay's token and the position advances, so a greedy request runs
+as replays enqueued one after another while the host reads each token a step behind
+(``DecodeGraph.start_chain`` / ``launch_chained`` / ``chained_token``; engine/generator.py).
+
 The cache's host bookkeeping (``begin``/``commit``) stays outside the graphs, here. The
 graphs of one generator share one memory pool: they run one at a time, and each keeps only
 its logits alive between replays, so the pool holds the largest step's intermediates once.
