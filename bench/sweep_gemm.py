@@ -22,7 +22,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sweep_gemv import decode_linears
+from sweep_gemv import decode_linears, distinct_shapes
 
 from deimos.gguf import GGUFFile
 from deimos.models import load_model
@@ -64,15 +64,12 @@ def main() -> None:
             torch.cuda.empty_cache()
             model, loaded = load_model(GGUFFile(path), device="cuda"), path
         lins = decode_linears(model)
-        calls = Counter((lin.ggml_type, lin.packed.n, lin.packed.k) for lin in lins)
-        first = {}
-        for lin in lins:
-            first.setdefault((lin.ggml_type, lin.packed.n, lin.packed.k), lin)
-        print(f"\n{path}: M = {m}, {len(lins)} linears a step, {len(first)} shapes")
+        calls, shapes = distinct_shapes(lins)
+        print(f"\n{path}: M = {m}, {len(lins)} linears a step, {len(shapes)} shapes")
         print(f"{'type':5} {'N x K':>14} {'calls':>5} {'deq us':>7} {'cublas':>7} {'rule us':>8} "
               f"{'best us':>8} {'TFLOP/s':>7}  best tile")
         tot = Counter()
-        for key, lin in sorted(first.items(), key=lambda kv: -kv[0][1] * kv[0][2]):
+        for key, lin in shapes:
             t, n, k = key
             w = lin.packed
             x = torch.randn(m, k, device="cuda")

@@ -48,6 +48,16 @@ def decode_linears(model) -> list[QuantLinear]:
     return found
 
 
+def distinct_shapes(lins: list[QuantLinear]) -> tuple[Counter, list[tuple[tuple, QuantLinear]]]:
+    """How many times a step runs each (format, N, K), and each one's first linear, largest
+    matrix first."""
+    calls = Counter((lin.ggml_type, lin.packed.n, lin.packed.k) for lin in lins)
+    first: dict[tuple, QuantLinear] = {}
+    for lin in lins:
+        first.setdefault((lin.ggml_type, lin.packed.n, lin.packed.k), lin)
+    return calls, sorted(first.items(), key=lambda kv: -kv[0][1] * kv[0][2])
+
+
 def candidates(rule: Q8Config, k: int, quick: bool) -> list[Q8Config]:
     groups = k // 32
     out = [rule]
@@ -75,14 +85,11 @@ def main() -> None:
     for path in args.models:
         model = load_model(GGUFFile(path), device="cuda")
         lins = decode_linears(model)
-        calls = Counter((lin.ggml_type, lin.packed.n, lin.packed.k) for lin in lins)
-        first = {}
-        for lin in lins:
-            first.setdefault((lin.ggml_type, lin.packed.n, lin.packed.k), lin)
-        print(f"\n{path}: {len(lins)} GEMVs a token, {len(first)} shapes")
+        calls, shapes = distinct_shapes(lins)
+        print(f"\n{path}: {len(lins)} GEMVs a token, {len(shapes)} shapes")
         print(f"{'type':5} {'N x K':>14} {'calls':>5} {'rule us':>8} {'roof':>5} {'best us':>8} {'roof':>5}  best tile")
         t_rule = t_best = 0.0
-        for key, lin in sorted(first.items(), key=lambda kv: -kv[0][1] * kv[0][2]):
+        for key, lin in shapes:
             t, n, k = key
             qx = quantize_x(torch.randn(1, k, device="cuda"))
             out = torch.empty(1, n, device="cuda")
