@@ -32,7 +32,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from deimos.kernels.triton.greedy import GreedyState, greedy_next
 from deimos.models.batch import Batch
 from deimos.models.blocks import DecoderModel
 from deimos.runtime.kv_cache import ContextFullError, KVCache
@@ -145,6 +144,11 @@ class DecodeGraph(StepGraph):
 
     def __init__(self, model: DecoderModel, kv: KVCache, warmup: int = 2, pool: tuple | None = None):
         super().__init__(model, kv, 1, warmup, pool)
+        # imported here: defining the Triton kernels reads TRITON_INTERPRET, which a process
+        # that only imports this module (CPU tests) must not have fixed yet
+        from deimos.kernels.triton.greedy import GreedyState, greedy_next
+
+        self._greedy_next = greedy_next
         device = model.device
         self._greedy = GreedyState(model.config.n_vocab, device)
         self._token = torch.zeros(1, dtype=torch.long, device=device)
@@ -154,7 +158,7 @@ class DecodeGraph(StepGraph):
         self._launched = 0
 
     def _after_step(self, logits: torch.Tensor, feed: torch.Tensor) -> None:
-        greedy_next(logits, self._greedy, self._token, feed)
+        self._greedy_next(logits, self._greedy, self._token, feed)
 
     def step(self, token: int) -> torch.Tensor:
         """``token`` at the cache's next position, committed; its logits ``[n_vocab]``."""
