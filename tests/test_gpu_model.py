@@ -50,11 +50,17 @@ def synth_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("gpu_synth")
 
 
-def _synth(d, arch: str, typ: str):
-    path = d / f"{arch}-{typ}.gguf"
+def _synth(d, arch: str, typ: str, preset: str | None = None):
+    preset = preset or f"{arch}-tiny"
+    path = d / f"{preset}-{typ}.gguf"
     if not path.exists():
-        write_model(path, arch, f"{arch}-tiny", typ, llama_cpp_path(DONOR), seed=3)
+        write_model(path, arch, preset, typ, llama_cpp_path(DONOR), seed=3)
     return GGUFFile(path)
+
+
+# formats whose blocks are 256 wide: the tiny llama with 256-multiple widths (else llama-tiny's
+# 128-wide rows fall back to other formats)
+K256 = {"Q2_K": "llama-tiny-k"}
 
 
 def _kernel_model(f: GGUFFile, device: str = DEVICE):
@@ -67,10 +73,15 @@ def _first_rows(lin: QuantLinear) -> QuantLinear:
     return QuantLinear(gather_rows(lin.packed, rows), None, lin.name, lin.inputs, lin.notices)
 
 
-def test_kernel_linears_match_reference(synth_dir) -> None:
+# each file's mix: the formats its layer-0 linears and output matrix must include
+MIXES = {"Q4_K_M": {GGMLType.Q4_K, GGMLType.Q5_0, GGMLType.Q8_0}, "Q2_K": {GGMLType.Q2_K}}
+
+
+@pytest.mark.parametrize("typ", list(MIXES))
+def test_kernel_linears_match_reference(synth_dir, typ: str) -> None:
     """Decode (T = 1: int8-activation GEMV; oracle: the reference weight times the q8-rounded
     x) and prefill (T = 3, fp16 dequant + matmul; oracle: the reference on x itself)."""
-    ref, kern = _kernel_model(_synth(synth_dir, "llama", "Q4_K_M"))
+    ref, kern = _kernel_model(_synth(synth_dir, "llama", typ, K256.get(typ)))
     r0, k0 = ref.layers[0], kern.layers[0]
     pairs = [(getattr(getattr(r0, blk), n), getattr(getattr(k0, blk), n))
              for blk, names in (("attn", "qkvo"), ("mlp", ("gate", "up", "down"))) for n in names]
@@ -99,7 +110,7 @@ def test_kernel_linears_match_reference(synth_dir) -> None:
                 rel = _rel(x @ r.weight[:rows].T, small(x.to(DEVICE)))
                 assert rel < 3e-3, f"{k.name} ({k.ggml_type.name}) own GEMM {own}: relative RMS error {rel:.2e}"
     # llama-tiny's Q4_K_M mix: Q5_0 where rows of 128 do not fit 256-blocks, Q4_K, Q8_0 output
-    assert {GGMLType.Q4_K, GGMLType.Q5_0, GGMLType.Q8_0} <= seen, seen
+    assert MIXES[typ] <= seen, seen
     assert isinstance(k0.mlp.gate, LinearPart) and k0.mlp.gate.group is k0.mlp.up.group
 
 
@@ -271,10 +282,11 @@ def test_gpu_whole_synth_model(synth_dir, arch: str, typ: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("typ", ["TQ1_0", "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ3_XXS"])
+@pytest.mark.parametrize("typ", ["TQ1_0", "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ3_XXS", "Q2_K"])
 def test_gpu_whole_synth_model_q8_layouts(synth_dir, typ: str) -> None:
-    """Formats that run in Q8_0's layout (the same values): whole llama-tiny files."""
-    _compare_whole(_synth(synth_dir, "llama", typ), f"llama-tiny {typ}")
+    """The formats past the first eight (Q8_0's layout with their values; Q2_K in its own):
+    whole llama-tiny files."""
+    _compare_whole(_synth(synth_dir, "llama", typ, K256.get(typ)), f"{K256.get(typ, 'llama-tiny')} {typ}")
 
 
 @pytest.mark.gpu

@@ -83,8 +83,8 @@ def test_gemv_real_tensor(model: str, tensor: str) -> None:
 
 
 def test_pack_bad_input() -> None:
-    with pytest.raises(ValueError, match="no GPU layout for Q2_K"):
-        pack(_blocks(GGMLType.Q2_K, 2, 256, seed=0), GGMLType.Q2_K)
+    with pytest.raises(ValueError, match="no GPU layout for IQ2_XS"):
+        pack(_blocks(GGMLType.IQ2_XS, 2, 256, seed=0), GGMLType.IQ2_XS)
     with pytest.raises(ValueError, match="whole number"):
         pack(np.zeros((2, 100), np.uint8), GGMLType.Q4_K)
 

@@ -60,6 +60,10 @@ _PRESETS = [
     SynthPreset("llama-tiny", "llama", n_layer=2, n_embd=128, n_ff=256, n_head=4, n_head_kv=2,
                 head_dim=32, rope_base=500000.0, rms_eps=1e-5, context_length=2048,
                 tied_embeddings=False),
+    # every width a multiple of 256: the k-quant formats' blocks fit every matrix
+    SynthPreset("llama-tiny-k", "llama", n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2,
+                head_dim=64, rope_base=500000.0, rms_eps=1e-5, context_length=2048,
+                tied_embeddings=False),
     SynthPreset("qwen2-tiny", "qwen2", n_layer=2, n_embd=128, n_ff=256, n_head=4, n_head_kv=2,
                 head_dim=32, rope_base=1000000.0, rms_eps=1e-6, context_length=2048,
                 tied_embeddings=True),

@@ -32,6 +32,7 @@ import triton.language as tl
 from deimos.gguf.constants import GGMLType
 from deimos.quant.triton.dequant_gemv import (
     FMT_ID,
+    Q2_K,
     Q4_1,
     Q4_K,
     Q5_1,
@@ -41,7 +42,9 @@ from deimos.quant.triton.dequant_gemv import (
     gemv_out,
     group_scales,
     group_words,
+    q2k_scales,
     weight_arrays,
+    words_per_group,
 )
 from deimos.quant.triton.layout import PackedWeight
 
@@ -56,7 +59,7 @@ def _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL, FMT: tl.
     """Rows ``o_n`` (int64) x groups ``u`` -> float32 ``[BLOCK_N, BLOCK_S, W, NK]``: element
     32u + W k + w of each row at [row, group, w, k] (masked entries 0; ``MASKED=False``:
     every (row, group) exists and nothing is masked)."""
-    W: tl.constexpr = 8 if FMT == Q8_0 else 4
+    W: tl.constexpr = 8 if FMT == Q8_0 else (2 if FMT == Q2_K else 4)
     NK: tl.constexpr = 32 // W
     HALF: tl.constexpr = NK // 2
     HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1 or FMT == Q5_1
@@ -64,10 +67,16 @@ def _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL, FMT: tl.
     b_w, b_h, m_w = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT, MASKED)
     k4 = tl.arange(0, NK)[None, None, None, :]
     q = _codes(b_w[:, :, :, None], b_h[:, :, :, None], k4, FMT)  # [BLOCK_N, BLOCK_S, W, NK]: code k of word w
-    s_lo, s_hi, mn = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT, MASKED)
-    val = tl.where(k4 < HALF, s_lo[:, :, None, None], s_hi[:, :, None, None]) * q
-    if HAS_MIN:
-        val += mn[:, :, None, None]
+    first = k4 < HALF  # elements 0-15 of the group
+    if FMT == Q2_K:  # a scale and a min per 16
+        s_lo, s_hi, mn_lo, mn_hi = q2k_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, MASKED)
+        val = (tl.where(first, s_lo[:, :, None, None], s_hi[:, :, None, None]) * q
+               - tl.where(first, mn_lo[:, :, None, None], mn_hi[:, :, None, None]))  # fmt: skip
+    else:
+        s_lo, s_hi, mn = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT, MASKED)
+        val = tl.where(first, s_lo[:, :, None, None], s_hi[:, :, None, None]) * q
+        if HAS_MIN:
+            val += mn[:, :, None, None]
     if MASKED:
         val = tl.where(m_w[:, :, :, None], val, 0.0)
     return val
@@ -82,7 +91,7 @@ def _dequant_kernel(
     BLOCK_S: tl.constexpr,
     PERMUTED: tl.constexpr,
 ):  # fmt: skip
-    W: tl.constexpr = 8 if FMT == Q8_0 else 4
+    W: tl.constexpr = 8 if FMT == Q8_0 else (2 if FMT == Q2_K else 4)
     NK: tl.constexpr = 32 // W
     i_n = tl.program_id(0)
     i_s = tl.program_id(1)
@@ -213,7 +222,7 @@ def dequant_matmul(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = 
 def permuted_columns(w: PackedWeight) -> torch.Tensor:
     """int64 ``[k]`` on w's device: column p of ``dequantize_fp16(w, permuted=True)`` holds
     element ``cols[p]`` of the row, so ``x[:, cols] @ Wp.T == x @ W.T``."""
-    wd = 8 if w.ggml_type == GGMLType.Q8_0 else 4
+    wd = words_per_group(w.ggml_type)
     nk = 32 // wd
     p = torch.arange(w.k, device=w.device)
     u, r = p // 32, p % 32

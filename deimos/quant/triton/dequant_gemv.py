@@ -21,7 +21,7 @@ FMT_ID: dict[GGMLType, int] = {
     t: i
     for i, t in enumerate(
         [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q5_K, GGMLType.Q4_0,
-         GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1]
+         GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q2_K]
     )
 }  # fmt: skip
 Q4_K = tl.constexpr(FMT_ID[GGMLType.Q4_K])
@@ -32,6 +32,7 @@ Q4_0 = tl.constexpr(FMT_ID[GGMLType.Q4_0])
 Q4_1 = tl.constexpr(FMT_ID[GGMLType.Q4_1])
 Q5_0 = tl.constexpr(FMT_ID[GGMLType.Q5_0])
 Q5_1 = tl.constexpr(FMT_ID[GGMLType.Q5_1])
+Q2_K = tl.constexpr(FMT_ID[GGMLType.Q2_K])
 MAX_BATCH = 8
 # 2^23 as float: for 0 <= q < 2^23 the bits (q | 0x4B000000) are the float 2^23 + q exactly.
 MAGIC_BITS = tl.constexpr(0x4B000000)
@@ -50,6 +51,8 @@ def _codes(b_w, b_h, k, FMT: tl.constexpr):
     if FMT == Q8_0:
         # byte k, signed; ^ 0x80 maps -128..127 to 0..255
         return _code_float(((b_w >> (8 * k)) & 0xFF) ^ 0x80, 128.0)
+    if FMT == Q2_K:  # crumb k (layout._crumb_words)
+        return _code_float((b_w >> (2 * k)) & 3, 0.0)
     q = (b_w >> (4 * k)) & 0xF
     if FMT == Q6_K:  # code k = 2j + p at bits (4, 12, 0, 8)[j] + 2p (layout.Q6_HIGH_SHIFT)
         j = k // 2
@@ -129,12 +132,28 @@ def group_scales(p_s, p_d, p_m, o_n, u, m, S_TOTAL, FMT: tl.constexpr, MASKED: t
 
 
 @triton.jit
+def q2k_scales(p_s, p_d, p_m, o_n, u, m, S_TOTAL, MASKED: tl.constexpr = True):
+    """Q2_K: group u's (scale, scale, min, min) of its first and last 16 elements, float32
+    [BLOCK_N, BLOCK_S] each: d * (sc & 15), dmin * (sc >> 4) from its two scale bytes (the low
+    byte of the int16 entry is the first sub-block's), as ggml computes them."""
+    o_g = o_n[:, None] * S_TOTAL + u[None, :]
+    sc = masked_load(p_s + o_g, m, MASKED).to(tl.int32)
+    lo = sc & 0xFF
+    hi = (sc >> 8) & 0xFF
+    o_b = o_n[:, None] * (S_TOTAL // 8) + (u // 8)[None, :]
+    d = masked_load(p_d + o_b, m, MASKED).to(tl.float32)
+    dmin = masked_load(p_m + o_b, m, MASKED).to(tl.float32)
+    return (d * (lo & 15).to(tl.float32), d * (hi & 15).to(tl.float32),
+            dmin * (lo >> 4).to(tl.float32), dmin * (hi >> 4).to(tl.float32))  # fmt: skip
+
+
+@triton.jit
 def group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT: tl.constexpr, MASKED: tl.constexpr = True):
     """The packed words of groups ``u`` of rows ``o_n`` (int64), each ``[BLOCK_N, BLOCK_S, W]``
-    (W = 8 words a group for Q8_0, 4 for the nibble formats; code k of word w of group u is
-    element 32u + W k + w): (qw, the high bits' entries of the same words for the formats
-    that have them (Q6_K, Q5_K, Q5_0, Q5_1; qw again for the others), the load mask)."""
-    W: tl.constexpr = 8 if FMT == Q8_0 else 4
+    (W = 8 words a group for Q8_0, 2 for Q2_K, 4 for the nibble formats; code k of word w of
+    group u is element 32u + W k + w): (qw, the high bits' entries of the same words for the
+    formats that have them (Q6_K, Q5_K, Q5_0, Q5_1; qw again for the others), the load mask)."""
+    W: tl.constexpr = 8 if FMT == Q8_0 else (2 if FMT == Q2_K else 4)
     o_w = tl.arange(0, W)
     m_w = (m_n[:, None] & m_s[None, :])[:, :, None] & (o_w < W)[None, None, :]
     o_q = o_n[:, None, None] * (S_TOTAL * W) + u[None, :, None] * W + o_w[None, None, :]
@@ -144,6 +163,12 @@ def group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT: tl.constexpr, MASKED
     else:
         b_h = b_w
     return b_w, b_h, m_w
+
+
+def words_per_group(ggml_type: GGMLType) -> int:
+    """int32 words a group of 32 takes in the packed layout (the kernels' W): 8 for Q8_0 (a
+    byte a code), 2 for Q2_K (2 bits), 4 for the nibble formats."""
+    return 8 if ggml_type == GGMLType.Q8_0 else (2 if ggml_type == GGMLType.Q2_K else 4)
 
 
 MAX_GRID_X = 2**31 - 1  # CUDA: grid axis 0; axes 1 and 2 stop at 65535

@@ -15,13 +15,15 @@ bytes, and the scales are applied once per group of 32 in float.
 
 x layout (``quantize_x``): group u of a row is sixteen int32 words, q1's eight then q2's;
 byte j of word q (of either plane) is the code of element 32u + q + 8j. The weight layouts (layout.py) put code k of word w at element
-32u + W k + w (W = 4 words for nibble formats, 8 for Q8_0), so:
+32u + W k + w (W = 4 words for nibble formats, 8 for Q8_0, 2 for Q2_K), so:
   - Q8_0: weight word w and x word w hold the same four elements;
   - nibble formats: (word w >> 4p) & 0x0F0F0F0F holds codes k = p, p+2, p+4, p+6 of word w,
     elements 4p + w + 8j: x word 4p + w. Fifth bits (Q5_K, Q5_0, Q5_1) come from their array,
     moved into bit 4 of each byte by a multiply that spreads the bit fields (no carry reaches a
     kept bit; see _spread1); Q6_K's two high bits are stored so that two masks and a shift put
     them in bits 4-5 (``_q6_high``).
+  - Q2_K: (word w >> 2p) & 0x03030303 holds codes p, p+4, p+8, p+12 of word w, elements
+    2p + w + 8j: x word 2p + w; bytes 0-1 are the group's first 16 elements, 2-3 its last.
 Offsets (Q4_0: 8, Q5_0: 16, Q6_K: 32) are subtracted as offset * sum of the x codes, exact
 in integers; Q6_K's two scales per group (elements 0-15, 16-31 = bytes 0-1, 2-3) take two
 dot products per word.
@@ -44,6 +46,7 @@ import triton.language as tl
 from deimos.gguf.constants import GGMLType
 from deimos.quant.triton.dequant_gemv import (
     FMT_ID,
+    Q2_K,
     Q4_0,
     Q4_1,
     Q4_K,
@@ -58,6 +61,7 @@ from deimos.quant.triton.dequant_gemv import (
     group_scales,
     group_words,
     masked_load,
+    q2k_scales,
     weight_arrays,
 )
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
@@ -113,7 +117,7 @@ def _gemv_q8_kernel(
     """EVEN: BLOCK_S divides the groups of a row, so nothing is masked but the stores (rows past
     N are clamped to row N - 1 for loading and never stored). PDL: deimos.quant.triton.pdl."""
     pdl_start(PDL)
-    W: tl.constexpr = 8 if FMT == Q8_0 else 4  # weight words per group of 32
+    W: tl.constexpr = 8 if FMT == Q8_0 else (2 if FMT == Q2_K else 4)  # weight words per group
     HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1 or FMT == Q5_1
     OFFSET: tl.constexpr = 8 if FMT == Q4_0 else (16 if FMT == Q5_0 else (32 if FMT == Q6_K else 0))
     i_n = tl.program_id(0)  # row tiles on axis 0: a 262144-row vocabulary is 65536 tiles,
@@ -148,6 +152,20 @@ def _gemv_q8_kernel(
             b_xr = masked_load(p_xq + o_x + 8, m_x, MASKED)
             d_lo = _dp4a(b_w, b_x, zero, ASM) * PLANE + _dp4a(b_w, b_xr, zero, ASM)
             d_hi = d_lo
+        elif FMT == Q2_K:  # (word >> 2p) & 0x03030303: elements 2p + w + 8j, x word 2p + w
+            a1, a2, h1, h2 = zero, zero, zero, zero
+            for p in tl.static_range(4):
+                x_p = masked_load(p_xq + o_x + 2 * p, m_x, MASKED)
+                x_pr = masked_load(p_xq + o_x + 8 + 2 * p, m_x, MASKED)
+                c = (b_w >> (2 * p)) & 0x03030303
+                c_lo = c & 0xFFFF  # bytes 0-1: elements 0-15 (first scale and min)
+                c_hi = c & -65536
+                a1 = _dp4a(c_lo, x_p, a1, ASM)
+                a2 = _dp4a(c_lo, x_pr, a2, ASM)
+                h1 = _dp4a(c_hi, x_p, h1, ASM)
+                h2 = _dp4a(c_hi, x_pr, h2, ASM)
+            d_lo = a1 * PLANE + a2
+            d_hi = h1 * PLANE + h2
         else:
             x0 = masked_load(p_xq + o_x, m_x, MASKED)  # x words 0..3: parity 0
             x1 = masked_load(p_xq + o_x + 4, m_x, MASKED)  # x words 4..7: parity 1
@@ -177,15 +195,21 @@ def _gemv_q8_kernel(
         xs_lo = masked_load(p_xs + i_b * (2 * S_TOTAL) + 2 * u, m_s, MASKED)[None, :]
         xs_hi = masked_load(p_xs + i_b * (2 * S_TOTAL) + 2 * u + 1, m_s, MASKED)[None, :]
         xd = masked_load(p_xd + i_b * S_TOTAL + u, m_s, MASKED)[None, :]
-        s_lo, s_hi, mn = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT, MASKED)
-        if FMT == Q6_K:
+        if FMT == Q2_K:
+            s_lo, s_hi, mn_lo, mn_hi = q2k_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, MASKED)
             i_hi = tl.sum(d_hi, axis=2)
-            dot = (s_lo * (i_lo - OFFSET * xs_lo).to(tl.float32)
-                   + s_hi * (i_hi - OFFSET * xs_hi).to(tl.float32))  # fmt: skip
+            dot = (s_lo * i_lo.to(tl.float32) + s_hi * i_hi.to(tl.float32)
+                   - mn_lo * xs_lo.to(tl.float32) - mn_hi * xs_hi.to(tl.float32))  # fmt: skip
         else:
-            dot = s_lo * (i_lo - OFFSET * (xs_lo + xs_hi)).to(tl.float32)
-        if HAS_MIN:
-            dot += mn * (xs_lo + xs_hi).to(tl.float32)
+            s_lo, s_hi, mn = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT, MASKED)
+            if FMT == Q6_K:
+                i_hi = tl.sum(d_hi, axis=2)
+                dot = (s_lo * (i_lo - OFFSET * xs_lo).to(tl.float32)
+                       + s_hi * (i_hi - OFFSET * xs_hi).to(tl.float32))  # fmt: skip
+            else:
+                dot = s_lo * (i_lo - OFFSET * (xs_lo + xs_hi)).to(tl.float32)
+            if HAS_MIN:
+                dot += mn * (xs_lo + xs_hi).to(tl.float32)
         acc += xd * dot
     tl.store(p_y + i_b * N + o_y, tl.sum(acc, axis=1), mask=m_y)
 

@@ -12,7 +12,8 @@ group and the activations it needs are contiguous::
 
 So the kernel takes nibble k of all four words of a group at once and multiplies them with
 x[32u + 4k .. 32u + 4k + 3], a 16-byte vector. Q8_0 uses eight words per group, one byte per
-code (word w, byte b <-> element 32u + 8b + w). Extra code bits go to their own arrays in the
+code (word w, byte b <-> element 32u + 8b + w); Q2_K two words, 2 bits a code (word w, crumb
+k <-> element 32u + 2k + w). Extra code bits go to their own arrays in the
 same (group, word) order, scales to theirs. Bytes per weight stay exactly GGUF's: a repack
 moves bytes, it never widens them. The one exception is a format packed in another format's
 layout (``KERNEL_TYPE``: Q3_K as Q6_K codes, exact values, 6.56 instead of 3.44 bits per
@@ -170,6 +171,32 @@ def _pack_q6_k(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
     }
 
 
+_CRUMB_SHIFT = (2 * np.arange(16, dtype=np.uint32)).reshape(1, 16, 1)
+
+
+def _crumb_words(codes: np.ndarray) -> np.ndarray:
+    """2-bit codes ``[g, 32]`` (element order) -> int32 ``[g, 2]``: crumb k (bits 2k, 2k+1) of
+    word w = element 2k + w. (Shifted by 2p and masked with 0x03030303, a word holds codes
+    p, p+4, p+8, p+12 in its bytes: elements 2p + w + 8j, the GEMV's x word 2p + w.)"""
+    c = (codes.astype(np.uint32) & 3).reshape(-1, 16, 2)  # [g, k, w]
+    return np.bitwise_or.reduce(c << _CRUMB_SHIFT, axis=1).view(np.int32)
+
+
+def _pack_q2_k(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
+    # GGUF block (84 bytes / 256 elements): scales[16] (sub-block of 16: low nibble scale,
+    # high nibble min) | qs[64] 2-bit (kquants._crumbs) | d f16 | dmin f16;
+    # w = d * (sc & 15) * q - dmin * (sc >> 4)
+    # qw int32 [n, k/16]  crumb k of word 2u + w = element 32u + 2k + w (_crumb_words)
+    # sc int16 [n, k/32]  group u's two scale bytes (low byte: elements 0-15), GGUF's bytes
+    # d, m f16 [n, k/256] d, dmin. 2.625 bits per weight, as GGUF.
+    return {
+        "qw": _torch(_crumb_words(_crumbs(b[:, 16:80]).reshape(-1, 32)), rows),
+        "sc": _torch(b[:, 0:16], rows, np.int16),
+        "d": _torch(_f16(b, 80), rows),
+        "m": _torch(_f16(b, 82), rows),
+    }
+
+
 def _pack_q8_0(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
     # GGUF block (34 bytes / 32 elements): d f16 | qs int8[32]
     # qw int32 [n, k/4]: byte b (bits 8b..8b+7) of word 8u + w = code of element 32u + 8b + w
@@ -279,6 +306,7 @@ _PACKERS: dict[GGMLType, Callable[[np.ndarray, int], dict[str, torch.Tensor]]] =
     GGMLType.Q5_0: _pack_q5_0,
     GGMLType.Q5_1: _pack_q5_1,
     GGMLType.Q3_K: _pack_q3_k,
+    GGMLType.Q2_K: _pack_q2_k,
     GGMLType.TQ1_0: _as_q8_0(GGMLType.TQ1_0),
     GGMLType.TQ2_0: _as_q8_0(GGMLType.TQ2_0),
     GGMLType.IQ4_NL: _as_q8_0(GGMLType.IQ4_NL),

@@ -73,6 +73,13 @@ def dequantize_packed(p: PackedWeight) -> torch.Tensor:
     if p.ggml_type == GGMLType.Q8_0:
         q = t["qw"].view(torch.int8).reshape(n, -1, 8, 4).transpose(2, 3).reshape(n, k)
         return q.float() * _per_group(t["d"].float(), 32)
+    if p.ggml_type == GGMLType.Q2_K:
+        shifts = (2 * torch.arange(16, dtype=torch.int32)).reshape(1, 1, 16, 1)
+        q = ((t["qw"].reshape(n, -1, 1, 2) >> shifts) & 3).reshape(n, k)  # [n, u, k, w]: 2k + w
+        sc = t["sc"].contiguous().view(torch.uint8).reshape(n, -1).to(torch.int32)  # per 16
+        dl = _per_group(t["d"].float(), 16) * (sc & 15).float()
+        ml = _per_group(t["m"].float(), 16) * (sc >> 4).float()
+        return _per_group(dl, 16) * q.float() - _per_group(ml, 16)
     q = _codes_nibble(t["qw"])
     if p.ggml_type in (GGMLType.Q4_K, GGMLType.Q5_K):
         if p.ggml_type == GGMLType.Q5_K:
