@@ -48,6 +48,7 @@ def candidates(m: int, n: int, k: int, quick: bool) -> list[GemmConfig]:
     for bm, bn, bs, w in tiles[:5] if quick else tiles:
         for st in (3,) if quick else (2, 3, 4):
             out.append(GemmConfig(bm, bn, bs, w, st))
+        out.append(GemmConfig(bm, bn, bs, w, 3, True))  # next step's code words prefetched
     return list(dict.fromkeys(out))
 
 

@@ -111,16 +111,19 @@ def test_dequantize_fp16(t: GGMLType, permuted: bool) -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("tile", ["rule", "ragged-k"])
+@pytest.mark.parametrize("tile", ["rule", "ragged-k", "prefetch", "prefetch-ragged-k"])
 @pytest.mark.parametrize("t", PACKED_TYPES, ids=lambda t: t.name)
 def test_dequant_matmul(t: GGMLType, tile: str) -> None:
     """The prefill dequant-GEMM (weights decoded tile by tile in registers, tensor-core dot)
     against the GGUF decoders' matrix times x, both rounded to fp16 as the kernel's inputs
     are; M and N not multiples of the tiles, x rows strided; under the launch rule and under
-    a tile whose K step does not divide the row (the masked loop)."""
+    a tile whose K step does not divide the row (the masked loop), each also with the next
+    step's code words prefetched."""
     from deimos.models.gpu.dequant import GemmConfig, dequant_matmul
 
-    cfg = None if tile == "rule" else GemmConfig(16, 32, 32, 4, 2)
+    cfg = {"rule": None, "ragged-k": GemmConfig(16, 32, 32, 4, 2),
+           "prefetch": GemmConfig(16, 32, 2, 4, 2, True),
+           "prefetch-ragged-k": GemmConfig(16, 32, 32, 4, 2, True)}[tile]
 
     n, k, m = 37, 512, 5
     blocks = _blocks(t, n, k, seed=6)

@@ -117,14 +117,15 @@ def _q8_jobs() -> list[Job]:
         args += [MockTensor(torch.float16), 4096, 4096]
         gemm_args = [MockTensor(torch.float16)] + args[:5] + [MockTensor(torch.float32), 512, 4096,
                                                              4096, 4096, 4096]
-        for gc in dict.fromkeys(dequant.gemm_config(m, n, 4096) for m in (16, 64, 512)
-                                for n in (4096, 28672)):
+        rule = [dequant.gemm_config(m, n, 4096) for m in (16, 64, 512) for n in (4096, 28672)]
+        # and the prefetching variant the sweep tries (bench/sweep_gemm.py)
+        for gc in dict.fromkeys(rule + [dequant.GemmConfig(128, 128, 2, 4, 3, True)]):
             jobs.append(Job("dequant_gemm_" + t.name,
                             f"M={gc.block_m} N={gc.block_n} S={gc.block_s} w={gc.num_warps} "
-                            f"st={gc.num_stages}",
+                            f"st={gc.num_stages} pf={int(gc.prefetch)}",
                             _warm_args(dequant._dequant_gemm_kernel, gemm_args, FMT=FMT_ID[kt],
                                        BLOCK_M=gc.block_m, BLOCK_N=gc.block_n, BLOCK_S=gc.block_s,
-                                       EVEN_K=True, num_warps=gc.num_warps,
+                                       EVEN_K=True, PREFETCH=gc.prefetch, num_warps=gc.num_warps,
                                        num_stages=gc.num_stages)))
         for permuted in (False, True):
             jobs.append(Job("dequant_" + t.name, f"N={dequant.BLOCK_N} S={dequant.BLOCK_S} perm={int(permuted)}",

@@ -59,12 +59,20 @@ def _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL, FMT: tl.
     """Rows ``o_n`` (int64) x groups ``u`` -> float32 ``[BLOCK_N, BLOCK_S, W, NK]``: element
     32u + W k + w of each row at [row, group, w, k] (masked entries 0; ``MASKED=False``:
     every (row, group) exists and nothing is masked)."""
+    b_w, b_h, m_w = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT, MASKED)
+    return _decode_tile(b_w, b_h, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL, FMT, MASKED)
+
+
+@triton.jit
+def _decode_tile(b_w, b_h, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL, FMT: tl.constexpr,
+                 MASKED: tl.constexpr = True):
+    """``_dequant_tile`` from the group's words already loaded (``group_words``): loads the
+    scales and decodes."""
     W: tl.constexpr = 8 if FMT == Q8_0 else (2 if FMT == Q2_K else 4)
     NK: tl.constexpr = 32 // W
     HALF: tl.constexpr = NK // 2
     HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1 or FMT == Q5_1
     m_ns = m_n[:, None] & m_s[None, :]
-    b_w, b_h, m_w = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT, MASKED)
     k4 = tl.arange(0, NK)[None, None, None, :]
     q = _codes(b_w[:, :, :, None], b_h[:, :, :, None], k4, FMT)  # [BLOCK_N, BLOCK_S, W, NK]: code k of word w
     first = k4 < HALF  # elements 0-15 of the group
@@ -78,6 +86,8 @@ def _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL, FMT: tl.
         if HAS_MIN:
             val += mn[:, :, None, None]
     if MASKED:
+        o_w = tl.arange(0, W)
+        m_w = m_ns[:, :, None] & (o_w < W)[None, None, :]
         val = tl.where(m_w[:, :, :, None], val, 0.0)
     return val
 
@@ -118,14 +128,16 @@ def _dequant_gemm_kernel(
     p_x, p_qw, p_qh, p_s, p_d, p_m, p_y,
     M, N, K, stride_xm, stride_ym,
     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """y [M, N] = xp [M, K] @ Wp^T, xp = x with its columns in the packed words' order
     (``permuted_columns``): each K step loads a contiguous fp16 x tile, decodes a
     [BLOCK_N, 32 BLOCK_S] weight tile to fp16 in registers (the same word order) and
     multiplies the two on the tensor cores (fp32 accumulation). Program ids run over the M
     tiles of one weight tile first, so a weight tile is read from memory once and its
-    neighbours hit L2; rows past N are clamped for loading and never stored."""
+    neighbours hit L2; rows past N are clamped for loading and never stored. PREFETCH: the
+    next step's code words are loaded (into registers) before this step's are decoded, so
+    their memory latency overlaps this step's decode and products."""
     BLOCK_K: tl.constexpr = BLOCK_S * 32
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
@@ -140,30 +152,51 @@ def _dequant_gemm_kernel(
     o_k = tl.arange(0, BLOCK_K)
     p_xt = p_x + o_m[:, None].to(tl.int64) * stride_xm + o_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for s0 in range(0, S_TOTAL, BLOCK_S):
-        u = s0 + tl.arange(0, BLOCK_S)
-        if EVEN_K:
-            val = _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, u >= 0, S_TOTAL, FMT, False)
-            b_x = tl.load(p_xt, mask=m_m[:, None], other=0.0)
-        else:
-            val = _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, u < S_TOTAL, S_TOTAL, FMT)
-            b_x = tl.load(p_xt, mask=m_m[:, None] & (s0 * 32 + o_k < K)[None, :], other=0.0)
-        b_w = tl.reshape(val, (BLOCK_N, BLOCK_K)).to(tl.float16)
-        acc += tl.dot(b_x, tl.trans(b_w), out_dtype=tl.float32)
-        p_xt += BLOCK_K
+    if PREFETCH:
+        o_s = tl.arange(0, BLOCK_S)
+        n_w, n_h, _ = group_words(p_qw, p_qh, o_n, m_n, o_s, o_s < S_TOTAL, S_TOTAL, FMT)
+        for s0 in range(0, S_TOTAL, BLOCK_S):
+            u = s0 + o_s
+            c_w = n_w
+            c_h = n_h
+            u_next = u + BLOCK_S  # past the row: masked, nothing loaded
+            n_w, n_h, _ = group_words(p_qw, p_qh, o_n, m_n, u_next, u_next < S_TOTAL, S_TOTAL, FMT)
+            if EVEN_K:
+                val = _decode_tile(c_w, c_h, p_s, p_d, p_m, o_n, m_n, u, u >= 0, S_TOTAL, FMT, False)
+                b_x = tl.load(p_xt, mask=m_m[:, None], other=0.0)
+            else:
+                val = _decode_tile(c_w, c_h, p_s, p_d, p_m, o_n, m_n, u, u < S_TOTAL, S_TOTAL, FMT)
+                b_x = tl.load(p_xt, mask=m_m[:, None] & (s0 * 32 + o_k < K)[None, :], other=0.0)
+            b_w = tl.reshape(val, (BLOCK_N, BLOCK_K)).to(tl.float16)
+            acc += tl.dot(b_x, tl.trans(b_w), out_dtype=tl.float32)
+            p_xt += BLOCK_K
+    else:
+        for s0 in range(0, S_TOTAL, BLOCK_S):
+            u = s0 + tl.arange(0, BLOCK_S)
+            if EVEN_K:
+                val = _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, u >= 0, S_TOTAL, FMT, False)
+                b_x = tl.load(p_xt, mask=m_m[:, None], other=0.0)
+            else:
+                val = _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, u < S_TOTAL, S_TOTAL, FMT)
+                b_x = tl.load(p_xt, mask=m_m[:, None] & (s0 * 32 + o_k < K)[None, :], other=0.0)
+            b_w = tl.reshape(val, (BLOCK_N, BLOCK_K)).to(tl.float16)
+            acc += tl.dot(b_x, tl.trans(b_w), out_dtype=tl.float32)
+            p_xt += BLOCK_K
     p_out = p_y + o_m[:, None].to(tl.int64) * stride_ym + o_y[None, :]
     tl.store(p_out, acc, mask=m_m[:, None] & (o_y < N)[None, :])
 
 
 class GemmConfig(NamedTuple):
     """A launch of the dequant-GEMM: ``block_m x block_n`` outputs a program, ``block_s``
-    groups of 32 a K step, ``num_stages`` software-pipeline stages."""
+    groups of 32 a K step, ``num_stages`` software-pipeline stages (Triton's, for x),
+    ``prefetch`` (not yet measured on a GPU: the rule leaves it off)."""
 
     block_m: int
     block_n: int
     block_s: int
     num_warps: int
     num_stages: int = 3
+    prefetch: bool = False  # the next K step's code words loaded before this one's decode
 
 
 def gemm_config(m: int, n: int, k: int) -> GemmConfig:
@@ -213,7 +246,7 @@ def dequant_matmul(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = 
     _dequant_gemm_kernel[grid](
         xp, *weight_arrays(w), out, m, w.n, w.k, xp.stride(0), out.stride(0),
         FMT=FMT_ID[w.ggml_type], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_S=cfg.block_s, EVEN_K=(w.k // 32) % cfg.block_s == 0,
+        BLOCK_S=cfg.block_s, EVEN_K=(w.k // 32) % cfg.block_s == 0, PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
