@@ -21,6 +21,7 @@ from testdata import REAL_MODELS, llama_cpp_path, model_path  # noqa: E402
 
 from deimos.gguf import GGUFFile  # noqa: E402
 from deimos.gguf.constants import GGMLType  # noqa: E402
+from deimos.quant.triton.dequant_gemv import scale16  # noqa: E402
 from deimos.models import ARCHITECTURES, load_model  # noqa: E402
 from deimos.models.batch import Batch  # noqa: E402
 from deimos.models.gpu import (  # noqa: E402
@@ -60,7 +61,7 @@ def _synth(d, arch: str, typ: str, preset: str | None = None):
 
 # formats whose blocks are 256 wide: the tiny llama with 256-multiple widths (else llama-tiny's
 # 128-wide rows fall back to other formats)
-K256 = {"Q2_K": "llama-tiny-k"}
+K256 = {t: "llama-tiny-k" for t in ("Q2_K", "IQ2_XS", "IQ2_M", "IQ1_M")}
 
 
 def _kernel_model(f: GGUFFile, device: str = DEVICE):
@@ -74,7 +75,9 @@ def _first_rows(lin: QuantLinear) -> QuantLinear:
 
 
 # each file's mix: the formats its layer-0 linears and output matrix must include
-MIXES = {"Q4_K_M": {GGMLType.Q4_K, GGMLType.Q5_0, GGMLType.Q8_0}, "Q2_K": {GGMLType.Q2_K}}
+# ("scale16": a matrix in Q8_0's layout with a scale per 16, as IQ2_XS runs)
+MIXES = {"Q4_K_M": {GGMLType.Q4_K, GGMLType.Q5_0, GGMLType.Q8_0}, "Q2_K": {GGMLType.Q2_K},
+         "IQ2_XS": {"scale16"}}
 
 
 @pytest.mark.parametrize("typ", list(MIXES))
@@ -90,6 +93,8 @@ def test_kernel_linears_match_reference(synth_dir, typ: str) -> None:
     g = torch.Generator().manual_seed(0)
     for r, k in pairs:
         seen.add(k.ggml_type)
+        if scale16(k.packed if isinstance(k, QuantLinear) else k.group.linear.packed):
+            seen.add("scale16")
         if isinstance(k, LinearPart):  # q/k/v or gate/up of one format: one fused matrix
             small, rows = k, r.weight.shape[0]
         else:
@@ -282,7 +287,8 @@ def test_gpu_whole_synth_model(synth_dir, arch: str, typ: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("typ", ["TQ1_0", "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ3_XXS", "Q2_K"])
+@pytest.mark.parametrize("typ", ["TQ1_0", "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ3_XXS", "Q2_K",
+                                 "IQ2_XS", "IQ2_M", "IQ1_M"])
 def test_gpu_whole_synth_model_q8_layouts(synth_dir, typ: str) -> None:
     """The formats past the first eight (Q8_0's layout with their values; Q2_K in its own):
     whole llama-tiny files."""

@@ -89,7 +89,8 @@ TILES = [Q8Config(4, 32, 1, True), Q8Config(2, 64, 2, True), Q8Config(1, 32, 1, 
 
 @pytest.mark.parametrize("k", [1280, 2048])  # 2048: 64 groups, whole tiles (unmasked loads)
 @pytest.mark.parametrize("cfg", TILES, ids=lambda c: f"n{c.block_n}_s{c.block_s}_w{c.num_warps}_xb{int(c.xb)}")
-@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q2_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.IQ2_XS],
+                         ids=lambda t: t.name)
 def test_gemv_q8_tiles(t: GGMLType, cfg: Q8Config, k: int) -> None:
     n, b = 37, 2
     blocks = _blocks(t, n, k, seed=3)

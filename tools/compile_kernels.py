@@ -85,12 +85,12 @@ def _q8_jobs() -> list[Job]:
 
     # by module path: the package re-exports the function of the same name
     q = importlib.import_module("deimos.quant.triton.gemv_q8")
-    from deimos.quant.triton.dequant_gemv import FMT_ID, weight_arrays
+    from deimos.quant.triton.dequant_gemv import FMT_ID, scale16, weight_arrays
     from deimos.quant.triton.layout import KERNEL_TYPE
 
     # the kernels' formats, and IQ4_XS for Q8_0's layout with float32 scales (the kernels are
     # specialized on the scale dtype); the other formats packed in another's layout add none
-    SAMPLE_TYPES = [*FMT_ID, GGMLType.IQ4_XS]
+    SAMPLE_TYPES = [*FMT_ID, GGMLType.IQ4_XS, GGMLType.IQ2_XS]  # IQ2_XS: a scale per 16 (SCALE16)
 
     jobs = []
     for t in SAMPLE_TYPES:
@@ -102,18 +102,21 @@ def _q8_jobs() -> list[Job]:
                        for n in (1024, 2048, 4096, 6144, 28672, 262144)
                        for k in (1024, 2048, 2560, 3072, 4096, 9728, 14336, 18432)})
         for cfg, even in cfgs:
-            args = [MockTensor(a.dtype) for a in weight_arrays(_packed_sample(t, 4096))]
+            sample = _packed_sample(t, 4096)
+            args = [MockTensor(a.dtype) for a in weight_arrays(sample)]
             args += [MockTensor(torch.int32), MockTensor(torch.float32), MockTensor(torch.int32),
                      MockTensor(torch.float32), 4096, 4096]
             jobs.append(Job("gemv_q8_" + t.name, _describe(cfg) + f" xb={int(cfg.xb)} even={int(even)}",
                             _warm_args(q._gemv_q8_kernel, args, FMT=FMT_ID[kt], BLOCK_N=cfg.block_n,
                                        BLOCK_S=cfg.block_s, ASM=True, XB=cfg.xb, EVEN=even,
+                                       SCALE16=scale16(sample),
                                        num_warps=cfg.num_warps, **PDL_KW)))
     from deimos.models.gpu import dequant
 
     for t in SAMPLE_TYPES:
         kt = KERNEL_TYPE.get(t, t)
-        args = [MockTensor(a.dtype) for a in weight_arrays(_packed_sample(t, 4096))]
+        sample = _packed_sample(t, 4096)
+        args = [MockTensor(a.dtype) for a in weight_arrays(sample)]
         args += [MockTensor(torch.float16), 4096, 4096]
         gemm_args = [MockTensor(torch.float16)] + args[:5] + [MockTensor(torch.float32), 512, 4096,
                                                              4096, 4096, 4096]
@@ -125,13 +128,15 @@ def _q8_jobs() -> list[Job]:
                             f"st={gc.num_stages} pf={int(gc.prefetch)}",
                             _warm_args(dequant._dequant_gemm_kernel, gemm_args, FMT=FMT_ID[kt],
                                        BLOCK_M=gc.block_m, BLOCK_N=gc.block_n, BLOCK_S=gc.block_s,
-                                       EVEN_K=True, PREFETCH=gc.prefetch, num_warps=gc.num_warps,
+                                       EVEN_K=True, PREFETCH=gc.prefetch, SCALE16=scale16(sample),
+                                       num_warps=gc.num_warps,
                                        num_stages=gc.num_stages)))
         for permuted in (False, True):
             jobs.append(Job("dequant_" + t.name, f"N={dequant.BLOCK_N} S={dequant.BLOCK_S} perm={int(permuted)}",
                             _warm_args(dequant._dequant_kernel, args, FMT=FMT_ID[kt],
                                        BLOCK_N=dequant.BLOCK_N, BLOCK_S=dequant.BLOCK_S,
-                                       PERMUTED=permuted, num_warps=dequant.NUM_WARPS)))
+                                       PERMUTED=permuted, SCALE16=scale16(sample),
+                                       num_warps=dequant.NUM_WARPS)))
     for dt in (torch.float32, torch.float16):
         args = [MockTensor(dt), MockTensor(torch.int32), MockTensor(torch.float32),
                 MockTensor(torch.int32), 4096]

@@ -85,6 +85,17 @@ class IQ2_XS(QuantFormat, ggml_type=GGMLType.IQ2_XS):
     # 0 d (f16) | 2 qs[32] u16: 9-bit grid index | 7-bit sign index << 9 | 66 scales[8] 2 x 4-bit
     # group l of sub-block ib uses nibble l // 2 of scales[ib]: db = d * (0.5 + s) * 0.25
 
+    def codes_and_scale(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(int8 codes ``[n, 256]`` = signed grid values, float32 scales ``[n, 16]`` = db, one
+        per 16 elements)."""
+        n = blocks.shape[0]
+        d = f16_at(blocks, 0)
+        qs = u16_at(blocks, 2, 32).reshape(n, 8, 4)
+        db = d * (0.5 + as_f32(_halves(blocks[:, 66:74]).reshape(n, 16))) * 0.25
+        grid = _F["IQ2XS_GRID"].take(qs & 511, axis=0)
+        sign = KSIGN.take(qs >> 9, axis=0)
+        return (grid * sign).astype(np.int8).reshape(n, 256), db
+
     def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
         n = blocks.shape[0]
         d = f16_at(blocks, 0)
@@ -105,6 +116,19 @@ class IQ2_S(QuantFormat, ggml_type=GGMLType.IQ2_S):
     # 0 d (f16) | 2 qs[32] grid index low 8 bits | 34 signs[32] | 66 qh[8] | 74 scales[8] 2 x 4-bit
     # group l of sub-block ib: index = qs[4ib + l] | bits 2l..2l+1 of qh[ib] << 8,
     # sign bits = signs[4ib + l], db = d * (0.5 + nibble l // 2 of scales[ib]) * 0.25
+
+    def codes_and_scale(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(int8 codes ``[n, 256]`` = signed grid values, float32 scales ``[n, 16]`` = db, one
+        per 16 elements)."""
+        n = blocks.shape[0]
+        d = f16_at(blocks, 0)
+        qs = blocks[:, 2:34].reshape(n, 8, 4).astype(np.uint16)
+        qh = blocks[:, 66:74, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)
+        idx = qs | ((qh & 3).astype(np.uint16) << 8)
+        db = d * (0.5 + as_f32(_halves(blocks[:, 74:82]).reshape(n, 16))) * 0.25
+        grid = _F["IQ2S_GRID"].take(idx, axis=0)
+        sign = SIGN8.take(blocks[:, 34:66].reshape(n, 8, 4), axis=0)
+        return (grid * sign).astype(np.int8).reshape(n, 256), db
 
     def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
         n = blocks.shape[0]
@@ -209,6 +233,22 @@ class IQ1_M(QuantFormat, ggml_type=GGMLType.IQ1_M):
     # group l of sub-block ib: index = qs[4ib + l] | (nibble l % 2 of qh[2ib + l // 2]) & 7 << 8,
     # scale field k = 2ib + l // 2 is bits 3(k % 4).. of sc[k // 4];
     # w = (d * (2s + 1)) * (grid + delta)
+
+    def codes_and_scale(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(int8 codes ``[n, 256]`` = 8 * (grid + delta) in -9..9, float32 scales ``[n, 16]`` =
+        d * (2s + 1) / 8, one per 16 elements: the same products, exact)."""
+        n = blocks.shape[0]
+        sc = u16_at(blocks, 48, 4)
+        d16 = (sc >> 12) << np.array([0, 4, 8, 12], dtype=np.uint16)
+        d16 = d16[:, 0] | d16[:, 1] | d16[:, 2] | d16[:, 3]
+        d = d16.view(np.float16).astype(np.float32)[:, None]
+        s = (sc[:, :, None] >> np.array([0, 3, 6, 9], dtype=np.uint16)) & 7
+        dl = d * as_f32(2 * s.reshape(n, 16) + 1)
+        nib = _halves(blocks[:, 32:48]).reshape(n, 8, 4)
+        idx = blocks[:, 0:32].reshape(n, 8, 4).astype(np.uint16) | ((nib & 7).astype(np.uint16) << 8)
+        delta = np.where(nib & 8, -1, 1).astype(np.int8)  # 8 * (+-0.125)
+        grid = _I1S.take(idx, axis=0)  # [n, 8, 4, 8] int8 -1..1
+        return (8 * grid + delta[..., None]).reshape(n, 256), dl * np.float32(0.125)
 
     def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
         n = blocks.shape[0]

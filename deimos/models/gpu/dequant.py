@@ -43,6 +43,7 @@ from deimos.quant.triton.dequant_gemv import (
     group_scales,
     group_words,
     q2k_scales,
+    scale16,
     weight_arrays,
     words_per_group,
 )
@@ -55,17 +56,17 @@ NUM_WARPS = 4
 
 @triton.jit
 def _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL, FMT: tl.constexpr,
-                  MASKED: tl.constexpr = True):
+                  MASKED: tl.constexpr = True, SCALE16: tl.constexpr = False):
     """Rows ``o_n`` (int64) x groups ``u`` -> float32 ``[BLOCK_N, BLOCK_S, W, NK]``: element
     32u + W k + w of each row at [row, group, w, k] (masked entries 0; ``MASKED=False``:
     every (row, group) exists and nothing is masked)."""
     b_w, b_h, m_w = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT, MASKED)
-    return _decode_tile(b_w, b_h, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL, FMT, MASKED)
+    return _decode_tile(b_w, b_h, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL, FMT, MASKED, SCALE16)
 
 
 @triton.jit
 def _decode_tile(b_w, b_h, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL, FMT: tl.constexpr,
-                 MASKED: tl.constexpr = True):
+                 MASKED: tl.constexpr = True, SCALE16: tl.constexpr = False):
     """``_dequant_tile`` from the group's words already loaded (``group_words``): loads the
     scales and decodes."""
     W: tl.constexpr = 8 if FMT == Q8_0 else (2 if FMT == Q2_K else 4)
@@ -81,7 +82,7 @@ def _decode_tile(b_w, b_h, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL, FMT: tl.con
         val = (tl.where(first, s_lo[:, :, None, None], s_hi[:, :, None, None]) * q
                - tl.where(first, mn_lo[:, :, None, None], mn_hi[:, :, None, None]))  # fmt: skip
     else:
-        s_lo, s_hi, mn = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT, MASKED)
+        s_lo, s_hi, mn = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT, MASKED, SCALE16)
         val = tl.where(first, s_lo[:, :, None, None], s_hi[:, :, None, None]) * q
         if HAS_MIN:
             val += mn[:, :, None, None]
@@ -100,6 +101,7 @@ def _dequant_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
     PERMUTED: tl.constexpr,
+    SCALE16: tl.constexpr = False,
 ):  # fmt: skip
     W: tl.constexpr = 8 if FMT == Q8_0 else (2 if FMT == Q2_K else 4)
     NK: tl.constexpr = 32 // W
@@ -111,7 +113,7 @@ def _dequant_kernel(
     o_n = o_n.to(tl.int64)
     u = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
     m_s = u < S_TOTAL
-    val = _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL, FMT)
+    val = _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL, FMT, True, SCALE16)
     o_w = tl.arange(0, W)[None, None, :, None]
     k4 = tl.arange(0, NK)[None, None, None, :]
     o_row = o_n[:, None, None, None] * K + u[None, :, None, None] * 32
@@ -128,7 +130,7 @@ def _dequant_gemm_kernel(
     p_x, p_qw, p_qh, p_s, p_d, p_m, p_y,
     M, N, K, stride_xm, stride_ym,
     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr = False,
+    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr = False, SCALE16: tl.constexpr = False,
 ):  # fmt: skip
     """y [M, N] = xp [M, K] @ Wp^T, xp = x with its columns in the packed words' order
     (``permuted_columns``): each K step loads a contiguous fp16 x tile, decodes a
@@ -162,10 +164,12 @@ def _dequant_gemm_kernel(
             u_next = u + BLOCK_S  # past the row: masked, nothing loaded
             n_w, n_h, _ = group_words(p_qw, p_qh, o_n, m_n, u_next, u_next < S_TOTAL, S_TOTAL, FMT)
             if EVEN_K:
-                val = _decode_tile(c_w, c_h, p_s, p_d, p_m, o_n, m_n, u, u >= 0, S_TOTAL, FMT, False)
+                val = _decode_tile(c_w, c_h, p_s, p_d, p_m, o_n, m_n, u, u >= 0, S_TOTAL, FMT, False,
+                                   SCALE16)
                 b_x = tl.load(p_xt, mask=m_m[:, None], other=0.0)
             else:
-                val = _decode_tile(c_w, c_h, p_s, p_d, p_m, o_n, m_n, u, u < S_TOTAL, S_TOTAL, FMT)
+                val = _decode_tile(c_w, c_h, p_s, p_d, p_m, o_n, m_n, u, u < S_TOTAL, S_TOTAL, FMT,
+                                   True, SCALE16)
                 b_x = tl.load(p_xt, mask=m_m[:, None] & (s0 * 32 + o_k < K)[None, :], other=0.0)
             b_w = tl.reshape(val, (BLOCK_N, BLOCK_K)).to(tl.float16)
             acc += tl.dot(b_x, tl.trans(b_w), out_dtype=tl.float32)
@@ -174,10 +178,12 @@ def _dequant_gemm_kernel(
         for s0 in range(0, S_TOTAL, BLOCK_S):
             u = s0 + tl.arange(0, BLOCK_S)
             if EVEN_K:
-                val = _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, u >= 0, S_TOTAL, FMT, False)
+                val = _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, u >= 0, S_TOTAL, FMT, False,
+                                    SCALE16)
                 b_x = tl.load(p_xt, mask=m_m[:, None], other=0.0)
             else:
-                val = _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, u < S_TOTAL, S_TOTAL, FMT)
+                val = _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, u < S_TOTAL, S_TOTAL, FMT,
+                                    True, SCALE16)
                 b_x = tl.load(p_xt, mask=m_m[:, None] & (s0 * 32 + o_k < K)[None, :], other=0.0)
             b_w = tl.reshape(val, (BLOCK_N, BLOCK_K)).to(tl.float16)
             acc += tl.dot(b_x, tl.trans(b_w), out_dtype=tl.float32)
@@ -247,6 +253,7 @@ def dequant_matmul(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = 
         xp, *weight_arrays(w), out, m, w.n, w.k, xp.stride(0), out.stride(0),
         FMT=FMT_ID[w.ggml_type], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_S=cfg.block_s, EVEN_K=(w.k // 32) % cfg.block_s == 0, PREFETCH=cfg.prefetch,
+        SCALE16=scale16(w),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
@@ -289,6 +296,7 @@ def dequantize_fp16(w: PackedWeight, out: torch.Tensor | None = None,
     _dequant_kernel[grid](
         *_kernel_args(w, out), w.n, w.k,
         FMT=FMT_ID[w.ggml_type], BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S, PERMUTED=permuted,
+        SCALE16=scale16(w),
         num_warps=NUM_WARPS,
     )  # fmt: skip
     return out

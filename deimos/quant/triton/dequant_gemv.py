@@ -104,11 +104,13 @@ def _k4_scales(p_s, o_n, u, m, S_TOTAL, MASKED: tl.constexpr = True):
 
 
 @triton.jit
-def group_scales(p_s, p_d, p_m, o_n, u, m, S_TOTAL, FMT: tl.constexpr, MASKED: tl.constexpr = True):
+def group_scales(p_s, p_d, p_m, o_n, u, m, S_TOTAL, FMT: tl.constexpr, MASKED: tl.constexpr = True,
+                 SCALE16: tl.constexpr = False):
     """Scales of groups ``u`` of rows ``o_n``, float32 [BLOCK_N, BLOCK_S] each:
     (scale of the group's first 16 elements, of its last 16, and the min term: what
     multiplies the group sum of x; for formats without a min its value is unused).
-    ``MASKED=False``: every (row, group) exists, loads without a mask."""
+    ``MASKED=False``: every (row, group) exists, loads without a mask. ``SCALE16`` (Q8_0's
+    layout only): ``d`` holds a scale per 16 elements (``scale16``)."""
     if FMT == Q4_K or FMT == Q5_K:
         s_lo, mn = _k4_scales(p_s, o_n, u, m, S_TOTAL, MASKED)
         s_hi = s_lo
@@ -119,6 +121,11 @@ def group_scales(p_s, p_d, p_m, o_n, u, m, S_TOTAL, FMT: tl.constexpr, MASKED: t
         p_sc = p_s + o_n[:, None] * (S_TOTAL * 2) + (u * 2)[None, :]
         s_lo = b_d * masked_load(p_sc, m, MASKED).to(tl.float32)
         s_hi = b_d * masked_load(p_sc + 1, m, MASKED).to(tl.float32)
+        mn = s_lo
+    elif SCALE16:
+        o_h = o_n[:, None] * (2 * S_TOTAL) + (2 * u)[None, :]
+        s_lo = masked_load(p_d + o_h, m, MASKED).to(tl.float32)
+        s_hi = masked_load(p_d + o_h + 1, m, MASKED).to(tl.float32)
         mn = s_lo
     else:
         o_g = o_n[:, None] * S_TOTAL + u[None, :]
@@ -169,6 +176,12 @@ def words_per_group(ggml_type: GGMLType) -> int:
     """int32 words a group of 32 takes in the packed layout (the kernels' W): 8 for Q8_0 (a
     byte a code), 2 for Q2_K (2 bits), 4 for the nibble formats."""
     return 8 if ggml_type == GGMLType.Q8_0 else (2 if ggml_type == GGMLType.Q2_K else 4)
+
+
+def scale16(w: PackedWeight) -> bool:
+    """A weight in Q8_0's layout with a scale per 16 elements (IQ2_XS, IQ2_S, IQ1_M): the
+    kernels' SCALE16."""
+    return w.ggml_type == GGMLType.Q8_0 and w.tensors["d"].shape[1] * 16 == w.k
 
 
 MAX_GRID_X = 2**31 - 1  # CUDA: grid axis 0; axes 1 and 2 stop at 65535

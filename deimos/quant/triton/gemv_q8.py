@@ -62,6 +62,7 @@ from deimos.quant.triton.dequant_gemv import (
     group_words,
     masked_load,
     q2k_scales,
+    scale16,
     weight_arrays,
 )
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
@@ -113,9 +114,12 @@ def _gemv_q8_kernel(
     N, K,
     FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ASM: tl.constexpr,
     XB: tl.constexpr = False, EVEN: tl.constexpr = False, PDL: tl.constexpr = False,
+    SCALE16: tl.constexpr = False,
 ):  # fmt: skip
     """EVEN: BLOCK_S divides the groups of a row, so nothing is masked but the stores (rows past
-    N are clamped to row N - 1 for loading and never stored). PDL: deimos.quant.triton.pdl."""
+    N are clamped to row N - 1 for loading and never stored). PDL: deimos.quant.triton.pdl.
+    SCALE16 (Q8_0's layout): a scale per 16 elements; bytes 0-1 of a word are the group's
+    first 16 elements (32u + 8b + w), 2-3 its last, dotted apart as Q6_K's halves."""
     pdl_start(PDL)
     W: tl.constexpr = 8 if FMT == Q8_0 else (2 if FMT == Q2_K else 4)  # weight words per group
     HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1 or FMT == Q5_1
@@ -150,8 +154,14 @@ def _gemv_q8_kernel(
         if FMT == Q8_0:
             b_x = masked_load(p_xq + o_x, m_x, MASKED)
             b_xr = masked_load(p_xq + o_x + 8, m_x, MASKED)
-            d_lo = _dp4a(b_w, b_x, zero, ASM) * PLANE + _dp4a(b_w, b_xr, zero, ASM)
-            d_hi = d_lo
+            if SCALE16:
+                w_lo = b_w & 0xFFFF
+                w_hi = b_w & -65536
+                d_lo = _dp4a(w_lo, b_x, zero, ASM) * PLANE + _dp4a(w_lo, b_xr, zero, ASM)
+                d_hi = _dp4a(w_hi, b_x, zero, ASM) * PLANE + _dp4a(w_hi, b_xr, zero, ASM)
+            else:
+                d_lo = _dp4a(b_w, b_x, zero, ASM) * PLANE + _dp4a(b_w, b_xr, zero, ASM)
+                d_hi = d_lo
         elif FMT == Q2_K:  # (word >> 2p) & 0x03030303: elements 2p + w + 8j, x word 2p + w
             a1, a2, h1, h2 = zero, zero, zero, zero
             for p in tl.static_range(4):
@@ -201,8 +211,8 @@ def _gemv_q8_kernel(
             dot = (s_lo * i_lo.to(tl.float32) + s_hi * i_hi.to(tl.float32)
                    - mn_lo * xs_lo.to(tl.float32) - mn_hi * xs_hi.to(tl.float32))  # fmt: skip
         else:
-            s_lo, s_hi, mn = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT, MASKED)
-            if FMT == Q6_K:
+            s_lo, s_hi, mn = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT, MASKED, SCALE16)
+            if FMT == Q6_K or SCALE16:
                 i_hi = tl.sum(d_hi, axis=2)
                 dot = (s_lo * (i_lo - OFFSET * xs_lo).to(tl.float32)
                        + s_hi * (i_hi - OFFSET * xs_hi).to(tl.float32))  # fmt: skip
@@ -399,7 +409,8 @@ def gemv_q8(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
     _gemv_q8_kernel[gemv_grid(w.n, b, cfg.block_n)](
         *weight_arrays(w), x.xq, x.xd, x.xs, out,
         w.n, k, FMT=FMT_ID[w.ggml_type], BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
-        ASM=not _INTERPRETED, XB=cfg.xb, EVEN=(k // 32) % cfg.block_s == 0, num_warps=cfg.num_warps,
+        ASM=not _INTERPRETED, XB=cfg.xb, EVEN=(k // 32) % cfg.block_s == 0, SCALE16=scale16(w),
+        num_warps=cfg.num_warps,
         **launch_options(pdl_on(out.device)),
     )  # fmt: skip
     return out

@@ -18,7 +18,8 @@ same (group, word) order, scales to theirs. Bytes per weight stay exactly GGUF's
 moves bytes, it never widens them. The one exception is a format packed in another format's
 layout (``KERNEL_TYPE``: Q3_K as Q6_K codes, exact values, 6.56 instead of 3.44 bits per
 weight; TQ1_0, TQ2_0, IQ4_NL as Q8_0, 8.5 bits; IQ4_XS, MXFP4 and the IQ1_S..IQ3_S formats
-with one scale per 32 as Q8_0 with float32 scales, 9 bits) until it has a layout of its own;
+with one scale per 32 as Q8_0 with float32 scales, 9 bits; IQ2_XS, IQ2_S, IQ1_M with one per 16,
+10 bits) until it has a layout of its own;
 it is still far below fp16's 16.
 
 ``pack(blocks, ggml_type)`` works on CPU numpy (uint8 ``[rows, row_bytes]``, the raw GGUF tensor
@@ -282,16 +283,20 @@ def _as_q8_0(t: GGMLType, scale_dtype: type = np.float16) -> Callable[[np.ndarra
     Q8_0's layout (``codes_and_scale`` of its class): TQ1_0/TQ2_0 (codes -1..1, f16 d per
     256) and IQ4_NL (kvalues_iq4nl, f16 d per 32) with Q8_0's f16 scales; IQ4_XS (d * (ls - 32)
     per 32), MXFP4 (2^(e - 128)), IQ2_XXS, IQ3_XXS, IQ3_S (signed grid values, db per 32) and
-    IQ1_S (8 * (grid +- 1/8), db / 8) with float32 scales, which f16 cannot hold exactly. The
-    same values, on the Q8_0 kernels (they read the scale in its own dtype): 8.5 or 9 bits a
-    weight instead of the fp16 fallback's 16."""
+    IQ1_S (8 * (grid +- 1/8), db / 8) with float32 scales, which f16 cannot hold exactly;
+    IQ2_XS, IQ2_S and IQ1_M with a float32 scale per 16 elements (``d`` [n, k/16], which the
+    kernels detect: ``scale16``). The same values, on the Q8_0 kernels (they read the scale in
+    its own dtype): 8.5, 9 or 10 bits a weight instead of the fp16 fallback's 16."""
     fmt = get_format(t)
 
     def packer(b: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
         codes, scale = fmt.codes_and_scale(b)
-        per_group = np.repeat(scale.astype(scale_dtype), fmt.block_size // 32 // scale.shape[1], axis=1)
+        per = fmt.block_size // scale.shape[1]  # elements a scale covers: 16, or 32 and up
+        d = scale.astype(scale_dtype)
+        if per > 16:  # one scale per group of 32
+            d = np.repeat(d, per // 32, axis=1)
         return {"qw": _torch(_q8_words(codes.reshape(-1, 32).view(np.uint8)), rows, np.int32),
-                "d": _torch(per_group.reshape(-1), rows)}
+                "d": _torch(d.reshape(-1), rows)}
 
     return packer
 
@@ -314,6 +319,8 @@ _PACKERS: dict[GGMLType, Callable[[np.ndarray, int], dict[str, torch.Tensor]]] =
     GGMLType.MXFP4: _as_q8_0(GGMLType.MXFP4, np.float32),
     **{t: _as_q8_0(t, np.float32) for t in (GGMLType.IQ2_XXS, GGMLType.IQ3_XXS, GGMLType.IQ3_S,
                                             GGMLType.IQ1_S)},
+    # a float32 scale per 16 elements (d [n, k/16]: the kernels' SCALE16)
+    **{t: _as_q8_0(t, np.float32) for t in (GGMLType.IQ2_XS, GGMLType.IQ2_S, GGMLType.IQ1_M)},
 }
 # formats packed in another format's layout (same values): the kernels see that format
 KERNEL_TYPE: dict[GGMLType, GGMLType] = {
@@ -327,6 +334,9 @@ KERNEL_TYPE: dict[GGMLType, GGMLType] = {
     GGMLType.IQ3_XXS: GGMLType.Q8_0,
     GGMLType.IQ3_S: GGMLType.Q8_0,
     GGMLType.IQ1_S: GGMLType.Q8_0,
+    GGMLType.IQ2_XS: GGMLType.Q8_0,
+    GGMLType.IQ2_S: GGMLType.Q8_0,
+    GGMLType.IQ1_M: GGMLType.Q8_0,
 }
 
 PACKED_TYPES: tuple[GGMLType, ...] = tuple(_PACKERS)

@@ -72,7 +72,7 @@ def dequantize_packed(p: PackedWeight) -> torch.Tensor:
     n, k = p.n, p.k
     if p.ggml_type == GGMLType.Q8_0:
         q = t["qw"].view(torch.int8).reshape(n, -1, 8, 4).transpose(2, 3).reshape(n, k)
-        return q.float() * _per_group(t["d"].float(), 32)
+        return q.float() * _per_group(t["d"].float(), k // t["d"].shape[1])  # per 32 or 16
     if p.ggml_type == GGMLType.Q2_K:
         shifts = (2 * torch.arange(16, dtype=torch.int32)).reshape(1, 1, 16, 1)
         q = ((t["qw"].reshape(n, -1, 1, 2) >> shifts) & 3).reshape(n, k)  # [n, u, k, w]: 2k + w
