@@ -154,42 +154,42 @@ def _dequant_gemm_kernel(
     o_k = tl.arange(0, BLOCK_K)
     p_xt = p_x + o_m[:, None].to(tl.int64) * stride_xm + o_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    o_s = tl.arange(0, BLOCK_S)
     if PREFETCH:
-        o_s = tl.arange(0, BLOCK_S)
         n_w, n_h, _ = group_words(p_qw, p_qh, o_n, m_n, o_s, o_s < S_TOTAL, S_TOTAL, FMT)
         for s0 in range(0, S_TOTAL, BLOCK_S):
-            u = s0 + o_s
             c_w = n_w
             c_h = n_h
-            u_next = u + BLOCK_S  # past the row: masked, nothing loaded
+            u_next = s0 + BLOCK_S + o_s  # past the row: masked, nothing loaded
             n_w, n_h, _ = group_words(p_qw, p_qh, o_n, m_n, u_next, u_next < S_TOTAL, S_TOTAL, FMT)
-            if EVEN_K:
-                val = _decode_tile(c_w, c_h, p_s, p_d, p_m, o_n, m_n, u, u >= 0, S_TOTAL, FMT, False,
-                                   SCALE16)
-                b_x = tl.load(p_xt, mask=m_m[:, None], other=0.0)
-            else:
-                val = _decode_tile(c_w, c_h, p_s, p_d, p_m, o_n, m_n, u, u < S_TOTAL, S_TOTAL, FMT,
-                                   True, SCALE16)
-                b_x = tl.load(p_xt, mask=m_m[:, None] & (s0 * 32 + o_k < K)[None, :], other=0.0)
-            b_w = tl.reshape(val, (BLOCK_N, BLOCK_K)).to(tl.float16)
-            acc += tl.dot(b_x, tl.trans(b_w), out_dtype=tl.float32)
+            acc = _gemm_step(acc, p_xt, c_w, c_h, p_s, p_d, p_m, o_n, m_n, m_m, o_k, s0 + o_s, s0,
+                             K, S_TOTAL, FMT, EVEN_K, SCALE16, BLOCK_N, BLOCK_K)  # fmt: skip
             p_xt += BLOCK_K
     else:
         for s0 in range(0, S_TOTAL, BLOCK_S):
-            u = s0 + tl.arange(0, BLOCK_S)
-            if EVEN_K:
-                val = _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, u >= 0, S_TOTAL, FMT, False,
-                                    SCALE16)
-                b_x = tl.load(p_xt, mask=m_m[:, None], other=0.0)
-            else:
-                val = _dequant_tile(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, u < S_TOTAL, S_TOTAL, FMT,
-                                    True, SCALE16)
-                b_x = tl.load(p_xt, mask=m_m[:, None] & (s0 * 32 + o_k < K)[None, :], other=0.0)
-            b_w = tl.reshape(val, (BLOCK_N, BLOCK_K)).to(tl.float16)
-            acc += tl.dot(b_x, tl.trans(b_w), out_dtype=tl.float32)
+            u = s0 + o_s
+            c_w, c_h, _ = group_words(p_qw, p_qh, o_n, m_n, u, u < S_TOTAL, S_TOTAL, FMT, not EVEN_K)
+            acc = _gemm_step(acc, p_xt, c_w, c_h, p_s, p_d, p_m, o_n, m_n, m_m, o_k, u, s0,
+                             K, S_TOTAL, FMT, EVEN_K, SCALE16, BLOCK_N, BLOCK_K)  # fmt: skip
             p_xt += BLOCK_K
     p_out = p_y + o_m[:, None].to(tl.int64) * stride_ym + o_y[None, :]
     tl.store(p_out, acc, mask=m_m[:, None] & (o_y < N)[None, :])
+
+
+@triton.jit
+def _gemm_step(acc, p_xt, c_w, c_h, p_s, p_d, p_m, o_n, m_n, m_m, o_k, u, s0, K, S_TOTAL,
+               FMT: tl.constexpr, EVEN_K: tl.constexpr, SCALE16: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """One K step of the dequant-GEMM from the step's code words: decode (scales loaded
+    here), load the x tile, multiply on the tensor cores; returns the new accumulator."""
+    if EVEN_K:
+        val = _decode_tile(c_w, c_h, p_s, p_d, p_m, o_n, m_n, u, u >= 0, S_TOTAL, FMT, False, SCALE16)
+        b_x = tl.load(p_xt, mask=m_m[:, None], other=0.0)
+    else:
+        val = _decode_tile(c_w, c_h, p_s, p_d, p_m, o_n, m_n, u, u < S_TOTAL, S_TOTAL, FMT, True, SCALE16)
+        b_x = tl.load(p_xt, mask=m_m[:, None] & (s0 * 32 + o_k < K)[None, :], other=0.0)
+    b_w = tl.reshape(val, (BLOCK_N, BLOCK_K)).to(tl.float16)
+    return acc + tl.dot(b_x, tl.trans(b_w), out_dtype=tl.float32)
 
 
 class GemmConfig(NamedTuple):
