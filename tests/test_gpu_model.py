@@ -61,7 +61,8 @@ def _synth(d, arch: str, typ: str, preset: str | None = None):
 
 # formats whose blocks are 256 wide: the tiny llama with 256-multiple widths (else llama-tiny's
 # 128-wide rows fall back to other formats)
-K256 = {t: "llama-tiny-k" for t in ("Q2_K", "IQ2_XS", "IQ2_M", "IQ1_M")}
+K256 = {t: "llama-tiny-k" for t in ("TQ1_0", "TQ2_0", "IQ4_XS", "IQ2_XXS", "IQ3_XXS", "Q2_K",
+                                     "IQ2_XS", "IQ2_M", "IQ1_M")}
 
 
 def _kernel_model(f: GGUFFile, device: str = DEVICE):
