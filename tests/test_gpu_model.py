@@ -134,9 +134,18 @@ def test_kernel_input_prepared_once(synth_dir) -> None:
     assert cache.quantized(x.clone()) is not first
 
 
-def test_kernel_linears_fuse_what_shares_a_format(tmp_path) -> None:
-    """q/k/v of mixed formats (Q4_K_M gives some layers' v Q6_K): the parts that share a
-    format are one matrix, the others stand alone; every part computes its own rows."""
+MIXED_QKV = {
+    # Q4_K_M gives some layers' v Q6_K
+    "q4_k_m": [("q", GGMLType.Q4_K, 64), ("k", GGMLType.Q4_K, 32), ("v", GGMLType.Q6_K, 32)],
+    # all three run in Q8_0's layout, v with a scale per 32 instead of per 16: it cannot stack
+    "iq2_xs": [("q", GGMLType.IQ2_XS, 64), ("k", GGMLType.IQ2_XS, 32), ("v", GGMLType.IQ3_XXS, 32)],
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXED_QKV))
+def test_kernel_linears_fuse_what_shares_a_format(tmp_path, mix: str) -> None:
+    """q/k/v of mixed formats: the parts whose packed arrays stack are one matrix, the others
+    stand alone; every part computes its own rows."""
     import gguf
     import numpy as np
 
@@ -146,7 +155,7 @@ def test_kernel_linears_fuse_what_shares_a_format(tmp_path) -> None:
 
     rng = np.random.default_rng(0)
     k = 256
-    spec = [("q", GGMLType.Q4_K, 64), ("k", GGMLType.Q4_K, 32), ("v", GGMLType.Q6_K, 32)]
+    spec = MIXED_QKV[mix]
     blocks = {}
     w = gguf.GGUFWriter(str(tmp_path / "mix.gguf"), "llama")
     for name, t, n in spec:
@@ -160,7 +169,7 @@ def test_kernel_linears_fuse_what_shares_a_format(tmp_path) -> None:
     src = GpuWeights(f, DEVICE)
     q, kk, v = src.linears([f.tensors[f"{name}.weight"] for name, _, _ in spec], [None] * 3)
     assert isinstance(q, LinearPart) and isinstance(kk, LinearPart) and q.group is kk.group
-    assert isinstance(v, QuantLinear) and v.ggml_type == GGMLType.Q6_K
+    assert isinstance(v, QuantLinear) and v.packed.stack_key != q.group.linear.packed.stack_key
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(1))
     for lin, (name, t, n) in zip((q, kk, v), spec):
         dense = torch.from_numpy(get_format(t).decode_blocks(blocks[name].reshape(-1, GGML_BLOCK[t][1])))

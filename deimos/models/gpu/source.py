@@ -99,14 +99,15 @@ class GpuWeights:
         return QuantLinear(packed, bias, info.name, self.inputs, self.notices)
 
     def linears(self, infos: list[TensorInfo], biases: list[torch.Tensor | None]) -> list:
-        """Linears that read one input: those that share a kernel format and K as parts of one
-        concatenated matrix (``LinearGroup``: one launch; e.g. q and k when v has another
-        format, as Q4_K_M files mix), the others one by one. In the order given."""
+        """Linears that read one input: those whose packed arrays stack (``stack_key``: one
+        kernel format, K and scale layout) as parts of one concatenated matrix (``LinearGroup``:
+        one launch; e.g. q and k when v has another format, as Q4_K_M files mix), the others
+        one by one. In the order given."""
         packs = [self._packed(i) for i in infos]
         by_format: dict[tuple, list[int]] = {}
         for i, p in enumerate(packs):
             if p is not None:
-                by_format.setdefault((p.ggml_type, p.k), []).append(i)
+                by_format.setdefault(p.stack_key, []).append(i)
         out: list = [None] * len(infos)
         for members in by_format.values():
             if len(members) > 1:

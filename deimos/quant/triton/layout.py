@@ -61,6 +61,14 @@ class PackedWeight:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     @property
+    def stack_key(self) -> tuple:
+        """Equal for two matrices whose rows can be stacked into one packed matrix: the same
+        kernel format and K, and every array of the same dtype and row width (formats in Q8_0's
+        layout differ in their scales: f16 or f32, per 32 or per 16)."""
+        arrays = tuple((name, t.dtype, tuple(t.shape[1:])) for name, t in sorted(self.tensors.items()))
+        return (self.ggml_type, self.k, arrays)
+
+    @property
     def device(self) -> torch.device:
         return next(iter(self.tensors.values())).device
 
