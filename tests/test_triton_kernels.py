@@ -529,6 +529,30 @@ def test_fused_quantized_outputs() -> None:
         add_rms_norm(x, r, w, 1e-6, quantized=empty_quantized(1, 64, DEVICE))
 
 
+def test_decode_attention_new_token_bad_input() -> None:
+    """A fused new token (RoPE in the attention launch) checked before any launch: one query
+    row, k/v of the cache's heads, a known rope type, inv_freq and head norms that fit."""
+    from deimos.kernels.triton.decode_attention import NewToken
+
+    k_c, v_c = _cache(8, 16, 2, 64, seed=2)
+    q = _rand(1, 4, 64, seed=3)
+    kn, vn = _rand(1, 2, 64, seed=4), _rand(1, 2, 64, seed=5)
+    pos = torch.tensor([8], dtype=torch.int32, device=DEVICE)
+    inv = rope_inv_freq(64, 10000.0, device=DEVICE)
+    cases = [
+        (dict(q=_rand(2, 4, 64, seed=6), pos=torch.tensor([8, 9], dtype=torch.int32, device=DEVICE)),
+         NewToken(kn, vn, inv, "norm"), "needs one query row, got 2"),
+        ({}, NewToken(kn, vn, inv, "yarn"), "unknown rope type 'yarn'"),
+        ({}, NewToken(_rand(1, 3, 64, seed=7), vn, inv, "norm"), r"new token's k must be \[1, 2, 64\]"),
+        ({}, NewToken(kn, vn[:, :, :32], inv, "norm"), r"new token's v must be \[1, 2, 64\]"),
+        ({}, NewToken(kn, vn, rope_inv_freq(160, 10000.0, device=DEVICE), "norm"), "R <= 64"),
+        ({}, NewToken(kn, vn, inv, "neox", (inv, inv, 1e-6)), r"q head-norm weight must be \[64\]"),
+    ]
+    for over, new, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            decode_attention(over.get("q", q), k_c, v_c, over.get("pos", pos), 0.125, new=new)
+
+
 def test_fused_quantized_and_device_start_bad_input() -> None:
     from deimos.kernels.triton import decode_attention, gated_act, prefill_attention
     from deimos.quant.triton.gemv_q8 import empty_quantized

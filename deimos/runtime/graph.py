@@ -34,7 +34,7 @@ import torch
 
 from deimos.models.batch import Batch
 from deimos.models.blocks import DecoderModel
-from deimos.runtime.kv_cache import ContextFullError, KVCache
+from deimos.runtime.kv_cache import KVCache
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
@@ -154,6 +154,7 @@ class DecodeGraph(StepGraph):
         self._token = torch.zeros(1, dtype=torch.long, device=device)
         self._ring = torch.zeros(self.RING, dtype=torch.long).pin_memory()
         self._ring_np = self._ring.numpy()
+        self._ring_slots = [self._ring[i : i + 1] for i in range(self.RING)]  # copy targets
         self._ring_done = [torch.cuda.Event() for _ in range(self.RING)]
         self._launched = 0
 
@@ -167,24 +168,19 @@ class DecodeGraph(StepGraph):
     def start_chain(self, token: int) -> None:
         """The next ``launch_chained`` feeds ``token`` at the cache's next position; each one
         after it feeds the greedy choice of the one before."""
-        if not self.fits(self.kv.length):
-            raise ContextFullError(f"context full: {self.kv.length + 1} tokens > context size "
-                                   f"{self.kv.capacity}")  # fmt: skip
-        self._load([token], self.kv.length)
+        self._load([token], self.kv.begin(self.positions))  # the room check
         if self._graph is None:
             self._capture()
 
     def launch_chained(self) -> int:
         """Enqueue one step of the chain (no host synchronisation) and commit its cache row;
         returns the ticket that ``chained_token`` reads its greedy choice with."""
-        if not self.fits(self.kv.length):
-            raise ContextFullError(f"context full: {self.kv.length + 1} tokens > context size "
-                                   f"{self.kv.capacity}")  # fmt: skip
+        self.kv.begin(self.positions)  # the room check (device positions: no sync)
         self._graph.replay()
         self.replays += 1
         self.kv.commit(1)
         slot = self._launched % self.RING
-        self._ring[slot : slot + 1].copy_(self._token, non_blocking=True)
+        self._ring_slots[slot].copy_(self._token, non_blocking=True)
         self._ring_done[slot].record()
         self._launched += 1
         return self._launched - 1

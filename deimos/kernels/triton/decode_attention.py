@@ -31,7 +31,7 @@ import triton.language as tl
 
 from deimos.kernels.triton._attention_io import check_attention_io
 from deimos.kernels.triton._softmax import online_softmax_step
-from deimos.kernels.triton.rope import ROPE_TYPES, rope_tile
+from deimos.kernels.triton.rope import rope_params, rope_tile
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 from deimos.quant.triton.gemv_q8 import quantize_groups
 
@@ -192,22 +192,12 @@ def _new_token_args(new: NewToken | None, q: torch.Tensor, k: torch.Tensor) -> t
     hkv = k.shape[1]
     if n_b != 1:
         raise ValueError(f"decode_attention: a fused new token needs one query row, got {n_b}")
-    if new.rope_type not in ROPE_TYPES:
-        raise ValueError(f"decode_attention: unknown rope type {new.rope_type!r}")
+    r, qn, kn, eps = rope_params("decode_attention", d, q.device, new.inv_freq, new.rope_type,
+                                 new.head_norms)  # fmt: skip
     for name, t in (("k", new.k), ("v", new.v)):
         if t.shape != (1, hkv, d) or t.stride(2) != 1 or t.device != q.device:
             raise ValueError(f"decode_attention: the new token's {name} must be [1, {hkv}, {d}] on "
                              f"{q.device}, last dim contiguous; got {tuple(t.shape)}")  # fmt: skip
-    r = 2 * new.inv_freq.shape[0]
-    if new.inv_freq.dtype != torch.float32 or not 0 < r <= d or new.inv_freq.device != q.device:
-        raise ValueError(f"decode_attention: inv_freq must be float32 [R/2], R <= {d}, on {q.device}")
-    if new.head_norms is not None:
-        qn, kn, eps = new.head_norms
-        if qn.shape != (d,) or kn.shape != (d,):
-            raise ValueError(f"decode_attention: head-norm weights must be [{d}]")
-    else:
-        qn = kn = new.inv_freq
-        eps = 0.0
     args = [new.k, new.v, new.k.stride(1), new.v.stride(1), new.inv_freq, qn, kn, eps, r]
     return args, {"ROPE": True, "NEOX": new.rope_type == "neox", "HAS_NORM": new.head_norms is not None}
 

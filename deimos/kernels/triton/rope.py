@@ -139,6 +139,29 @@ def rope_inv_freq(
     return inv.to(torch.float32).to(device)
 
 
+def rope_params(who: str, d: int, device: torch.device, inv_freq: torch.Tensor, rope_type: str,
+                head_norms: tuple[torch.Tensor, torch.Tensor, float] | None) -> tuple:
+    """The rotation's arguments checked for heads of ``d`` dims on ``device``: (R, q head-norm
+    weight, k head-norm weight, eps), inv_freq standing in for absent weights (never read).
+    Shared by ``apply_rope`` and the decode attention that rotates its own q and key."""
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"{who}: unknown rope type {rope_type!r}")
+    r = 2 * inv_freq.shape[0]
+    if inv_freq.dim() != 1 or inv_freq.dtype != torch.float32 or not 0 < r <= d:
+        raise ValueError(f"{who}: inv_freq must be float32 [R/2] with R <= {d}, got "
+                         f"{inv_freq.dtype} {tuple(inv_freq.shape)}")  # fmt: skip
+    if inv_freq.device != device:
+        raise ValueError(f"{who}: inv_freq is on {inv_freq.device}, q on {device}")
+    if head_norms is None:
+        return r, inv_freq, inv_freq, 0.0
+    qn, kn, eps = head_norms
+    for name, t in (("q", qn), ("k", kn)):
+        if t.shape != (d,) or t.device != device:
+            raise ValueError(f"{who}: the {name} head-norm weight must be [{d}] on {device}, "
+                             f"got {tuple(t.shape)} on {t.device}")  # fmt: skip
+    return r, qn, kn, eps
+
+
 def _check_heads(name: str, t: torch.Tensor) -> None:
     if t.dim() != 3:
         raise ValueError(f"apply_rope: {name} must be [T, H, D], got shape {tuple(t.shape)}")
@@ -170,8 +193,6 @@ def apply_rope(
     views (e.g. of a fused qkv output), last dim contiguous. Returns ``(q', k')``: q and k
     themselves when ``inplace``, new contiguous tensors otherwise.
     """
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"apply_rope: unknown rope type {rope_type!r}")
     _check_heads("q", q)
     n_t, hq, d = q.shape
     if k is not None:
@@ -181,11 +202,8 @@ def apply_rope(
     if positions.shape != (n_t,) or positions.dtype.is_floating_point:
         raise ValueError(f"apply_rope: positions must be integer [{n_t}], got "
                          f"{positions.dtype} {tuple(positions.shape)}")  # fmt: skip
-    r = 2 * inv_freq.shape[0]
-    if inv_freq.dim() != 1 or inv_freq.dtype != torch.float32 or not 0 < r <= d:
-        raise ValueError(f"apply_rope: inv_freq must be float32 [R/2] with R <= {d}, got "
-                         f"{inv_freq.dtype} {tuple(inv_freq.shape)}")  # fmt: skip
-    for name, t in (("k", k), ("positions", positions), ("inv_freq", inv_freq)):
+    r, qn, kn, eps = rope_params("apply_rope", d, q.device, inv_freq, rope_type, head_norms)
+    for name, t in (("k", k), ("positions", positions)):
         if t is not None and t.device != q.device:
             raise ValueError(f"apply_rope: {name} is on {t.device}, q on {q.device}")
     qo = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -199,15 +217,6 @@ def apply_rope(
     else:
         ko = k if k is None or inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
         v = vo = None
-    if head_norms is not None:
-        qn, kn, eps = head_norms
-        for name, t in (("q", qn), ("k", kn)):
-            if t.shape != (d,) or t.device != q.device:
-                raise ValueError(f"apply_rope: the {name} head-norm weight must be [{d}] on {q.device}, "
-                                 f"got {tuple(t.shape)} on {t.device}")  # fmt: skip
-    else:
-        qn = kn = inv_freq
-        eps = 0.0
     if n_t == 0:
         return qo, ko
     kk, kko = (k, ko) if k is not None else (q, qo)
