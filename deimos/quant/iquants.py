@@ -34,21 +34,20 @@ def _ro(a: np.ndarray) -> np.ndarray:
 SIGN8 = _ro(np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, -1.0, 1.0).astype(np.float32))
 KSIGN = _ro(SIGN8[g.KSIGNS_IQ2XS])
 _F = {name: _ro(getattr(g, name).astype(np.float32)) for name in (
-    "IQ2XXS_GRID", "IQ2XS_GRID", "IQ2S_GRID", "IQ3XXS_GRID", "IQ3S_GRID", "IQ1S_GRID")}
+    "IQ2XXS_GRID", "IQ2XS_GRID", "IQ2S_GRID", "IQ3XXS_GRID", "IQ3S_GRID")}
 _KV_IQ4NL = _ro(g.KVALUES_IQ4NL.astype(np.float32))
 _KV_IQ4NL_I8 = _ro(g.KVALUES_IQ4NL.astype(np.int8))
 _I1S = _ro(g.IQ1S_GRID.astype(np.int8))
 
 _SHIFT_7 = np.array([0, 7, 14, 21], dtype=np.uint32)  # 4 x 7-bit sign indices in a u32
-_IQ1S_DELTA = np.float32(0.125)
 
 
 def _scaled(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """int8 codes ``[n, 256]`` times float32 scales ``[n, 8]`` (one per sub-block of 32):
-    float32 ``[n, 256]``. The products are exact (codes and scales have few significant bits),
-    so this equals ggml's ``db * grid * sign`` bit for bit."""
-    n = codes.shape[0]
-    return (scale[:, :, None] * as_f32(codes).reshape(n, 8, 32)).reshape(n, 256)
+    """int8 codes ``[n, 256]`` times float32 scales ``[n, s]`` (one per 256 / s elements: 32 or
+    16): float32 ``[n, 256]``. The products are exact (codes and scales have few significant
+    bits), so this equals ggml's ``db * grid * sign`` bit for bit."""
+    n, s = scale.shape
+    return (scale[:, :, None] * as_f32(codes).reshape(n, s, 256 // s)).reshape(n, 256)
 
 
 def _halves(b: np.ndarray) -> np.ndarray:
@@ -97,14 +96,7 @@ class IQ2_XS(QuantFormat, ggml_type=GGMLType.IQ2_XS):
         return (grid * sign).astype(np.int8).reshape(n, 256), db
 
     def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
-        n = blocks.shape[0]
-        d = f16_at(blocks, 0)
-        qs = u16_at(blocks, 2, 32).reshape(n, 8, 4)
-        s = _halves(blocks[:, 66:74])[:, :, [0, 0, 1, 1]]  # [n, 8, 4]
-        db = d[:, :, None] * (0.5 + as_f32(s)) * 0.25
-        grid = _F["IQ2XS_GRID"].take(qs & 511, axis=0)
-        sign = KSIGN.take(qs >> 9, axis=0)
-        return (db[..., None] * grid * sign).reshape(n, 256)
+        return _scaled(*self.codes_and_scale(blocks))
 
     def random_blocks(self, n: int, rng: np.random.Generator) -> np.ndarray:
         b = random_bytes(n, self.type_size, rng)
@@ -131,16 +123,7 @@ class IQ2_S(QuantFormat, ggml_type=GGMLType.IQ2_S):
         return (grid * sign).astype(np.int8).reshape(n, 256), db
 
     def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
-        n = blocks.shape[0]
-        d = f16_at(blocks, 0)
-        qs = blocks[:, 2:34].reshape(n, 8, 4).astype(np.uint16)
-        qh = blocks[:, 66:74, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)  # [n, 8, 4]
-        idx = qs | ((qh & 3).astype(np.uint16) << 8)
-        s = _halves(blocks[:, 74:82])[:, :, [0, 0, 1, 1]]
-        db = d[:, :, None] * (0.5 + as_f32(s)) * 0.25
-        grid = _F["IQ2S_GRID"].take(idx, axis=0)
-        sign = SIGN8.take(blocks[:, 34:66].reshape(n, 8, 4), axis=0)
-        return (db[..., None] * grid * sign).reshape(n, 256)
+        return _scaled(*self.codes_and_scale(blocks))
 
     def random_blocks(self, n: int, rng: np.random.Generator) -> np.ndarray:
         b = random_bytes(n, self.type_size, rng)
@@ -251,19 +234,7 @@ class IQ1_M(QuantFormat, ggml_type=GGMLType.IQ1_M):
         return (8 * grid + delta[..., None]).reshape(n, 256), dl * np.float32(0.125)
 
     def decode_blocks(self, blocks: np.ndarray) -> np.ndarray:
-        n = blocks.shape[0]
-        sc = u16_at(blocks, 48, 4)  # [n, 4]
-        d16 = (sc >> 12) << np.array([0, 4, 8, 12], dtype=np.uint16)
-        d16 = d16[:, 0] | d16[:, 1] | d16[:, 2] | d16[:, 3]
-        d = d16.view(np.float16).astype(np.float32)[:, None]
-        s = (sc[:, :, None] >> np.array([0, 3, 6, 9], dtype=np.uint16)) & 7
-        dl = (d * as_f32(2 * s.reshape(n, 16) + 1)).reshape(n, 8, 2)[:, :, [0, 0, 1, 1]]
-        nib = _halves(blocks[:, 32:48]).reshape(n, 8, 4)
-        qs = blocks[:, 0:32].reshape(n, 8, 4).astype(np.uint16)
-        idx = qs | ((nib & 7).astype(np.uint16) << 8)
-        delta = np.where(nib & 8, -_IQ1S_DELTA, _IQ1S_DELTA)
-        grid = _F["IQ1S_GRID"].take(idx, axis=0)
-        return (dl[..., None] * (grid + delta[..., None])).reshape(n, 256)
+        return _scaled(*self.codes_and_scale(blocks))
 
     def random_blocks(self, n: int, rng: np.random.Generator) -> np.ndarray:
         b = random_bytes(n, self.type_size, rng)
