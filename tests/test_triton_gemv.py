@@ -148,3 +148,9 @@ def test_dequant_matmul_bad_input() -> None:
         dequant_matmul(w, torch.zeros(3, 512, device=DEVICE))
     with pytest.raises(ValueError, match="out must be contiguous float32"):
         dequant_matmul(w, torch.zeros(3, 256, device=DEVICE), out=torch.zeros(3, 5, device=DEVICE))
+    from deimos.models.gpu.dequant import GemmConfig
+
+    for bad in (GemmConfig(8, 64, 2, 4), GemmConfig(64, 48, 2, 4), GemmConfig(64, 64, 3, 4),
+                GemmConfig(64, 64, 2, 3), GemmConfig(64, 64, 2, 4, 0)):
+        with pytest.raises(ValueError, match="bad tile"):
+            dequant_matmul(w, torch.zeros(3, 256, device=DEVICE), cfg=bad)

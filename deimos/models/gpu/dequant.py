@@ -42,6 +42,7 @@ from deimos.quant.triton.dequant_gemv import (
     gemv_out,
     group_scales,
     group_words,
+    pow2_at_most,
     q2k_scales,
     scale16,
     weight_arrays,
@@ -247,7 +248,13 @@ def dequant_matmul(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = 
     if m == 0 or w.n == 0:
         return out
     xp = x.to(torch.float16)[:, permuted_columns(w) if cols is None else cols]
-    cfg = cfg or gemm_config(m, w.n, w.k)
+    if cfg is None:
+        cfg = gemm_config(m, w.n, w.k)
+    elif not (all(pow2_at_most(v, 256) and v >= 16 for v in (cfg.block_m, cfg.block_n))
+              and pow2_at_most(cfg.block_s, 32) and cfg.num_warps in (1, 2, 4, 8)
+              and 1 <= cfg.num_stages <= 5):  # fmt: skip
+        raise ValueError(f"dequant_matmul: bad tile {cfg} (block_m, block_n powers of two in "
+                         "16..256, block_s one in 1..32, num_warps 1, 2, 4 or 8, 1..5 stages)")
     grid = (triton.cdiv(w.n, cfg.block_n) * triton.cdiv(m, cfg.block_m),)
     _dequant_gemm_kernel[grid](
         xp, *weight_arrays(w), out, m, w.n, w.k, xp.stride(0), out.stride(0),

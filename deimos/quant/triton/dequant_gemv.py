@@ -172,6 +172,11 @@ def group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT: tl.constexpr, MASKED
     return b_w, b_h, m_w
 
 
+def pow2_at_most(v: int, most: int) -> bool:
+    """Whether ``v`` is a power of two in 1..``most`` (a tile size a launch accepts)."""
+    return isinstance(v, int) and 0 < v <= most and v & (v - 1) == 0
+
+
 def words_per_group(ggml_type: GGMLType) -> int:
     """int32 words a group of 32 takes in the packed layout (the kernels' W): 8 for Q8_0 (a
     byte a code), 2 for Q2_K (2 bits), 4 for the nibble formats."""

@@ -61,6 +61,7 @@ from deimos.quant.triton.dequant_gemv import (
     group_scales,
     group_words,
     masked_load,
+    pow2_at_most,
     q2k_scales,
     scale16,
     weight_arrays,
@@ -384,10 +385,6 @@ def q8_config(ggml_type: GGMLType, n: int, k: int, b: int) -> Q8Config:
     return Q8Config(4, 64 if groups >= 256 else 32, 4)
 
 
-def _pow2(v: int, most: int) -> bool:
-    return isinstance(v, int) and 0 < v <= most and v & (v - 1) == 0
-
-
 def gemv_q8(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
             cfg: Q8Config | None = None) -> torch.Tensor:
     """y = W x for a packed quantized W ``[n, k]`` and an activation from ``quantize_x``:
@@ -402,7 +399,7 @@ def gemv_q8(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
     out = gemv_out(out, b, w.n, x.xq.device, "gemv_q8")
     if cfg is None:
         cfg = q8_config(w.ggml_type, w.n, k, b)
-    elif not (_pow2(cfg.block_n, 64) and 16 <= cfg.block_s <= 512 and _pow2(cfg.block_s, 512)
+    elif not (pow2_at_most(cfg.block_n, 64) and 16 <= cfg.block_s <= 512 and pow2_at_most(cfg.block_s, 512)
               and cfg.num_warps in (1, 2, 4, 8)):  # fmt: skip
         raise ValueError(f"gemv_q8: bad tile {cfg} (block_n a power of two <= 64, block_s one in "
                          "16..512, num_warps 1, 2, 4 or 8)")
