@@ -63,13 +63,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512, help="tokens in the cache while timing")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prefill", type=int, default=0, help="also profile one prefill of this many tokens")
-    ap.add_argument("--own-gemm", action="store_true",
-                    help="prefill through our dequant-GEMM instead of fp16 dequantization + cuBLAS")
     args = ap.parse_args()
-    if args.own_gemm:
-        from deimos.models.gpu import QuantLinear
-
-        QuantLinear.own_gemm = True
     f = GGUFFile(args.model)
     model = load_model(f, device="cuda")
     cfg = model.config

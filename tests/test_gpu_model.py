@@ -109,12 +109,6 @@ def test_kernel_linears_match_reference(synth_dir, typ: str) -> None:
             rel = _rel(want, got)
             print(f"{k.name} {k.ggml_type.name} T={t}: rel rms {rel:.2e}")
             assert rel < tol, f"{k.name} ({k.ggml_type.name}) T={t}: relative RMS error {rel:.2e}"
-        if isinstance(small, QuantLinear):  # prefill through both paths (T = 3: the rule's own GEMM)
-            for own in (False, True):
-                small.own_gemm = own
-                x = torch.randn(3, r.weight.shape[1], generator=g)
-                rel = _rel(x @ r.weight[:rows].T, small(x.to(DEVICE)))
-                assert rel < 3e-3, f"{k.name} ({k.ggml_type.name}) own GEMM {own}: relative RMS error {rel:.2e}"
     # llama-tiny's Q4_K_M mix: Q5_0 where rows of 128 do not fit 256-blocks, Q4_K, Q8_0 output
     assert MIXES[typ] <= seen, seen
     assert isinstance(k0.mlp.gate, LinearPart) and k0.mlp.gate.group is k0.mlp.up.group

@@ -93,64 +93,41 @@ def test_pack_bad_input() -> None:
         pack(np.zeros((2, 100), np.uint8), GGMLType.Q4_K)
 
 
-@pytest.mark.parametrize("permuted", [False, True], ids=["element_order", "word_order"])
+@pytest.mark.parametrize("permuted", ["element_order", "word_order", "word_order-even",
+                                      "word_order-half"])
 @pytest.mark.parametrize("t", PACKED_TYPES, ids=lambda t: t.name)
-def test_dequantize_fp16(t: GGMLType, permuted: bool) -> None:
+def test_dequantize_fp16(t: GGMLType, permuted: str) -> None:
     """The prefill path's fp16 dequantization: the GGUF decoders' values rounded to fp16, in
-    element order or in word order with ``permuted_columns`` naming each column's element."""
-    from deimos.models.gpu.dequant import dequantize_fp16, permuted_columns
+    element order or in word order with ``permuted_columns`` naming each column's element
+    (the streaming kernel: under the rule, whose tiles do not divide this matrix, under tiles
+    that do (no masks), and decoding in float16)."""
+    from deimos.models.gpu.dequant import DequantConfig, dequantize_fp16, permuted_columns
+
+    cfg = {"word_order-even": DequantConfig(1, 16, 2),
+           "word_order-half": DequantConfig(2, 32, 4, half=True)}.get(permuted)
+    tol = 2e-3 if permuted == "word_order-half" else 1e-3  # the scale rounded to fp16 first
 
     n, k = 5, 512
     blocks = _blocks(t, n, k, seed=4)
     want = torch.from_numpy(dequantize(blocks.reshape(-1), t, (n, k))).to(torch.float16)
     w = pack(blocks, t).to(DEVICE)
     out = torch.full((n, k), float("nan"), dtype=torch.float16, device=DEVICE)
-    got = dequantize_fp16(w, out=out, permuted=permuted).cpu()
-    if permuted:
+    got = dequantize_fp16(w, out=out, permuted=permuted != "element_order", cfg=cfg).cpu()
+    if permuted != "element_order":
         cols = permuted_columns(w).cpu()
         assert sorted(cols.tolist()) == list(range(k))
         got_natural = torch.empty_like(got)
         got_natural[:, cols] = got
         got = got_natural
-    torch.testing.assert_close(got.float(), want.float(), rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("tile", ["rule", "ragged-k", "prefetch", "prefetch-ragged-k"])
-@pytest.mark.parametrize("t", PACKED_TYPES, ids=lambda t: t.name)
-def test_dequant_matmul(t: GGMLType, tile: str) -> None:
-    """The prefill dequant-GEMM (weights decoded tile by tile in registers, tensor-core dot)
-    against the GGUF decoders' matrix times x, both rounded to fp16 as the kernel's inputs
-    are; M and N not multiples of the tiles, x rows strided; under the launch rule and under
-    a tile whose K step does not divide the row (the masked loop), each also with the next
-    step's code words prefetched."""
-    from deimos.models.gpu.dequant import GemmConfig, dequant_matmul
+def test_dequantize_fp16_bad_tile() -> None:
+    from deimos.models.gpu.dequant import DequantConfig, dequantize_fp16
 
-    cfg = {"rule": None, "ragged-k": GemmConfig(16, 32, 32, 4, 2),
-           "prefetch": GemmConfig(16, 32, 2, 4, 2, True),
-           "prefetch-ragged-k": GemmConfig(16, 32, 32, 4, 2, True)}[tile]
-
-    n, k, m = 37, 512, 5
-    blocks = _blocks(t, n, k, seed=6)
-    w16 = torch.from_numpy(dequantize(blocks.reshape(-1), t, (n, k))).to(torch.float16)
-    xs = torch.randn(m, k + 32, generator=torch.Generator().manual_seed(8))[:, :k]  # strided rows
-    want = xs.to(torch.float16).double() @ w16.double().T
-    out = torch.full((m, n), float("nan"), device=DEVICE)
-    got = dequant_matmul(pack(blocks, t).to(DEVICE), xs.to(DEVICE), out=out, cfg=cfg).double().cpu()
-    rel = ((got - want).norm() / want.norm()).item()
-    assert rel < 1e-3, f"{t.name}: relative RMS error {rel:.2e}"
-
-
-def test_dequant_matmul_bad_input() -> None:
-    from deimos.models.gpu.dequant import dequant_matmul
-
-    w = pack(_blocks(GGMLType.Q4_K, 4, 256, seed=0), GGMLType.Q4_K).to(DEVICE)
-    with pytest.raises(ValueError, match=r"x must be \[M, 256\]"):
-        dequant_matmul(w, torch.zeros(3, 512, device=DEVICE))
-    with pytest.raises(ValueError, match="out must be contiguous float32"):
-        dequant_matmul(w, torch.zeros(3, 256, device=DEVICE), out=torch.zeros(3, 5, device=DEVICE))
-    from deimos.models.gpu.dequant import GemmConfig
-
-    for bad in (GemmConfig(8, 64, 2, 4), GemmConfig(64, 48, 2, 4), GemmConfig(64, 64, 3, 4),
-                GemmConfig(64, 64, 2, 3), GemmConfig(64, 64, 2, 4, 0)):
+    w = pack(_blocks(GGMLType.Q4_K, 2, 256, seed=0), GGMLType.Q4_K).to(DEVICE)
+    for bad in (DequantConfig(3, 128, 4), DequantConfig(2, 2048, 4), DequantConfig(2, 128, 3)):
         with pytest.raises(ValueError, match="bad tile"):
-            dequant_matmul(w, torch.zeros(3, 256, device=DEVICE), cfg=bad)
+            dequantize_fp16(w, permuted=True, cfg=bad)
+    with pytest.raises(ValueError, match="bad tile"):  # the tile is the word-order kernel's
+        dequantize_fp16(w, cfg=DequantConfig(2, 128, 4))

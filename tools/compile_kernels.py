@@ -118,25 +118,31 @@ def _q8_jobs() -> list[Job]:
         sample = _packed_sample(t, 4096)
         args = [MockTensor(a.dtype) for a in weight_arrays(sample)]
         args += [MockTensor(torch.float16), 4096, 4096]
-        gemm_args = [MockTensor(torch.float16)] + args[:5] + [MockTensor(torch.float32), 512, 4096,
-                                                             4096, 4096, 4096]
-        rule = [dequant.gemm_config(m, n, 4096) for m in (16, 64, 512) for n in (4096, 28672)]
-        # and the prefetching variant the sweep tries (bench/sweep_gemm.py)
-        for gc in dict.fromkeys(rule + [dequant.GemmConfig(128, 128, 2, 4, 3, True)]):
-            jobs.append(Job("dequant_gemm_" + t.name,
-                            f"M={gc.block_m} N={gc.block_n} S={gc.block_s} w={gc.num_warps} "
-                            f"st={gc.num_stages} pf={int(gc.prefetch)}",
-                            _warm_args(dequant._dequant_gemm_kernel, gemm_args, FMT=FMT_ID[kt],
-                                       BLOCK_M=gc.block_m, BLOCK_N=gc.block_n, BLOCK_S=gc.block_s,
-                                       EVEN_K=True, PREFETCH=gc.prefetch, SCALE16=scale16(sample),
-                                       num_warps=gc.num_warps,
-                                       num_stages=gc.num_stages)))
-        for permuted in (False, True):
-            jobs.append(Job("dequant_" + t.name, f"N={dequant.BLOCK_N} S={dequant.BLOCK_S} perm={int(permuted)}",
-                            _warm_args(dequant._dequant_kernel, args, FMT=FMT_ID[kt],
-                                       BLOCK_N=dequant.BLOCK_N, BLOCK_S=dequant.BLOCK_S,
-                                       PERMUTED=permuted, SCALE16=scale16(sample),
-                                       num_warps=dequant.NUM_WARPS)))
+        jobs.append(Job("dequant_" + t.name, f"N={dequant.BLOCK_N} S={dequant.BLOCK_S}",
+                        _warm_args(dequant._dequant_kernel, args, FMT=FMT_ID[kt],
+                                   BLOCK_N=dequant.BLOCK_N, BLOCK_S=dequant.BLOCK_S,
+                                   SCALE16=scale16(sample),
+                                   num_warps=dequant.NUM_WARPS)))
+        for dc, even in ((dc, even) for dc in dict.fromkeys(dequant.dequant_config(n, 4096)
+                                                             for n in (4096, 28672))
+                         for even in (True, False)):  # fmt: skip
+            jobs.append(Job("dequant_words_" + t.name,
+                            f"R={dc.block_r} J={dc.block_j} w={dc.num_warps} h={int(dc.half)} even={int(even)}",
+                            _warm_args(dequant._dequant_words_kernel, args, FMT=FMT_ID[kt],
+                                       BLOCK_R=dc.block_r, BLOCK_J=dc.block_j, EVEN=even,
+                                       SCALE16=scale16(sample), HALF=dc.half,
+                                       num_warps=dc.num_warps)))
+    from deimos.kernels.triton import matmul
+
+    shapes = [(m, n) for m in (2, 16, 64, 128, 512) for n in (4096, 28672)]
+    for mc in dict.fromkeys(matmul.matmul_config(m, n, 4096) for m, n in shapes):
+        jobs.append(Job("matmul_f16", f"M={mc.block_m} N={mc.block_n} K={mc.block_k} "
+                                      f"w={mc.num_warps} st={mc.num_stages}",
+                        _warm(matmul._matmul_kernel,
+                              [torch.float16, torch.float16, torch.float32] + [4096] * 6,
+                              BLOCK_M=mc.block_m, BLOCK_N=mc.block_n, BLOCK_K=mc.block_k,
+                              GROUP=matmul.GROUP_M, EVEN_K=True, num_warps=mc.num_warps,
+                              num_stages=mc.num_stages)))
     for dt in (torch.float32, torch.float16):
         args = [MockTensor(dt), MockTensor(torch.int32), MockTensor(torch.float32),
                 MockTensor(torch.int32), 4096]

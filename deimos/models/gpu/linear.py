@@ -3,13 +3,16 @@
 - ``QuantLinear`` (formats with a GEMV kernel): decode (T == 1) runs the integer-activation
   GEMV (gemv_q8: x turned once into two int8 planes, ``QuantizedX``, shared by every
   projection that reads the same activation; weight codes times x codes by dp4a);
-  T > 1 (prefill) runs our tensor-core dequant-GEMM or, where that was measured slower
-  (long chunks of the nibble formats), dequantizes to fp16 per call and runs torch.matmul.
-- ``DenseLinear``: formats without a kernel, dequantized once at load to an fp16 matrix.
+  T > 1 (prefill) dequantizes the weight to a transient fp16 matrix (``dequantize_fp16``,
+  streaming near the copy rate) and multiplies on the tensor cores (``matmul_f16``): both ours,
+  measured faster than a fused dequant-GEMM at every prompt length (dequant.py).
+- ``DenseLinear``: float weights (and formats without a kernel), an fp16 matrix from load:
+  ``matmul_f16`` for T > 1, cuBLAS's GEMV (torch.matmul) for decode, where our tensor-core
+  tile was measured 1.1-1.6x slower (BENCHMARKS.md).
 - ``QuantEmbedding`` / ``DenseEmbedding``: gather the token rows, dequantize only those.
 
-Activations in and out are float32 ``[T, K]`` / ``[T, N]``; the fp16 GEMM accumulates in fp32
-(cuBLAS) but rounds x and y to fp16 (range 65504: an activation past that would overflow).
+Activations in and out are float32 ``[T, K]`` / ``[T, N]``; the fp16 products accumulate in
+fp32 but round x to fp16 (range 65504: an activation past that would overflow).
 """
 
 from __future__ import annotations
@@ -17,13 +20,8 @@ from __future__ import annotations
 import torch
 
 from deimos.gguf.constants import GGMLType
-from deimos.models.gpu.dequant import (
-    dequant_matmul,
-    dequantize_fp16,
-    gather_rows,
-    permuted_columns,
-    prefers_own_gemm,
-)
+from deimos.kernels.triton.matmul import matmul_f16
+from deimos.models.gpu.dequant import dequantize_fp16, gather_rows, permuted_columns
 from deimos.models.gpu.notices import Notices
 from deimos.quant.triton import PackedWeight
 from deimos.quant.triton.gemv_q8 import QuantizedX, gemv_q8, quantize_x
@@ -76,13 +74,10 @@ def _check_input(x: torch.Tensor, k: int, name: str) -> None:
 class QuantLinear:
     """y = x @ W^T (+ b), W packed ``[n, k]``.
 
-    Prefill (T > 1) runs our dequant-GEMM (dequant.dequant_matmul: weights decoded tile by
-    tile in registers, tensor-core products) where it was measured faster than fp16
-    dequantization + cuBLAS (``dequant.prefers_own_gemm``: chunks of up to 64 rows in every
-    format, Q8_0's layout at every size), else that round trip. ``own_gemm`` True / False
-    forces one path (tests, ``bench/profile_decode.py --own-gemm``); None follows the rule."""
-
-    own_gemm: bool | None = None
+    Decode (T == 1): the integer-activation GEMV. Prefill (T > 1): the weight dequantized to
+    a transient fp16 matrix in the words' column order, x's columns permuted to match, our
+    tensor-core matmul (one matrix at a time: the fp16 copy is freed to the caching allocator
+    and reused by the next linear)."""
 
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, name: str,
                  inputs: InputCache, notices: Notices):
@@ -111,11 +106,9 @@ class QuantLinear:
         _check_input(x, self.packed.k, self.name)
         if x.shape[0] == 1:
             y = gemv_q8(self.packed, self.inputs.quantized(x))
-        elif self.own_gemm or (self.own_gemm is None and prefers_own_gemm(self.ggml_type, x.shape[0])):
-            y = dequant_matmul(self.packed, x, cols=self._columns())
         else:
             w16 = dequantize_fp16(self.packed, permuted=True)
-            y = torch.matmul(self.inputs.half(x)[:, self._columns()], w16.T).float()
+            y = matmul_f16(self.inputs.half(x)[:, self._columns()], w16)
         return y if self.bias is None else y + self.bias
 
 
@@ -140,7 +133,10 @@ class DenseLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.weight.shape[1], self.name)
-        y = torch.matmul(self.inputs.half(x), self.weight.T).float()
+        if x.shape[0] == 1:
+            y = torch.matmul(self.inputs.half(x), self.weight.T).float()
+        else:
+            y = matmul_f16(self.inputs.half(x), self.weight)
         return y if self.bias is None else y + self.bias
 
 

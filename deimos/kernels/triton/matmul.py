@@ -1,0 +1,128 @@
+"""y = a @ b^T on the tensor cores (Triton): fp16 ``a [M, K]`` and ``b [N, K]``, fp32 ``y``.
+Oracle: ``matmul_reference`` (float64 product of the same fp16 inputs).
+
+The float-weight linears and the long-prefill second half of the packed formats' two-phase
+path (a weight dequantized to fp16 by ``dequantize_fp16``, then this product) run here.
+Tiles of ``block_m x block_n`` outputs, ``block_k`` of K a step, Triton's software pipeline
+for the loads (``num_stages``); program ids grouped ``GROUP_M`` row tiles at a time so the
+b tiles a group reads stay in L2. Rows past M or N are clamped for loading (no masks in the
+loop) and never stored; a K that ``block_k`` does not divide masks the loop's loads.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from deimos.quant.triton.dequant_gemv import pow2_at_most
+
+GROUP_M = 8
+
+
+class MatmulConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _matmul_kernel(
+    p_a, p_b, p_y, M, N, K, stride_am, stride_bn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP * tiles_n
+    first_m = (pid // per_group) * GROUP
+    rows = tl.minimum(tiles_m - first_m, GROUP)
+    i_m = first_m + (pid % per_group) % rows
+    i_n = (pid % per_group) // rows
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    r_m = tl.minimum(o_m, M - 1).to(tl.int64)
+    r_n = tl.minimum(o_n, N - 1).to(tl.int64)
+    p_at = p_a + r_m[:, None] * stride_am + o_k[None, :]
+    p_bt = p_b + r_n[:, None] * stride_bn + o_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            b_a = tl.load(p_at)
+            b_b = tl.load(p_bt)
+        else:
+            m_k = (k0 + o_k < K)[None, :]
+            b_a = tl.load(p_at, mask=m_k, other=0.0)
+            b_b = tl.load(p_bt, mask=m_k, other=0.0)
+        acc = tl.dot(b_a, tl.trans(b_b), acc, out_dtype=tl.float32)
+        p_at += BLOCK_K
+        p_bt += BLOCK_K
+    p_out = p_y + o_m[:, None].to(tl.int64) * stride_ym + o_n[None, :]
+    tl.store(p_out, acc, mask=(o_m < M)[:, None] & (o_n < N)[None, :])
+
+
+def matmul_config(m: int, n: int, k: int) -> MatmulConfig:
+    """The launch rule, from bench/sweep_gemm.py and bench/sweep_dense.py on the H200
+    (2026-11-29, llama 8B's matrices at M = 1, 16, 128, 512; BENCHMARKS.md): 16-row tiles
+    with long K steps up to 16 rows (the best tile at every N there), then 128-row tiles,
+    64 wide for the narrow matrices at ~128 rows (more programs), 256 wide for the wide ones,
+    128 x 128 from 256 rows on. 17-64 rows: 64 x 64, between the measured ends."""
+    del k
+    if m <= 16:
+        return MatmulConfig(16, 64, 128, 4, 4)
+    if m <= 64:
+        return MatmulConfig(64, 64, 64, 4, 4)
+    if m <= 256:
+        return MatmulConfig(128, 256, 64, 8, 3) if n >= 16384 else MatmulConfig(128, 64, 64, 4, 4)
+    return MatmulConfig(128, 128, 64, 4, 4)
+
+
+def matmul_f16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
+               cfg: MatmulConfig | None = None) -> torch.Tensor:
+    """float32 ``[M, N]`` = a ``[M, K]`` @ b ``[N, K]``^T, both fp16 with unit column stride
+    (rows may be strided), on the same CUDA device (or the interpreter). ``out``: optional
+    float32 ``[M, N]`` with unit column stride."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"matmul_f16: a must be [M, K] and b [N, K], got {tuple(a.shape)} and "
+                         f"{tuple(b.shape)}")
+    if a.dtype != torch.float16 or b.dtype != torch.float16:
+        raise ValueError(f"matmul_f16: a and b must be float16, got {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"matmul_f16: a is on {a.device}, b on {b.device}")
+    if (a.shape[1] > 1 and a.stride(1) != 1) or (b.shape[1] > 1 and b.stride(1) != 1):
+        raise ValueError("matmul_f16: a and b need unit column stride")
+    m, k = a.shape
+    n = b.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.float32, device=a.device)
+    elif out.shape != (m, n) or out.dtype != torch.float32 or (n > 1 and out.stride(1) != 1):
+        raise ValueError(f"matmul_f16: out must be float32 [{m}, {n}] with unit column stride, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    if cfg is None:
+        cfg = matmul_config(m, n, k)
+    elif not (all(pow2_at_most(v, 256) and v >= 16 for v in cfg[:3])
+              and cfg.num_warps in (1, 2, 4, 8) and 1 <= cfg.num_stages <= 5):  # fmt: skip
+        raise ValueError(f"matmul_f16: bad tile {cfg} (block_m, block_n, block_k powers of two in "
+                         "16..256, num_warps 1, 2, 4 or 8, 1..5 stages)")
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _matmul_kernel[grid](
+        a, b, out, m, n, k, a.stride(0), b.stride(0), out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP=GROUP_M,
+        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def matmul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The oracle: the same product in float64 on the CPU, as float32."""
+    return (a.double().cpu() @ b.double().cpu().T).float()

@@ -1,0 +1,64 @@
+"""The fp16 tensor-core matmul (deimos.kernels.triton.matmul) against its float64 oracle:
+under TRITON_INTERPRET=1 here at small shapes, on the GPU at real ones (``gpu`` marker)."""
+
+from __future__ import annotations
+
+from kernel_device import DEVICE, INTERPRETED  # noqa: I001  (sets TRITON_INTERPRET first)
+
+import pytest
+import torch
+
+from deimos.kernels.triton.matmul import MatmulConfig, matmul_config, matmul_f16, matmul_reference
+
+
+def _inputs(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k + 16, generator=g)[:, :k].half()  # strided rows
+    b = torch.randn(n, k, generator=g).half()
+    return a, b
+
+
+@pytest.mark.parametrize("k", [128, 96], ids=["even-k", "ragged-k"])
+@pytest.mark.parametrize("cfg", [MatmulConfig(16, 32, 32, 4, 2), MatmulConfig(32, 16, 64, 2, 1), None],
+                         ids=["16x32", "32x16", "rule"])
+def test_matmul_f16(cfg: MatmulConfig | None, k: int) -> None:
+    """M and N not multiples of the tile (clamped loads, masked stores), strided a rows, K
+    that the K step divides or not."""
+    a, b = _inputs(21, 37, k, seed=1)
+    out = torch.full((21, 37), float("nan"), device=DEVICE)
+    got = matmul_f16(a.to(DEVICE), b.to(DEVICE), out=out, cfg=cfg).cpu()
+    torch.testing.assert_close(got, matmul_reference(a, b), rtol=1e-4, atol=1e-4)
+
+
+def test_matmul_f16_edges() -> None:
+    a, b = _inputs(3, 5, 64, seed=2)
+    assert matmul_f16(a[:0].to(DEVICE), b.to(DEVICE)).shape == (0, 5)
+    z = matmul_f16(a[:, :0].to(DEVICE), b[:, :0].to(DEVICE))
+    assert z.shape == (3, 5) and not z.any()
+
+
+def test_matmul_f16_bad_input() -> None:
+    a, b = _inputs(3, 5, 64, seed=3)
+    a, b = a.to(DEVICE), b.to(DEVICE)
+    with pytest.raises(ValueError, match=r"a must be \[M, K\] and b \[N, K\]"):
+        matmul_f16(a, b[:, :32])
+    with pytest.raises(ValueError, match="must be float16"):
+        matmul_f16(a.float(), b)
+    with pytest.raises(ValueError, match="unit column stride"):
+        matmul_f16(a.T.contiguous().T, b)
+    with pytest.raises(ValueError, match=r"out must be float32 \[3, 5\]"):
+        matmul_f16(a, b, out=torch.zeros(3, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="bad tile"):
+        matmul_f16(a, b, cfg=MatmulConfig(16, 24, 32, 4, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED, reason="real shapes need the GPU")
+@pytest.mark.parametrize("m,n,k", [(512, 14336, 4096), (77, 4096, 14336), (16, 6144, 4096), (1, 1024, 4096)])
+def test_matmul_f16_gpu(m: int, n: int, k: int) -> None:
+    """The launch rule at llama 8B's shapes against the oracle."""
+    a, b = _inputs(m, n, k, seed=4)
+    got = matmul_f16(a.to(DEVICE), b.to(DEVICE)).cpu()
+    want = matmul_reference(a, b)
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 1e-4, f"{matmul_config(m, n, k)}: relative RMS error {rel:.2e}"
