@@ -16,9 +16,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from sweep_gemm import matmul_candidates
 
-from deimos.kernels.triton.matmul import MatmulConfig, matmul_config, matmul_f16
+from deimos.kernels.triton.matmul import (
+    GemvConfig,
+    MatmulConfig,
+    gemv_config,
+    gemv_f16,
+    matmul_config,
+    matmul_f16,
+)
 from deimos.quant.triton.bench import time_graph
 
+GEMV_TILES = [GemvConfig(8, 256, 4), GemvConfig(4, 512, 4), GemvConfig(16, 128, 4), GemvConfig(8, 512, 8),
+              GemvConfig(2, 1024, 4), GemvConfig(16, 256, 8), GemvConfig(4, 256, 2), GemvConfig(1, 1024, 4),
+              GemvConfig(32, 128, 8)]
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
 
@@ -50,8 +60,19 @@ def main() -> None:
                     continue
                 times[cfg] = time_graph(lambda cfg=cfg, x=x, w=w, o=out: matmul_f16(x, w, out=o, cfg=cfg),
                                         calls=5, reps=10)
+            if m == 1:  # the float-weight decode's own kernel
+                for cfg in dict.fromkeys([gemv_config(n, k), *GEMV_TILES]):
+                    y = gemv_f16(x, w, out=out, cfg=cfg)
+                    if not ((y - ref).norm() / ref.norm()).item() < 1e-3:
+                        print(f"      WRONG {tuple(cfg)}")
+                        continue
+                    times[cfg] = time_graph(lambda cfg=cfg, x=x, w=w, o=out: gemv_f16(x, w, out=o, cfg=cfg),
+                                            calls=5, reps=10)
+                print("      gemv tiles: " + "  ".join(f"{tuple(c)} {times[c] * 1e6:.1f}"
+                                                       for c in sorted(times, key=times.get)
+                                                       if isinstance(c, GemvConfig)))
             best = min(times, key=times.get)
-            rule = times.get(matmul_config(m, n, k), float("nan"))
+            rule = times.get(gemv_config(n, k) if m == 1 else matmul_config(m, n, k), float("nan"))
             print(f"{m:>4} {n:>6}x{k:<5} {t_cublas * 1e6:9.1f} {rule * 1e6:8.1f} {times[best] * 1e6:8.1f} "
                   f"{2 * n * k / times[best] / 1e9:6.0f}  {tuple(best)}", flush=True)
 

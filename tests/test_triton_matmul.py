@@ -8,7 +8,14 @@ from kernel_device import DEVICE, INTERPRETED  # noqa: I001  (sets TRITON_INTERP
 import pytest
 import torch
 
-from deimos.kernels.triton.matmul import MatmulConfig, matmul_config, matmul_f16, matmul_reference
+from deimos.kernels.triton.matmul import (
+    GemvConfig,
+    MatmulConfig,
+    gemv_f16,
+    matmul_config,
+    matmul_f16,
+    matmul_reference,
+)
 
 
 def _inputs(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,6 +35,29 @@ def test_matmul_f16(cfg: MatmulConfig | None, k: int) -> None:
     out = torch.full((21, 37), float("nan"), device=DEVICE)
     got = matmul_f16(a.to(DEVICE), b.to(DEVICE), out=out, cfg=cfg).cpu()
     torch.testing.assert_close(got, matmul_reference(a, b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("k", [256, 96], ids=["even-k", "ragged-k"])
+@pytest.mark.parametrize("cfg", [GemvConfig(4, 64, 2), GemvConfig(16, 32, 4), None], ids=["4x64", "16x32", "rule"])
+def test_gemv_f16(cfg: GemvConfig | None, k: int) -> None:
+    """One row: N not a multiple of the tile (clamped loads, masked stores), K that the step
+    divides or not."""
+    a, b = _inputs(1, 37, k, seed=5)
+    out = torch.full((1, 37), float("nan"), device=DEVICE)
+    got = gemv_f16(a.to(DEVICE), b.to(DEVICE), out=out, cfg=cfg).cpu()
+    torch.testing.assert_close(got, matmul_reference(a, b), rtol=1e-4, atol=1e-4)
+
+
+def test_gemv_f16_bad_input() -> None:
+    a, b = _inputs(2, 5, 64, seed=6)
+    a, b = a.to(DEVICE), b.to(DEVICE)
+    with pytest.raises(ValueError, match="gemv_f16: a must be one row"):
+        gemv_f16(a, b)
+    with pytest.raises(ValueError, match="gemv_f16: a and b must be float16"):
+        gemv_f16(a[:1].float(), b)
+    with pytest.raises(ValueError, match="bad tile"):
+        gemv_f16(a[:1], b, cfg=GemvConfig(8, 96, 4))
+    assert not gemv_f16(a[:1, :0], b[:, :0]).any()
 
 
 def test_matmul_f16_edges() -> None:
@@ -62,3 +92,7 @@ def test_matmul_f16_gpu(m: int, n: int, k: int) -> None:
     want = matmul_reference(a, b)
     rel = ((got - want).norm() / want.norm()).item()
     assert rel < 1e-4, f"{matmul_config(m, n, k)}: relative RMS error {rel:.2e}"
+    if m == 1:
+        got = gemv_f16(a.to(DEVICE), b.to(DEVICE)).cpu()
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 1e-4, f"gemv_f16: relative RMS error {rel:.2e}"

@@ -143,6 +143,12 @@ def _q8_jobs() -> list[Job]:
                               BLOCK_M=mc.block_m, BLOCK_N=mc.block_n, BLOCK_K=mc.block_k,
                               GROUP=matmul.GROUP_M, EVEN_K=True, num_warps=mc.num_warps,
                               num_stages=mc.num_stages)))
+    gc = matmul.gemv_config(4096, 4096)
+    for even in (True, False):
+        jobs.append(Job("gemv_f16", f"N={gc.block_n} K={gc.block_k} w={gc.num_warps} even={int(even)}",
+                        _warm(matmul._gemv_kernel, [torch.float16, torch.float16, torch.float32] + [4096] * 3,
+                              BLOCK_N=gc.block_n, BLOCK_K=gc.block_k, EVEN_K=even,
+                              num_warps=gc.num_warps)))
     for dt in (torch.float32, torch.float16):
         args = [MockTensor(dt), MockTensor(torch.int32), MockTensor(torch.float32),
                 MockTensor(torch.int32), 4096]

@@ -1,5 +1,6 @@
-"""y = a @ b^T on the tensor cores (Triton): fp16 ``a [M, K]`` and ``b [N, K]``, fp32 ``y``.
-Oracle: ``matmul_reference`` (float64 product of the same fp16 inputs).
+"""y = a @ b^T (Triton) for fp16 ``a [M, K]`` and ``b [N, K]``, fp32 ``y``: on the tensor cores
+(``matmul_f16``), and for one row of a (``gemv_f16``, the float-weight linears' decode: a
+stream of b). Oracle: ``matmul_reference`` (float64 product of the same fp16 inputs).
 
 The float-weight linears and the long-prefill second half of the packed formats' two-phase
 path (a weight dequantized to fp16 by ``dequantize_fp16``, then this product) run here.
@@ -88,22 +89,8 @@ def matmul_f16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None
     """float32 ``[M, N]`` = a ``[M, K]`` @ b ``[N, K]``^T, both fp16 with unit column stride
     (rows may be strided), on the same CUDA device (or the interpreter). ``out``: optional
     float32 ``[M, N]`` with unit column stride."""
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
-        raise ValueError(f"matmul_f16: a must be [M, K] and b [N, K], got {tuple(a.shape)} and "
-                         f"{tuple(b.shape)}")
-    if a.dtype != torch.float16 or b.dtype != torch.float16:
-        raise ValueError(f"matmul_f16: a and b must be float16, got {a.dtype} and {b.dtype}")
-    if a.device != b.device:
-        raise ValueError(f"matmul_f16: a is on {a.device}, b on {b.device}")
-    if (a.shape[1] > 1 and a.stride(1) != 1) or (b.shape[1] > 1 and b.stride(1) != 1):
-        raise ValueError("matmul_f16: a and b need unit column stride")
-    m, k = a.shape
-    n = b.shape[0]
-    if out is None:
-        out = torch.empty((m, n), dtype=torch.float32, device=a.device)
-    elif out.shape != (m, n) or out.dtype != torch.float32 or (n > 1 and out.stride(1) != 1):
-        raise ValueError(f"matmul_f16: out must be float32 [{m}, {n}] with unit column stride, "
-                         f"got {out.dtype} {tuple(out.shape)}")
+    m, k, n = _check(a, b, "matmul_f16")
+    out = _out(out, m, n, a.device, "matmul_f16")
     if m == 0 or n == 0:
         return out
     if k == 0:
@@ -123,6 +110,86 @@ def matmul_f16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None
     return out
 
 
+class GemvConfig(NamedTuple):
+    block_n: int  # rows of b a program
+    block_k: int  # columns a step
+    num_warps: int
+
+
+@triton.jit
+def _gemv_kernel(p_a, p_b, p_y, N, K, stride_bn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr):  # fmt: skip
+    """y[n] = sum_k a[k] b[n, k]: products summed elementwise in float32 over the K steps,
+    reduced once at the end; rows past N clamped for loading, never stored."""
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    p_bt = p_b + tl.minimum(o_n, N - 1).to(tl.int64)[:, None] * stride_bn + o_k[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            b_b = tl.load(p_bt)
+            b_a = tl.load(p_a + k0 + o_k)
+        else:
+            m_k = k0 + o_k < K
+            b_b = tl.load(p_bt, mask=m_k[None, :], other=0.0)
+            b_a = tl.load(p_a + k0 + o_k, mask=m_k, other=0.0)
+        acc += b_b.to(tl.float32) * b_a.to(tl.float32)[None, :]
+        p_bt += BLOCK_K
+    tl.store(p_y + o_n, tl.sum(acc, axis=1), mask=o_n < N)
+
+
+def gemv_config(n: int, k: int) -> GemvConfig:
+    """The launch rule (bench/sweep_dense.py on the H200, BENCHMARKS.md)."""
+    del n, k
+    return GemvConfig(8, 256, 4)
+
+
+def gemv_f16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
+             cfg: GemvConfig | None = None) -> torch.Tensor:
+    """float32 ``[1, N]`` = a ``[1, K]`` @ b ``[N, K]``^T (both fp16, unit column stride):
+    ``matmul_f16`` for one row, reading b once as a stream."""
+    m, k, n = _check(a, b, "gemv_f16")
+    if m != 1:
+        raise ValueError(f"gemv_f16: a must be one row, got {tuple(a.shape)}")
+    out = _out(out, m, n, a.device, "gemv_f16")
+    if n == 0 or k == 0:
+        return out.zero_()
+    if cfg is None:
+        cfg = gemv_config(n, k)
+    elif not (pow2_at_most(cfg.block_n, 256) and pow2_at_most(cfg.block_k, 4096)
+              and cfg.num_warps in (1, 2, 4, 8)):  # fmt: skip
+        raise ValueError(f"gemv_f16: bad tile {cfg} (block_n a power of two up to 256, block_k "
+                         "one up to 4096, num_warps 1, 2, 4 or 8)")
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        a, b, out, n, k, b.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return out
+
+
 def matmul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The oracle: the same product in float64 on the CPU, as float32."""
     return (a.double().cpu() @ b.double().cpu().T).float()
+
+
+def _check(a: torch.Tensor, b: torch.Tensor, name: str) -> tuple[int, int, int]:
+    """(M, K, N) of a product's operands, or a ValueError naming what is wrong."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"{name}: a must be [M, K] and b [N, K], got {tuple(a.shape)} and "
+                         f"{tuple(b.shape)}")
+    if a.dtype != torch.float16 or b.dtype != torch.float16:
+        raise ValueError(f"{name}: a and b must be float16, got {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"{name}: a is on {a.device}, b on {b.device}")
+    if (a.shape[1] > 1 and a.stride(1) != 1) or (b.shape[1] > 1 and b.stride(1) != 1):
+        raise ValueError(f"{name}: a and b need unit column stride")
+    return a.shape[0], a.shape[1], b.shape[0]
+
+
+def _out(out: torch.Tensor | None, m: int, n: int, device: torch.device, name: str) -> torch.Tensor:
+    if out is None:
+        return torch.empty((m, n), dtype=torch.float32, device=device)
+    if out.shape != (m, n) or out.dtype != torch.float32 or (n > 1 and out.stride(1) != 1):
+        raise ValueError(f"{name}: out must be float32 [{m}, {n}] with unit column stride, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    return out

@@ -7,8 +7,7 @@
   streaming near the copy rate) and multiplies on the tensor cores (``matmul_f16``): both ours,
   measured faster than a fused dequant-GEMM at every prompt length (dequant.py).
 - ``DenseLinear``: float weights (and formats without a kernel), an fp16 matrix from load:
-  ``matmul_f16`` for T > 1, cuBLAS's GEMV (torch.matmul) for decode, where our tensor-core
-  tile was measured 1.1-1.6x slower (BENCHMARKS.md).
+  ``gemv_f16`` for decode, ``matmul_f16`` for T > 1.
 - ``QuantEmbedding`` / ``DenseEmbedding``: gather the token rows, dequantize only those.
 
 Activations in and out are float32 ``[T, K]`` / ``[T, N]``; the fp16 products accumulate in
@@ -20,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from deimos.gguf.constants import GGMLType
-from deimos.kernels.triton.matmul import matmul_f16
+from deimos.kernels.triton.matmul import gemv_f16, matmul_f16
 from deimos.models.gpu.dequant import dequantize_fp16, gather_rows, permuted_columns
 from deimos.models.gpu.notices import Notices
 from deimos.quant.triton import PackedWeight
@@ -134,7 +133,7 @@ class DenseLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.weight.shape[1], self.name)
         if x.shape[0] == 1:
-            y = torch.matmul(self.inputs.half(x), self.weight.T).float()
+            y = gemv_f16(self.inputs.half(x), self.weight)
         else:
             y = matmul_f16(self.inputs.half(x), self.weight)
         return y if self.bias is None else y + self.bias
