@@ -8,7 +8,8 @@ Order (llama.cpp common defaults, src/llama-sampler.cpp):
 ``temperature == 0`` is greedy: argmax after penalties, ties to the lowest id.
 
 The filters never sort the whole vocabulary (V is 262144 for gemma3):
-- top_k is one ``torch.topk``;
+- top_k is one top-k (``_topk``: on a GPU our Triton kernel up to k = 256, block-wise
+  selection with no sort of V; else ``torch.topk``); greedy on a GPU is our Triton argmax;
 - top_p without top_k grows a ``topk`` window (64, 256, 1024, 4096) until its cumulative
   probability (normalized over the full vocabulary, as llama.cpp's softmax is) reaches top_p;
   a flatter distribution falls back to a probability-weighted histogram of the logits that
@@ -106,8 +107,14 @@ def apply_penalties(logits: torch.Tensor, counts: Counter[int], p: SamplingParam
 
 def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest logits, descending, equal values ordered by id and a tie across the k-th
-    place cut keeping the lowest ids (torch.topk promises neither). Sorts only k elements."""
+    place cut keeping the lowest ids (torch.topk promises neither). Sorts only k elements.
+    On a GPU, k up to 256: our Triton top-k (deimos.kernels.triton.sampling, the same order
+    and cut by construction), imported here so that a machine without one never loads it."""
     V = logits.numel()
+    if logits.is_cuda and 1 <= k <= min(256, V):
+        from deimos.kernels.triton.sampling import topk
+
+        return tuple(topk(logits, k))
     vals, ids = torch.topk(logits, min(k + 1, V))
     if k < V and vals[k] == vals[k - 1]:
         # rare: a tie straddles the cut; take every id above the k-th value, then the
@@ -265,8 +272,12 @@ class Sampler:
         """Draw the next token from ``logits`` [V] float32. Does not call ``accept``."""
         logits = self.penalized(logits)
         p = self.params
-        if p.greedy:
-            return int(torch.argmax(logits))  # first maximum: ties to the lowest id
+        if p.greedy:  # first maximum: ties to the lowest id (NaN was refused by _check)
+            if logits.is_cuda:
+                from deimos.kernels.triton.sampling import argmax
+
+                return int(argmax(logits))
+            return int(torch.argmax(logits))
         ids = filter_candidates(logits, p)
         probs = torch.softmax(logits[ids].double() / p.temperature, 0)
         cum = torch.cumsum(probs, 0)
