@@ -94,18 +94,21 @@ def test_pack_bad_input() -> None:
 
 
 @pytest.mark.parametrize("permuted", ["element_order", "word_order", "word_order-even",
-                                      "word_order-half"])
+                                      "word_order-half", "word_order-rule-small", "word_order-rule-big"])
 @pytest.mark.parametrize("t", PACKED_TYPES, ids=lambda t: t.name)
 def test_dequantize_fp16(t: GGMLType, permuted: str) -> None:
     """The prefill path's fp16 dequantization: the GGUF decoders' values rounded to fp16, in
     element order or in word order with ``permuted_columns`` naming each column's element
-    (the streaming kernel: under the rule, whose tiles do not divide this matrix, under tiles
-    that do (no masks), and decoding in float16)."""
-    from deimos.models.gpu.dequant import DequantConfig, dequantize_fp16, permuted_columns
+    (the streaming kernel: under its default tile, the GPU rule's two tiles (float16 decode),
+    whose tiles do not divide this matrix, under tiles that do (no masks), float32 and
+    float16 decode)."""
+    from deimos.models.gpu.dequant import DequantConfig, dequant_config, dequantize_fp16, permuted_columns
 
     cfg = {"word_order-even": DequantConfig(1, 16, 2),
-           "word_order-half": DequantConfig(2, 32, 4, half=True)}.get(permuted)
-    tol = 2e-3 if permuted == "word_order-half" else 1e-3  # the scale rounded to fp16 first
+           "word_order-half": DequantConfig(2, 32, 4, half=True),
+           "word_order-rule-small": dequant_config(1, 32),
+           "word_order-rule-big": dequant_config(1 << 14, 1 << 12)}.get(permuted)
+    tol = 2e-3 if cfg is not None and cfg.half else 1e-3  # the scale rounded to fp16 first
 
     n, k = 5, 512
     blocks = _blocks(t, n, k, seed=4)

@@ -347,6 +347,11 @@ class Q8Config(NamedTuple):
     xb: bool = False
 
 
+# Triton's interpreter (CPU tensors) runs the programs one after another: there the fewest
+# programs win (tests' matrices)
+INTERPRETER_TILE = Q8Config(64, 32, 4)
+
+
 def q8_config(ggml_type: GGMLType, n: int, k: int, b: int) -> Q8Config:
     """The launch rule, from bench/sweep_gemv.py on the H200 (2026-11-29, every matrix of the
     four benchmark models under 14-31 tiles each; BENCHMARKS.md):
@@ -398,7 +403,7 @@ def gemv_q8(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
         raise ValueError(f"gemv_q8: x is on {x.xq.device}, the weight on {w.device}")
     out = gemv_out(out, b, w.n, x.xq.device, "gemv_q8")
     if cfg is None:
-        cfg = q8_config(w.ggml_type, w.n, k, b)
+        cfg = INTERPRETER_TILE if w.device.type == "cpu" else q8_config(w.ggml_type, w.n, k, b)
     elif not (pow2_at_most(cfg.block_n, 64) and 16 <= cfg.block_s <= 512 and pow2_at_most(cfg.block_s, 512)
               and cfg.num_warps in (1, 2, 4, 8)):  # fmt: skip
         raise ValueError(f"gemv_q8: bad tile {cfg} (block_n a power of two <= 64, block_s one in "
