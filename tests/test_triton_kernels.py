@@ -380,6 +380,16 @@ def test_topk(v: int, k: int, levels: int) -> None:
     assert one.ids.cpu().tolist() == got.ids[1].cpu().tolist()
 
 
+def test_topk_signed_zeros_tie_by_id() -> None:
+    """-0.0 and +0.0 are equal logits: ordered by id, as the torch path orders them."""
+    x = torch.tensor([-0.0, 0.0, -1.0, 0.0, -0.0, -2.0], device=DEVICE)
+    for k in (1, 2, 4):
+        got = topk(x, k)
+        want_vals, want_ids = _topk(x.cpu(), k)
+        assert got.ids.cpu().tolist() == want_ids.tolist() == [0, 1, 3, 4][:k]
+        assert torch.equal(got.values.cpu(), want_vals)
+
+
 def test_sampling_errors() -> None:
     x = _rand(10, seed=1)
     with pytest.raises(ValueError, match="k = 11"):

@@ -111,7 +111,8 @@ def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     On a GPU, k up to 256: our Triton top-k (deimos.kernels.triton.sampling, the same order
     and cut by construction), imported here so that a machine without one never loads it."""
     V = logits.numel()
-    if logits.is_cuda and 1 <= k <= min(256, V):
+    triton_ok = logits.dtype == torch.float32 and logits.is_contiguous() and 1 <= k <= min(256, V)
+    if logits.is_cuda and triton_ok:
         from deimos.kernels.triton.sampling import topk
 
         return tuple(topk(logits, k))

@@ -89,6 +89,7 @@ def _topk_block_kernel(p_x, p_keys, V, stride_b, N_BLOCKS,
     o_v = i_blk * BLOCK + tl.arange(0, BLOCK)
     m_v = o_v < V
     b_x = tl.load(p_x + i_b * stride_b + o_v, mask=m_v, other=0.0)
+    b_x = tl.where(b_x == 0.0, 0.0, b_x)  # -0.0 as +0.0: equal logits, ordered by id
     bits = b_x.to(tl.int32, bitcast=True)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed order == float order
     key = (ordered.to(tl.int64) << 32) | (_ID_MASK - o_v.to(tl.int64))

@@ -61,7 +61,7 @@ class InputCache:
     def half(self, x: torch.Tensor) -> torch.Tensor:
         self._switch(x)
         if self._half is None:
-            self._half = x.to(torch.float16)
+            self._half = x.to(torch.float16).contiguous()  # the kernels want unit column stride
         return self._half
 
 
