@@ -81,7 +81,6 @@ def best_dequant(w, w16: torch.Tensor) -> tuple[float, DequantConfig, float, lis
     times, bad = {}, []
     got = torch.empty_like(w16)
     cands = [dequant_config(w.n, w.k)] + DEQUANT_TILES
-    cands += [c._replace(half=True) for c in cands]
     for cfg in dict.fromkeys(cands):
         got.fill_(float("nan"))
         dequantize_fp16(w, out=got, permuted=True, cfg=cfg)

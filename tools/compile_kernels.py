@@ -118,19 +118,14 @@ def _q8_jobs() -> list[Job]:
         sample = _packed_sample(t, 4096)
         args = [MockTensor(a.dtype) for a in weight_arrays(sample)]
         args += [MockTensor(torch.float16), 4096, 4096]
-        jobs.append(Job("dequant_" + t.name, f"N={dequant.BLOCK_N} S={dequant.BLOCK_S}",
-                        _warm_args(dequant._dequant_kernel, args, FMT=FMT_ID[kt],
-                                   BLOCK_N=dequant.BLOCK_N, BLOCK_S=dequant.BLOCK_S,
-                                   SCALE16=scale16(sample),
-                                   num_warps=dequant.NUM_WARPS)))
-        for dc, even in ((dc, even) for dc in dict.fromkeys(dequant.dequant_config(n, 4096)
-                                                             for n in (4096, 28672))
-                         for even in (True, False)):  # fmt: skip
-            jobs.append(Job("dequant_words_" + t.name,
-                            f"R={dc.block_r} J={dc.block_j} w={dc.num_warps} h={int(dc.half)} even={int(even)}",
-                            _warm_args(dequant._dequant_words_kernel, args, FMT=FMT_ID[kt],
+        for dc, even, perm in ((dc, even, perm) for dc in dict.fromkeys(dequant.dequant_config(n, 4096)
+                                                                    for n in (1, 28672))
+                               for even in (True, False) for perm in (True, False)):  # fmt: skip
+            jobs.append(Job("dequant_" + t.name,
+                            f"R={dc.block_r} J={dc.block_j} w={dc.num_warps} even={int(even)} perm={int(perm)}",
+                            _warm_args(dequant._dequant_kernel, args, FMT=FMT_ID[kt],
                                        BLOCK_R=dc.block_r, BLOCK_J=dc.block_j, EVEN=even,
-                                       SCALE16=scale16(sample), HALF=dc.half,
+                                       PERMUTED=perm, SCALE16=scale16(sample),
                                        num_warps=dc.num_warps)))
     from deimos.kernels.triton import matmul
 
