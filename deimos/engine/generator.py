@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
-from deimos.engine.request import Request, RequestError
+from deimos.engine.request import ContextLengthError, EngineError, Request, RequestError
 from deimos.kernels.sampling import Sampler, logprobs
 from deimos.models.batch import Batch
 from deimos.models.blocks import DecoderModel
@@ -96,7 +96,7 @@ class Generator:
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {n_vocab})")
         if len(req.prompt_ids) >= self.n_ctx:
-            raise RequestError(
+            raise ContextLengthError(
                 f"the prompt has {len(req.prompt_ids)} tokens; the context holds {self.n_ctx} "
                 "(prompt plus at least one generated token)"
             )
@@ -128,7 +128,10 @@ class Generator:
         processed = logits
         for proc in req.logits_processors:
             processed = proc(req.output_ids, processed)
-        token = req.sampler.sample(processed)
+        try:
+            token = req.sampler.sample(processed)
+        except ValueError as e:  # the request's sampling was checked: the logits are at fault
+            raise EngineError(f"cannot sample from the model's logits: {e}") from e
         if req.top_logprobs is not None:
             req.token_logprobs.append(logprobs(logits, token, req.top_logprobs))
         self._emit(req, token)

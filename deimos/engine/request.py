@@ -19,6 +19,15 @@ class RequestError(ValueError):
     """A request that cannot be served as asked (too long for the context, bad ids...)."""
 
 
+class ContextLengthError(RequestError):
+    """The prompt does not fit the context with room for one generated token."""
+
+
+class EngineError(RuntimeError):
+    """The engine failed on a valid request (the model produced NaN logits...): a fault of the
+    server, not of the request."""
+
+
 @dataclass(slots=True)
 class Request:
     prompt_ids: list[int]
