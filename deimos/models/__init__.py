@@ -18,7 +18,7 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
 
 
 def load_model(file: GGUFFile, device: str = "cpu") -> DecoderModel:
-    config = ModelConfig.from_gguf(file.metadata, source=str(file.path))
+    config = ModelConfig.from_gguf(file.metadata, source=str(file.path), tensors=file.tensors)
     return ARCHITECTURES[config.arch](config, WeightSource(file, device))
 
 

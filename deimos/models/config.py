@@ -3,14 +3,22 @@
 Nothing below this boundary reads raw metadata keys. Defaults follow llama.cpp
 (src/llama-model.cpp and src/models/<arch>.cpp) so that the same file means the
 same model in both engines.
+
+The metadata is untrusted: every count and size is checked for type and range, against the
+other keys, and (given the file's tensor table) against the tensors actually present, before
+anything is allocated or looped over. A forged ``block_count`` of 2**31 - 1 is an error in
+microseconds, not a loop; each error names the file, the key(s) and the tensor.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 
 class ConfigError(ValueError):
@@ -22,6 +30,10 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 # Rotary embedding variants: "norm" rotates adjacent pairs (x0,x1),(x2,x3)...;
 # "neox" rotates the two halves (x_i, x_{i+d/2}).
 _ROPE_TYPE = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox"}
+
+MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS: it asserts 0 < block_count <= this
+_U32_MAX = 2**32 - 1  # llama.cpp reads the counts and sizes into uint32
+_LAYER_RE = re.compile(r"blk\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -62,9 +74,22 @@ class ModelConfig:
         return self.rope_base_swa if self.is_swa(layer) else self.rope_base
 
     @classmethod
-    def from_gguf(cls, metadata: Mapping[str, Any], source: str = "model") -> ModelConfig:
-        """Build the config from a GGUF file's metadata; ``source`` names the file in errors."""
-        return _Reader(metadata, source).config()
+    def from_gguf(cls, metadata: Mapping[str, Any], source: str = "model",
+                  tensors: Mapping[str, Any] | None = None) -> ModelConfig:
+        """Build the config from a GGUF file's metadata; ``source`` names the file in errors.
+
+        ``tensors`` (``GGUFFile.tensors``): the counts and sizes are also checked against the
+        tensors present (layers, embedding and per-layer matrix shapes), so that a config
+        that passes describes the weights in the file.
+        """
+        cfg = _Reader(metadata, source).config(tensors)
+        if tensors is not None:
+            _check_tensors(cfg, tensors, source)
+        return cfg
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 class _Reader:
@@ -73,13 +98,17 @@ class _Reader:
         self.source = source
         arch = metadata.get("general.architecture")
         if not isinstance(arch, str):
-            raise ConfigError(f"{source}: metadata key 'general.architecture' is missing")
+            what = "missing" if arch is None else f"not a string ({arch!r:.60})"
+            raise ConfigError(f"{source}: metadata key 'general.architecture' is {what}")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
-                f"{source}: architecture '{arch}' is not supported "
+                f"{source}: architecture {arch!r:.60} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         self.arch = arch
+
+    def fail(self, key: str, problem: str) -> ConfigError:
+        return ConfigError(f"{self.source}: metadata key '{self.arch}.{key}' {problem}")
 
     def _raw(self, key: str, required: bool) -> Any:
         full = f"{self.arch}.{key}"
@@ -89,52 +118,95 @@ class _Reader:
             return None
         return self.md[full]
 
-    def int(self, key: str, default: int | None = None) -> int:
+    def int(self, key: str, default: int | None = None, lo: int = 1, hi: int = _U32_MAX) -> int:
+        """An integer in [lo, hi]; ``default`` (not checked) when the key is absent."""
         value = self._raw(key, default is None)
         if value is None:
             return default  # type: ignore[return-value]
-        if isinstance(value, bool) or not isinstance(value, int):
-            # per-layer arrays (e.g. head counts that vary by layer) are not supported yet
-            raise ConfigError(
-                f"{self.source}: metadata key '{self.arch}.{key}' must be an integer, got {value!r:.60}"
-            )
-        if value <= 0:
-            raise ConfigError(f"{self.source}: metadata key '{self.arch}.{key}' must be positive, got {value}")
+        if not _is_int(value):
+            raise self.fail(key, f"must be an integer, got {value!r:.60}")
+        return self._in_range(key, int(value), lo, hi)
+
+    def _in_range(self, key: str, value: int, lo: int, hi: int) -> int:
+        if not lo <= value <= hi:
+            raise self.fail(key, f"is {value}, outside [{lo}, {hi}]")
         return value
 
-    def float(self, key: str, default: float | None = None) -> float:
+    def per_layer(self, key: str, n_layer: int, default: int | None = None, lo: int = 1,
+                  hi: int = _U32_MAX) -> int:
+        """A count that llama.cpp allows per layer (get_key_or_arr): a scalar, or an array of
+        ``n_layer`` entries; Deimos runs only models where every layer has the same value."""
         value = self._raw(key, default is None)
         if value is None:
             return default  # type: ignore[return-value]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(
-                f"{self.source}: metadata key '{self.arch}.{key}' must be a finite number, got {value!r:.60}"
-            )
-        return float(value)
+        if isinstance(value, np.ndarray):
+            if value.ndim != 1 or value.dtype.kind not in "iu":
+                raise self.fail(key, f"must be an integer or an array of integers, got {value.dtype} array")
+            if len(value) != n_layer:
+                raise self.fail(key, f"has {len(value)} entries, expected one per layer "
+                                     f"(block_count {n_layer})")
+            values = {int(x) for x in value}
+            if len(values) != 1:
+                raise self.fail(key, f"varies by layer ({sorted(values)[:8]}): per-layer "
+                                     "values are not supported")
+            return self._in_range(key, values.pop(), lo, hi)
+        return self.int(key, default, lo, hi)
 
-    def config(self) -> ModelConfig:
+    def float(self, key: str, default: float | None = None, lo: float = -math.inf,
+              positive: bool = False) -> float:
+        """A finite number >= lo (> 0 with ``positive``); ``default`` when the key is absent."""
+        value = self._raw(key, default is None)
+        if value is None:
+            return default  # type: ignore[return-value]
+        if not (_is_int(value) or isinstance(value, (float, np.floating))) or not math.isfinite(value):
+            raise self.fail(key, f"must be a finite number, got {value!r:.60}")
+        value = float(value)
+        if value < lo or (positive and value <= 0):
+            raise self.fail(key, f"is {value!r}, must be {'> 0' if positive else f'>= {lo}'}")
+        return value
+
+    def config(self, tensors: Mapping[str, Any] | None) -> ModelConfig:
         arch = self.arch
+        n_layer = self.int("block_count", hi=MAX_LAYERS)
+        if tensors is not None:
+            # before anything loops over the layers: the count must be what the file holds
+            _check_layer_count(n_layer, tensors, f"{self.source}: metadata key '{arch}.block_count'")
         n_embd = self.int("embedding_length")
-        n_layer = self.int("block_count")
-        n_head = self.int("attention.head_count")
-        n_head_kv = self.int("attention.head_count_kv", n_head)
+        n_head = self.per_layer("attention.head_count", n_layer)
+        n_head_kv = self.per_layer("attention.head_count_kv", n_layer, n_head)
         if n_head % n_head_kv:
             raise ConfigError(
-                f"{self.source}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}"
+                f"{self.source}: metadata key '{arch}.attention.head_count' {n_head} is not a "
+                f"multiple of '{arch}.attention.head_count_kv' {n_head_kv}"
+            )
+        if self._raw("attention.key_length", False) is None and n_embd % n_head:
+            if n_head > n_embd:
+                raise ConfigError(
+                    f"{self.source}: metadata key '{arch}.attention.head_count' {n_head} is larger "
+                    f"than '{arch}.embedding_length' {n_embd} (a head would have no width)"
+                )
+            raise ConfigError(
+                f"{self.source}: metadata key '{arch}.embedding_length' {n_embd} is not a multiple "
+                f"of '{arch}.attention.head_count' {n_head} (and there is no "
+                f"'{arch}.attention.key_length' to give the head size)"
             )
         head_dim = self.int("attention.key_length", n_embd // n_head)
         head_dim_v = self.int("attention.value_length", head_dim)
-        tokens = self.md.get("tokenizer.ggml.tokens")
-        n_vocab = self.int("vocab_size", len(tokens) if tokens is not None else None)
+        n_vocab = self._vocab_size()
         rope_dim = self.int("rope.dimension_count", head_dim)
         if rope_dim > head_dim or rope_dim % 2:
-            raise ConfigError(f"{self.source}: rope.dimension_count {rope_dim} does not fit head size {head_dim}")
+            raise self.fail("rope.dimension_count", f"{rope_dim} does not fit the head size {head_dim} "
+                                                    "(must be even and at most the head size)")
 
-        scaling = self._raw("rope.scaling.type", False) or "linear"
-        if scaling not in ("none", "linear"):
-            raise ConfigError(f"{self.source}: rope scaling type '{scaling}' is not supported yet")
-        factor = self.float("rope.scaling.factor", 0.0)
+        scaling = self._raw("rope.scaling.type", False)
+        if scaling is None:
+            scaling = "linear"
+        if not isinstance(scaling, str) or scaling not in ("none", "linear"):
+            raise self.fail("rope.scaling.type", f"is {scaling!r:.60}: only 'none' and 'linear' are supported")
+        factor = self.float("rope.scaling.factor", 0.0, lo=0.0)
         rope_scale = 1.0 / factor if factor and scaling == "linear" else 1.0
+        if not math.isfinite(rope_scale) or rope_scale == 0.0:
+            raise self.fail("rope.scaling.factor", f"{factor!r} gives no usable position scale")
 
         common = dict(
             arch=arch,
@@ -145,39 +217,127 @@ class _Reader:
             n_head_kv=n_head_kv,
             head_dim=head_dim,
             head_dim_v=head_dim_v,
-            n_ff=self.int("feed_forward_length"),
-            rms_eps=self.float("attention.layer_norm_rms_epsilon"),
+            n_ff=self.per_layer("feed_forward_length", n_layer),
+            rms_eps=self.float("attention.layer_norm_rms_epsilon", positive=True),
             context_length=self.int("context_length", 4096),
             rope_type=_ROPE_TYPE[arch],
             rope_dim=rope_dim,
-            rope_base=self.float("rope.freq_base", 10000.0),
+            rope_base=self.float("rope.freq_base", 10000.0, positive=True),
             rope_scale=rope_scale,
-            attn_scale=self.float("attention.scale", 0.0) or 1.0 / math.sqrt(head_dim),
+            attn_scale=self.float("attention.scale", 0.0, lo=0.0) or 1.0 / math.sqrt(head_dim),
             activation="silu",
-            final_logit_softcap=self.float("final_logit_softcapping", 0.0),
+            final_logit_softcap=self.float("final_logit_softcapping", 0.0, lo=0.0),
         )
         if arch == "qwen3":
             common["qk_norm"] = True
         if arch == "gemma3":
-            window = self.int("attention.sliding_window", 0) if self._raw("attention.sliding_window", False) else 0
-            pattern = self._raw("attention.sliding_window_pattern", False)
-            if window:
-                if isinstance(pattern, (list, tuple)) or hasattr(pattern, "tolist"):
-                    swa = tuple(bool(x) for x in list(pattern))
-                    if len(swa) != n_layer:
-                        raise ConfigError(f"{self.source}: sliding_window_pattern has {len(swa)} entries, expected {n_layer}")
-                else:
-                    period = int(pattern) if pattern is not None else 6
-                    swa = tuple(period == 0 or (i % period < period - 1) for i in range(n_layer))
-                common["sliding_window"] = window
-                common["swa_layers"] = swa
-                common["rope_base_swa"] = self.float("rope.freq_base_swa", 10000.0)
+            common.update(self._sliding_window(n_layer))
+            # gemma3 27B scales by the model width per head; the others by the head size
+            width = n_embd // n_head if n_layer == 62 else head_dim
+            if width == 0:
+                raise ConfigError(f"{self.source}: metadata key '{arch}.attention.head_count' {n_head} "
+                                  f"is larger than '{arch}.embedding_length' {n_embd}")
             common.update(
                 embed_scale=math.sqrt(n_embd),
                 qk_norm=True,
                 sandwich_norm=True,
                 activation="gelu_tanh",
-                # gemma3 27B scales by the model width per head; the others by the head size
-                attn_scale=1.0 / math.sqrt(n_embd // n_head if n_layer == 62 else head_dim),
+                attn_scale=1.0 / math.sqrt(width),
             )
         return ModelConfig(**common)
+
+    def _vocab_size(self) -> int:
+        # as llama.cpp: the tokenizer's token count; '<arch>.vocab_size' only without tokens
+        tokens = self.md.get("tokenizer.ggml.tokens")
+        if tokens is None:
+            return self.int("vocab_size")
+        if not isinstance(tokens, list) or not tokens:
+            raise ConfigError(f"{self.source}: metadata key 'tokenizer.ggml.tokens' must be a "
+                              f"non-empty string array, got {type(tokens).__name__}")
+        return len(tokens)
+
+    def _sliding_window(self, n_layer: int) -> dict[str, Any]:
+        window = self.int("attention.sliding_window", 0, lo=0)
+        if not window:
+            return {}
+        key = "attention.sliding_window_pattern"
+        pattern = self._raw(key, False)
+        if isinstance(pattern, np.ndarray):  # llama.cpp: an array gives each layer's flag
+            if pattern.ndim != 1 or pattern.dtype.kind not in "biu":
+                raise self.fail(key, f"must be an integer or an array of flags, got {pattern.dtype} array")
+            if len(pattern) != n_layer:
+                raise self.fail(key, f"has {len(pattern)} entries, expected one per layer (block_count {n_layer})")
+            swa = tuple(bool(x) for x in pattern)
+        else:
+            # every period-th layer attends globally; 0: every layer slides (set_swa_pattern)
+            period = self.int(key, 6, lo=0)
+            swa = tuple(period == 0 or (i % period < period - 1) for i in range(n_layer))
+        return dict(sliding_window=window, swa_layers=swa,
+                    rope_base_swa=self.float("rope.freq_base_swa", 10000.0, positive=True))
+
+
+def _check_layer_count(n_layer: int, tensors: Mapping[str, Any], what: str) -> None:
+    present = set()
+    for name in tensors:
+        m = _LAYER_RE.match(name)
+        if m:
+            present.add(int(m.group(1)))
+    if present != set(range(n_layer)):
+        if not present:
+            held = "no layer tensors (blk.N.*)"
+        elif present == set(range(len(present))):
+            held = f"tensors of {len(present)} layers (blk.0 .. blk.{len(present) - 1})"
+        else:
+            missing = sorted(set(range(max(present) + 1)) - present)[:5]
+            held = f"layer tensors up to blk.{max(present)} with blk.{missing[0]} missing"
+        raise ConfigError(f"{what} is {n_layer}, but the file has {held}")
+
+
+def _check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], source: str) -> None:
+    """Every tensor the architecture reads is present with the shape the config implies
+    (ggml order, ne0 first). The message names the keys the expected size comes from."""
+    a = cfg.arch
+    embd = f"'{a}.embedding_length' {cfg.n_embd}"
+    vocab = f"the vocabulary size {cfg.n_vocab} ('tokenizer.ggml.tokens')"
+    q = f"'{a}.attention.head_count' {cfg.n_head} x head size {cfg.head_dim}"
+    k = f"'{a}.attention.head_count_kv' {cfg.n_head_kv} x head size {cfg.head_dim}"
+    v = f"'{a}.attention.head_count_kv' {cfg.n_head_kv} x value size {cfg.head_dim_v}"
+    o = f"'{a}.attention.head_count' {cfg.n_head} x value size {cfg.head_dim_v}"
+    ff = f"'{a}.feed_forward_length' {cfg.n_ff}"
+    hd = f"head size {cfg.head_dim} ('{a}.attention.key_length')"
+
+    def expect(name: str, dims: tuple[tuple[int, str], ...], required: bool = True) -> None:
+        info = tensors.get(name)
+        if info is None:
+            if required:
+                raise ConfigError(f"{source}: tensor '{name}' is missing")
+            return
+        want = tuple(n for n, _ in dims)
+        if tuple(info.dims) != want:
+            why = "; ".join(f"ne{i} = {n} from {src}" for i, (n, src) in enumerate(dims))
+            raise ConfigError(f"{source}: tensor '{name}' has dims {list(info.dims)}, expected "
+                              f"{list(want)} ({why})")
+
+    expect("token_embd.weight", ((cfg.n_embd, embd), (cfg.n_vocab, vocab)))
+    expect("output.weight", ((cfg.n_embd, embd), (cfg.n_vocab, vocab)), required=False)
+    expect("output_norm.weight", ((cfg.n_embd, embd),))
+    expect("rope_freqs.weight", ((cfg.rope_dim // 2, f"'{a}.rope.dimension_count' {cfg.rope_dim} / 2"),),
+           required=False)
+    norms = ["attn_norm", "ffn_norm"] + (["post_attention_norm", "post_ffw_norm"] if cfg.sandwich_norm else [])
+    for i in range(cfg.n_layer):  # n_layer matches the blk.N tensors present
+        p = f"blk.{i}."
+        for n in norms:
+            expect(f"{p}{n}.weight", ((cfg.n_embd, embd),))
+        expect(f"{p}attn_q.weight", ((cfg.n_embd, embd), (cfg.n_head * cfg.head_dim, q)))
+        expect(f"{p}attn_k.weight", ((cfg.n_embd, embd), (cfg.n_head_kv * cfg.head_dim, k)))
+        expect(f"{p}attn_v.weight", ((cfg.n_embd, embd), (cfg.n_head_kv * cfg.head_dim_v, v)))
+        expect(f"{p}attn_output.weight", ((cfg.n_head * cfg.head_dim_v, o), (cfg.n_embd, embd)))
+        for bias, dims in (("attn_q", (cfg.n_head * cfg.head_dim, q)), ("attn_k", (cfg.n_head_kv * cfg.head_dim, k)),
+                           ("attn_v", (cfg.n_head_kv * cfg.head_dim_v, v))):  # fmt: skip
+            expect(f"{p}{bias}.bias", (dims,), required=False)
+        if cfg.qk_norm:
+            expect(f"{p}attn_q_norm.weight", ((cfg.head_dim, hd),))
+            expect(f"{p}attn_k_norm.weight", ((cfg.head_dim, hd),))
+        expect(f"{p}ffn_gate.weight", ((cfg.n_embd, embd), (cfg.n_ff, ff)))
+        expect(f"{p}ffn_up.weight", ((cfg.n_embd, embd), (cfg.n_ff, ff)))
+        expect(f"{p}ffn_down.weight", ((cfg.n_ff, ff), (cfg.n_embd, embd)))

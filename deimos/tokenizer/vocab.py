@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -198,9 +199,9 @@ class Vocab:
         if len(token_to_id) != n:
             raise err(f"'{_K}tokens' has {n - len(token_to_id)} duplicate token texts")
 
-        scores = _numeric_array(md, _K + "scores", n, err)
+        scores = _numeric_array(md, _K + "scores", n, "iuf", err)
         scores_l = [0.0] * n if scores is None else np.asarray(scores[:n], dtype=np.float64).tolist()
-        types = _numeric_array(md, _K + "token_type", n, err)
+        types = _numeric_array(md, _K + "token_type", n, "iu", err)
         if types is None:
             attrs = [int(TokenAttr.NORMAL)] * n
         else:
@@ -209,6 +210,7 @@ class Vocab:
             for ty, at in _TYPE_TO_ATTR.items():
                 lut[ty] = at
             attrs = np.where((t >= 0) & (t < 8), lut[np.clip(t, 0, 7)], 0).tolist()
+            _check_byte_tokens(tokens, np.flatnonzero(t == TokenType.BYTE), err)
 
         merges: Sequence[str] = ()
         if kind == "bpe":
@@ -218,8 +220,7 @@ class Vocab:
             if isinstance(merges, str | bytes) or not all(type(m) is str for m in merges):
                 raise err(f"'{_K}merges' must be a string array")
 
-        if _K + "add_space_prefix" in md:
-            add_space_prefix = bool(md[_K + "add_space_prefix"])
+        add_space_prefix = _flag(md, "add_space_prefix", add_space_prefix, err)
 
         for name, keys in _SPECIAL_KEYS:
             cur = special[name]
@@ -229,19 +230,17 @@ class Vocab:
             for key in keys:
                 if _K + key not in md:
                     continue
-                new = int(md[_K + key])
+                new = md[_K + key]
+                if isinstance(new, bool) or not isinstance(new, int):
+                    raise err(f"'{_K}{key}' must be a token id (an integer), got {new!r:.60}")
                 if 0 <= new < n:
                     special[name] = new
                 else:
                     log.warning("%s: bad special token %s%s = %d, keeping %s", source, _K, key, new, cur)
 
-        add_sep = False
-        if _K + "add_bos_token" in md:
-            add_bos = bool(md[_K + "add_bos_token"])
-        if _K + "add_eos_token" in md:
-            add_eos = bool(md[_K + "add_eos_token"])
-        if _K + "add_sep_token" in md:
-            add_sep = bool(md[_K + "add_sep_token"])
+        add_bos = _flag(md, "add_bos_token", add_bos, err)
+        add_eos = _flag(md, "add_eos_token", add_eos, err)
+        add_sep = _flag(md, "add_sep_token", False, err)
         if pre is not None and pre.name == "gemma4" and not add_bos:
             add_bos = True  # llama.cpp's Gemma 4 workaround
 
@@ -337,15 +336,38 @@ class Vocab:
         return tid
 
 
-def _numeric_array(md: Mapping[str, Any], key: str, n: int, err: Any) -> Sequence[Any] | None:
+def _numeric_array(md: Mapping[str, Any], key: str, n: int, kinds: str, err: Any) -> np.ndarray | None:
+    """The numeric array ``key`` (numpy dtype kind in ``kinds``) with at least ``n`` entries
+    (llama.cpp reads the first ``n``), or None when absent."""
     arr = md.get(key)
     if arr is None:
         return None
-    if isinstance(arr, str | bytes) or not hasattr(arr, "__len__"):
-        raise err(f"'{key}' must be a numeric array, got {type(arr).__name__}")
+    if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype.kind not in kinds:
+        got = f"{arr.dtype} array" if isinstance(arr, np.ndarray) else type(arr).__name__
+        raise err(f"'{key}' must be a numeric array, got {got}")
     if len(arr) < n:
         raise err(f"'{key}' has {len(arr)} entries, fewer than the {n} tokens")
     return arr
+
+
+def _flag(md: Mapping[str, Any], key: str, default: bool, err: Any) -> bool:
+    value = md.get(_K + key, default)
+    if not isinstance(value, bool):
+        raise err(f"'{_K}{key}' must be a bool, got {value!r:.60}")
+    return value
+
+
+_BYTE_TEXT = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _check_byte_tokens(tokens: list[str], byte_ids: np.ndarray, err: Any) -> None:
+    """A BYTE-type token stands for the byte its text spells, ``<0xNN>``; decoding reads the
+    byte from the text. llama.cpp parses whatever is there with strtol (garbage decodes as
+    a wrong byte, a short text throws at decode time); here the file is refused at load."""
+    for tid in byte_ids.tolist():
+        if not _BYTE_TEXT.fullmatch(tokens[tid]):
+            raise err(f"token {tid} has type BYTE ('{_K}token_type') but its text "
+                      f"{tokens[tid]!r:.40} is not of the form <0xNN>")
 
 
 def _detect_special_texts(
