@@ -141,6 +141,10 @@ def cmd_quant_check(args: argparse.Namespace) -> int:
         print(f"deimos: error: {e}", file=sys.stderr)
         return 2
     Console().print(render_check(result, all_tensors=args.all))
+    if args.kld is not None:  # the models' output distributions too (deimos.eval)
+        from deimos.eval.cli import run_quant_kld
+
+        print("\n".join(["", *run_quant_kld(args)]))
     return 1 if result.problems else 0
 
 
@@ -314,7 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("quant", help="the quantized GGUF file")
     p.add_argument("reference", help="the same model at higher precision (F32, F16, Q8_0, ...)")
     p.add_argument("--all", action="store_true", help="list every tensor, not only flagged ones")
+    from deimos.eval.cli import add_kld_options, add_perplexity_parser
+
+    add_kld_options(p)
     p.set_defaults(func=cmd_quant_check)
+
+    add_perplexity_parser(sub)
 
     p = sub.add_parser("compile", help="compile every kernel (and CUDA graph) MODEL needs on this GPU, "
                        "into the kernel cache")
