@@ -17,7 +17,7 @@ import pytest
 import torch
 from testdata import model_path
 
-from deimos.engine.constrain import GrammarVocab, JsonConstraint
+from deimos.engine.constrain import OBJECT_DEPTH, GrammarVocab, JsonConstraint, any_object
 from deimos.gguf import GGUFFile
 from deimos.kernels.sampling import Sampler, SamplingParams
 from deimos.models.batch import Batch
@@ -160,6 +160,38 @@ def test_json_object_mode_accepts_any_object_and_only_objects(llm, smol_vocab):
             c.advance(first)
 
 
+def test_json_object_mode_nests_only_so_deep(llm, smol_vocab):
+    """Forced tokens: '{"' after '":' as long as the grammar allows it. Unbounded, a model that
+    prefers '{"' opens objects until its budget ends; at OBJECT_DEPTH only a scalar may follow."""
+    tok = llm.tokenizer
+    opener, colon = tok.encode('{"', add_special=False), tok.encode('":', add_special=False)
+    key = tok.encode("a", add_special=False)
+    assert len(opener) == len(colon) == len(key) == 1
+    c = JsonConstraint.from_schema(None, smol_vocab)
+    depth = 0
+    while c.mask()[opener[0]]:
+        for t in opener + key + colon:
+            c.advance(t)
+        depth += 1
+    assert depth == OBJECT_DEPTH
+    for t in tok.encode('1' + "}" * depth, add_special=False):
+        c.advance(t)
+    assert c.done
+
+
+def test_any_object_depth_is_exact(llm, smol_vocab):
+    for depth in (1, 2, 3):
+        ok = '{"a": ' * depth + "1" + "}" * depth
+        c = JsonConstraint.from_schema(any_object(depth), smol_vocab)
+        for t in llm.tokenizer.encode(ok, add_special=False):
+            c.advance(t)
+        assert c.done
+        c = JsonConstraint.from_schema(any_object(depth), smol_vocab)
+        with pytest.raises(ValueError, match="not allowed"):
+            for t in llm.tokenizer.encode('{"a": ' * (depth + 1) + "1", add_special=False):
+                c.advance(t)
+
+
 def test_schema_violations_are_refused(llm, smol_vocab):
     tok = llm.tokenizer
     for text in ('{"name": "x", "age": 121', '{"name": "x", "age": -1',
@@ -214,6 +246,13 @@ def test_allowed_masks_with_minus_inf(llm, smol_vocab):
         c.advance(smol_vocab.n_vocab)
 
 
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "object"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 @pytest.mark.parametrize("schema, message", [
     ({"type": "strin"}, r"invalid JSON schema at \['type'\]"),
     ({"type": "object", "properties": 5}, r"invalid JSON schema at \['properties'\]"),
@@ -222,6 +261,8 @@ def test_allowed_masks_with_minus_inf(llm, smol_vocab):
     ({"type": "string", "format": "bogus"}, "Unknown format: bogus"),
     ({"$ref": "#/$defs/missing"}, "missing"),
     ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "Unsatisfiable"),
+    (_nested(10_000), "nested too deeply"),  # was a RecursionError in the meta-validation
+    ({"type": "object", "properties": {f"p{i}": {} for i in range(100_000)}}, "too large"),
 ])
 def test_invalid_schema_is_a_clear_value_error(smol_vocab, schema, message):
     with pytest.raises(ValueError, match=message):

@@ -25,13 +25,34 @@ import llguidance
 import numpy as np
 import torch
 
+from deimos.engine.jsontext import check_size
 from deimos.tokenizer import TokenAttr, Tokenizer
 
-__all__ = ["GrammarVocab", "JsonConstraint"]
+__all__ = ["GrammarVocab", "JsonConstraint", "any_object"]
 
 # Whitespace between JSON tokens: bounded, so a model cannot fill its budget with newlines.
 WHITESPACE = r"[\x20\x09\x0A\x0D]{0,32}"
-ANY_OBJECT: dict[str, Any] = {"type": "object"}  # response_format json_object
+OBJECT_DEPTH = 6  # json_object mode: objects and arrays nest at most this deep
+
+
+def any_object(depth: int = OBJECT_DEPTH) -> dict[str, Any]:
+    """response_format json_object: any JSON object whose objects and arrays nest at most
+    ``depth`` deep (the top one included). Unbounded, a model can open ``{"a":{"b":...`` until
+    its token budget runs out; bounded, from the deepest level only scalars can follow, so
+    the grammar always leads toward a close."""
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    scalars = ["string", "number", "boolean", "null"]
+    defs: dict[str, Any] = {"v0": {"type": scalars}}  # v{k}: a value holding <= k levels
+    for k in range(1, depth):
+        ref = {"$ref": f"#/$defs/v{k - 1}"}
+        defs[f"v{k}"] = {"type": [*scalars, "array", "object"], "items": ref,
+                         "additionalProperties": ref}
+    return {"type": "object", "additionalProperties": {"$ref": f"#/$defs/v{depth - 1}"},
+            "$defs": defs}
+
+
+ANY_OBJECT: dict[str, Any] = any_object()
 COMPILE_OPTIONS = {
     "whitespace_pattern": WHITESPACE,
     # any \uXXXX escape in strings (llguidance's default allows them for control characters
@@ -125,6 +146,7 @@ def _check_schema(schema: Any) -> dict[str, Any]:
     if not isinstance(schema, Mapping):
         raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
     schema = dict(schema)
+    check_size(schema, "the JSON schema")  # before the recursive meta-validation and compiler
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:

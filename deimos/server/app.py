@@ -9,8 +9,6 @@ response (JSON, or SSE with ``stream: true``). A client that goes away cancels i
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 import time
 import uuid
@@ -19,23 +17,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
-from deimos.engine import LLM, RequestError
+from deimos.engine import LLM
+from deimos.engine.request import ContextLengthError, EngineError, RequestError
 from deimos.server import errors, tools
-from deimos.server.errors import APIError, bad_request
+from deimos.server.errors import APIError, bad_request, fault
+from deimos.server.gate import Gate, Shutdown, shutting_down
 from deimos.server.metrics import Metrics
 from deimos.server.params import Defaults, build_request, schema_constraint
 from deimos.server.protocol import ChatCompletionRequest, CompletionRequest
 from deimos.server.responses import LogprobFormatter, sse, usage
-from deimos.server.worker import Done, EngineWorker, Failed, Job, Piece, QueueFull
+from deimos.server.worker import Cut, Done, EngineWorker, Failed, Job, Piece, QueueFull
 from deimos.tokenizer.template import TemplateError
 
 log = logging.getLogger("deimos.server")
-request_log = logging.getLogger("deimos.requests")  # one JSON line per request
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 DISCONNECT_POLL_S = 0.25
 
 
@@ -48,6 +47,7 @@ class Server:
     aliases: frozenset[str] = frozenset()
     defaults: Defaults = field(default_factory=Defaults)
     api_key: str | None = None
+    shutdown: Shutdown = field(default_factory=Shutdown)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -60,59 +60,25 @@ class Server:
                                 f"{self.model_id!r}", param="model", code="model_not_found")
 
 
-class Gate:
-    """ASGI middleware: the API key check, request counts by route and status, and the
-    per-request JSON log line (generation details come from the handler via scope state)."""
-
-    def __init__(self, app: Any, server: Server) -> None:
-        self.app = app
-        self.server = server
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        route = path if path in ROUTES else "other"
-        t0 = time.monotonic()
-        status = 0
-
-        async def send_status(message: dict) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            key = self.server.api_key
-            if key is not None and path != "/health":
-                auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-                if not hmac.compare_digest(auth.encode(), f"Bearer {key}".encode()):
-                    err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer "
-                                        "<key>'", code="invalid_api_key")
-                    return await err.response()(scope, receive, send_status)
-            await self.app(scope, receive, send_status)
-        finally:
-            self.server.metrics.count_request(route, status)
-            if route not in ("/health", "/metrics"):
-                gen = scope.get("state", {}).get("deimos", {})
-                request_log.info(json.dumps({
-                    "ts": round(time.time(), 3), "method": scope["method"], "path": path,
-                    "status": status, "duration_ms": round((time.monotonic() - t0) * 1000, 1),
-                    **gen}))
-
-
 # ---- running a job ------------------------------------------------------------------------
 
 
 def _submit(server: Server, job: Job) -> Job:
+    if server.shutdown.draining:
+        raise shutting_down()
     try:
         server.worker.submit(job)
     except QueueFull as e:
         raise APIError(503, f"the server is busy: {e}; retry later", code="queue_full") from None
+    server.shutdown.track(job)
     return job
 
 
-async def _events(job: Job, request: Request, poll: bool) -> AsyncIterator[Piece | Done | Failed]:
+Event = Piece | Done | Failed | Cut
+
+
+async def _events(server: Server, job: Job, request: Request, poll: bool
+                  ) -> AsyncIterator[Event]:
     """The job's events; cancels the job when the consumer stops early or (``poll``) the
     client disconnects. A streaming response learns of a disconnect by being cancelled."""
     try:
@@ -132,28 +98,50 @@ async def _events(job: Job, request: Request, poll: bool) -> AsyncIterator[Piece
                 return
     finally:
         job.cancelled.set()  # no-op once done; otherwise frees the engine at the next token
+        server.shutdown.untrack(job)
 
 
-async def _collect(job: Job, request: Request) -> tuple[list[str], list, Done | None]:
+async def _collect(server: Server, job: Job, request: Request
+                   ) -> tuple[list[str], list, Done | None]:
     """A whole answer: its text pieces, their logprobs and the final event (None when the
-    client left first); a failure raises as its API error."""
+    client left first); a failure or a shutdown cut raises as its API error."""
     text, lps, done = [], [], None
-    async for ev in _events(job, request, poll=True):
+    async for ev in _events(server, job, request, poll=True):
         if isinstance(ev, Piece):
             text.append(ev.text)
             lps += ev.logprobs
         elif isinstance(ev, Failed):
             raise _failure(ev.error)
+        elif isinstance(ev, Cut):
+            raise shutting_down()
         else:
             done = ev
     return text, lps, done
 
 
 def _failure(err: BaseException) -> APIError:
-    if isinstance(err, (RequestError, ValueError)):
+    """A failed generation as the client sees it: a request the engine refused is the
+    client's (400); the engine failing on a valid request is the server's (500), logged."""
+    if isinstance(err, ContextLengthError):
+        return bad_request(str(err), code="context_length_exceeded")
+    if isinstance(err, RequestError):
         return bad_request(str(err))
-    log.error("generation failed: %s: %s", type(err).__name__, err, exc_info=err)
-    return APIError(500, f"generation failed: {type(err).__name__}: {err}", type="server_error")
+    if isinstance(err, EngineError):
+        log.error("engine fault: %s", err)
+        return APIError(500, f"the engine failed: {err}", type="server_error",
+                        code="engine_error")
+    return fault(err, "generation failed")
+
+
+async def _closing(events: AsyncIterator[str], job: Job) -> AsyncIterator[str]:
+    """An SSE body that always ends properly: an exception while streaming becomes a final
+    error event and ``[DONE]`` (the 200 is already sent; the fault is logged once)."""
+    try:
+        async for line in events:
+            yield line
+    except Exception as e:  # noqa: BLE001 - the stream's last words instead of a cut connection
+        yield sse(fault(e, f"stream {job.id}").body())
+        yield sse("[DONE]")
 
 
 def _record(request: Request, job: Job, stream: bool, done: Done | None, **extra: Any) -> None:
@@ -265,7 +253,7 @@ async def chat_completions(server: Server, body: ChatCompletionRequest, request:
         return "tool_calls" if calls else done.finish_reason
 
     if not body.stream:
-        text, lps, done = await _collect(job, request)
+        text, lps, done = await _collect(server, job, request)
         if done is None:  # the client left
             _record(request, job, False, None, disconnected=True)
             return JSONResponse({}, status_code=499)
@@ -292,12 +280,12 @@ async def chat_completions(server: Server, body: ChatCompletionRequest, request:
         return sse({**head, "object": "chat.completion.chunk", "choices": [choice]})
 
     async def stream() -> AsyncIterator[str]:
-        done = None
+        done = cut = None
         held: list[str] = []  # with tools on, the reply is parsed whole before it is sent
         held_lps: list = []
         try:
             yield chunk({"role": "assistant", "content": ""})
-            async for ev in _events(job, request, poll=False):
+            async for ev in _events(server, job, request, poll=False):
                 if isinstance(ev, Piece):
                     if tool_names is not None:
                         held.append(ev.text)
@@ -305,8 +293,10 @@ async def chat_completions(server: Server, body: ChatCompletionRequest, request:
                     else:
                         yield chunk({"content": ev.text},
                                     logprobs=ev.logprobs if top is not None else None)
-                elif isinstance(ev, Failed):
-                    yield sse(_failure(ev.error).body())
+                elif isinstance(ev, (Failed, Cut)):
+                    err = _failure(ev.error) if isinstance(ev, Failed) else shutting_down()
+                    cut = err.code
+                    yield sse(err.body())
                     yield sse("[DONE]")
                     return
                 else:
@@ -327,9 +317,10 @@ async def chat_completions(server: Server, body: ChatCompletionRequest, request:
             yield sse("[DONE]")
         finally:
             job.cancelled.set()  # the client left mid-stream: free the engine at once
-            _record(request, job, True, done, disconnected=done is None)
+            _record(request, job, True, done, **({"error": cut} if cut else
+                                                 {"disconnected": done is None}))
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
+    return StreamingResponse(_closing(stream(), job), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
 
@@ -377,7 +368,7 @@ async def completions(server: Server, body: CompletionRequest, request: Request)
     want_lps = body.logprobs is not None
 
     if not body.stream:
-        pieces, lps, done = await _collect(job, request)
+        pieces, lps, done = await _collect(server, job, request)
         text = [echo, *pieces]
         if done is None:
             _record(request, job, False, None, disconnected=True)
@@ -395,18 +386,20 @@ async def completions(server: Server, body: CompletionRequest, request: Request)
                                          "finish_reason": finish}]})
 
     async def stream() -> AsyncIterator[str]:
-        done = None
+        done = cut = None
         offset = 0
         try:
             if echo:
                 yield chunk(echo)
-            async for ev in _events(job, request, poll=False):
+            async for ev in _events(server, job, request, poll=False):
                 if isinstance(ev, Piece):
                     lp = server.logprobs.completion(ev.logprobs, offset) if want_lps else None
                     offset += len(ev.text)
                     yield chunk(ev.text, logprobs=lp)
-                elif isinstance(ev, Failed):
-                    yield sse(_failure(ev.error).body())
+                elif isinstance(ev, (Failed, Cut)):
+                    err = _failure(ev.error) if isinstance(ev, Failed) else shutting_down()
+                    cut = err.code
+                    yield sse(err.body())
                     yield sse("[DONE]")
                     return
                 else:
@@ -417,9 +410,10 @@ async def completions(server: Server, body: CompletionRequest, request: Request)
             yield sse("[DONE]")
         finally:
             job.cancelled.set()  # the client left mid-stream: free the engine at once
-            _record(request, job, True, done, disconnected=done is None)
+            _record(request, job, True, done, **({"error": cut} if cut else
+                                                 {"disconnected": done is None}))
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
+    return StreamingResponse(_closing(stream(), job), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
 
@@ -460,8 +454,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def _metrics():
-        return PlainTextResponse(server.metrics.prometheus(),
-                                 media_type="text/plain; version=0.0.4")
+        return Response(server.metrics.prometheus(), media_type=CONTENT_TYPE_LATEST)
 
     def openapi() -> dict[str, Any]:
         # the served model's id as the only valid "model", so generated clients (and schema

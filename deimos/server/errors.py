@@ -1,10 +1,13 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for
-anything the client can fix, and one catch-all that logs and answers 500 for the rest."""
+anything the client can fix and a 5xx for the server's own faults (``fault``: the one place an
+unexpected exception becomes a response and a log line; the ``Gate`` middleware calls it, so the
+status a client gets is the status counted and logged)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import traceback
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -93,10 +96,23 @@ def install(app: FastAPI) -> None:
         message = {404: f"no route {request.method} {request.url.path}",
                    405: f"method {request.method} is not allowed on {request.url.path}"}.get(
             exc.status_code, str(exc.detail))
+        if message == "There was an error parsing the body":  # FastAPI's words for json.loads
+            message = "the request body cannot be parsed (not JSON, or nested too deeply)"
         return APIError(exc.status_code, message).response()
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("internal error on %s %s", request.method, request.url.path)
-        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}",
-                        type="server_error").response()
+
+# Frames of a traceback kept in the log: a RecursionError's thousand frames say nothing more.
+TRACEBACK_FRAMES = 12
+
+
+def fault(exc: BaseException, what: str) -> APIError:
+    """The error answer to an exception nothing else handled, logged once. A RecursionError is
+    a request nested deeper than some parser can follow: the client's to fix (400), logged as
+    one line; anything else is a server fault (500) logged with a (bounded) traceback."""
+    if isinstance(exc, RecursionError):
+        log.warning("%s: nesting too deep (RecursionError)", what)
+        return APIError(400, "the request is nested too deeply to process", code="too_deep")
+    tb = "".join(traceback.format_exception(exc, limit=-TRACEBACK_FRAMES, chain=False))
+    log.error("%s: %s: %s\n%s", what, type(exc).__name__, exc, tb.rstrip())
+    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}",
+                    type="server_error", code="internal_error")

@@ -1,5 +1,6 @@
 """Server metrics: one ``Metrics`` object per server, written by the request handlers and the
-engine worker, read by ``GET /metrics`` (Prometheus text) and the terminal dashboard.
+engine worker, read by ``GET /metrics`` (prometheus_client's exposition of a registry of the
+server's own, never the process-global one) and the terminal dashboard.
 
 Every method takes the lock; readers get copies (``snapshot``), never live containers.
 """
@@ -10,7 +11,17 @@ import os
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
 
 # seconds; the time-to-first-token histogram's upper bounds (Prometheus "le" labels)
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -63,6 +74,8 @@ class Metrics:
         self.active: Active | None = None
         self.queued = 0
         self._memory = dict(memory or {})  # static sizes: model weights, KV cache
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
 
     # ---- writers ---------------------------------------------------------------------
 
@@ -146,51 +159,74 @@ class Metrics:
         snap["memory"] = self.memory()
         return snap
 
-    def prometheus(self) -> str:
-        """The Prometheus text exposition format (version 0.0.4)."""
-        lines: list[str] = []
+    def prometheus(self) -> bytes:
+        """``/metrics``: the Prometheus text exposition of this server's registry."""
+        return generate_latest(self.registry)
 
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP deimos_{name} {help_}")
-            lines.append(f"# TYPE deimos_{name} {kind}")
-            for labels, value in samples:
-                lines.append(f"deimos_{name}{labels} {value:.17g}")
 
-        mem = self.memory()
-        pre_tps, dec_tps = self.recent_speeds()
-        with self._lock:
-            metric("requests_total", "counter", "HTTP requests by route and status",
-                   [(f'{{route="{r}",status="{s}"}}', n) for (r, s), n in sorted(self.requests.items())])
-            metric("prompt_tokens_total", "counter", "prompt tokens of finished generations",
-                   [("", self.prompt_tokens)])
-            metric("cached_tokens_total", "counter", "prompt tokens reused from the KV cache",
-                   [("", self.cached_tokens)])
-            metric("generated_tokens_total", "counter", "tokens generated",
-                   [("", self.generated_tokens)])
-            metric("finish_reason_total", "counter", "finished generations by finish reason",
-                   [(f'{{reason="{k}"}}', v) for k, v in sorted(self.finish_reasons.items())])
-            metric("client_disconnects_total", "counter", "generations stopped by a disconnect",
-                   [("", self.disconnects)])
-            metric("prefill_seconds_total", "counter", "seconds spent before first tokens",
-                   [("", self.prefill_seconds)])
-            metric("decode_seconds_total", "counter", "seconds spent decoding after first tokens",
-                   [("", self.decode_seconds)])
-            cum, samples = 0, []
-            for b, n in zip(TTFT_BUCKETS, self.ttft_buckets):
+class _Collector(Collector):
+    """``Metrics``' numbers as Prometheus families, read under its lock at scrape time (a
+    custom collector: the counts live in one place, which the dashboard reads too)."""
+
+    def __init__(self, m: Metrics) -> None:
+        self.m = m
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        mem = m.memory()
+        pre_tps, dec_tps = m.recent_speeds()
+
+        def counter(name: str, help_: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(f"deimos_{name}", help_, value=value)
+
+        def gauge(name: str, help_: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"deimos_{name}", help_, value=value)
+
+        with m._lock:
+            requests = CounterMetricFamily("deimos_requests", "HTTP requests by route and status",
+                                           labels=["route", "status"])
+            for (route, status), n in sorted(m.requests.items()):
+                requests.add_metric([route, str(status)], n)
+            reasons = CounterMetricFamily("deimos_finish_reason",
+                                          "finished generations by finish reason",
+                                          labels=["reason"])
+            for reason, n in sorted(m.finish_reasons.items()):
+                reasons.add_metric([reason], n)
+            cum, buckets = 0, []
+            for bound, n in zip(TTFT_BUCKETS, m.ttft_buckets):
                 cum += n
-                samples.append((f'_bucket{{le="{b}"}}', cum))
-            samples.append(('_bucket{le="+Inf"}', cum + self.ttft_over))
-            samples += [("_sum", self.ttft_sum), ("_count", self.ttft_count)]
-            metric("time_to_first_token_seconds", "histogram",
-                   "time from the engine taking a request to its first token", samples)
-            metric("queue_depth", "gauge", "requests waiting for the engine", [("", self.queued)])
-            metric("active_requests", "gauge", "requests being generated",
-                   [("", int(self.active is not None))])
-        metric("prefill_tokens_per_second", "gauge", "recent mean prefill speed", [("", pre_tps)])
-        metric("decode_tokens_per_second", "gauge", "recent mean decode speed", [("", dec_tps)])
-        metric("memory_bytes", "gauge", "memory by kind",
-               [(f'{{kind="{k}"}}', v) for k, v in sorted(mem.items())])
-        return "\n".join(lines) + "\n"
+                buckets.append((str(bound), cum))
+            buckets.append(("+Inf", cum + m.ttft_over))
+            families = [
+                requests,
+                counter("prompt_tokens", "prompt tokens of finished generations",
+                        m.prompt_tokens),
+                counter("cached_tokens", "prompt tokens reused from the KV cache",
+                        m.cached_tokens),
+                counter("generated_tokens", "tokens generated", m.generated_tokens),
+                reasons,
+                counter("client_disconnects", "generations stopped by a disconnect",
+                        m.disconnects),
+                counter("prefill_seconds", "seconds spent before first tokens",
+                        m.prefill_seconds),
+                counter("decode_seconds", "seconds spent decoding after first tokens",
+                        m.decode_seconds),
+                HistogramMetricFamily(
+                    "deimos_time_to_first_token_seconds",
+                    "time from the engine taking a request to its first token",
+                    buckets=buckets, sum_value=m.ttft_sum),
+                gauge("queue_depth", "requests waiting for the engine", m.queued),
+                gauge("active_requests", "requests being generated", int(m.active is not None)),
+            ]
+        families += [
+            gauge("prefill_tokens_per_second", "recent mean prefill speed", pre_tps),
+            gauge("decode_tokens_per_second", "recent mean decode speed", dec_tps),
+        ]
+        memory = GaugeMetricFamily("deimos_memory_bytes", "memory by kind", labels=["kind"])
+        for kind, n in sorted(mem.items()):
+            memory.add_metric([kind], n)
+        families.append(memory)
+        yield from families
 
 
 def _rss_bytes() -> int:

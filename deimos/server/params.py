@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deimos.engine import LLM, Request
+from deimos.engine.jsontext import JsonTooLarge, check_size
 from deimos.kernels.sampling import SamplingParams
 from deimos.server.errors import APIError, bad_request
 from deimos.server.processors import Constrained, LogitBias
@@ -101,6 +102,11 @@ def schema_constraint(schema: dict[str, Any] | None, llm: LLM, param: str) -> Co
     """Decoding constrained to JSON matching ``schema`` (None: any object)."""
     if schema is not None:
         import jsonschema
+
+        try:  # before anything recursive walks it
+            check_size(schema, param)
+        except JsonTooLarge as e:
+            raise bad_request(str(e), param, "schema_too_large") from None
 
         try:
             jsonschema.validators.validator_for(schema).check_schema(schema)

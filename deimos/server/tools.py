@@ -32,6 +32,7 @@ from typing import Any
 
 import jsonschema
 
+from deimos.engine.jsontext import check_size
 from deimos.tokenizer.template import ChatTemplate, TemplateError
 
 __all__ = [
@@ -121,6 +122,7 @@ def validate_tools(tools: Any) -> None:
     """Raise ValueError naming the first problem in an OpenAI ``tools`` list."""
     if not isinstance(tools, list):
         raise ValueError(f"tools must be a list, got {type(tools).__name__}")
+    _check_sizes(tools)
     seen: set[str] = set()
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
@@ -147,6 +149,16 @@ def validate_tools(tools: Any) -> None:
             raise ValueError(f"{where}.function.strict must be true or false")
         if "parameters" in fn:
             _check_parameters(fn["parameters"], f"{where}.function.parameters")
+
+
+def _check_sizes(tools: list) -> None:
+    """Size limits before anything recursive walks the schemas: each tool's parameters (named
+    in the error), then the list as a whole (a forced call's grammar holds every schema)."""
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if isinstance(fn, Mapping) and "parameters" in fn:
+            check_size(fn["parameters"], f"tools[{i}].function.parameters")
+    check_size(tools, "tools")
 
 
 def _check_parameters(schema: Any, where: str) -> None:

@@ -5,7 +5,8 @@ The generator has a single KV-cache slot, so generation is serialized: handlers 
 A job's ``cancelled`` flag (set when its client disconnects) is checked between tokens: the
 generation stops at once and the slot goes to the next job.
 
-Events a job receives, in order: any number of ``Piece``, then one ``Done`` or ``Failed``.
+Events a job receives, in order: any number of ``Piece``, then one ``Done`` or ``Failed``
+(or, put there by the server's shutdown rather than the worker, one ``Cut``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from dataclasses import dataclass, field
 
 from deimos.engine import LLM, Request
 from deimos.kernels.sampling import TokenLogprobs
+from deimos.engine.jsontext import closure
 from deimos.server.metrics import Finished, Metrics
+from deimos.server.processors import Constrained
 from deimos.server.stops import StopMatcher
 
 log = logging.getLogger("deimos.server")
@@ -52,6 +55,11 @@ class Done:
 @dataclass(frozen=True, slots=True)
 class Failed:
     error: BaseException
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    reason: str  # stopped from outside (the server is shutting down): the answer says why
 
 
 @dataclass(slots=True)
@@ -114,6 +122,8 @@ class EngineWorker:
         # (start, end) of each token's text in the produced text, for tokens not yet shown
         pending: deque[tuple[int, int, TokenLogprobs]] = deque()
         produced = emitted = 0
+        shown_text: list[str] = []  # what the client got, for closing truncated JSON
+        json_out = any(isinstance(p, Constrained) for p in req.logits_processors)
         t_first: float | None = None
         finish: str | None = None
         gen = self.llm.generator.run(req)
@@ -135,6 +145,8 @@ class EngineWorker:
                 if last and not stops.stopped:
                     text += stops.flush()
                 emitted += len(text)
+                if json_out:
+                    shown_text.append(text)
                 shown = _release(pending, emitted, stops.stopped, last)
                 if text or shown:
                     job.emit(Piece(text, shown))
@@ -146,6 +158,10 @@ class EngineWorker:
             gen.close()  # an abandoned generation leaves the cache consistent (see Generator)
         t_end = time.monotonic()
         finish = finish or req.finish_reason or "length"
+        if json_out and finish == "length":  # cut mid-value: closed so that it parses
+            tail = closure("".join(shown_text))
+            if tail:
+                job.emit(Piece(tail, []))
         first = t_first if t_first is not None else t_end
         done = Done(finish, len(req.prompt_ids), req.cached_tokens, len(req.output_ids),
                     first - t0, first - t0, t_end - first, t0 - job.enqueued)
