@@ -7,36 +7,38 @@ escaping; ``indent``/``ensure_ascii``/``separators``/``sort_keys`` accepted), an
 ``raise_exception`` and ``strftime_now``. ``{% generation %}`` blocks (HF's assistant-mask
 tracker) are accepted and render their body unchanged.
 
-The template comes from a downloaded file, so beyond the sandbox (no ``__class__`` walks, no
-mutation of the caller's data) each render has a work budget: loop iterations, ``range`` sizes,
-sizes produced by ``*``, ``+``, ``~`` and ``**`` and the output length are all charged, so a
-pathological template fails with ``TemplateError`` instead of hanging or eating memory.
+The template comes from a downloaded file and is rendered at model load (to probe it), so
+beyond the sandbox (no ``__class__`` walks, no mutation of the caller's data) each render runs
+under a ``Budget`` (``template_budget``): every operator (``template_ops``), call of a built-in
+method (``template_methods``), ``%``/``format`` (``template_format``), filter, test and global
+(``template_filters``), loop iteration, ``~``, slice, comparison, hashed key and output goes
+through a hook of the sandbox or a node the ``_Guard`` rewrote, which sizes what it will build
+before building it and checks a wall-clock deadline. A pathological template fails with
+``TemplateError`` in about a second and within about 100 MB.
 Every failure (syntax, sandbox violation, ``raise_exception``, undefined misuse, a Python error
 inside the template, exhausted budget) surfaces as ``TemplateError`` naming the problem.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 import jinja2
-from jinja2 import nodes
+from jinja2 import nodes, pass_context
 from jinja2.ext import Extension
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.runtime import BlockReference, LoopContext, Macro
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from jinja2.visitor import NodeTransformer
 
-__all__ = ["ChatTemplate", "TemplateError", "default_template_source"]
+from .template_budget import Budget, BudgetExceeded, GuardedIterator, TemplateLimits, budget_iter
+from .template_filters import BUDGET_VAR, TemplateRaised, budget_of, install
+from .template_format import FormatCall
+from .template_methods import resolve_method
+from .template_ops import OPERATORS, binop
 
-# Per-render limits. Real templates loop over messages, tools and tool parameters: a few
-# thousand iterations at most, so these are far above legitimate use.
-MAX_LOOP_ITERATIONS = 200_000
-MAX_RANGE = 20_000
-MAX_PRODUCED = 32_000_000  # characters/elements built by *, +, ~ over a whole render
-MAX_OUTPUT = 16_000_000  # characters of rendered prompt
-MAX_EXPONENT_BITS = 4_096  # ** results are refused beyond this many bits
+__all__ = ["ChatTemplate", "TemplateError", "TemplateLimits", "default_template_source"]
 
 
 class TemplateError(ValueError):
@@ -51,82 +53,128 @@ class TemplateError(ValueError):
         self.raised_by_template = raised_by_template
 
 
-class _TemplateRaised(Exception):
-    """Carries the message of ``raise_exception(msg)`` out of the Jinja machinery."""
+# -- hooks the rewritten tree calls (filters: the template cannot rebind them) ----------------
 
 
-class _BudgetExceeded(Exception):
-    pass
-
-
-class _Budget:
-    """Work counters of one render. Methods start with '_' so the sandbox hides them from the
-    template (it refuses attribute names starting with an underscore)."""
-
-    __slots__ = ("iterations", "produced")
-
-    def __init__(self) -> None:
-        self.iterations = 0
-        self.produced = 0
-
-    def _iterate(self, n: int = 1) -> None:
-        self.iterations += n
-        if self.iterations > MAX_LOOP_ITERATIONS:
-            raise _BudgetExceeded(f"more than {MAX_LOOP_ITERATIONS} loop iterations")
-
-    def _produce(self, n: int) -> None:
-        self.produced += n
-        if self.produced > MAX_PRODUCED:
-            raise _BudgetExceeded(f"built more than {MAX_PRODUCED} characters/elements")
-
-
-_BUDGET_VAR = "_deimos_budget"
-
-
-def _budget(ctx: jinja2.runtime.Context) -> _Budget:
-    b = ctx.get(_BUDGET_VAR)
-    if not isinstance(b, _Budget):  # the template rebound the name
-        raise _BudgetExceeded(f"template overwrote the reserved name {_BUDGET_VAR!r}")
-    return b
-
-
-@jinja2.pass_context
-def _guard_iter(ctx: jinja2.runtime.Context, iterable: Iterable[Any]) -> Iterator[Any]:
-    budget = _budget(ctx)
+@pass_context
+def _guard_iter(ctx: jinja2.runtime.Context, iterable: Any) -> Any:
+    budget = budget_of(ctx)
     if isinstance(iterable, jinja2.Undefined):
-        iterable = iter(iterable)  # strict undefined raises here, lenient yields nothing
-    for item in iterable:
-        budget._iterate()
-        yield item
+        return iter(iterable)  # strict undefined raises here, lenient yields nothing
+    return GuardedIterator(iterable, budget)
 
 
-@jinja2.pass_context
-def _guard_size(ctx: jinja2.runtime.Context, value: Any) -> Any:
-    if isinstance(value, (str, list, tuple)):
-        _budget(ctx)._produce(len(value))
+@pass_context
+def _guard_emit(ctx: jinja2.runtime.Context, n: int) -> str:
+    budget_of(ctx)._emit(n)
+    return ""
+
+
+@pass_context
+def _guard_concat(ctx: jinja2.runtime.Context, parts: tuple[Any, ...]) -> str:
+    budget = budget_of(ctx)
+    strings = []
+    for part in parts:
+        budget._reserve(budget._str_cost(part), "a ~ operand")
+        strings.append(part if type(part) is str else budget._account(str(part)))
+    budget._reserve(sum(map(len, strings)) * 4, "a ~ concatenation")
+    return budget._account("".join(strings))
+
+
+@pass_context
+def _guard_slice(ctx: jinja2.runtime.Context, value: Any, start: Any, stop: Any, step: Any) -> Any:
+    budget = budget_of(ctx)
+    budget._tick()
+    return budget._account(value[start:stop:step])
+
+
+@pass_context
+def _guard_operand(ctx: jinja2.runtime.Context, value: Any) -> Any:
+    return budget_of(ctx)._operand(value)
+
+
+@pass_context
+def _finalize(ctx: jinja2.runtime.Context, value: Any) -> Any:
+    budget = budget_of(ctx)
+    if type(value) is str:
+        budget._emit(len(value))
+    else:
+        cost = budget._str_cost(value)
+        budget._reserve(cost, "printed value")
+        budget._emit(cost // 4)
     return value
 
 
-@jinja2.pass_context
-def _safe_range(ctx: jinja2.runtime.Context, *args: int) -> range:
-    r = range(*args)
-    if len(r) > MAX_RANGE:
-        raise _BudgetExceeded(f"range() of {len(r)} items (limit {MAX_RANGE})")
-    _budget(ctx)._iterate(len(r))
-    return r
+def _literal_size(body: list[nodes.Node]) -> int:
+    return sum(len(n.data) for stmt in body for n in stmt.find_all(nodes.TemplateData))
+
+
+def _hook(name: str, *args: nodes.Expr, lineno: int) -> nodes.Filter:
+    return nodes.Filter(args[0], name, list(args[1:]), [], None, None, lineno=lineno)
+
+
+def _operand(node: nodes.Expr) -> nodes.Expr:
+    if isinstance(node, nodes.Const):
+        return node
+    return _hook("_deimos_operand", node, lineno=node.lineno)
 
 
 class _Guard(NodeTransformer):
-    """Wraps every for-loop iterable and every ``~`` concatenation in a budget check."""
+    """Routes what the sandbox's hooks do not see through the budget: loop iterations (and the
+    literal text each iteration or macro call emits), ``~``, slices, comparisons and hashed
+    keys."""
+
+    def _charge_body(self, body: list[nodes.Node], lineno: int) -> list[nodes.Node]:
+        size = _literal_size(body)
+        if not size:
+            return body
+        charge = nodes.ExprStmt(_hook("_deimos_emit", nodes.Const(size), lineno=lineno),
+                                lineno=lineno)
+        return [charge, *body]
 
     def visit_For(self, node: nodes.For) -> nodes.Node:
         self.generic_visit(node)
-        node.iter = nodes.Filter(node.iter, "_deimos_iter", [], [], None, None, lineno=node.lineno)
+        node.iter = _hook("_deimos_iter", node.iter, lineno=node.lineno)
+        node.body = self._charge_body(node.body, node.lineno)
+        return node
+
+    def visit_Macro(self, node: nodes.Macro) -> nodes.Node:
+        self.generic_visit(node)
+        node.body = self._charge_body(node.body, node.lineno)
+        return node
+
+    def visit_CallBlock(self, node: nodes.CallBlock) -> nodes.Node:
+        self.generic_visit(node)
+        node.body = self._charge_body(node.body, node.lineno)
         return node
 
     def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
         self.generic_visit(node)
-        return nodes.Filter(node, "_deimos_size", [], [], None, None, lineno=node.lineno)
+        return _hook("_deimos_concat", nodes.Tuple(node.nodes, "load", lineno=node.lineno),
+                     lineno=node.lineno)
+
+    def visit_Getitem(self, node: nodes.Getitem) -> nodes.Node:
+        self.generic_visit(node)
+        if isinstance(node.arg, nodes.Slice):
+            none = nodes.Const(None, lineno=node.lineno)
+            s = node.arg
+            return _hook("_deimos_slice", node.node, s.start or none, s.stop or none,
+                         s.step or none, lineno=node.lineno)
+        node.arg = _operand(node.arg)
+        return node
+
+    def visit_Compare(self, node: nodes.Compare) -> nodes.Node:
+        self.generic_visit(node)
+        node.expr = _operand(node.expr)
+        for op in node.ops:
+            op.expr = _operand(op.expr)
+        return node
+
+    def visit_Dict(self, node: nodes.Dict) -> nodes.Node:
+        self.generic_visit(node)
+        for pair in node.items:
+            pair.key = _operand(pair.key)
+        return node
 
 
 class _GenerationExtension(Extension):
@@ -140,64 +188,54 @@ class _GenerationExtension(Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | str | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # HF overrides Jinja's tojson: no HTML escaping, and these keyword arguments. Beyond HF,
-    # a lazy sequence (``tools | map(attribute='function')``) is written as a list, as
-    # llama.cpp's Jinja engine does.
-    if separators is not None:
-        separators = tuple(separators)  # templates pass a Jinja list
-    return json.dumps(
-        value,
-        ensure_ascii=ensure_ascii,
-        indent=indent,
-        separators=separators,
-        sort_keys=sort_keys,
-        default=_json_default,
-    )
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, Iterator):
-        return list(value)
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
-
-
-def _raise_exception(message: Any) -> None:
-    raise _TemplateRaised(str(message))
+_LOOP_KWARGS = ("_loop_vars", "_block_vars")
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
-    intercepted_binops = frozenset({"*", "**", "+", "%"})
+    intercepted_binops = frozenset(OPERATORS)
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         # Jinja returns an Undefined that prints as ''; an escape attempt should fail loudly.
-        raise jinja2.sandbox.SecurityError(
+        raise SecurityError(
             f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe"
         )
 
-    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any):
-        budget = _budget(context)
-        if operator == "**":
-            if isinstance(left, int) and isinstance(right, int) and right > 0:
-                bits = max(abs(left).bit_length(), 1) * right
-                if bits > MAX_EXPONENT_BITS:
-                    raise _BudgetExceeded(f"{left} ** {right} is too large")
-            return left**right
-        if operator == "*":
-            for seq, n in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
-                    budget._produce(len(seq) * max(n, 0))
-            return left * right
-        result = super().call_binop(context, operator, left, right)
-        if isinstance(result, (str, list, tuple)):
-            budget._produce(len(result))
-        return result
+    def wrap_str_format(self, value: Any) -> Any:
+        # str.format / format_map: sized field by field when called (see FormatCall)
+        if jinja2.sandbox.SandboxedEnvironment.wrap_str_format(self, value) is None:
+            return None
+        return FormatCall(value.__self__, value.__name__ == "format_map")
+
+    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
+        return binop(budget_of(context), operator, left, right)
+
+    def call(__self, __context: jinja2.runtime.Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        budget = budget_of(__context)
+        budget._tick()
+        if not __self.is_safe_callable(__obj):
+            raise SecurityError(f"{__obj!r} is not safely callable")
+        if getattr(__obj, "_deimos_checked", False):  # our guarded globals size themselves
+            return __context.call(__obj, *args, **kwargs)
+        extra = {k: kwargs.pop(k) for k in _LOOP_KWARGS if k in kwargs}
+        if isinstance(__obj, FormatCall):
+            return __obj._run(__self, budget, args, kwargs)
+        method = resolve_method(__obj, args)
+        if method is not None:
+            return method.run(budget, args, kwargs)
+        for a in (*args, *kwargs.values()):
+            budget._operand(a)
+        if isinstance(__obj, LoopContext) and args:  # {{ loop(children) }} in a recursive loop
+            args = (budget_iter(budget, args[0]), *args[1:])
+        nested = isinstance(__obj, (Macro, LoopContext, BlockReference))
+        if nested:
+            budget._enter()
+        try:
+            result = __context.call(__obj, *args, **kwargs, **extra)
+        finally:
+            if nested:
+                budget._leave()
+        # unknown callables (the caller's own objects) are charged for what they return
+        return budget._account(result, fresh=nested or not isinstance(result, (str, list, dict)))
 
 
 def _make_environment(now: Callable[[], datetime]) -> _Sandbox:
@@ -205,25 +243,25 @@ def _make_environment(now: Callable[[], datetime]) -> _Sandbox:
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=["jinja2.ext.loopcontrols", _GenerationExtension],
+        finalize=_finalize,
     )
-    env.filters["tojson"] = _tojson
-    env.filters["_deimos_iter"] = _guard_iter
-    env.filters["_deimos_size"] = _guard_size
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: now().strftime(fmt)
-    env.globals["range"] = _safe_range
+    install(env, now)
+    env.filters.update(
+        _deimos_iter=_guard_iter, _deimos_emit=_guard_emit, _deimos_concat=_guard_concat,
+        _deimos_slice=_guard_slice, _deimos_operand=_guard_operand,
+    )
     return env
 
 
 def _describe(exc: BaseException) -> TemplateError:
     """Translate anything raised while compiling or rendering into a TemplateError."""
-    if isinstance(exc, _TemplateRaised):
+    if isinstance(exc, TemplateRaised):
         return TemplateError(f"chat template raised an error: {exc}", raised_by_template=True)
-    if isinstance(exc, _BudgetExceeded):
+    if isinstance(exc, BudgetExceeded):
         return TemplateError(f"chat template exceeded its work limit: {exc}")
     if isinstance(exc, jinja2.TemplateSyntaxError):
         return TemplateError(f"chat template syntax error at line {exc.lineno}: {exc.message}")
-    if isinstance(exc, jinja2.sandbox.SecurityError):
+    if isinstance(exc, SecurityError):
         return TemplateError(f"chat template attempted an unsafe operation: {exc}")
     if isinstance(exc, jinja2.UndefinedError):
         return TemplateError(f"chat template used an undefined value: {exc}")
@@ -231,7 +269,7 @@ def _describe(exc: BaseException) -> TemplateError:
         return TemplateError("chat template recursed too deeply")
     if isinstance(exc, MemoryError):
         return TemplateError("chat template ran out of memory")
-    return TemplateError(f"chat template failed: {type(exc).__name__}: {exc}")
+    return TemplateError(f"chat template failed: {type(exc).__name__}: {str(exc)[:500]}")
 
 
 # Built-in templates for models that ship none (see default_template_source).
@@ -327,12 +365,14 @@ class ChatTemplate:
         eos_token: str = "",
         *,
         now: Callable[[], datetime] = datetime.now,
+        limits: TemplateLimits = TemplateLimits(),
     ) -> None:
         if not isinstance(source, str):
             raise TemplateError(f"chat template must be a string, got {type(source).__name__}")
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.limits = limits
         self._env = _make_environment(now)
         try:
             tree = _Guard().visit(self._env.parse(source))
@@ -345,18 +385,25 @@ class ChatTemplate:
         """Whether a system message's content reaches the output (llama.cpp's caps check:
         common/jinja/caps.cpp). Templates such as gemma-2's raise on a system role. A template
         that fails even on a lone user message (e.g. one that requires tools) tells us nothing
-        about system roles and is assumed to support them."""
+        about system roles and is assumed to support them. The probe renders share one budget:
+        a hostile template costs one render's limits at load, not four."""
         needle = "DeimosSystemProbe7f3a"
         user = {"role": "user", "content": "User message"}
+        budget = Budget(self.limits)
         for tools in (None, []):
             try:
-                self._render([user], add_generation_prompt=False, tools=tools)
-            except TemplateError:
+                self._render([user], add_generation_prompt=False, tools=tools, budget=budget)
+            except TemplateError as exc:
+                if isinstance(exc.__cause__, BudgetExceeded):
+                    raise
                 continue
             try:
                 probe = [{"role": "system", "content": needle}, user]
-                return needle in self._render(probe, add_generation_prompt=False, tools=tools)
-            except TemplateError:
+                out = self._render(probe, add_generation_prompt=False, tools=tools, budget=budget)
+                return needle in out
+            except TemplateError as exc:
+                if isinstance(exc.__cause__, BudgetExceeded):
+                    raise
                 return False
         return True
 
@@ -402,10 +449,13 @@ class ChatTemplate:
         *,
         add_generation_prompt: bool,
         tools: Sequence[Mapping[str, Any]] | None,
+        budget: Budget | None = None,
         **kwargs: Any,
     ) -> str:
-        if _BUDGET_VAR in kwargs:
-            raise TemplateError(f"{_BUDGET_VAR!r} is a reserved template variable")
+        if BUDGET_VAR in kwargs:
+            raise TemplateError(f"{BUDGET_VAR!r} is a reserved template variable")
+        if budget is None:
+            budget = Budget(self.limits)
         variables = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
@@ -413,16 +463,17 @@ class ChatTemplate:
             "messages": messages,
             "tools": tools,
             "add_generation_prompt": add_generation_prompt,
-            _BUDGET_VAR: _Budget(),
+            BUDGET_VAR: budget,
         }
         parts: list[str] = []
         size = 0
         try:
             for chunk in self._template.generate(variables):
                 size += len(chunk)
-                if size > MAX_OUTPUT:
-                    raise _BudgetExceeded(f"output longer than {MAX_OUTPUT} characters")
+                if size > self.limits.max_output:
+                    raise BudgetExceeded(f"output longer than {self.limits.max_output} characters")
                 parts.append(chunk)
+            budget._tick()
         except Exception as exc:  # noqa: BLE001 - every failure becomes a TemplateError
             raise _describe(exc) from exc
         return "".join(parts)
