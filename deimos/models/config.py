@@ -33,6 +33,7 @@ _ROPE_TYPE = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox
 
 MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS: it asserts 0 < block_count <= this
 _U32_MAX = 2**32 - 1  # llama.cpp reads the counts and sizes into uint32
+_F32_MAX = float(np.finfo(np.float32).max)
 _LAYER_RE = re.compile(r"blk\.(\d+)\.")
 
 
@@ -84,7 +85,7 @@ class ModelConfig:
         """
         cfg = _Reader(metadata, source).config(tensors)
         if tensors is not None:
-            _check_tensors(cfg, tensors, source)
+            _check_tensors(cfg, tensors, metadata, source)
         return cfg
 
 
@@ -205,7 +206,7 @@ class _Reader:
             raise self.fail("rope.scaling.type", f"is {scaling!r:.60}: only 'none' and 'linear' are supported")
         factor = self.float("rope.scaling.factor", 0.0, lo=0.0)
         rope_scale = 1.0 / factor if factor and scaling == "linear" else 1.0
-        if not math.isfinite(rope_scale) or rope_scale == 0.0:
+        if not 0.0 < rope_scale <= _F32_MAX:  # the rotation runs in float32
             raise self.fail("rope.scaling.factor", f"{factor!r} gives no usable position scale")
 
         common = dict(
@@ -287,24 +288,28 @@ def _check_layer_count(n_layer: int, tensors: Mapping[str, Any], what: str) -> N
             held = "no layer tensors (blk.N.*)"
         elif present == set(range(len(present))):
             held = f"tensors of {len(present)} layers (blk.0 .. blk.{len(present) - 1})"
-        else:
-            missing = sorted(set(range(max(present) + 1)) - present)[:5]
-            held = f"layer tensors up to blk.{max(present)} with blk.{missing[0]} missing"
+        else:  # a gap (the first one; a forged blk.2147483647 is no loop)
+            gap = next(i for i in range(len(present) + 1) if i not in present)
+            held = f"layer tensors up to blk.{max(present)} with blk.{gap} missing"
         raise ConfigError(f"{what} is {n_layer}, but the file has {held}")
 
 
-def _check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], source: str) -> None:
+def _check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], md: Mapping[str, Any], source: str) -> None:
     """Every tensor the architecture reads is present with the shape the config implies
     (ggml order, ne0 first). The message names the keys the expected size comes from."""
     a = cfg.arch
     embd = f"'{a}.embedding_length' {cfg.n_embd}"
-    vocab = f"the vocabulary size {cfg.n_vocab} ('tokenizer.ggml.tokens')"
-    q = f"'{a}.attention.head_count' {cfg.n_head} x head size {cfg.head_dim}"
-    k = f"'{a}.attention.head_count_kv' {cfg.n_head_kv} x head size {cfg.head_dim}"
-    v = f"'{a}.attention.head_count_kv' {cfg.n_head_kv} x value size {cfg.head_dim_v}"
-    o = f"'{a}.attention.head_count' {cfg.n_head} x value size {cfg.head_dim_v}"
+    vocab = (f"the vocabulary size {cfg.n_vocab} ('tokenizer.ggml.tokens')" if "tokenizer.ggml.tokens" in md
+             else f"'{a}.vocab_size' {cfg.n_vocab}")
+    k_from = "'{a}.attention.key_length'" if f"{a}.attention.key_length" in md else "embedding_length / head_count"
+    v_from = "'{a}.attention.value_length'" if f"{a}.attention.value_length" in md else "the head size"
+    hd = f"head size {cfg.head_dim} ({k_from.format(a=a)})"
+    vd = f"value size {cfg.head_dim_v} ({v_from.format(a=a)})"
+    q = f"'{a}.attention.head_count' {cfg.n_head} x {hd}"
+    k = f"'{a}.attention.head_count_kv' {cfg.n_head_kv} x {hd}"
+    v = f"'{a}.attention.head_count_kv' {cfg.n_head_kv} x {vd}"
+    o = f"'{a}.attention.head_count' {cfg.n_head} x {vd}"
     ff = f"'{a}.feed_forward_length' {cfg.n_ff}"
-    hd = f"head size {cfg.head_dim} ('{a}.attention.key_length')"
 
     def expect(name: str, dims: tuple[tuple[int, str], ...], required: bool = True) -> None:
         info = tensors.get(name)

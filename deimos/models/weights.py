@@ -14,7 +14,7 @@ import torch
 
 from deimos.gguf import GGUFFile
 from deimos.gguf.constants import GGMLType
-from deimos.quant import dequantize
+from deimos.quant import QuantError, dequantize
 
 
 class WeightError(ValueError):
@@ -116,7 +116,10 @@ class WeightSource:
     def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor ``name`` as float32 of numpy-order ``shape`` ([out, in] for matrices)."""
         info = self.info(name, shape)
-        data = dequantize(self.file.tensor_bytes(name), info.ggml_type, tuple(info.shape), name=name)
+        try:
+            data = dequantize(self.file.tensor_bytes(name), info.ggml_type, tuple(info.shape), name=name)
+        except QuantError as e:  # it names the tensor and the type; the file is named here
+            raise QuantError(f"{self.file.path}: {e}") from None
         return torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(self.device)
 
     def vector(self, name: str, n: int) -> torch.Tensor:

@@ -198,10 +198,10 @@ class Tokenizer:
         text = v.tokens[tid]
         attr = v.attrs[tid]
         if attr & (_SPECIAL_OUT | TokenAttr.USER_DEFINED):
-            return text.encode("utf-8")
+            return text.encode("utf-8", "surrogateescape")
         if attr & TokenAttr.NORMAL:
             if v.kind == "spm" or v.pre.escape_whitespaces:  # type: ignore[union-attr]
-                return text.replace("\u2581", " ").encode("utf-8")
+                return text.replace("\u2581", " ").encode("utf-8", "surrogateescape")
             return _gpt2_decode_text(text)
         if attr & TokenAttr.BYTE:
             return bytes([int(text[3:5], 16)])
@@ -280,7 +280,8 @@ def _gpt2_decode_text(text: str) -> bytes:
         if b is not None:
             out.append(b)
         else:
-            out += b"[UNK_BYTE_0x" + ch.encode("utf-8").hex().encode() + text.encode("utf-8") + b"]"
+            out += (b"[UNK_BYTE_0x" + ch.encode("utf-8", "surrogateescape").hex().encode()
+                    + text.encode("utf-8", "surrogateescape") + b"]")
     return bytes(out)
 
 

@@ -318,7 +318,7 @@ class Vocab:
         """Control / user-defined / unknown tokens, longest text first (tokenizer_st_partition)."""
         mask = int(TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN)
         ids = [i for i, a in enumerate(self.attrs) if a & mask]
-        ids.sort(key=lambda i: -len(self.tokens[i].encode("utf-8")))
+        ids.sort(key=lambda i: -len(self.tokens[i].encode("utf-8", "surrogateescape")))
         return tuple(ids)
 
     def byte_to_token(self, b: int) -> int:
