@@ -25,16 +25,24 @@ class ServerProcess:
     """``deimos serve MODEL --listen 127.0.0.1:PORT --no-tui ARGS``; stderr goes to a file
     (the JSON request log) so a test can read it."""
 
-    def __init__(self, model: Path, *args: str, log_dir: Path, startup_s: float = 180) -> None:
+    def __init__(self, model: Path, *args: str, log_dir: Path, startup_s: float = 180,
+                 config: dict[str, Any] | None = None) -> None:
+        """``config``: run ``serve(ServeConfig(model, port=..., tui=False, **config))`` instead
+        of the command line (for settings the CLI does not expose, such as ``grace_s``)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / "server.stderr"
         self._log = open(self.log_path, "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "deimos", "serve", str(model), "--listen",
-             f"127.0.0.1:{self.port}", "--no-tui", *args],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=self._log, env=env)
+        if config is None:
+            argv = ["-m", "deimos", "serve", str(model), "--listen", f"127.0.0.1:{self.port}",
+                    "--no-tui", *args]
+        else:
+            argv = ["-c", "import sys; from deimos.server.serve import ServeConfig, serve; "
+                          f"sys.exit(serve(ServeConfig({str(model)!r}, port={self.port}, "
+                          f"tui=False, **{config!r})))"]
+        self.proc = subprocess.Popen([sys.executable, *argv], cwd=REPO,
+                                     stdout=subprocess.DEVNULL, stderr=self._log, env=env)
         deadline = time.monotonic() + startup_s
         while True:
             if self.proc.poll() is not None:

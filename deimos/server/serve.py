@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import logging
+import signal
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 import torch
+import uvicorn
 
 from deimos.engine import LLM
 from deimos.kernels.sampling import SamplingParams
+from deimos.server.gate import Shutdown
 from deimos.server.params import Defaults
 
 log = logging.getLogger("deimos.server")
@@ -28,6 +35,7 @@ class ServeConfig:
     max_queue: int = 64
     tui: bool = True  # the dashboard, when stdout is a terminal
     device: str = "cpu"  # "cuda": the GPU path (the CLI picks it when a GPU is there)
+    grace_s: float = 10.0  # after SIGTERM: how long requests in flight may run before the cut
 
     @staticmethod
     def parse_listen(listen: str) -> tuple[str, int]:
@@ -80,34 +88,126 @@ def _setup_request_log(handler: logging.Handler | None = None) -> None:
     req_log.propagate = False
 
 
-def serve(cfg: ServeConfig) -> int:
-    import uvicorn
+class ServeError(RuntimeError):
+    """The server cannot start as configured (the address cannot be bound...)."""
 
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``, made before the model loads so a busy port fails
+    in milliseconds; uvicorn is handed this socket."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT of a last run
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def warn_if_open(cfg: ServeConfig) -> None:
+    """Loud, on stderr and in the log: an address beyond loopback with no API key is an open
+    door to the model for anyone who can reach it."""
+    if cfg.api_key is None and not is_loopback(cfg.host):
+        msg = (f"WARNING: listening on {cfg.host}:{cfg.port}, beyond loopback, with no API key: "
+               "anyone who can reach this address can use the model. Set an API key "
+               "(--api-key or DEIMOS_API_KEY), or listen on 127.0.0.1.")
+        print(f"deimos: {msg}", file=sys.stderr, flush=True)
+        log.warning(msg)
+
+
+def serve(cfg: ServeConfig) -> int:
+    """Run the server until SIGTERM/SIGINT, then drain (see ``gate.Shutdown``): exit status 0
+    after a drain, 2 when the address cannot be bound (before the model is loaded)."""
     from deimos.server.app import Server, create_app
     from deimos.server.metrics import Metrics
     from deimos.server.worker import EngineWorker
 
-    llm = LLM(cfg.model, n_ctx=cfg.n_ctx, device=cfg.device)
-    metrics = Metrics(memory_sizes(llm))
-    worker = EngineWorker(llm, metrics, max_queue=cfg.max_queue)
-    model_id, aliases = model_names(cfg.model, Path(llm.path))
-    server = Server(llm, worker, metrics, model_id, aliases,
-                    Defaults(cfg.sampling, cfg.max_tokens), cfg.api_key)
-    app = create_app(server)
-    dash = _dashboard(metrics, model_id) if cfg.tui and sys.stdout.isatty() else None
-    _setup_request_log(dash.log_handler() if dash is not None else None)
-    worker.start()
-    print(f"deimos: serving {model_id} (context {llm.n_ctx}) on http://{cfg.host}:{cfg.port}/v1",
-          file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=2)
+    warn_if_open(cfg)
     try:
-        uvicorn.Server(config).run()
+        sock = bind_socket(cfg.host, cfg.port)
+    except ServeError as e:
+        print(f"deimos: error: {e} (--listen)", file=sys.stderr, flush=True)
+        return 2
+    try:
+        llm = LLM(cfg.model, n_ctx=cfg.n_ctx, device=cfg.device)
+        metrics = Metrics(memory_sizes(llm))
+        worker = EngineWorker(llm, metrics, max_queue=cfg.max_queue)
+        model_id, aliases = model_names(cfg.model, Path(llm.path))
+        server = Server(llm, worker, metrics, model_id, aliases,
+                        Defaults(cfg.sampling, cfg.max_tokens), cfg.api_key,
+                        shutdown=Shutdown(cfg.grace_s))
+        app = create_app(server)
+        dash = _dashboard(metrics, model_id) if cfg.tui and sys.stdout.isatty() else None
+        _setup_request_log(dash.log_handler() if dash is not None else None)
+        worker.start()
+        banner = (f"deimos: serving {model_id} (context {llm.n_ctx}) on "
+                  f"http://{_url_host(cfg.host)}:{sock.getsockname()[1]}/v1")
+        try:
+            DrainingServer(app, server.shutdown, banner, cfg.grace_s).run(sockets=[sock])
+        finally:
+            worker.stop()
+            if dash is not None:
+                dash.stop()
     finally:
-        worker.stop()
-        if dash is not None:
-            dash.stop()
+        sock.close()
     return 0
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn with our drain on SIGTERM/SIGINT: uvicorn stops accepting and waits for the
+    open connections; ``Shutdown`` refuses new requests and cuts what is still running
+    after the grace period, each with a final word. uvicorn re-raises a caught signal once
+    it is done (so the process dies of it, status 143); a drained server exits 0 instead.
+    A second signal forces the exit."""
+
+    def __init__(self, app: object, shutdown: Shutdown, banner: str, grace_s: float) -> None:
+        super().__init__(uvicorn.Config(
+            app, log_level="warning", access_log=False,
+            # the cut comes at grace_s; the margin lets the cut streams' last bytes go out
+            timeout_graceful_shutdown=grace_s + 5))
+        self.shutdown_state = shutdown
+        self.banner = banner
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+        if self.started:  # accepting: only now is the address worth announcing
+            print(self.banner, file=sys.stderr, flush=True)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            self.force_exit = True
+            return
+        if self.loop is not None:  # in a signal handler: the work goes to the loop
+            self.loop.call_soon_threadsafe(self._drain, signal.Signals(sig).name)
+        self.should_exit = True
+
+    def _drain(self, why: str) -> None:
+        print(f"deimos: {why}: draining ({self.shutdown_state.in_flight} requests in flight, "
+              f"grace {self.shutdown_state.grace_s:g} s)", file=sys.stderr, flush=True)
+        self.shutdown_state.begin()
 
 
 def _dashboard(metrics: object, model_id: str):
