@@ -24,9 +24,10 @@ def causal_attention(
     if n_q % n_kv:
         raise ValueError(f"causal_attention: {n_q} query heads do not group over {n_kv} kv heads")
     group = n_q // n_kv
-    kf = k.float().repeat_interleave(group, dim=1)  # [S, Hq, D]
-    vf = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("thd,shd->hts", q.float(), kf) * scale
+    acc = torch.promote_types(q.dtype, torch.float32)  # float64 stays float64 (the yardstick)
+    kf = k.to(acc).repeat_interleave(group, dim=1)  # [S, Hq, D]
+    vf = v.to(acc).repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.to(acc), kf) * scale
     delta = q_pos[:, None] - k_pos[None, :]  # [T, S]
     allowed = delta >= 0
     if window > 0:

@@ -9,9 +9,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., D], weight: [D] -> [..., D]; y = x / sqrt(mean(x^2) + eps) * weight."""
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"rms_norm: x has width {x.shape[-1]}, weight has {weight.shape[-1]}")
-    xf = x.float()
+    # float32 at least; float64 stays float64 (deimos.eval.float64, the exactness yardstick)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
+    return (y * weight.to(acc)).to(x.dtype)
 
 
 def add_rms_norm(

@@ -16,14 +16,15 @@ def rope_cos_sin(
     base: float,
     scale: float = 1.0,
     freq_factors: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: [T] int -> (cos, sin), each [T, rope_dim/2] float32."""
+    """positions: [T] int -> (cos, sin), each [T, rope_dim/2] of ``dtype`` (computed in float64)."""
     i = torch.arange(0, rope_dim, 2, dtype=torch.float64, device=positions.device)
     inv_freq = base ** (-i / rope_dim)
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.to(torch.float64)
     theta = positions.to(torch.float64)[:, None] * scale * inv_freq[None, :]
-    return theta.cos().float(), theta.sin().float()
+    return theta.cos().to(dtype), theta.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_type: str) -> torch.Tensor:
@@ -34,7 +35,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_type:
         raise ValueError(f"apply_rope: rope dims {rot} exceed head size {x.shape[-1]}")
     c = cos[:, None, :]
     s = sin[:, None, :]
-    xr, rest = x[..., :rot].float(), x[..., rot:]
+    acc = torch.promote_types(x.dtype, torch.float32)  # float64 stays float64 (the yardstick)
+    xr, rest = x[..., :rot].to(acc), x[..., rot:]
+    c, s = c.to(acc), s.to(acc)
     if rope_type == "neox":
         a, b = xr[..., :half], xr[..., half:]
         out = torch.cat((a * c - b * s, a * s + b * c), dim=-1)

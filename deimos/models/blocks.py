@@ -118,7 +118,8 @@ class DecoderModel:
         else:
             hidden, residual = hidden[-1:], residual[-1:]
         hidden, _ = self.norm(hidden, residual)
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays
         cap = self.config.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -52,11 +52,13 @@ class ReferenceOps:
     def __init__(self, cfg: ModelConfig, freq_factors: torch.Tensor | None):
         self.cfg = cfg
         self.freq_factors = freq_factors
+        self.dtype = torch.float32  # of the rope tables; deimos.eval.float64 sets float64
         self.bases = sorted({cfg.layer_rope_base(i) for i in range(cfg.n_layer)})
 
     def begin(self, batch: Batch, start: int) -> StepState:
         cfg = self.cfg
-        tables = {b: rope_cos_sin(batch.positions, cfg.rope_dim, b, cfg.rope_scale, self.freq_factors)
+        tables = {b: rope_cos_sin(batch.positions, cfg.rope_dim, b, cfg.rope_scale, self.freq_factors,
+                                  self.dtype)
                   for b in self.bases}  # fmt: skip
         return StepState(batch, start, batch.tokens.shape[0], tables)
 
