@@ -15,7 +15,8 @@ from rich.console import Console
 
 from deimos.bench.contention import ContentionCheck, GpuProcess
 from deimos.bench.llama import llama_bench_command, parse_llama_bench
-from deimos.bench.run import BenchConfig
+from deimos.bench.roof import copy_rate
+from deimos.bench.run import BenchConfig, weight_bytes_per_token
 from deimos.bench.stats import BenchReport, RoundTimes, Spread, summarize
 from deimos.bench.table import render
 
@@ -107,3 +108,33 @@ def test_bench_config_rejects_bad_values() -> None:
         BenchConfig("m", n_gen=0)
     with pytest.raises(ValueError, match="--roof"):
         BenchConfig("m", roof=0)
+
+
+def test_cpu_report_has_a_measured_roof_and_no_nvml_advice() -> None:
+    """On a CPU: no contention check to advise about, and the roof is this machine's."""
+    rate = copy_rate("cpu", nbytes=8 << 20, repeats=2)
+    assert 1e8 < rate < 1e13  # a memory copy on any machine: 0.1 GB/s .. 10 TB/s
+    r = BenchReport(model="m.gguf", device="cpu", n_prompt=16, n_gen=8, rounds=1,
+                    weight_bytes=540_000_000, roof=rate,
+                    engines=[summarize("deimos", [RoundTimes(1.0, 2.0, 16, 8)])],
+                    contention="not applicable (CPU)", roof_source="copy rate measured on this CPU")
+    console = Console(width=160, record=True)
+    console.print(render(r))
+    text = console.export_text()
+    assert "measured on this CPU" in text and "nvidia-ml-py" not in text and "NVML" not in text
+    assert f"{540_000_000 * 4 / 1e9:.2f}" in text  # 4 t/s x 0.54 GB = 2.16 GB/s, not "2"
+    gpu = BenchReport(model="m.gguf", device="cuda", n_prompt=16, n_gen=8, rounds=1,
+                      weight_bytes=1, roof=1.0, engines=r.engines,
+                      contention="not checked: NVML does not answer (NVMLError: driver)")
+    console.print(render(gpu))
+    assert "GPU contention not checked: NVML does not answer" in console.export_text()
+
+
+def test_cpu_weight_bytes_are_the_float32_weights() -> None:
+    from testdata import model_path
+
+    from deimos.gguf import GGUFFile
+
+    f = GGUFFile(model_path("SmolLM2-135M-Instruct.Q4_1.gguf"))  # tied: embedding read once
+    assert weight_bytes_per_token(f, "cuda") == sum(i.nbytes for i in f.tensors.values())
+    assert weight_bytes_per_token(f, "cpu") == 4 * sum(i.n_elements for i in f.tensors.values())

@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from deimos.kernels.sampling import (
+    SAMPLING_BOUNDS,
+    Bound,
     Sampler,
+    SamplingError,
     SamplingParams,
     apply_penalties,
     filter_candidates,
@@ -242,8 +245,21 @@ def test_logprobs():
     ],
 )
 def test_params_validation(kwargs, field):
-    with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
+    # the field's own name, not an internal class path (the CLI and server rename it)
+    with pytest.raises(SamplingError, match=f"^{field} must be ") as e:
         SamplingParams(**kwargs)
+    assert e.value.field == field and "SamplingParams" not in str(e.value)
+    assert str(e.value) == f"{field} {SAMPLING_BOUNDS[field].problem(kwargs[field])}"
+
+
+def test_bound_wording():
+    assert SAMPLING_BOUNDS["temperature"].problem(-1.0) == "must be >= 0 (0 means greedy), got -1.0"
+    assert SAMPLING_BOUNDS["top_p"].problem(0) == "must be in (0, 1] (1 means off), got 0"
+    assert SAMPLING_BOUNDS["top_k"].problem(True) == "must be an integer, got True"
+    assert SAMPLING_BOUNDS["seed"].problem(2**64) == f"must be in [0, {2**64 - 1}], got {2**64}"
+    assert Bound(lo=0, hi=2, note="0 means greedy").problem(2.5) == (
+        "must be in [0, 2] (0 means greedy), got 2.5")
+    assert SAMPLING_BOUNDS["min_p"].problem(0.5) is None
 
 
 def test_sampler_input_errors():

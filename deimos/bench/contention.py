@@ -46,13 +46,16 @@ class Nvml:
         self.error = ""
         try:
             import pynvml
-
+        except ImportError:
+            self.error = "nvidia-ml-py is not installed (pip install nvidia-ml-py)"
+            return
+        try:
             pynvml.nvmlInit()
             self._nvml = pynvml
             self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             self.available = True
         except Exception as e:  # noqa: BLE001 - no NVML for any reason: the check is unavailable
-            self.error = f"{type(e).__name__}: {e}"
+            self.error = f"NVML does not answer ({type(e).__name__}: {e})"
 
     def processes(self) -> list[GpuProcess]:
         if not self.available:

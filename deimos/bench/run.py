@@ -22,6 +22,7 @@ import torch
 
 from deimos.bench.contention import ContentionCheck, Nvml
 from deimos.bench.llama import run_llama_bench
+from deimos.bench.roof import copy_rate
 from deimos.bench.stats import BenchReport, RoundTimes, summarize
 from deimos.gguf import GGUFFile
 from deimos.engine.generator import Generator
@@ -40,7 +41,7 @@ class BenchConfig:
     n_gen: int = 128
     rounds: int = 3
     device: str = "cuda"
-    roof: float = H200_COPY_ROOF
+    roof: float | None = None  # B/s; None: the device's copy rate, measured (bench/roof.py)
     vs_llama: str | None = None  # path of llama-bench
     seed: int = 0
 
@@ -48,13 +49,18 @@ class BenchConfig:
         for name in ("n_prompt", "n_gen", "rounds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"bench: {name} must be positive, got {getattr(self, name)}")
-        if self.roof <= 0:
+        if self.roof is not None and self.roof <= 0:
             raise ValueError(f"bench: --roof must be positive, got {self.roof}")
 
 
-def weight_bytes_per_token(file: GGUFFile) -> int:
+def weight_bytes_per_token(file: GGUFFile, device: str = "cuda") -> int:
+    """Weight bytes a decode step reads: the file's (quantized) bytes on a GPU, which keeps
+    them so; float32 on the CPU, whose reference path dequantizes every weight at load."""
     tied = "output.weight" not in file.tensors
-    return sum(i.nbytes for n, i in file.tensors.items() if tied or n != "token_embd.weight")
+    read = [i for n, i in file.tensors.items() if tied or n != "token_embd.weight"]
+    if torch.device(device).type == "cpu":
+        return sum(i.n_elements * 4 for i in read)
+    return sum(i.nbytes for i in read)
 
 
 def _sync(device: torch.device) -> None:
@@ -93,10 +99,11 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     from deimos.models import load_model
     from deimos.registry import resolve
 
-    nvml = Nvml()
-    if not nvml.available:
-        log.warning("bench: no NVML (%s): GPU contention is not checked", nvml.error)
-    before = nvml.processes()
+    on_gpu = torch.device(cfg.device).type == "cuda"
+    nvml = Nvml() if on_gpu else None  # other processes are checked on a GPU only
+    if nvml is not None and not nvml.available:
+        log.warning("bench: GPU contention is not checked: %s", nvml.error)
+    before = nvml.processes() if nvml is not None else []
     path = resolve(cfg.model)
     file = GGUFFile(path)
     device = torch.device(cfg.device)
@@ -106,9 +113,15 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     generator.warm()  # captures the graphs (compiling every kernel they run)
     # warm-up round (the eager kernels of a path without graphs compile here), not reported
     time_round(generator, cfg.n_prompt, 4, device, gen)
-    check = ContentionCheck.from_snapshots(before, nvml.processes(), os.getpid())
+    if cfg.roof is not None:
+        roof, roof_note = cfg.roof, "--roof"
+    else:
+        roof, roof_note = copy_rate(device), f"copy rate measured on this {device.type.upper()}"
+    check = ContentionCheck.from_snapshots(before, nvml.processes() if nvml else [], os.getpid())
 
     def idle(what: str) -> bool:
+        if nvml is None:
+            return True
         others = check.others(nvml.processes())
         if others:
             log.warning("bench: %s round refused: other GPU processes %s", what,
@@ -143,6 +156,8 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
         engines.append(summarize("llama.cpp", theirs))
     return BenchReport(
         model=path.name, device=str(device), n_prompt=cfg.n_prompt, n_gen=cfg.n_gen,
-        rounds=cfg.rounds, weight_bytes=weight_bytes_per_token(file), roof=cfg.roof,
-        engines=engines, refused=refused, contention_checked=nvml.available, notes=notes,
+        rounds=cfg.rounds, weight_bytes=weight_bytes_per_token(file, cfg.device), roof=roof,
+        engines=engines, refused=refused, notes=notes, roof_source=roof_note,
+        contention=("checked" if nvml.available else f"not checked: {nvml.error}") if nvml
+        else "not applicable (CPU)",
     )

@@ -68,8 +68,10 @@ class BenchReport:
     roof: float  # B/s
     engines: list[EngineResult]
     refused: int = 0  # rounds not reported: another process was using the GPU
-    contention_checked: bool = True
+    # "checked", "not checked: <why>" or "not applicable (CPU)"
+    contention: str = "checked"
     notes: list[str] = field(default_factory=list)
+    roof_source: str = "--roof"  # or "copy rate measured on this GPU/CPU"
 
     def decode_bandwidth(self, r: EngineResult) -> float:
         """Achieved B/s of decode: weight bytes per token x tokens/s."""

@@ -23,70 +23,15 @@ from __future__ import annotations
 import math
 import secrets
 from collections import Counter, deque
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["Sampler", "SamplingParams", "TokenLogprobs", "filter_candidates", "logprobs"]
+from deimos.kernels.sampling_params import SAMPLING_BOUNDS, Bound, SamplingError, SamplingParams
+
+__all__ = ["SAMPLING_BOUNDS", "Bound", "Sampler", "SamplingError", "SamplingParams", "TokenLogprobs", "filter_candidates", "logprobs"]
 
 _WINDOWS = (64, 256, 1024, 4096)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling settings; defaults are llama.cpp's (common/common.h)."""
-
-    temperature: float = 0.8  # 0 = greedy
-    top_k: int = 40  # 0 = off
-    top_p: float = 0.95  # 1 = off
-    min_p: float = 0.05  # 0 = off
-    repetition_penalty: float = 1.0  # 1 = off
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    penalty_last_n: int = 64  # tokens of history the penalties see; -1 = all, 0 = none
-    seed: int | None = None  # None = random
-
-    def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name} = {getattr(self, name)!r}: {why}")
-
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise bad(name, "must be a finite number")
-        for name in ("top_k", "penalty_last_n"):
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
-                raise bad(name, "must be an integer")
-        if self.temperature < 0:
-            raise bad("temperature", "must be >= 0 (0 means greedy)")
-        if self.top_k < 0:
-            raise bad("top_k", "must be >= 0 (0 means off)")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1] (1 means off)")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "must be in [0, 1] (0 means off)")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0 (1 means off)")
-        if self.penalty_last_n < -1:
-            raise bad("penalty_last_n", "must be >= -1 (-1 means the whole context)")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not
-            0 <= self.seed < 2**64
-        ):
-            raise bad("seed", "must be None or an integer in [0, 2**64)")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def penalties_enabled(self) -> bool:
-        return self.penalty_last_n != 0 and not (
-            self.repetition_penalty == 1 and self.presence_penalty == 0
-            and self.frequency_penalty == 0
-        )
 
 
 def apply_penalties(logits: torch.Tensor, counts: Counter[int], p: SamplingParams) -> torch.Tensor:
