@@ -28,12 +28,32 @@ DEFAULT_CTX = 512
 DEFAULT_BATCH = 512
 
 
-@dataclass(frozen=True)
+@dataclass
 class Loaded:
+    """A model file opened: its tokenizer at once, the weights on demand (``model``), so bad
+    input (a text, -c, a base file) is refused before the weights are loaded."""
+
     path: Path
-    model: object  # DecoderModel
+    file: object  # GGUFFile
     tokenizer: object  # Tokenizer
     vocab_sha256: str
+    device: str
+    _model: object = None
+
+    @property
+    def model(self):
+        if self._model is None:
+            from deimos.models import load_model
+
+            self._model = load_model(self.file, device=self.device)
+        return self._model
+
+    @property
+    def n_vocab(self) -> int:
+        """Columns of the logits (the model's, read from the metadata without the weights)."""
+        from deimos.models import ModelConfig
+
+        return ModelConfig.from_gguf(self.file.metadata, source=str(self.path)).n_vocab
 
     @property
     def bos_id(self) -> int | None:
@@ -44,7 +64,6 @@ class Loaded:
 def load(model: str, device: str) -> Loaded:
     from deimos.eval.perplexity import PerplexityError
     from deimos.gguf import GGUFFile
-    from deimos.models import load_model
     from deimos.registry import resolve
     from deimos.tokenizer import Tokenizer
 
@@ -59,7 +78,7 @@ def load(model: str, device: str) -> Loaded:
         raise PerplexityError(f"{path.name}: its vocabulary adds EOS after a text; perplexity "
                               "windows would end in it (llama-perplexity refuses such models too)")
     fingerprint = corpus.vocab_fingerprint(list(f.metadata.get("tokenizer.ggml.tokens", [])))
-    return Loaded(path, load_model(f, device=device), tok, fingerprint)
+    return Loaded(path, f, tok, fingerprint, device)
 
 
 def tokenize(m: Loaded, text_arg: str) -> tuple[Path, np.ndarray]:
@@ -98,7 +117,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         raise PerplexityError("perplexity needs a TEXT (a file, or a known text: "
                               f"{', '.join(corpus.TEXTS)})")
     m = load(args.model, device)
-    n_vocab = m.model.config.n_vocab
+    n_vocab = m.n_vocab
     if args.kl_divergence:
         base = LogProbFile(args.kl_divergence_base)
         h = base.header
