@@ -1,8 +1,14 @@
-"""Build and run the llama_ref C tool (llama_ref.c): greedy tokens and top-k logits from llama.cpp.
+"""Build and run the llama_ref C tool (llama_ref.c): greedy tokens, top-k logits and full
+teacher-forced logits from llama.cpp.
 
 The C program speaks a line format (hex prompts, decimal token ids) so that it needs no JSON
 parser; this module converts from and to Python objects. Used by make_llama_reference.py and
-make_synth_reference.py.
+make_synth_reference.py and the exactness study (tools/exactness).
+
+A build against another libllama (the CUDA one, for a GPU machine) that may lack this machine's
+CUDA runtime: ``python tools/llama_ref/driver.py --build-in LIBDIR`` writes LIBDIR/llama_ref,
+found by its libraries through ``$ORIGIN``; run it there with LD_LIBRARY_PATH naming the CUDA
+runtime (see docs/exactness.md).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 LLAMA_CPP_BUILD = 11434
 HERE = Path(__file__).resolve().parent
@@ -55,17 +63,24 @@ class LlamaPaths:
         )
 
 
-def build(paths: LlamaPaths) -> Path:
-    """Compiles llama_ref.c (again only when the source changed); returns the executable."""
+def build(paths: LlamaPaths, exe: Path | None = None) -> Path:
+    """Compiles llama_ref.c (again only when the source changed); returns the executable.
+
+    ``exe``: build exactly there, finding the libraries through ``$ORIGIN`` (beside it) and
+    allowing them undefined symbols of libraries this machine lacks (the CUDA runtime of a
+    CUDA build): for a binary taken to another machine together with its libraries.
+    """
     for need in (paths.src / "include" / "llama.h", paths.lib / "libllama.so"):
         if not need.exists():
             raise FileNotFoundError(f"{need} is missing (the llama.cpp source comes with "
                                     "tools/fetch_test_data.py)")
-    paths.build.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    exe = paths.build / f"llama_ref-{digest}"
-    if exe.exists():
-        return exe
+    portable = exe is not None
+    if exe is None:
+        paths.build.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+        exe = paths.build / f"llama_ref-{digest}"
+        if exe.exists():
+            return exe
     # --no-as-needed + DT_RPATH: libllama.so carries a RUNPATH of its build machine, which
     # would hide our rpath from its own dependencies; loading the ggml libraries from the
     # executable first makes them resolve by soname.
@@ -74,7 +89,8 @@ def build(paths: LlamaPaths) -> Path:
         f"-I{paths.src / 'include'}", f"-I{paths.src / 'ggml' / 'include'}",
         f"-L{paths.lib}", "-Wl,--no-as-needed",
         "-lllama", "-lggml", "-lggml-base", "-lggml-cpu",
-        f"-Wl,--disable-new-dtags,-rpath,{paths.lib}",
+        f"-Wl,--disable-new-dtags,-rpath,{'$ORIGIN' if portable else paths.lib}",
+        *(["-Wl,--allow-shlib-undefined"] if portable else []),
         "-o", str(exe),
     ]
     subprocess.run(cmd, check=True)
@@ -131,6 +147,53 @@ def forced(exe: Path, model: Path, sequences: list[list[int]], top_k: int = 8) -
     return out
 
 
+@dataclass(frozen=True)
+class LlamaOptions:
+    """llama_ref's options (see llama_ref.c): what differs from its fixed settings."""
+
+    ctx: int = 512
+    ngl: int = 0  # 99: every layer on the GPU (a CUDA build)
+    kv: str = "f32"  # "f16": llama.cpp's default cache type
+    fa: str = "off"  # "auto": llama.cpp's default
+    threads: int = 1
+
+    def args(self) -> list[str]:
+        return ["--ctx", str(self.ctx), "--ngl", str(self.ngl), "--kv", self.kv, "--fa", self.fa,
+                "--threads", str(self.threads)]
+
+
+def logits(exe: Path, model: Path, sequences: list[list[int]], out: Path,
+           opts: LlamaOptions = LlamaOptions(), stride: int = 1, start: int = 0,
+           env: dict[str, str] | None = None) -> list[tuple[list[int], np.ndarray]]:
+    """Full teacher-forced logits: for each sequence, (scored positions, float32 [P, n_vocab]).
+
+    Positions ``start, start + stride, ...`` and always the last are scored. The rows are
+    read through a memory map of ``out`` (llama_ref writes them there), so the caller keeps
+    ``out`` until done with them.
+    """
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write("".join(" ".join(map(str, s)) + "\n" for s in sequences))
+        inp = f.name
+    cmd = [str(exe), str(model), "logits", inp, "0", "0", "--out", str(out), "--stride",
+           str(stride), "--from", str(start), *opts.args()]
+    try:
+        res = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"llama_ref failed on {model}: {e.stderr.strip()}") from e
+    finally:
+        os.unlink(inp)
+    head = json.loads(res.stdout)
+    n_vocab = head["n_vocab"]
+    rows = np.memmap(out, dtype=np.float32, mode="r")
+    result = []
+    for seq, r in zip(sequences, head["results"], strict=True):
+        if r["tokens"] != list(seq):
+            raise RuntimeError(f"llama_ref answered for tokens {r['tokens'][:8]}..., asked {seq[:8]}...")
+        first, n = r["offset"] // 4, len(r["positions"])
+        result.append((r["positions"], rows[first:first + n * n_vocab].reshape(n, n_vocab)))
+    return result
+
+
 def dump_json(doc: object) -> str:
     """Indented JSON in which each list of scalars or of [id, logit] pairs stays on one line,
     so that reference files are compact and their diffs readable."""
@@ -156,7 +219,13 @@ def main() -> None:
     import argparse
     import sys
 
-    ap = argparse.ArgumentParser(description="llama.cpp greedy / teacher-forced reference")
+    if len(sys.argv) == 3 and sys.argv[1] == "--build-in":
+        lib = Path(sys.argv[2]).resolve()
+        paths = LlamaPaths.default()
+        print(build(LlamaPaths(src=paths.src, lib=lib, build=lib), exe=lib / "llama_ref"))
+        return
+    ap = argparse.ArgumentParser(description="llama.cpp greedy / teacher-forced reference "
+                                 "(or: --build-in LIBDIR, a build beside another libllama)")
     ap.add_argument("model", type=Path)
     ap.add_argument("input", type=Path)
     ap.add_argument("--forced", action="store_true", help="input is a list of token-id lists")
