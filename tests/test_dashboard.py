@@ -133,3 +133,24 @@ def test_log_lines_print_through_the_console():
     finally:
         log.removeHandler(h)
     assert out.getvalue() == "POST /v1/chat/completions 200 in 1.2 s\n"
+
+
+def test_prometheus_exposition_parses_and_registries_are_per_server():
+    """/metrics' text, read back by prometheus_client's own parser: the numbers put in, and a
+    second Metrics object (another server in the same process) sharing none of them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(
+        filled_metrics().prometheus().decode())}
+    requests = {(s.labels["route"], s.labels["status"]): s.value
+                for s in families["deimos_requests"].samples}
+    assert requests == {("/v1/chat/completions", "200"): 1, ("/v1/chat/completions", "400"): 1}
+    assert families["deimos_prompt_tokens"].samples[0].value == 120 + 60
+    ttft = {s.name: s.value for s in families["deimos_time_to_first_token_seconds"].samples
+            if s.labels.get("le") in (None, "0.25", "+Inf")}
+    assert ttft["deimos_time_to_first_token_seconds_count"] == 2
+    assert ttft["deimos_time_to_first_token_seconds_sum"] == pytest.approx(0.75)
+    mem = {s.labels["kind"]: s.value for s in families["deimos_memory_bytes"].samples}
+    assert mem["model_weights"] == WEIGHTS and mem["kv_cache"] == KV
+    other = {f.name: f for f in text_string_to_metric_families(Metrics().prometheus().decode())}
+    assert other["deimos_requests"].samples == []

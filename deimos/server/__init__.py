@@ -6,8 +6,11 @@
     stops       stop strings on streamed text (held back until they cannot match)
     worker      the engine thread: one request at a time, events to asyncio, cancellation
     responses   usage, logprobs formats, SSE lines
-    app         routes, API key gate, request log; errors: OpenAI error objects
-    metrics     counters, speeds, memory (read by /metrics and the dashboard)
+    app         routes; errors: OpenAI error objects, the one place faults are answered
+    gate        the middleware every request passes: API key, body limit, drain (503, cuts),
+                counts by the status the client got, the request log
+    metrics     counters, speeds, memory (read by /metrics via prometheus_client, and the
+                dashboard)
     tools       tool-call formats (prompting, parsing); dashboard: the terminal UI
-    serve       load the model, start worker + uvicorn (+ dashboard)
+    serve       bind, load the model, start worker + uvicorn (+ dashboard); drain on SIGTERM
 """
