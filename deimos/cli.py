@@ -9,31 +9,74 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from deimos import __version__
+from deimos.kernels.sampling_params import SAMPLING_BOUNDS, Bound, SamplingParams
 
 log = logging.getLogger("deimos")
 
+# `run` and `chat` stop here unless -n says otherwise (and say so when it cut the answer);
+# the loop guard (engine/repetition.py) ends a cycling answer long before
+RUN_MAX_TOKENS = 512
+# each sampling flag and the SamplingParams field (and server request field) it sets
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+                  "min_p": "--min-p", "repetition_penalty": "--repeat-penalty",
+                  "presence_penalty": "--presence-penalty",
+                  "frequency_penalty": "--frequency-penalty", "seed": "--seed"}
 
-def _add_sampling(p: argparse.ArgumentParser) -> None:
+
+def _checked(kind: type, bound: Bound) -> Callable[[str], object]:
+    """An argparse type: the text as ``kind``, checked by ``bound`` (the sampler's own check,
+    so a flag's error reads as the server's and SamplingParams' do; argparse names the flag)."""
+
+    def parse(text: str) -> object:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        problem = bound.problem(value)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    return parse
+
+
+def _add_sampling(p: argparse.ArgumentParser, max_tokens: int | None = RUN_MAX_TOKENS) -> None:
+    d = SamplingParams()
     g = p.add_argument_group("sampling (llama.cpp's defaults)")
-    g.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate at most")
-    g.add_argument("--temperature", "--temp", type=float, default=0.8, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=40, help="0 = off")
-    g.add_argument("--top-p", type=float, default=0.95, help="1 = off")
-    g.add_argument("--min-p", type=float, default=0.05, help="0 = off")
-    g.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off")
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None, help="same seed, same output")
+    g.add_argument("-n", "--max-tokens", type=_checked(int, Bound(lo=1, integer=True)),
+                   default=max_tokens, help=f"tokens to generate at most (default {max_tokens})")
+
+    def flag(field: str, kind: type, help: str | None = None, *aliases: str) -> None:
+        g.add_argument(SAMPLING_FLAGS[field], *aliases, type=_checked(kind, SAMPLING_BOUNDS[field]),
+                       default=getattr(d, field), help=help)
+
+    flag("temperature", float, f"{d.temperature:g}; 0 = greedy", "--temp")
+    flag("top_k", int, f"{d.top_k}; 0 = off")
+    flag("top_p", float, f"{d.top_p:g}; 1 = off")
+    flag("min_p", float, f"{d.min_p:g}; 0 = off")
+    flag("repetition_penalty", float, f"{d.repetition_penalty:g}; 1 = off")
+    flag("presence_penalty", float)
+    flag("frequency_penalty", float)
+    flag("seed", int, "same seed, same output")
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a GGUF file, or a known model name (see `deimos pull --list`)")
+    p.add_argument("model", nargs="?", help="a GGUF file, a known model name (see `deimos pull "
+                   "--list`), a Hugging Face cache folder or hf://ORG/NAME/FILE.gguf (local)")
+    p.add_argument("-m", "--model", dest="model_opt", metavar="MODEL", default=None,
+                   help="the same as the positional MODEL")
 
 
 def _add_engine(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size in tokens")
+    p.add_argument("-c", "--ctx-size", type=_checked(int, Bound(lo=2, integer=True)),
+                   default=None, help="context size in tokens (default: the model's trained "
+                   "context, at most 4096)")
 
 
 def _default_device() -> str:
@@ -42,10 +85,26 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _device(args: argparse.Namespace) -> str:
+    """--device checked (one line for an unknown device, a CPU-only torch, a missing GPU)."""
+    from deimos.engine.llm import check_device
+
+    return check_device(args.device or _default_device(), "--device")
+
+
 def _add_device(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=None, metavar="cuda|cpu",
+    p.add_argument("--device", default=None, metavar="cuda|cuda:N|cpu",
                    help="cuda: quantized weights and Triton kernels on the GPU; cpu: the float32 "
                         "reference (default: cuda when available)")
+
+
+def _say(message: str) -> None:
+    print(f"deimos: {message}", file=sys.stderr, flush=True)
+
+
+def _bars() -> bool:
+    """Progress bars only on a terminal; elsewhere (logs, pipes) plain lines or nothing."""
+    return sys.stderr.isatty()
 
 
 def _sampling(args: argparse.Namespace):
@@ -58,21 +117,121 @@ def _sampling(args: argparse.Namespace):
     )
 
 
-def _llm(args: argparse.Namespace):
+def _resolve(model: str):
+    """The model's file, pulled first (with progress) when it is a known name not yet cached."""
+    from deimos.registry import PullDisplay, resolve
+
+    return resolve(model, display=PullDisplay(_say, bars=_bars()))
+
+
+def _load(path, n_ctx: int | None, device: str, *, stages: bool = False, transient: bool = True):
+    """The LLM, with a progress bar of its stages on a terminal (weights; on a GPU each
+    kernel and CUDA graph compiled or loaded from the cache) or, with ``stages``, always."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
     from deimos.engine import LLM
 
-    return LLM(args.model, n_ctx=args.ctx_size, device=getattr(args, "device", None) or _default_device())
+    if not (stages or _bars()):
+        return LLM(path, n_ctx=n_ctx, device=device)
+    n_stages = 1  # the weights
+    if device != "cpu":
+        from deimos.runtime.graph import PREFILL_BUCKETS
+
+        n_stages += len(PREFILL_BUCKETS) + 1  # each prefill graph, the decode graph
+    columns = (SpinnerColumn(), TextColumn("{task.description:<34}"), BarColumn(),
+               TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=transient) as bar:
+        task = bar.add_task(f"loading {path.name}", total=n_stages)
+        seen: list[str] = []
+
+        def progress(label: str) -> None:
+            if seen:
+                bar.advance(task)
+            seen.append(label)
+            what = "weights" if label == "weights" else f"compiling: {label}"
+            bar.update(task, description=f"{what} ({device})")
+
+        llm = LLM(path, n_ctx=n_ctx, device=device, progress=progress)
+        bar.advance(task)
+    return llm
+
+
+def _llm(args: argparse.Namespace):
+    device = _device(args)  # a bad --device fails before any download
+    return _load(_resolve(args.model), args.ctx_size, device)
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.file is not None and args.prompt is not None:
+        raise ValueError("give the prompt as an argument or with -f FILE, not both")
+    if args.file is None:
+        if args.prompt is None:
+            raise ValueError("run needs a PROMPT (or -f FILE; -f - reads stdin)")
+        return args.prompt
+    if args.file == "-":
+        return sys.stdin.read()
+    try:
+        with open(args.file, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"-f {args.file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ValueError(f"-f {args.file}: {e.strerror or e}") from None
+
+
+def _finish_note(req, args: argparse.Namespace, n_ctx: int) -> str | None:
+    """Why the answer ended, when it was not the model's own end."""
+    from deimos.engine.repetition import LoopGuard
+
+    if req.finish_reason == "repetition":
+        period = (req.loop_guard or LoopGuard()).period(req.output_ids)
+        return (f"[stopped: the answer was repeating a span of {period} tokens; "
+                "--no-loop-guard lets it run]")
+    if req.finish_reason == "length":
+        if len(req.output_ids) >= req.max_tokens:
+            return f"[stopped at -n {req.max_tokens} tokens; a larger -n allows a longer answer]"
+        return f"[stopped: the context of {n_ctx} tokens is full; -c sets a larger one]"
+    return None
+
+
+def _stream(llm, ids: list[int], args: argparse.Namespace, sampling) -> str:
+    """Streams the answer to stdout; the note on how it ended goes to stderr."""
+    from deimos.engine import Request
+    from deimos.engine.repetition import LoopGuard
+
+    req = Request(ids, args.max_tokens, sampling, llm.stop_ids,
+                  loop_guard=None if args.no_loop_guard else LoopGuard())
+    pieces: list[str] = []
+    for piece in llm.stream_ids(req):
+        pieces.append(piece)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    text = "".join(pieces)
+    note = _finish_note(req, args, llm.n_ctx)
+    if note is not None:
+        if text and not text.endswith("\n") and not getattr(args, "raw", False):
+            sys.stdout.write("\n")  # the note on a line of its own (stdout stays text-only)
+            sys.stdout.flush()
+            text += "\n"
+        _say(note)
+    return text
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    prompt = _read_prompt(args)
     sampling = _sampling(args)
     llm = _llm(args)
-    out = sys.stdout
-    for piece in llm.stream(args.prompt, max_tokens=args.max_tokens, raw=args.raw, sampling=sampling):
-        out.write(piece)
-        out.flush()
-    if not args.raw:
-        out.write("\n")
+    raw = args.raw
+    if not raw and not llm.has_chat_template:
+        # a base model: a chat template it was never tuned on makes worse answers
+        _say(f"{llm.path.name} has no chat template (a base model): continuing the prompt as "
+             "plain text, as --raw does")
+        raw = True
+    ids = llm.encode_raw(prompt) if raw else llm.encode_chat([{"role": "user", "content": prompt}])
+    text = _stream(llm, ids, args, sampling)
+    if not args.raw and not text.endswith("\n"):
+        sys.stdout.write("\n")
     return 0
 
 
@@ -83,6 +242,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.system:
         messages.append({"role": "system", "content": args.system})
     interactive = sys.stdin.isatty()
+    if not llm.has_chat_template:
+        _say(f"{llm.path.name} has no chat template (a base model, not tuned for chat): using "
+             "the default template for its vocabulary; expect it not to follow the turns")
     if interactive:
         print(f"deimos chat: {llm.path.name} (empty line or Ctrl-D to quit, /reset to start over)",
               file=sys.stderr)
@@ -97,22 +259,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
             messages = messages[:1] if args.system else []
             continue
         messages.append({"role": "user", "content": line})
-        reply: list[str] = []
-        for piece in llm.stream_chat(messages, max_tokens=args.max_tokens, sampling=sampling):
-            reply.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        reply = _stream(llm, llm.encode_chat(messages), args, sampling)
+        if not reply.endswith("\n"):
+            sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": reply.rstrip("\n")})
     return 0
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from deimos.gguf import GGUFFile
-    from deimos.registry import resolve
     from deimos.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_gguf(GGUFFile(resolve(args.model)))
+    tok = Tokenizer.from_gguf(GGUFFile(_resolve(args.model)))
     ids = tok.encode(args.text, add_special=not args.no_bos, parse_special=args.parse_special)
     print(json.dumps(ids))
     return 0
@@ -122,9 +280,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from deimos.gguf.inspect import inspect_gguf, render_inspect
-    from deimos.registry import resolve
 
-    Console().print(render_inspect(inspect_gguf(resolve(args.model))))
+    Console().print(render_inspect(inspect_gguf(_resolve(args.model))))
     return 0
 
 
@@ -134,10 +291,12 @@ def cmd_quant_check(args: argparse.Namespace) -> int:
 
     from deimos.gguf import GGUFError
     from deimos.quant.check import QuantCheckError, check_files, render_check
+    from deimos.registry import RegistryError
 
-    try:
+    try:  # short names and HF cache paths too, like every other command
+        args.quant, args.reference = (str(_resolve(m)) for m in (args.quant, args.reference))
         result = check_files(args.quant, args.reference)
-    except (GGUFError, QuantCheckError, OSError) as e:
+    except (GGUFError, QuantCheckError, RegistryError, OSError) as e:
         print(f"deimos: error: {e}", file=sys.stderr)
         return 2
     Console().print(render_check(result, all_tensors=args.all))
@@ -148,49 +307,46 @@ def cmd_quant_check(args: argparse.Namespace) -> int:
     return 1 if result.problems else 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from deimos.server.serve import ServeConfig, serve
+def serve_config(args: argparse.Namespace):
+    """The ServeConfig of ``serve``'s flags (and $DEIMOS_API_KEY)."""
+    from deimos.server.serve import ServeConfig
 
-    host, port = ServeConfig.parse_listen(args.listen)
-    return serve(ServeConfig(
-        model=args.model, host=host, port=port, n_ctx=args.ctx_size, api_key=args.api_key,
+    if args.listen is not None and (args.host is not None or args.port is not None):
+        raise ValueError("give --listen HOST:PORT or --host/--port, not both")
+    host, port = ServeConfig.parse_listen(args.listen or "127.0.0.1:8080")
+    host = host if args.host is None else args.host
+    port = port if args.port is None else args.port
+    # the environment keeps the key out of `ps`; --api-key wins when both are set
+    api_key = args.api_key or os.environ.get("DEIMOS_API_KEY") or None
+    return ServeConfig(
+        model=args.model, host=host, port=port, n_ctx=args.ctx_size, api_key=api_key,
         sampling=_sampling(args), max_tokens=args.max_tokens, max_queue=args.max_queue,
-        tui=not args.no_tui, device=args.device or _default_device(),
-    ))
+        tui=not args.no_tui, device=_device(args),
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from deimos.server.serve import serve
+
+    cfg = serve_config(args)
+    _resolve(args.model)  # a first pull shows its progress before the server starts
+    return serve(cfg)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
     import time
 
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from deimos.engine import LLM
-    from deimos.runtime.graph import PREFILL_BUCKETS
     from deimos.runtime.kernel_cache import use_kernel_cache
 
-    device = args.device or _default_device()
-    if device == "cpu":
+    if (args.device or _default_device()) == "cpu":
         raise RuntimeError("compile: no CUDA GPU here (kernels are compiled for the local GPU; "
                            "tools/compile_kernels.py checks sm_90 builds without one)")
+    device = _device(args)
     cache = use_kernel_cache()
     before = sum(1 for _ in cache.rglob("*.json"))
-    stages = 1 + len(PREFILL_BUCKETS) + 1  # weights, each prefill graph, the decode graph
-    columns = (TextColumn("{task.description:<22}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-               TimeElapsedColumn())  # fmt: skip
+    path = _resolve(args.model)
     t0 = time.perf_counter()
-    with Progress(*columns, console=Console(stderr=True)) as bar:
-        task = bar.add_task("starting", total=stages)
-        seen = []
-
-        def progress(label: str) -> None:
-            if seen:
-                bar.advance(task)
-            seen.append(label)
-            bar.update(task, description=label)
-
-        llm = LLM(args.model, n_ctx=args.ctx_size, device=device, progress=progress)
-        bar.advance(task)
+    llm = _load(path, args.ctx_size, device, stages=True, transient=False)
     after = sum(1 for _ in cache.rglob("*.json"))
     print(f"{llm.path.name}: every kernel and CUDA graph ready in {time.perf_counter() - t0:.1f} s; "
           f"{after - before} new kernel builds in {cache} ({after} in all)")
@@ -206,8 +362,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from deimos.bench import BenchConfig, run_bench
     from deimos.bench.table import render
 
-    cfg = BenchConfig(model=args.model, n_prompt=args.n_prompt, n_gen=args.n_gen,
-                      rounds=args.repetitions, device=args.device or _default_device(),
+    cfg = BenchConfig(model=str(_resolve(args.model)), n_prompt=args.n_prompt,
+                      n_gen=args.n_gen, rounds=args.repetitions, device=_device(args),
                       roof=args.roof, vs_llama=args.vs_llama, seed=args.seed)
     report = run_bench(cfg)
     Console(stderr=args.json == "-").print(render(report))
@@ -225,10 +381,14 @@ def cmd_pull(args: argparse.Namespace) -> int:
     from deimos import registry
 
     if args.list or not args.name:
-        for name in registry.known_names():
-            print(name)
+        print(f"{'name':14} {'aliases':9} {'size':>7}  {'cached':7} description")
+        for m in registry.MODELS:
+            cached = registry.cached_file(m)
+            print(f"{m.name:14} {','.join(m.aliases) or '-':9} {m.size / 1e6:4.0f} MB  "
+                  f"{'yes' if cached else 'no':7} {m.description}")
+        print(f"cache: {registry.cache_dir() / 'models'}", file=sys.stderr)
         return 0
-    print(registry.pull(args.name))
+    print(registry.pull(args.name, display=registry.PullDisplay(_say, bars=_bars())))
     return 0
 
 
@@ -266,21 +426,28 @@ def cmd_synth(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deimos", description="Run GGUF language models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    parser.add_argument("--version", action="version", version=f"deimos {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    loop_guard = ("do not stop an answer that repeats one span of tokens over and over "
+                  "(stopped by default, with a note on stderr)")
     p = sub.add_parser("run", help="answer one prompt (streamed)")
     _add_model(p)
-    p.add_argument("prompt")
+    p.add_argument("prompt", nargs="?")
+    p.add_argument("-f", "--file", default=None, metavar="FILE",
+                   help="read the prompt from FILE ('-': stdin) instead of PROMPT")
     p.add_argument("--raw", action="store_true",
                    help="no chat template: the prompt as is; stdout holds exactly the generated text")
+    p.add_argument("--no-loop-guard", action="store_true", help=loop_guard)
     _add_engine(p)
     _add_sampling(p)
     _add_device(p)
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(func=cmd_run, after_model="prompt")
 
     p = sub.add_parser("chat", help="interactive multi-turn chat")
     _add_model(p)
     p.add_argument("--system", default=None, help="a system message")
+    p.add_argument("--no-loop-guard", action="store_true", help=loop_guard)
     _add_engine(p)
     _add_sampling(p)
     _add_device(p)
@@ -289,25 +456,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, "
                                      "streaming, tools, JSON output, /metrics)")
     _add_model(p)
-    p.add_argument("--listen", default="127.0.0.1:8080", metavar="HOST:PORT",
+    p.add_argument("--listen", default=None, metavar="HOST:PORT",
                    help="address to bind (default loopback only: 127.0.0.1:8080)")
+    p.add_argument("--host", default=None, help="the HOST of --listen alone")
+    p.add_argument("--port", type=_checked(int, Bound(lo=0, hi=65535, integer=True)),
+                   default=None, help="the PORT of --listen alone")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health")
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $DEIMOS_API_KEY, which `ps` does not show)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for the engine before new ones get 503")
     p.add_argument("--no-tui", action="store_true", help="no dashboard: JSON request logs only")
     _add_engine(p)
-    _add_sampling(p)
     # -n: max_tokens of requests that give none (default: up to the context)
+    _add_sampling(p, max_tokens=None)
     _add_device(p)
-    p.set_defaults(func=cmd_serve, max_tokens=None)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("tokenize", help="print token ids as a JSON array")
     _add_model(p)
-    p.add_argument("text")
+    p.add_argument("text", nargs="?")
     p.add_argument("--no-bos", action="store_true", help="do not add BOS/EOS")
     p.add_argument("--parse-special", action="store_true", help="match special tokens in the text")
-    p.set_defaults(func=cmd_tokenize)
+    p.set_defaults(func=cmd_tokenize, after_model="text")
 
     p = sub.add_parser("inspect", help="metadata and tensor table of a GGUF file")
     _add_model(p)
@@ -315,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("quant-check",
                        help="compare a quantized GGUF with a higher-precision copy, tensor by tensor")
-    p.add_argument("quant", help="the quantized GGUF file")
+    p.add_argument("quant", help="the quantized GGUF file (or a known model name)")
     p.add_argument("reference", help="the same model at higher precision (F32, F16, Q8_0, ...)")
     p.add_argument("--all", action="store_true", help="list every tensor, not only flagged ones")
     from deimos.eval.cli import add_kld_options, add_perplexity_parser
@@ -328,17 +499,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compile", help="compile every kernel (and CUDA graph) MODEL needs on this GPU, "
                        "into the kernel cache")
     _add_model(p)
-    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default 4096)")
+    _add_engine(p)
     _add_device(p)
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("bench", help="prefill/decode tokens/s and decode GB/s (llama-bench style)")
     _add_model(p)
-    p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (pp test)")
-    p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens (tg test)")
-    p.add_argument("-r", "--repetitions", type=int, default=3, help="rounds")
-    p.add_argument("--roof", type=float, default=4.3e12,
-                   help="bandwidth roof in B/s for the decode share (default: H200 copy rate)")
+    positive = _checked(int, Bound(lo=1, integer=True))
+    p.add_argument("-p", "--n-prompt", type=positive, default=512, help="prompt tokens (pp test)")
+    p.add_argument("-n", "--n-gen", type=positive, default=128, help="generated tokens (tg test)")
+    p.add_argument("-r", "--repetitions", type=positive, default=3, help="rounds")
+    p.add_argument("--roof", type=_checked(float, Bound(lo=0, lo_open=True)), default=None,
+                   help="bandwidth roof in B/s for the decode share (default: this device's "
+                        "copy rate, measured)")
     p.add_argument("--vs-llama", default=None, metavar="LLAMA_BENCH",
                    help="path of llama.cpp's llama-bench: run it on the same file, interleaved")
     p.add_argument("--json", default=None, metavar="FILE",
@@ -349,7 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pull", help="fetch a known model into the local cache")
     p.add_argument("name", nargs="?")
-    p.add_argument("--list", action="store_true", help="list known model names")
+    p.add_argument("--list", action="store_true",
+                   help="list known models: size, and whether each is in the cache")
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("synth", help="write a random-weight GGUF of a real architecture")
@@ -370,8 +544,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _model_arg(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """-m MODEL beside the positional one: with -m, the first positional is the next
+    argument (``run -m smollm2 "prompt"``)."""
+    if not hasattr(args, "model_opt"):
+        return
+    if args.model_opt is not None:
+        after = getattr(args, "after_model", None)
+        if args.model is not None:
+            if after is None or getattr(args, after) is not None:
+                parser.error(f"the model is given twice: {args.model!r} and -m {args.model_opt!r}")
+            setattr(args, after, args.model)
+        args.model = args.model_opt
+    if args.model is None:
+        parser.error(f"{args.command} needs a MODEL (or -m MODEL)")
+    if getattr(args, "after_model", None) == "text" and args.text is None:
+        parser.error("tokenize needs the TEXT to tokenize")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _model_arg(parser, args)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         stream=sys.stderr, format="deimos: %(levelname)s: %(message)s")
     try:

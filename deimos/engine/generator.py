@@ -145,6 +145,8 @@ class Generator:
         req.output_ids.append(token)
         if token in req.stop_ids:
             req.finish_reason = "stop"
+        elif req.loop_guard is not None and req.loop_guard.period(req.output_ids) is not None:
+            req.finish_reason = "repetition"
         elif (len(req.output_ids) >= req.max_tokens
               or len(req.prompt_ids) + len(req.output_ids) - 1 >= self.n_ctx):  # fmt: skip
             req.finish_reason = "length"

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from deimos.engine.generator import Generator
+from deimos.engine.repetition import LoopGuard
 from deimos.engine.request import Request
 from deimos.gguf import GGUFFile
 from deimos.kernels.sampling import SamplingParams
@@ -29,6 +30,40 @@ from deimos.tokenizer.template import ChatTemplate
 log = logging.getLogger("deimos")
 
 DEFAULT_CONTEXT = 4096
+
+
+def check_device(device: str, name: str = "device") -> str:
+    """``device`` if Deimos can run on it here, else a ValueError in one line naming ``name``
+    (the CLI passes "--device"): an unknown device, a CPU-only torch, no GPU, no such GPU."""
+    import torch
+
+    kind, _, index = device.partition(":")
+    if kind == "cpu" and not index:
+        return device
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ValueError(f"{name} {device!r}: Deimos runs on cpu, cuda or cuda:N")
+    if torch.version.cuda is None:
+        raise ValueError(f"{name} {device}: this torch ({torch.__version__}) is a CPU-only build; "
+                         f"install a CUDA build of torch, or use {name} cpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ValueError(f"{name} {device}: torch {torch.__version__} (CUDA {torch.version.cuda}) "
+                         "sees no CUDA GPU (driver, nvidia-smi, CUDA_VISIBLE_DEVICES?); "
+                         f"or use {name} cpu")
+    if index and int(index) >= count:
+        raise ValueError(f"{name} {device}: there is no GPU {index}; this machine has {count} "
+                         f"(cuda:0..cuda:{count - 1})")
+    return device
+
+
+def context_size(n_ctx: int | None, trained: int, name: str = "n_ctx") -> int:
+    """The context to allocate: ``n_ctx``, or the trained context up to DEFAULT_CONTEXT."""
+    if n_ctx is None:
+        return min(trained, DEFAULT_CONTEXT)
+    if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 2:
+        raise ValueError(f"{name} must be an integer >= 2 (the prompt plus one token), "
+                         f"got {n_ctx!r}")
+    return n_ctx
 
 
 @dataclass(frozen=True)
@@ -47,11 +82,15 @@ class LLM:
     def __init__(self, model: str | Path, *, n_ctx: int | None = None, device: str = "cpu",
                  progress=None):
         """``model``: a GGUF path or the short name of a known model (pulled if needed).
-        ``progress(label)``: called at each loading stage (the CLI's progress bar)."""
+        ``progress(label)``: called at each loading stage (the CLI's progress bar).
+        ``n_ctx`` past the model's trained context is allowed, with a warning."""
+        check_device(device)
         if device != "cpu":
             use_kernel_cache()
         self.path = resolve(model)
         self.file = GGUFFile(self.path)
+        if n_ctx is not None:
+            context_size(n_ctx, 0)  # a bad value fails before the weights load
         if progress is not None:
             progress("weights")
         self.model = load_model(self.file, device=device)
@@ -61,13 +100,22 @@ class LLM:
         tokens = md.get("tokenizer.ggml.tokens", [])
         self.template = ChatTemplate.from_metadata(md, tokens)
         self.stop_ids = end_of_generation_ids(self.tokenizer.vocab, self.template)
-        n_ctx = n_ctx or min(self.config.context_length, DEFAULT_CONTEXT)
+        n_ctx = context_size(n_ctx, self.config.context_length)
+        if n_ctx > self.config.context_length:
+            log.warning("context size %d is past %s's trained context of %d tokens: expect "
+                        "the answers to degrade past %d", n_ctx, self.path.name,
+                        self.config.context_length, self.config.context_length)
         self.generator = Generator(self.model, n_ctx, device=device)
         self.generator.warm(progress)  # CUDA graphs (and every kernel) before the first request
 
     @property
     def n_ctx(self) -> int:
         return self.generator.n_ctx
+
+    @property
+    def has_chat_template(self) -> bool:
+        """The file carries its own chat template (else: a base model, or a default one)."""
+        return bool(self.file.metadata.get("tokenizer.chat_template"))
 
     # ---- prompts ---------------------------------------------------------------------
 
@@ -83,8 +131,13 @@ class LLM:
 
     def _request(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams | None,
                  kw: dict[str, Any]) -> Request:
+        """``kw``: SamplingParams' fields, and ``loop_guard`` (a LoopGuard, or True for the
+        default one: finish with reason "repetition" when the output cycles)."""
+        guard = kw.pop("loop_guard", None)
+        if guard is True:
+            guard = LoopGuard()
         params = sampling or SamplingParams(**kw)
-        return Request(prompt_ids, max_tokens, params, self.stop_ids)
+        return Request(prompt_ids, max_tokens, params, self.stop_ids, loop_guard=guard or None)
 
     def stream_ids(self, req: Request) -> Iterator[str]:
         """Text pieces of ``req``'s generated tokens (complete UTF-8 only; stop tokens not shown)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deimos.engine.repetition import LoopGuard
 from deimos.kernels.sampling import Sampler, SamplingParams, TokenLogprobs
 
 # (output ids so far, logits [V] float32) -> logits to sample from. Called once per generated
@@ -36,10 +37,11 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     logits_processors: Sequence[LogitsProcessor] = ()
     top_logprobs: int | None = None  # None: no logprobs; k >= 0: each token's + k alternatives
+    loop_guard: LoopGuard | None = None  # finish ("repetition") when the output cycles
     # filled while generating
     sampler: Sampler | None = None
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (an end-of-generation token) | "length"
+    finish_reason: str | None = None  # "stop" (an end-of-generation token) | "length" | "repetition"
     cached_tokens: int = 0  # prompt tokens whose KV entries were reused
     # one per output id when top_logprobs is set: the model's distribution (raw logits,
     # before processors, penalties and temperature), as OpenAI's logprobs report it

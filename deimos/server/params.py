@@ -9,7 +9,7 @@ from typing import Any
 
 from deimos.engine import LLM, Request
 from deimos.engine.jsontext import JsonTooLarge, check_size
-from deimos.kernels.sampling import SamplingParams
+from deimos.kernels.sampling import SamplingError, SamplingParams
 from deimos.server.errors import APIError, bad_request
 from deimos.server.processors import Constrained, LogitBias
 from deimos.server.protocol import ResponseFormat, _Sampling
@@ -41,8 +41,8 @@ def sampling_params(body: _Sampling, d: SamplingParams) -> SamplingParams:
             penalty_last_n=d.penalty_last_n,
             seed=d.seed if body.seed is None else body.seed % 2**64,
         )
-    except ValueError as e:
-        raise bad_request(str(e).replace("SamplingParams.", "")) from None
+    except SamplingError as e:  # worded as the schema's checks (errors._validation_error)
+        raise bad_request(f"'{e.field}': {e.problem}", e.field, "invalid_value") from None
 
 
 def max_new_tokens(requested: int | None, n_prompt: int, n_ctx: int, default: int | None,

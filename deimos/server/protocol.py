@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from dataclasses import replace
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
+
+from deimos.kernels.sampling_params import SAMPLING_BOUNDS, Bound
 
 
 class _Body(BaseModel):
@@ -78,7 +83,26 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+def _within(bound: Bound) -> AfterValidator:
+    """The sampler's own range check (``Bound``, with OpenAI's narrower ranges where they
+    apply): a bad value is worded as ``SamplingParams`` and the CLI word it."""
+
+    def check(value: float | int | None) -> float | int | None:
+        problem = None if value is None else bound.problem(value)
+        if problem is not None:
+            raise PydanticCustomError("value_error", problem.replace("{", "{{").replace("}", "}}"))
+        return value
+
+    return AfterValidator(check)
+
+
+def _sampling(field: str, **narrower: Any) -> AfterValidator:
+    return _within(replace(SAMPLING_BOUNDS[field], **narrower))
+
+
+Penalty = Annotated[float, _sampling("presence_penalty", lo=-2.0, hi=2.0)]
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
 
 
@@ -87,13 +111,14 @@ class _Sampling(_Body):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, ge=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    temperature: Annotated[float | None, _sampling("temperature", hi=2.0)] = None
+    # OpenAI's top_p = 0: the most likely token only (params.sampling_params)
+    top_p: Annotated[float | None, _sampling("top_p", lo_open=False)] = None
+    top_k: Annotated[int | None, _sampling("top_k")] = None
+    min_p: Annotated[float | None, _sampling("min_p")] = None
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    repetition_penalty: Annotated[float | None, _sampling("repetition_penalty", hi=10.0)] = None
     seed: int | None = None
     stop: Stop = None
     stream: bool = False
