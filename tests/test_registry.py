@@ -164,3 +164,53 @@ def test_llama_cpp_references_are_of_the_registry_files_and_all_prompts(name):
     prompts = json.loads((data / "prompts.json").read_text())
     assert len(prompts) >= 24 and len({p["id"] for p in prompts}) == len(prompts)
     assert [(c["id"], c["prompt"]) for c in ref["cases"]] == [(p["id"], p["text"]) for p in prompts]
+
+
+# ---- the local Hugging Face cache -----------------------------------------------------------
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch) -> Path:
+    """A Hugging Face hub cache as huggingface_hub lays it out: blobs, and snapshots whose
+    files link to them."""
+    hub = tmp_path / "hf" / "hub"
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    repo = hub / "models--Org--Tiny-GGUF"
+    (repo / "blobs").mkdir(parents=True)
+    blob = repo / "blobs" / "0123abcd"
+    blob.symlink_to(data_file("models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    snap = repo / "snapshots" / "f00dfeed"
+    snap.mkdir(parents=True)
+    (snap / "tiny.Q4_1.gguf").symlink_to(blob)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("f00dfeed")
+    return hub
+
+
+def test_hf_cache_dir_from_env():
+    assert registry.hf_cache_dir({"HF_HUB_CACHE": "/a/b"}) == Path("/a/b")
+    assert registry.hf_cache_dir({"HF_HOME": "/h"}) == Path("/h/hub")
+    assert registry.hf_cache_dir({}) == Path.home() / ".cache" / "huggingface" / "hub"
+
+
+def test_hf_paths_resolve_to_the_local_cache(hf_cache):
+    want = hf_cache / "models--Org--Tiny-GGUF" / "snapshots" / "f00dfeed" / "tiny.Q4_1.gguf"
+    assert registry.resolve("hf://Org/Tiny-GGUF/tiny.Q4_1.gguf") == want
+    assert registry.resolve("hf://Org/Tiny-GGUF") == want  # the repo's one GGUF file
+    assert registry.resolve(str(want)) == want  # a snapshot path, as huggingface-cli prints it
+    assert registry.resolve(str(hf_cache / "models--Org--Tiny-GGUF")) == want  # the repo folder
+
+
+def test_hf_paths_not_downloaded_say_so(hf_cache):
+    with pytest.raises(RegistryError, match="not in the local Hugging Face cache.*does not "
+                                            "download from model hubs"):
+        registry.resolve("hf://Org/Other/x.gguf")
+    with pytest.raises(RegistryError, match="other.gguf is not in the local Hugging Face cache "
+                                            "of Org/Tiny-GGUF.*hf download Org/Tiny-GGUF"):
+        registry.resolve("hf://Org/Tiny-GGUF/other.gguf")
+    with pytest.raises(RegistryError, match="expected hf://ORG/NAME/FILE.gguf"):
+        registry.resolve("hf://justone")
+    snap = hf_cache / "models--Org--Tiny-GGUF" / "snapshots" / "f00dfeed"
+    (snap / "second.gguf").symlink_to(snap / "tiny.Q4_1.gguf")
+    with pytest.raises(RegistryError, match="holds 2 GGUF files .*second.gguf, tiny.Q4_1.gguf"):
+        registry.resolve("hf://Org/Tiny-GGUF")
