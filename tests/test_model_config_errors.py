@@ -207,3 +207,36 @@ def test_token_text_that_is_not_utf8(bases, tmp_path):
         tok = Tokenizer.from_gguf(f)
     assert tok.token_to_piece(tid) == b"<|im_end\xff|>"
     assert tok.encode("<|im_end\udcff|>", add_special=False, parse_special=True) == [tid]
+
+
+@pytest.mark.timeout(120)
+def test_weights_too_big_for_memory_are_refused_before_loading(tmp_path):
+    """The SmolLM2 header with every MLP 4096 times wider, shapes consistent, the data a sparse
+    hole (~200 GB): the float32 CPU reference would need ~1.3 TB. Refused up front with a
+    named error; run in the fuzz worker so that, were the check missing, its memory watchdog
+    (2 GiB) would stop the load instead of the system's OOM killer."""
+    from testdata import model_path
+
+    img = fz.read_image(model_path("SmolLM2-135M-Instruct.Q4_1.gguf"), with_data=False)
+    assert fz.m_scale_ffn(img, _Always(4096)) == "ffn x4096"
+    path = tmp_path / "wide.gguf"
+    fz.write_case(img, path)
+    log = open(tmp_path / "worker.log", "w")  # noqa: SIM115 - closed below
+    worker = fz.Worker(2 << 30, log)
+    try:
+        res = worker.run(path, timeout=90)
+    finally:
+        worker.stop()
+        log.close()
+    assert res["outcome"] == "clean" and res["type"] == "MemoryBudgetError", res
+    assert "the float32 CPU reference needs" in res["msg"] and res["seconds"] < 10, res
+
+
+class _Always:
+    """A random.Random stand-in whose choice is fixed."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def choice(self, _):
+        return self.value

@@ -179,8 +179,8 @@ def write_case(img: Image, path: Path) -> None:
         fh.write(data)
         if img.extend_to:
             need = len(data) + sum(-(-_nbytes(t) // img.alignment) * img.alignment for t in img.tensors)
-            # a hole up to the data's end (never more than 1 GiB past the base's size)
-            fh.truncate(max(len(data), min(need, img.extend_to + (1 << 30))))
+            # a hole up to the data's end (at most 1 TiB: no disk blocks, but a file system limit)
+            fh.truncate(max(len(data), min(need, 1 << 40)))
 
 
 # ---- bases ------------------------------------------------------------------------------------
@@ -462,8 +462,76 @@ def m_tensor(img: Image, rng: random.Random) -> str:
     return f"duplicate layer {layer}"
 
 
+def m_heads(img: Image, rng: random.Random) -> str:
+    """Head counts and sizes changed together so that the q/k/v shapes still match: the
+    file loads, and runs with unusual head layouts (1 head, GQA ratios, wide heads, short
+    rotary parts)."""
+    a = _arch(img)
+    q = next((t for t in img.tensors if t.name == "blk.0.attn_q.weight"), None)
+    k = next((t for t in img.tensors if t.name == "blk.0.attn_k.weight"), None)
+    if q is None or k is None:
+        return "no attn_q"
+    q_rows, k_rows = q.dims[1], k.dims[1]
+    dims = [d for d in (2, 4, 8, 16, 32, 64, 128, 256) if q_rows % d == 0 and k_rows % d == 0
+            and (q_rows // d) % (k_rows // d) == 0]
+    if not dims:
+        return "no head layout"
+    hd = rng.choice(dims)
+    _set(img, f"{a}.attention.head_count", U32, q_rows // hd)
+    _set(img, f"{a}.attention.head_count_kv", U32, k_rows // hd)
+    _set(img, f"{a}.attention.key_length", U32, hd)
+    _set(img, f"{a}.attention.value_length", U32, hd)
+    rd = rng.choice([d for d in (2, hd // 2, hd) if d % 2 == 0])
+    _set(img, f"{a}.rope.dimension_count", U32, rd)
+    return f"heads {q_rows // hd}/{k_rows // hd} x {hd}, rope {rd}"
+
+
+def m_small(img: Image, rng: random.Random) -> str:
+    """Small but valid sizes: a context shorter than the prompt, a window of 1 or 2 tokens,
+    extreme but finite floats."""
+    a = _arch(img)
+    key, vtype, value = rng.choice((
+        ("context_length", U32, rng.choice((1, 2, 8, 60, 64))),
+        ("attention.sliding_window", U32, rng.choice((1, 2, 3))),
+        ("attention.sliding_window_pattern", U32, rng.choice((0, 1, 2, 1000))),
+        ("attention.scale", F32, rng.choice((1e-30, 1e30, 3e38))),
+        ("final_logit_softcapping", F32, rng.choice((1e-30, 1e-3, 1e30))),
+        ("rope.freq_base", F32, rng.choice((1e-30, 1.0, 3e38))),
+        ("attention.layer_norm_rms_epsilon", F32, rng.choice((1e-45, 1e30))),
+        ("rope.scaling.factor", F32, rng.choice((1e-30, 1e30, 0.5)))))
+    _set(img, f"{a}.{key}", vtype, value)
+    return f"{a}.{key} = {value!r}"
+
+
+def m_pretokenizer(img: Image, rng: random.Random) -> str:
+    from deimos.tokenizer import PRE_TOKENIZERS
+
+    name = rng.choice(sorted(PRE_TOKENIZERS))
+    _set(img, "tokenizer.ggml.pre", STR, name)
+    return f"tokenizer.ggml.pre = {name}"
+
+
+def m_scale_ffn(img: Image, rng: random.Random) -> str:
+    """feed_forward_length and the ffn tensors scaled together (consistent): on the sparse
+    base a model too big for memory, on the others a wider MLP of zero weights."""
+    a = _arch(img)
+    k = rng.choice((64, 1024, 65536)) if img.extend_to else 2
+    kv = img.get(f"{a}.feed_forward_length")
+    if kv is None or not isinstance(kv.value, int):
+        return "no feed_forward_length"
+    n_ff = kv.value
+    _set(img, f"{a}.feed_forward_length", U32, n_ff * k)
+    for t in img.tensors:
+        if t.name.endswith(("ffn_gate.weight", "ffn_up.weight")):
+            t.dims = (t.dims[0], n_ff * k)
+        elif t.name.endswith("ffn_down.weight"):
+            t.dims = (n_ff * k, t.dims[1])
+    return f"ffn x{k}"
+
+
 MUTATIONS = ((m_arch_value, 30), (m_arch_delete, 6), (m_per_layer, 6), (m_architecture, 3),
-             (m_tok_scalar, 12), (m_tok_array, 12), (m_tensor, 22))
+             (m_tok_scalar, 12), (m_tok_array, 12), (m_tensor, 22), (m_heads, 6), (m_small, 8),
+             (m_pretokenizer, 4), (m_scale_ffn, 3))
 
 
 def make_case(bases: dict[str, Image], seed: int, index: int, real_share: float) -> tuple[str, Image, bytes | None]:
@@ -515,14 +583,14 @@ def _worker(mem_limit: int) -> int:
     from deimos.engine import LLM
     from deimos.gguf import GGUFError
     from deimos.kernels.sampling import SamplingParams
-    from deimos.models import ConfigError, WeightError
+    from deimos.models import ConfigError, MemoryBudgetError, WeightError
     from deimos.quant import QuantError
     from deimos.engine.request import EngineError, RequestError
     from deimos.runtime.kv_cache import ContextFullError
     from deimos.tokenizer import VocabError
     from deimos.tokenizer.template import TemplateError
 
-    named_file = (GGUFError, ConfigError, WeightError, QuantError, VocabError)
+    named_file = (GGUFError, ConfigError, WeightError, QuantError, VocabError, MemoryBudgetError)
     # errors of a request or of the run, not of the file: they name the key or the fault
     # (EngineError: NaN logits from weights that hold NaN/inf)
     named_other = (TemplateError, ContextFullError, RequestError, EngineError)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import torch
+
 from deimos.gguf import GGUFFile
 from deimos.models.blocks import DecoderModel
 from deimos.models.config import ConfigError, ModelConfig
 from deimos.models.gemma3 import Gemma3Model
 from deimos.models.llama import LlamaModel
-from deimos.models.weights import WeightError, WeightSource
+from deimos.models.weights import MemoryBudgetError, WeightError, WeightSource
 
 ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "llama": LlamaModel,
@@ -19,7 +21,35 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
 
 def load_model(file: GGUFFile, device: str = "cpu") -> DecoderModel:
     config = ModelConfig.from_gguf(file.metadata, source=str(file.path), tensors=file.tensors)
+    if torch.device(device).type == "cpu":
+        _check_cpu_memory(file)
     return ARCHITECTURES[config.arch](config, WeightSource(file, device))
 
 
-__all__ = ["ARCHITECTURES", "ConfigError", "DecoderModel", "ModelConfig", "WeightError", "load_model"]
+def _check_cpu_memory(file: GGUFFile) -> None:
+    """The CPU reference holds every weight as float32: refuse, before the first one, a file
+    whose weights cannot fit (a sparse file of consistent but huge shapes would otherwise
+    load layer after layer until the system kills the process)."""
+    need = 4 * sum(t.n_elements for t in file.tensors.values())
+    free = _available_memory()
+    if free is not None and need > free:
+        raise MemoryBudgetError(
+            f"{file.path}: the float32 CPU reference needs {need / 2**30:.1f} GiB for the "
+            f"weights, only {free / 2**30:.1f} GiB of memory is available"
+        )
+
+
+def _available_memory() -> int | None:
+    """MemAvailable + SwapFree in bytes (Linux), None where /proc/meminfo is not there."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f if ":" in line)}
+    except (OSError, ValueError):
+        return None
+    if "MemAvailable" not in kib:
+        return None
+    return (kib["MemAvailable"] + kib.get("SwapFree", 0)) * 1024
+
+
+__all__ = ["ARCHITECTURES", "ConfigError", "DecoderModel", "MemoryBudgetError", "ModelConfig",
+           "WeightError", "load_model"]

@@ -21,6 +21,10 @@ class WeightError(ValueError):
     """A tensor the architecture needs is missing or has the wrong shape."""
 
 
+class MemoryBudgetError(RuntimeError):
+    """The weights of a file cannot fit in the memory of this machine (checked before loading)."""
+
+
 class Linear:
     """y = x @ W^T (+ b). W: [out, in] as stored (ggml ne0 = in)."""
 
