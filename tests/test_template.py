@@ -5,6 +5,8 @@ SmolLM2 GGUF's template, and ChatML/gemma strings spelled out from llama.cpp's C
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from datetime import datetime
 
@@ -18,6 +20,7 @@ from deimos.tokenizer.template import (
     PLAIN_TEMPLATE,
     ChatTemplate,
     TemplateError,
+    TemplateLimits,
 )
 
 CONVERSATION = [
@@ -309,3 +312,147 @@ def test_bad_messages():
         t.render([{"role": "user", "content": "a"}, {"content": "b"}])
     with pytest.raises(TemplateError, match="list of dicts"):
         t.render("hello")
+
+
+# -- issue 12: every filter, method and operator under the budget ------------------------------
+
+# Each ran for minutes or took 1-4 GB before the budget covered it. They run in one child
+# process (a regression hangs or swaps there, not in pytest), each under tracemalloc.
+HOSTILE = {
+    "lipsum": "{{ lipsum(100000) }}",
+    "namespace-squaring": "{% set ns = namespace(x=2**2000) %}{% for i in range(40) %}"
+                          "{% set ns.x = ns.x * ns.x %}{% endfor %}{{ ns.x }}",
+    "indent-2e9": "{{ 'a\nb' | indent(2e9 | int) }}",
+    "slice-1e8": "{{ [1, 2, 3] | slice(1e8 | int) | list }}",
+    "rjust-1e9": "{{ 'x'.rjust(1e9 | int) }}",
+    "ljust": "{{ 'x'.ljust(2000000000) }}",
+    "center": "{{ 'x'.center(2000000000) }}",
+    "center-filter": "{{ 'x' | center(2000000000) }}",
+    "format-width": "{{ '{:>2000000000}'.format(1) }}",
+    "format-nested-width": "{{ '{:>{}}'.format('x', 2000000000) }}",
+    "format-precision": "{{ '{:.2000000000f}'.format(1.0) }}",
+    "replace": "{{ ('x' * 1000).replace('x', 'y' * 1000000) }}",
+    "replace-empty": "{{ ('x' * 100000).replace('', 'y' * 10000) }}",
+    "join": "{{ ('y' * 1000000).join(['a'] * 1000) }}",
+    "expandtabs": "{{ ('\t' * 1000).expandtabs(1000000) }}",
+    "printf-width": "{{ '%2000000000d' % 1 }}",
+    "printf-precision": "{{ '%.2000000000f' % 1.0 }}",
+    "printf-star": "{{ '%*d' % (2000000000, 1) }}",
+    "format-filter": "{{ '%2000000000s' | format('x') }}",
+    "tojson-indent": "{{ messages | tojson(indent=1000000000) }}",
+    "tojson-indent-1e9": "{{ messages | tojson(indent=1e9) }}",
+    "zfill": "{{ '1'.zfill(2000000000) }}",
+    "to-bytes": "{{ (1).to_bytes(2000000000, 'big') }}",
+    "round-digits": "{{ 5 | round(-1000000000) }}",
+    "batch-fill": "{{ [1] | batch(1000000000, 'x') | list }}",
+    "wordwrap-1": "{{ ('x' * 1000000) | wordwrap(1) }}",
+    "translate": "{{ ('x' * 1000000).translate({120: 'y' * 1000}) }}",
+    "punycode": "{{ ('x' * 100000).encode('punycode') }}",
+    "split": "{{ ('a ' * 5000000).split() | length }}",
+    "strftime": "{{ strftime_now('%c' * 10000000) }}",
+    "shared-lists-compare": "{% set a = [[[0] * 1000] * 1000] * 1000 %}"
+                            "{% set b = [[[0] * 1000] * 1000] * 1000 %}{{ a == b }}",
+    "shared-lists-print": "{% set a = [['x' * 1000] * 1000] * 1000 %}{{ a }}",
+    "deep-tuple-hash": "{% set ns = namespace(t=()) %}{% for i in range(100) %}"
+                       "{% set ns.t = (ns.t,) %}{% endfor %}{{ {ns.t: 1} }}",
+    "literal-in-loops": "{% set x %}{% for i in range(20000) %}{% for j in range(9) %}"
+                        + "y" * 2000 + "{% endfor %}{% endfor %}{% endset %}{{ x | length }}",
+    "macro-doubling": "{% macro d(n) %}{% if n %}{{ d(n - 1) }}{{ d(n - 1) }}{% else %}x"
+                      "{% endif %}{% endmacro %}{{ d(40) }}",
+    "sum-of-lists": "{{ ([[0] * 1000] * 20000) | sum(start=[]) | length }}",
+    "int-product": "{{ ('9' * 4000) | int * ('9' * 4000) | int }}",
+}
+
+_CHILD = """
+import json, sys, time, tracemalloc
+from deimos.tokenizer.template import ChatTemplate, TemplateError
+for name, src in json.loads(sys.stdin.read()).items():
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        ChatTemplate(src).render([{"role": "user", "content": "hi"}])
+        outcome = "rendered"
+    except TemplateError as exc:
+        outcome = "TemplateError: " + str(exc)
+    except BaseException as exc:
+        outcome = type(exc).__name__ + ": " + str(exc)
+    elapsed = time.perf_counter() - t0
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    print(json.dumps([name, outcome, elapsed, peak]), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def hostile_results():
+    proc = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(HOSTILE),
+                          capture_output=True, text=True, timeout=240)
+    results = {}
+    for line in proc.stdout.splitlines():
+        name, outcome, elapsed, peak = json.loads(line)
+        results[name] = (outcome, elapsed, peak)
+    return results, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_template_fails_within_budget(hostile_results, name):
+    results, stderr = hostile_results
+    assert name in results, f"the child never finished {name!r}: {stderr}"
+    outcome, elapsed, peak = results[name]
+    assert outcome.startswith("TemplateError: chat template"), outcome
+    # one compile-time probe (its own one-second deadline) and one render, on a busy machine
+    assert elapsed < 3.0, (name, elapsed, outcome)
+    assert peak < 100e6, (name, peak, outcome)
+
+
+def test_probe_renders_share_one_budget():
+    # the load-time probe renders up to four times; a template that spends the deadline in
+    # each costs one deadline at load, not four
+    src = "{% for i in range(20000) %}{% for j in range(9) %}{{ (i * j) % 7 }}{% endfor %}{% endfor %}"
+    t0 = time.perf_counter()
+    with pytest.raises(TemplateError, match="longer than 0.3 s"):
+        ChatTemplate(src, limits=TemplateLimits(time_s=0.3))
+    assert time.perf_counter() - t0 < 1.5
+
+
+def test_reserved_budget_name_cannot_be_rebound():
+    with pytest.raises(TemplateError, match="reserved name"):
+        ChatTemplate("{% set _deimos_budget = 1 %}{{ 'x' * 2 }}").render([])
+
+
+def test_unbound_mutators_are_refused():
+    msgs = [{"role": "user", "content": "hi"}]
+    for src in ("{{ {}.update.__self__ }}", "{{ messages[0].pop('role') }}",
+                "{{ ''.join.__self__ }}"):
+        with pytest.raises(TemplateError):
+            ChatTemplate(src).render(msgs)
+    assert msgs == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "src, expected",
+    [
+        ("{{ 'ab'.center(6, '*') }}|{{ 'x' | center(5) }}|{{ 'a\nb' | indent(2, true) }}",
+         "**ab**|  x  |  a\n  b"),
+        ("{{ '%05.1f|%-4s|%(k)s' % (3.14159, 'a', ) if false else '%05.1f|%-4s' % (3.14159, 'a') }}",
+         "003.1|a   "),
+        ("{{ '%(k)3s' % {'k': 'v'} }}|{{ '{:>4}|{:.2f}|{!r}'.format('a', 2, 'q') }}",
+         "  v|   a|2.00|'q'"),
+        ("{{ 'a-b-c'.split('-') }}|{{ ','.join(['x', 'y']) }}|{{ 'a\tb'.expandtabs(4) }}",
+         "['a', 'b', 'c']|x,y|a   b"),
+        ("{{ [1, 2, 3] | batch(2, 0) | list }}|{{ [1, 2, 3] | slice(2) | list }}|"
+         "{{ 2 ** 10 }}|{{ [0] * 3 }}|{{ 'ab' * 2 }}|{{ 'x' ~ 1 ~ [2] }}",
+         "[[1, 2], [3, 0]]|[[1, 2], [3]]|1024|[0, 0, 0]|abab|x1[2]"),
+        ("{{ messages | tojson(indent=1) }}|{{ 'abc'[1:] }}|{{ (messages | first).role }}|"
+         "{{ [3, 1, 2] | sort | join(',') }}|{{ [1, 2] | sum }}|{{ {'a': 1}.get('a') }}",
+         '[\n {\n  "role": "user",\n  "content": "hi"\n }\n]|bc|user|1,2,3|3|1'),
+        ("{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ n }}{% endif %}{% endmacro %}{{ f(5) }}"
+         "{% for x in [{'n': 1, 'c': [{'n': 2, 'c': []}]}] recursive %}{{ x.n }}{{ loop(x.c) }}"
+         "{% endfor %}",
+         "1234512"),
+    ],
+    ids=["pad-indent", "printf", "format", "split-join-tabs", "batch-ops", "json-slice-sort",
+         "recursion"],
+)
+def test_budgeted_operations_keep_their_results(src, expected):
+    assert ChatTemplate(src).render([{"role": "user", "content": "hi"}]) == expected
