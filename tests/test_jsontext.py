@@ -60,6 +60,11 @@ def test_limits_are_exact():
     check_size({"abcd": "efgh"}, "x", lim)
     with pytest.raises(JsonTooLarge, match="more than 8 characters"):
         check_size({"abcd": "efghi"}, "x", lim)
+    lim = JsonLimits(max_subschemas=3)
+    check_size({"properties": {"a": {}, "b": {}}, "anyOf": [{}]}, "x", lim)
+    with pytest.raises(JsonTooLarge, match="more than 3 properties and subschemas"):
+        check_size({"properties": {"a": {}, "b": {}}, "anyOf": [{"$defs": {"c": {}}}, {}]},
+                   "x", lim)
 
 
 def test_hostile_values_are_refused_in_milliseconds():

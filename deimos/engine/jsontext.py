@@ -25,6 +25,16 @@ class JsonLimits:
     max_depth: int = 64
     max_nodes: int = 20_000  # values of any kind (objects, arrays, scalars, keys not counted)
     max_chars: int = 1_000_000  # characters of all keys and strings together
+    # JSON Schema: properties and branches (anyOf, $defs...) together. The meta-validation
+    # and the grammar compiler cost grows faster than linearly in these: 1,000 properties
+    # take about a second on a busy core, 9,000 a minute
+    max_subschemas: int = 1_000
+
+
+# keywords whose value holds one subschema per key / per item
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                          "dependentSchemas"})
+_SCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems"})
 
 
 class JsonTooLarge(ValueError):
@@ -36,7 +46,7 @@ def check_size(value: object, where: str, limits: JsonLimits = JsonLimits()) -> 
     scalars) nests deeper, holds more values or more text than ``limits`` allow. Stops at the
     first limit crossed, so the cost is bounded by the limits, not by the value."""
     stack: list[tuple[object, int]] = [(value, 1)]
-    nodes = chars = 0
+    nodes = chars = subschemas = 0
     while stack:
         v, depth = stack.pop()
         nodes += 1
@@ -51,6 +61,12 @@ def check_size(value: object, where: str, limits: JsonLimits = JsonLimits()) -> 
                                    "levels of objects and arrays")
             if isinstance(v, dict):
                 chars += sum(len(k) for k in v)
+                subschemas += sum(len(x) for k, x in v.items() if isinstance(x, (dict, list))
+                                  and (k in _SCHEMA_MAPS or k in _SCHEMA_LISTS))
+                if subschemas > limits.max_subschemas:
+                    raise JsonTooLarge(f"{where} is too large: more than "
+                                       f"{limits.max_subschemas} properties and subschemas "
+                                       "(anyOf, oneOf, allOf, $defs...)")
                 stack.extend((x, depth + 1) for x in v.values())
             else:
                 stack.extend((x, depth + 1) for x in v)
