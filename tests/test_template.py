@@ -361,6 +361,7 @@ HOSTILE = {
                       "{% endif %}{% endmacro %}{{ d(40) }}",
     "sum-of-lists": "{{ ([[0] * 1000] * 20000) | sum(start=[]) | length }}",
     "int-product": "{{ ('9' * 4000) | int * ('9' * 4000) | int }}",
+    "title-words": "{{ ('a-' * 1000000) | title }}",  # a Python loop over 2M words
 }
 
 _CHILD = """

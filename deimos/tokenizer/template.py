@@ -30,6 +30,7 @@ from jinja2 import nodes, pass_context
 from jinja2.ext import Extension
 from jinja2.runtime import BlockReference, LoopContext, Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+from jinja2.utils import Cycler, Joiner
 from jinja2.visitor import NodeTransformer
 
 from .template_budget import Budget, BudgetExceeded, GuardedIterator, TemplateLimits, budget_iter
@@ -189,6 +190,7 @@ class _GenerationExtension(Extension):
 
 
 _LOOP_KWARGS = ("_loop_vars", "_block_vars")
+_RUNTIME_HELPERS = (Cycler, Joiner, LoopContext)
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
@@ -234,8 +236,13 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         finally:
             if nested:
                 budget._leave()
-        # unknown callables (the caller's own objects) are charged for what they return
-        return budget._account(result, fresh=nested or not isinstance(result, (str, list, dict)))
+        # Jinja's helpers (cycler.next, loop.cycle, joiner) hand back values that already
+        # exist; anything else (a macro's text, the caller's own callables) is charged for
+        # what it returns
+        lookup = isinstance(getattr(__obj, "__self__", None), _RUNTIME_HELPERS) or isinstance(
+            __obj, Joiner
+        )
+        return budget._account(result, fresh=not lookup)
 
 
 def _make_environment(now: Callable[[], datetime]) -> _Sandbox:

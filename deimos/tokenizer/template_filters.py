@@ -53,6 +53,31 @@ def _text_units(budget: Budget, value: Any) -> int:
     return 4 * budget._measure(value)
 
 
+_SPLITTERS = " \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f-({[<"
+
+
+def _pieces(text: str) -> int:
+    """Upper bound on the words Python-level filters (title, wordwrap, urlize, striptags)
+    split a string into and walk one by one."""
+    if not text.isascii():
+        return len(text) + 1
+    return 2 * sum(text.count(c) for c in _SPLITTERS) + 1
+
+
+def _words(factor: int) -> Rule:
+    """A string filter that walks the words of its value in Python, building a list of them."""
+
+    def rule(budget: Budget, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Args:
+        _text(factor)(budget, args, kwargs)
+        if args and isinstance(args[0], str):
+            pieces = _pieces(args[0])
+            budget._iterate(pieces)
+            budget._reserve(64 * pieces, "a word list")
+        return args, kwargs
+
+    return rule
+
+
 # -- rules -----------------------------------------------------------------------------------
 
 
@@ -131,6 +156,7 @@ def _wordwrap(budget: Budget, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     wrap = _arg(args, kwargs, 3, "wrapstring", "\n")
     if isinstance(width, int) and width > 0:
         lines = len(text) // width + text.count("\n") + 2
+        _words(1)(budget, args, kwargs)  # textwrap splits into chunks first
         budget._iterate(lines)
         # textwrap cuts a long word one line at a time, copying the rest of it each time
         budget._reserve(lines * len(text) // 8 + 4 * len(text) + lines * 64, "wrapped text")
@@ -193,7 +219,7 @@ def _urlize(budget: Budget, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Ar
     if args:
         extra = sum(len(v) for v in (*args[1:], *kwargs.values()) if isinstance(v, str))
         text = _text_units(budget, args[0])
-        budget._iterate(text // 4 + 1)  # a regex or two per word
+        _words(1)(budget, args, {})  # a regex or two per word
         budget._reserve(4 * text + (text // 2 + 1) * (64 + 2 * extra), "urlized text")
     return args, kwargs
 
@@ -205,9 +231,9 @@ def _wordcount(budget: Budget, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 
 
 def _striptags(budget: Budget, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Args:
-    _text(2)(budget, args, kwargs)
+    _words(2)(budget, args, kwargs)  # and " ".join(value.split())
     if args and isinstance(args[0], str):
-        budget._iterate(args[0].count("<"))
+        budget._iterate(args[0].count("<"))  # markupsafe walks tag by tag in Python
     return args, kwargs
 
 
@@ -227,7 +253,7 @@ _FILTER_RULES: dict[str, Rule] = {
     "abs": _same, "attr": _same, "count": _same, "length": _same, "d": _same,
     "default": _same, "first": _same, "last": _same, "random": _same, "float": _same,
     "int": _same, "filesizeformat": _same, "items": _same, "safe": _text(1),
-    "capitalize": _text(3), "lower": _text(3), "upper": _text(3), "title": _text(3),
+    "capitalize": _text(3), "lower": _text(3), "upper": _text(3), "title": _words(3),
     "trim": _text(1), "string": _text(1), "e": _text(6), "escape": _text(6),
     "forceescape": _text(6), "urlencode": _text(12), "striptags": _striptags,
     "center": _center, "indent": _indent, "wordwrap": _wordwrap, "replace": _replace_filter,
