@@ -20,7 +20,7 @@ from jinja2.filters import make_attrgetter
 from jinja2.utils import Cycler, Joiner, Namespace
 from jinja2.utils import _PassArg, generate_lorem_ipsum  # noqa: PLC2701
 
-from .template_budget import Budget, BudgetExceeded, budget_iter, str_units
+from .template_budget import Budget, BudgetExceeded, budget_iter, int_digits, str_units
 from .template_format import printf
 from .template_methods import _join, _replace
 
@@ -243,6 +243,16 @@ def _xmlattr(budget: Budget, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     return args, kwargs
 
 
+def _int(budget: Budget, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Args:
+    # base-10 parsing is quadratic in the digits (CPython caps it at 4300 digits unless the
+    # host lifted the cap); more digits than max_int_bits can hold are refused up front
+    if args and isinstance(args[0], (str, bytes)):
+        longest = int_digits(1 << budget.limits.max_int_bits) + 64  # signs, '_', spaces
+        if len(args[0]) > longest:
+            raise BudgetExceeded(f"int() of a {len(args[0])}-character string")
+    return args, kwargs
+
+
 def _lower_test(budget: Budget, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Args:
     if args:  # str(value).islower()
         budget._reserve(budget._str_cost(args[0]), "a string")
@@ -252,7 +262,7 @@ def _lower_test(budget: Budget, args: tuple[Any, ...], kwargs: dict[str, Any]) -
 _FILTER_RULES: dict[str, Rule] = {
     "abs": _same, "attr": _same, "count": _same, "length": _same, "d": _same,
     "default": _same, "first": _same, "last": _same, "random": _same, "float": _same,
-    "int": _same, "filesizeformat": _same, "items": _same, "safe": _text(1),
+    "int": _int, "filesizeformat": _same, "items": _same, "safe": _text(1),
     "capitalize": _text(3), "lower": _text(3), "upper": _text(3), "title": _words(3),
     "trim": _text(1), "string": _text(1), "e": _text(6), "escape": _text(6),
     "forceescape": _text(6), "urlencode": _text(12), "striptags": _striptags,

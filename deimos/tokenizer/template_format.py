@@ -43,6 +43,7 @@ def predict_printf(budget: Budget, fmt: str | bytes, args: Any, *, escape: bool 
     """Upper bound (bytes) of ``fmt % args``, following CPython's conversion-spec grammar:
     ``%[(key)][flags][width|*][.precision|*][hlL]type``."""
     text = fmt.decode("latin-1") if isinstance(fmt, bytes) else fmt
+    budget._iterate(text.count("%") // 2 + 1)  # the specs are walked here in Python
     growth = _ESCAPE_GROWTH if escape else 1
     total = str_units(fmt)
     n, pos, arg_index = len(text), 0, 0
@@ -156,5 +157,6 @@ class FormatCall:
             formatter: _Formatter = _EscapeFormatter(env, budget, escape=self.text.escape)
         else:
             formatter = _Formatter(env, budget)
+        budget._iterate(self.text.count("{") // 2 + 1)  # a Python call per field
         budget._reserve(str_units(self.text), "a formatted string")
         return budget._account(type(self.text)(formatter.vformat(self.text, args, kwargs)))
