@@ -345,7 +345,8 @@ class Result:
 
 
 def run_round(seed: int, cases: int, *, time_s: float = 1.0, mem_mb: int = 100,
-              slack_s: float = 1.5, kill_s: float | None = None) -> list[Result]:
+              slack_s: float = 1.5, kill_s: float | None = None,
+              progress: int = 0) -> list[Result]:
     """Render ``cases`` generated cases; a case over ``2 * time_s + slack_s`` (a load probe
     and one render, each with its deadline) is a hang, one over ``mem_mb`` a memory case."""
     budget_s = 2 * time_s + slack_s
@@ -360,6 +361,9 @@ def run_round(seed: int, cases: int, *, time_s: float = 1.0, mem_mb: int = 100,
             elif kind in ("rendered", "error") and peak > mem_mb:
                 kind, detail = "memory", f"{peak:.0f} MB; {detail}"
             results.append(Result(case, kind, detail, elapsed, peak))
+            if progress and len(results) % progress == 0:
+                counts = Counter(r.kind for r in results)
+                print(f"{len(results)} cases: {dict(counts)}", file=sys.stderr, flush=True)
     finally:
         pool.close()
     return results
@@ -372,9 +376,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-s", type=float, default=1.0, help="the render deadline")
     ap.add_argument("--mem-mb", type=int, default=100)
     ap.add_argument("--show", type=int, default=3, help="examples printed per bad class")
+    ap.add_argument("--progress", type=int, default=500, help="counts to stderr every N cases")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    results = run_round(args.seed, args.cases, time_s=args.time_s, mem_mb=args.mem_mb)
+    results = run_round(args.seed, args.cases, time_s=args.time_s, mem_mb=args.mem_mb,
+                        progress=args.progress)
     counts = Counter(r.kind for r in results)
     print(f"{args.cases} cases, seed {args.seed}, {time.perf_counter() - t0:.0f} s")
     print(f"{'class':10s} {'count':>7s}")
