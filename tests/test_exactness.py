@@ -8,9 +8,13 @@ rounding on float64 input (they cast to float32 before the study).
 
 from __future__ import annotations
 
+import ctypes
+import sys
+
+import numpy as np
 import pytest
 import torch
-from testdata import llama_cpp_path
+from testdata import REPO, llama_cpp_path, llama_cpu_lib
 
 from deimos.eval.float64 import kv_cache, to_float64
 from deimos.gguf import GGUFFile
@@ -21,6 +25,9 @@ from deimos.models import load_model
 from deimos.models.batch import Batch
 from deimos.runtime.kv_cache import KVCache
 from deimos.synth import write_model
+
+sys.path.insert(0, str(REPO / "tools"))
+from exactness import q8act  # noqa: E402
 
 DONOR = "models/ggml-vocab-llama-spm.gguf"
 PROMPT = [1, 450, 4996, 17354, 1701, 29916, 432, 17204, 975, 278, 17366, 11203, 29889]
@@ -107,3 +114,30 @@ def test_to_float64_refuses_the_kernel_path(path):
     m.ops = object()
     with pytest.raises(ValueError, match="only the CPU reference"):
         to_float64(m)
+
+
+def _ggml_round_trip(name: str, x: np.ndarray, block_bytes: int, block: int) -> np.ndarray:
+    lib = ctypes.CDLL(str(llama_cpu_lib("libggml-base.so")))
+    n = x.size
+    blocks = np.zeros(n // block * block_bytes, dtype=np.uint8)
+    out = np.full(n, np.nan, dtype=np.float32)  # poison: unwritten shows
+    getattr(lib, f"quantize_row_{name}_ref")(x.ctypes.data_as(ctypes.c_void_p),
+                                             blocks.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(n))
+    getattr(lib, f"dequantize_row_{name}")(blocks.ctypes.data_as(ctypes.c_void_p),
+                                           out.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(n))
+    return out
+
+
+@pytest.mark.parametrize("name,block_bytes,block", [("q8_0", 34, 32), ("q8_K", 292, 256)])
+def test_q8_activation_emulation_is_ggmls_rounding(name, block_bytes, block):
+    """tools/exactness/q8act.py rounds as ggml's quantize_row_*_ref + dequantize_row_* do
+    (oracle: ggml itself); Q8_1 has Q8_0's codes and scale."""
+    rng = np.random.default_rng(3)
+    # rows of 1024 with blocks of very different scales, and an outlier: the study's case
+    x = (rng.standard_normal(4096) * np.repeat(10.0 ** rng.uniform(-3, 3, 4096 // 32), 32))
+    x[100] = 900.0
+    x = x.astype(np.float32)
+    want = _ggml_round_trip(name, x, block_bytes, block)
+    rounding = q8act.round_q8_32 if block == 32 else q8act.round_q8_k
+    got = rounding(torch.from_numpy(x).view(4, 1024)).reshape(-1).numpy()
+    np.testing.assert_array_equal(got, want)

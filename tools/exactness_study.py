@@ -80,11 +80,13 @@ def default_paths(llama_cuda: Path | None) -> list[str]:
 
 
 def run_model(model: Path, groups: set[str], names: list[str], llama_cuda: Path | None,
-              cache: Path) -> dict:
+              cache: Path, per_group: int | None) -> dict:
     f = GGUFFile(model)
     tok = Tokenizer.from_gguf(f)
     long_text = read_text(fetch_text("alice29")) if "long" in groups else None
     seqs = [s for s in sequences.all_sequences(model.name, tok, long_text) if s.group in groups]
+    if per_group is not None:  # the first ones of each group (a shorter run)
+        seqs = [s for g in sorted(groups) for s in [x for x in seqs if x.group == g][:per_group]]
     twin = cache / f"{model.stem}.f32.gguf"
     if "llama-cpu-twin" in names and not twin.exists():
         make_twin(Path(os.environ.get("LLAMA_CPU_DIR", driver.LlamaPaths.default().lib)), model, twin)
@@ -138,6 +140,8 @@ def main() -> int:
                     help="folder of a CUDA libllama with llama_ref built in it (driver.py --build-in)")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "deimos" / "exactness",
                     help="where the F32 twins are kept")
+    ap.add_argument("--per-group", type=int, default=None,
+                    help="only the first N sequences of each group (a shorter run)")
     ap.add_argument("--out", type=Path, default=Path("exactness-results.json"))
     args = ap.parse_args()
     groups = set(args.groups.split(","))
@@ -167,7 +171,8 @@ def main() -> int:
                       + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
            "llama_cpp_build": driver.LLAMA_CPP_BUILD, "models": []}
     for m in args.models:
-        doc["models"].append(run_model(m, groups, names, args.llama_cuda, args.cache))
+        doc["models"].append(run_model(m, groups, names, args.llama_cuda, args.cache,
+                                       args.per_group))
         args.out.write_text(json.dumps(doc))
     print(table(doc))
     return 0

@@ -4,8 +4,8 @@ explanation of the study's llama-cpu numbers.
 ggml's CPU matmul of a quantized weight first rounds the activation row to the weight type's
 ``vec_dot_type`` (ggml-cpu.c type_traits_cpu): Q4_0/Q5_0/Q8_0 -> Q8_0 and Q4_1/Q5_1 -> Q8_1
 (blocks of 32, scale amax / 127 stored as fp16, codes round(x / scale)), the K-quants ->
-Q8_K (blocks of 256, scale -max / 128 with max the element of largest magnitude, float32,
-codes clamped to 127). The dot product then runs on the codes. ``quantize_activations``
+Q8_K (blocks of 256, scale -max / 127 with max the element of largest magnitude, float32,
+codes clamped to 127; ggml-quants.c quantize_row_q8_K_ref, which the x86 backend calls). The dot product then runs on the codes. ``quantize_activations``
 makes every quantized linear of a model round its input by its rounded value (scale * code), which is what
 the integer dot product computes up to float32 summation order; with it Deimos's float32
 reference reproduces llama.cpp's logits on the quantized file (docs/exactness.md).
@@ -35,9 +35,12 @@ def round_q8_k(x: torch.Tensor) -> torch.Tensor:
     b = x.float().reshape(*x.shape[:-1], -1, 256)
     at = b.abs().argmax(-1, keepdim=True)
     mx = torch.gather(b, -1, at)
-    iscale = torch.where(mx != 0, -128 / torch.where(mx != 0, mx, 1), 0)
+    safe = torch.where(mx != 0, mx, 1)
+    # a true division (torch's ``-127 / t`` multiplies by a reciprocal: another float)
+    iscale = torch.where(mx != 0, torch.full_like(safe, -127.0) / safe, 0)
     q = torch.clamp(torch.round(iscale * b), max=127)
-    return (torch.where(iscale != 0, 1 / torch.where(iscale != 0, iscale, 1), 0) * q).reshape(x.shape)
+    d = torch.where(iscale != 0, 1 / torch.where(iscale != 0, iscale, 1), 0)  # ggml: d = 1 / iscale
+    return (d * q).reshape(x.shape)
 
 
 class Q8InputLinear(Linear):
