@@ -2,16 +2,23 @@
 self-consistent result or raise GGUFError naming the file. Any other exception, or an open that
 takes absurdly long, fails the test. Deterministic (seeded).
 
-Two bases: a small file written by gguf-py's GGUFWriter with a vocabulary-like string array,
-scores, merges, a nested array, every scalar type and tensors of several types (thousands of
-mutations); and the header + metadata + tensor infos of the real SmolLM2 model, extended to the
+The reader alone, two bases: a small file written by gguf-py's GGUFWriter with a
+vocabulary-like string array, scores, merges, a nested array, every scalar type and tensors of
+several types (thousands of mutations); and the header + metadata + tensor infos of the real SmolLM2 model, extended to the
 real file size as a sparse file so no tensor data is copied (about 40 targeted mutations:
 its 49k-token vocabulary makes each open ~0.1 s).
+
+The whole load, as ``deimos run`` does it (tools/fuzz_gguf.py, a short seeded round): mutated
+synth models and SmolLM2 header through GGUFFile, ModelConfig, the weights, the tokenizer, the
+chat template and two generated tokens; every case must run or raise one of the project's
+named errors naming the file, within its time and memory limits (the long round:
+``python tools/fuzz_gguf.py --cases N --seed S``).
 """
 
 from __future__ import annotations
 
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -21,7 +28,7 @@ import pytest
 
 from deimos.gguf import GGML_BLOCK, GGUFError, GGUFFile
 from gguf_support import int_fields
-from testdata import model_path
+from testdata import REPO, model_path
 
 SEED = 20240601
 INTERESTING = [0, 1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 31, 32, 33, 255, 2**16 - 1, 2**31 - 1, 2**31,
@@ -210,3 +217,15 @@ def test_fuzz_real_model_header(tmp_path):
     for cut in rng.sample(range(prefix_len), 6):
         fz.run(f"truncate at {cut}", base[:cut])
     fz.report()
+
+
+@pytest.mark.timeout(300)
+def test_fuzz_whole_model_load(tmp_path):
+    sys.path.insert(0, str(REPO / "tools"))
+    import fuzz_gguf
+
+    rep = fuzz_gguf.run(cases=150, seed=SEED, work=tmp_path, timeout=60, real_share=0.02)
+    bad = "\n".join(f"{res['outcome']}: {label}: {res.get('type', '')} {res.get('msg', '')}"
+                    for label, res in rep.bad)
+    assert not rep.bad, f"{len(rep.bad)} of 150 cases misbehaved:\n{bad}\n{rep.table()}"
+    assert rep.counts["ran"] > 10 and rep.counts["clean"] > 50, rep.table()  # both outcomes reached

@@ -316,7 +316,9 @@ def m_arch_delete(img: Image, rng: random.Random) -> str:
 
 
 def m_per_layer(img: Image, rng: random.Random) -> str:
-    key = f"{_arch(img)}.{rng.choice(('attention.head_count', 'attention.head_count_kv', 'feed_forward_length', 'attention.sliding_window_pattern'))}"
+    keys = ("attention.head_count", "attention.head_count_kv", "feed_forward_length",
+            "attention.sliding_window_pattern")
+    key = f"{_arch(img)}.{rng.choice(keys)}"
     kv = img.get(key)
     base = kv.value if kv and isinstance(kv.value, int) else 2
     n = _n_layer(img) + rng.choice((0, 0, 0, -1, 1))
@@ -371,7 +373,9 @@ def m_tok_array(img: Image, rng: random.Random) -> str:
         if tt is None or not n:
             return "no token_type"
         arr = np.array(tt.value, dtype=np.int64)
-        i = rng.randrange(n)
+        if not len(arr):
+            return "empty token_type"
+        i = rng.randrange(min(n, len(arr)))
         arr[i] = 6
         tt.value = arr
         return f"token {i} {toks[i]!r:.20} typed BYTE"
@@ -416,8 +420,9 @@ def m_tensor(img: Image, rng: random.Random) -> str:
         img.tensors.remove(t)
         return f"drop {t.name}"
     if r < 0.3:
-        old, t.name = t.name, rng.choice(("blk.99.attn_q.weight", "blk.2147483647.x", t.name.replace("blk.0.", "blk.1."),
-                                          t.name + ".x", "output.weight", "rope_freqs.weight"))
+        old, t.name = t.name, rng.choice((
+            "blk.99.attn_q.weight", "blk.2147483647.x", t.name.replace("blk.0.", "blk.1."),
+            t.name + ".x", "output.weight", "rope_freqs.weight"))
         if sum(x.name == t.name for x in img.tensors) > 1:
             t.name = old
         return f"rename {old} -> {t.name}"
@@ -439,7 +444,8 @@ def m_tensor(img: Image, rng: random.Random) -> str:
             dims[i] = rng.choice((block, block * 2, dims[i] * 2, dims[i] // 2 or 1))
         t.dims = tuple(max(d, 1) for d in dims)
         if t.data is not None:
-            t.data = t.data + bytes(rng.getrandbits(8) for _ in range(min(256, max(0, _nbytes(t) - len(t.data)))))
+            grow = min(256, max(0, _nbytes(t) - len(t.data)))
+            t.data = t.data + bytes(rng.getrandbits(8) for _ in range(grow))
         return f"{t.name} dims {old} -> {t.dims}"
     if r < 0.75:
         old = GGMLType(t.ggml_type).name
@@ -513,9 +519,11 @@ def m_pretokenizer(img: Image, rng: random.Random) -> str:
 
 def m_scale_ffn(img: Image, rng: random.Random) -> str:
     """feed_forward_length and the ffn tensors scaled together (consistent): on the sparse
-    base a model too big for memory, on the others a wider MLP of zero weights."""
+    base a model far too big for any machine's memory (x4096: 1.3 TB as float32; x65536: a
+    file past the 1 TiB hole), on the others a wider MLP of zero weights. (A big model that
+    does fit would load until the worker's memory watchdog: not a fault, so not drawn.)"""
     a = _arch(img)
-    k = rng.choice((64, 1024, 65536)) if img.extend_to else 2
+    k = rng.choice((4096, 65536)) if img.extend_to else 2
     kv = img.get(f"{a}.feed_forward_length")
     if kv is None or not isinstance(kv.value, int):
         return "no feed_forward_length"
@@ -529,12 +537,44 @@ def m_scale_ffn(img: Image, rng: random.Random) -> str:
     return f"ffn x{k}"
 
 
+def m_shrink_vocab(img: Image, rng: random.Random) -> str:
+    """The vocabulary cut to its first m tokens with the embedding and output rows: consistent
+    shapes, but special ids, byte tokens and merges may point past the end."""
+    n = len(_tokens(img))
+    if not n:
+        return "no tokens"
+    m = rng.choice((1, 2, 3, 5, 17, 100, max(1, n // 2), n - 1))
+    for kv in img.kvs:
+        if kv.key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+            kv.value = kv.value[:m]
+    for t in img.tensors:
+        if t.name in ("token_embd.weight", "output.weight") and len(t.dims) == 2:
+            t.dims = (t.dims[0], m)
+            if t.data is not None:
+                t.data = t.data[:_nbytes(t)]
+    return f"vocab cut to {m} of {n}"
+
+
+def m_token_types(img: Image, rng: random.Random) -> str:
+    """Token types changed in place (control, user-defined, unused, unknown values)."""
+    tt = img.get("tokenizer.ggml.token_type")
+    toks = _tokens(img)
+    if tt is None or not toks or not isinstance(tt.value, np.ndarray):
+        return "no token_type"
+    arr = np.array(tt.value, dtype=np.int64)
+    for _ in range(rng.choice((1, 5, 50)) if len(arr) else 0):
+        arr[rng.randrange(min(len(toks), len(arr)))] = rng.choice((0, 1, 2, 3, 4, 5, 7, 99, -1))
+    tt.value = arr
+    return "token types"
+
+
 MUTATIONS = ((m_arch_value, 30), (m_arch_delete, 6), (m_per_layer, 6), (m_architecture, 3),
              (m_tok_scalar, 12), (m_tok_array, 12), (m_tensor, 22), (m_heads, 6), (m_small, 8),
-             (m_pretokenizer, 4), (m_scale_ffn, 3))
+             (m_pretokenizer, 4), (m_scale_ffn, 3), (m_shrink_vocab, 5), (m_token_types, 5))
 
 
-def make_case(bases: dict[str, Image], seed: int, index: int, real_share: float) -> tuple[str, Image, bytes | None]:
+def make_case(bases: dict[str, Image], seed: int, index: int,
+              real_share: float) -> tuple[str, Image, bytes | None]:
     """Case ``index`` of a run: (label, image, raw bytes when a byte-level mutation applies)."""
     rng = random.Random(f"{seed}:{index}")
     names = [n for n in bases if n != REAL]
@@ -604,7 +644,8 @@ def _worker(mem_limit: int) -> int:
             text = "".join(llm.stream("hi", max_tokens=2, sampling=sampling))
             res = {"outcome": "ran", "msg": repr(text[:40])}
         except named_file as e:
-            res = {"outcome": "clean" if path in str(e) else "unclear", "type": type(e).__name__, "msg": str(e)}
+            res = {"outcome": "clean" if path in str(e) else "unclear", "type": type(e).__name__,
+                   "msg": str(e)}
         except named_other as e:
             res = {"outcome": "clean", "type": type(e).__name__, "msg": str(e)}
         except Exception as e:  # noqa: BLE001 - anything else is what the fuzz hunts
@@ -701,7 +742,8 @@ def run(cases: int, seed: int, work: Path, timeout: float = 60.0, mem_limit: int
                         keep.mkdir(parents=True, exist_ok=True)
                         (keep / f"case-{seed}-{i}.gguf").write_bytes(path.read_bytes())
                 if verbose:
-                    print(f"#{i} {res['outcome']:<7} {label} | {res.get('type', '')} {res.get('msg', '')[:160]}")
+                    print(f"#{i} {res['outcome']:<7} {label} | {res.get('type', '')} "
+                          f"{res.get('msg', '')[:160]}")
         finally:
             worker.stop()
     rep.seconds = time.perf_counter() - t0

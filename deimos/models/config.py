@@ -203,7 +203,8 @@ class _Reader:
         if scaling is None:
             scaling = "linear"
         if not isinstance(scaling, str) or scaling not in ("none", "linear"):
-            raise self.fail("rope.scaling.type", f"is {scaling!r:.60}: only 'none' and 'linear' are supported")
+            raise self.fail("rope.scaling.type",
+                            f"is {scaling!r:.60}: only 'none' and 'linear' are supported")
         factor = self.float("rope.scaling.factor", 0.0, lo=0.0)
         rope_scale = 1.0 / factor if factor and scaling == "linear" else 1.0
         if not 0.0 < rope_scale <= _F32_MAX:  # the rotation runs in float32
@@ -267,7 +268,8 @@ class _Reader:
             if pattern.ndim != 1 or pattern.dtype.kind not in "biu":
                 raise self.fail(key, f"must be an integer or an array of flags, got {pattern.dtype} array")
             if len(pattern) != n_layer:
-                raise self.fail(key, f"has {len(pattern)} entries, expected one per layer (block_count {n_layer})")
+                raise self.fail(key, f"has {len(pattern)} entries, expected one per layer "
+                                     f"(block_count {n_layer})")
             swa = tuple(bool(x) for x in pattern)
         else:
             # every period-th layer attends globally; 0: every layer slides (set_swa_pattern)
@@ -299,12 +301,14 @@ def _check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], md: Mapping[str
     (ggml order, ne0 first). The message names the keys the expected size comes from."""
     a = cfg.arch
     embd = f"'{a}.embedding_length' {cfg.n_embd}"
-    vocab = (f"the vocabulary size {cfg.n_vocab} ('tokenizer.ggml.tokens')" if "tokenizer.ggml.tokens" in md
-             else f"'{a}.vocab_size' {cfg.n_vocab}")
-    k_from = "'{a}.attention.key_length'" if f"{a}.attention.key_length" in md else "embedding_length / head_count"
-    v_from = "'{a}.attention.value_length'" if f"{a}.attention.value_length" in md else "the head size"
-    hd = f"head size {cfg.head_dim} ({k_from.format(a=a)})"
-    vd = f"value size {cfg.head_dim_v} ({v_from.format(a=a)})"
+    vocab = f"the vocabulary size {cfg.n_vocab} ('tokenizer.ggml.tokens')"
+    if "tokenizer.ggml.tokens" not in md:
+        vocab = f"'{a}.vocab_size' {cfg.n_vocab}"
+    has_k, has_v = f"{a}.attention.key_length" in md, f"{a}.attention.value_length" in md
+    k_from = f"'{a}.attention.key_length'" if has_k else "embedding_length / head_count"
+    v_from = f"'{a}.attention.value_length'" if has_v else "the head size"
+    hd = f"head size {cfg.head_dim} ({k_from})"
+    vd = f"value size {cfg.head_dim_v} ({v_from})"
     q = f"'{a}.attention.head_count' {cfg.n_head} x {hd}"
     k = f"'{a}.attention.head_count_kv' {cfg.n_head_kv} x {hd}"
     v = f"'{a}.attention.head_count_kv' {cfg.n_head_kv} x {vd}"
@@ -323,26 +327,31 @@ def _check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], md: Mapping[str
             raise ConfigError(f"{source}: tensor '{name}' has dims {list(info.dims)}, expected "
                               f"{list(want)} ({why})")
 
-    expect("token_embd.weight", ((cfg.n_embd, embd), (cfg.n_vocab, vocab)))
-    expect("output.weight", ((cfg.n_embd, embd), (cfg.n_vocab, vocab)), required=False)
-    expect("output_norm.weight", ((cfg.n_embd, embd),))
-    expect("rope_freqs.weight", ((cfg.rope_dim // 2, f"'{a}.rope.dimension_count' {cfg.rope_dim} / 2"),),
-           required=False)
-    norms = ["attn_norm", "ffn_norm"] + (["post_attention_norm", "post_ffw_norm"] if cfg.sandwich_norm else [])
+    width, rows = (cfg.n_embd, embd), (cfg.n_vocab, vocab)
+    expect("token_embd.weight", (width, rows))
+    expect("output.weight", (width, rows), required=False)
+    expect("output_norm.weight", (width,))
+    rope = f"'{a}.rope.dimension_count' {cfg.rope_dim} / 2"
+    expect("rope_freqs.weight", ((cfg.rope_dim // 2, rope),), required=False)
+    norms = ["attn_norm", "ffn_norm"]
+    if cfg.sandwich_norm:
+        norms += ["post_attention_norm", "post_ffw_norm"]
+    q_rows, k_rows = (cfg.n_head * cfg.head_dim, q), (cfg.n_head_kv * cfg.head_dim, k)
+    v_rows, o_cols = (cfg.n_head_kv * cfg.head_dim_v, v), (cfg.n_head * cfg.head_dim_v, o)
+    ffn = (cfg.n_ff, ff)
     for i in range(cfg.n_layer):  # n_layer matches the blk.N tensors present
         p = f"blk.{i}."
         for n in norms:
-            expect(f"{p}{n}.weight", ((cfg.n_embd, embd),))
-        expect(f"{p}attn_q.weight", ((cfg.n_embd, embd), (cfg.n_head * cfg.head_dim, q)))
-        expect(f"{p}attn_k.weight", ((cfg.n_embd, embd), (cfg.n_head_kv * cfg.head_dim, k)))
-        expect(f"{p}attn_v.weight", ((cfg.n_embd, embd), (cfg.n_head_kv * cfg.head_dim_v, v)))
-        expect(f"{p}attn_output.weight", ((cfg.n_head * cfg.head_dim_v, o), (cfg.n_embd, embd)))
-        for bias, dims in (("attn_q", (cfg.n_head * cfg.head_dim, q)), ("attn_k", (cfg.n_head_kv * cfg.head_dim, k)),
-                           ("attn_v", (cfg.n_head_kv * cfg.head_dim_v, v))):  # fmt: skip
-            expect(f"{p}{bias}.bias", (dims,), required=False)
+            expect(f"{p}{n}.weight", (width,))
+        expect(f"{p}attn_q.weight", (width, q_rows))
+        expect(f"{p}attn_k.weight", (width, k_rows))
+        expect(f"{p}attn_v.weight", (width, v_rows))
+        expect(f"{p}attn_output.weight", (o_cols, width))
+        for bias, rows in (("attn_q", q_rows), ("attn_k", k_rows), ("attn_v", v_rows)):
+            expect(f"{p}{bias}.bias", (rows,), required=False)
         if cfg.qk_norm:
             expect(f"{p}attn_q_norm.weight", ((cfg.head_dim, hd),))
             expect(f"{p}attn_k_norm.weight", ((cfg.head_dim, hd),))
-        expect(f"{p}ffn_gate.weight", ((cfg.n_embd, embd), (cfg.n_ff, ff)))
-        expect(f"{p}ffn_up.weight", ((cfg.n_embd, embd), (cfg.n_ff, ff)))
-        expect(f"{p}ffn_down.weight", ((cfg.n_ff, ff), (cfg.n_embd, embd)))
+        expect(f"{p}ffn_gate.weight", (width, ffn))
+        expect(f"{p}ffn_up.weight", (width, ffn))
+        expect(f"{p}ffn_down.weight", (ffn, width))
