@@ -149,7 +149,7 @@ def _load(path, n_ctx: int | None, device: str, *, stages: bool = False, transie
             if seen:
                 bar.advance(task)
             seen.append(label)
-            what = "weights" if label == "weights" else f"compiling: {label}"
+            what = "loading weights" if label == "weights" else f"compiling: {label}"
             bar.update(task, description=f"{what} ({device})")
 
         llm = LLM(path, n_ctx=n_ctx, device=device, progress=progress)

@@ -87,6 +87,42 @@ def test_context_limits(smol):
     assert out.finish_reason == "length" and out.prompt_tokens + len(out.token_ids) == 513
 
 
+def test_the_readme_haiku_ends_without_a_loop(smol):
+    """The README's first prompt as `deimos run` answers it (chat template, llama.cpp's
+    default sampling, the loop guard), over seeds: every answer ends on its own or by the
+    guard, never by running into max_tokens. Seed 5 looped for 256 tokens before the guard."""
+    for seed in (0, 1, 5):
+        out = smol.generate("Write a haiku about the sea.", max_tokens=200, seed=seed,
+                            loop_guard=True)
+        assert out.finish_reason in ("stop", "repetition"), (seed, out)
+        assert len(out.token_ids) < 200
+
+
+def test_a_base_model_is_run_raw_and_says_so(gemma, smol, capsys):
+    """gemma-3-270m has no chat template: `run` continues the prompt as --raw does and says
+    so on stderr, instead of a template the model was never tuned on."""
+    from deimos.cli import main
+
+    assert smol.has_chat_template and not gemma.has_chat_template
+    case = reference("gemma-3-270m-q4_k_m.json")["cases"][0]
+    assert main(["run", str(model_path(GEMMA)), case["prompt"], "-n", "4", "--temperature", "0",
+                 "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert out == gemma.tokenizer.decode(case["tokens"][:4]) + "\n"
+    assert "has no chat template (a base model)" in err and "--raw" in err
+
+
+def test_bad_context_or_device_names_the_setting_not_a_class():
+    """Refused before the weights load; the message names n_ctx / device (was `KVCache:
+    capacity must be positive`, and `-c 0` silently meant the default)."""
+    for bad in (0, 1, -4, 2.5):
+        with pytest.raises(ValueError, match=r"^n_ctx must be an integer >= 2") as e:
+            LLM(model_path(SMOL), n_ctx=bad)
+        assert "KVCache" not in str(e.value)
+    with pytest.raises(ValueError, match="^device 'tpu': Deimos runs on cpu, cuda or cuda:N"):
+        LLM(model_path(SMOL), device="tpu")
+
+
 def test_gemma_runs_raw_and_chat(gemma):
     case = reference("gemma-3-270m-q4_k_m.json")["cases"][0]
     out = gemma.generate(case["prompt"], max_tokens=8, temperature=0, raw=True)
@@ -130,16 +166,16 @@ def test_cli_chat_two_turns():
     assert len([line for line in r.stdout.splitlines() if line.strip()]) >= 2
 
 
-@pytest.mark.parametrize("args, message", [
-    (("run", "no-such-file.gguf", "hi"), "no such file"),
-    (("run", "no-such-model", "hi"), "unknown model"),
-    (("run", __file__, "hi"), "GGUF"),
-    (("run", "smollm2", "hi", "--temperature", "-1"), "temperature"),
-    (("compile", "smollm2", "--device", "cpu"), "no CUDA GPU"),
+@pytest.mark.parametrize("args, message, status", [
+    (("run", "no-such-file.gguf", "hi"), "no such file", 1),
+    (("run", "no-such-model", "hi"), "unknown model", 1),
+    (("run", __file__, "hi"), "GGUF", 1),
+    (("run", "smollm2", "hi", "--temperature", "-1"), "argument --temperature", 2),  # argparse's
+    (("compile", "smollm2", "--device", "cpu"), "no CUDA GPU", 1),
 ])
-def test_cli_bad_input_is_one_clear_line(args, message):
+def test_cli_bad_input_is_one_clear_line(args, message, status):
     r = deimos(*args)
-    assert r.returncode == 1
+    assert r.returncode == status
     assert message.lower() in r.stderr.lower()
     assert "Traceback" not in r.stderr
 
