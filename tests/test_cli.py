@@ -62,7 +62,8 @@ def test_version(capsys):
     (("run", "smollm2", "hi", "--top-k", "1.5"), "--top-k", "must be an integer, got '1.5'"),
     (("serve", "smollm2", "--port", "70000"), "--port", "must be in [0, 65535]"),
     (("bench", "smollm2", "-r", "0"), "-r/--repetitions", "must be >= 1"),
-], ids=["ctx-zero", "ctx-negative", "max-tokens", "temperature", "top-p", "top-k", "port", "rounds"])
+], ids=["ctx-zero", "ctx-negative", "max-tokens", "temperature", "top-p", "top-k", "port",
+        "rounds"])
 def test_bad_flag_names_the_flag(capsys, argv, flag, problem):
     code, out, err = run_cli(capsys, *argv)
     assert code == 2 and out == ""
@@ -95,7 +96,8 @@ def test_flag_field_and_request_word_a_bad_value_alike(capsys, field, flag, valu
     ("cuda:x", "12.8", 1, "--device 'cuda:x': Deimos runs on cpu, cuda or cuda:N"),
     ("cuda", None, 0, "is a CPU-only build; install a CUDA build of torch, or use --device cpu"),
     ("cuda", "12.8", 0, "sees no CUDA GPU"),
-    ("cuda:7", "12.8", 1, "--device cuda:7: there is no GPU 7; this machine has 1 (cuda:0..cuda:0)"),
+    ("cuda:7", "12.8", 1,
+     "--device cuda:7: there is no GPU 7; this machine has 1 (cuda:0..cuda:0)"),
 ], ids=["unknown", "bad-index", "cpu-only-torch", "no-gpu", "absent-gpu"])
 def test_bad_device_is_one_clear_line(capsys, monkeypatch, device, cuda, count, words):
     # the torch at hand, made to answer as each kind of machine would

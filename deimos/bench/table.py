@@ -8,7 +8,9 @@ from deimos.bench.stats import BenchReport
 
 
 def _rate(bytes_per_s: float) -> str:
-    return f"{bytes_per_s / 1e12:.2f} TB/s" if bytes_per_s >= 1e12 else f"{bytes_per_s / 1e9:.1f} GB/s"
+    if bytes_per_s >= 1e12:
+        return f"{bytes_per_s / 1e12:.2f} TB/s"
+    return f"{bytes_per_s / 1e9:.1f} GB/s"
 
 
 def render(report: BenchReport) -> Table:
