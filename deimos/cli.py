@@ -196,7 +196,8 @@ def _finish_note(req, args: argparse.Namespace, n_ctx: int) -> str | None:
 
 
 def _stream(llm, ids: list[int], args: argparse.Namespace, sampling) -> str:
-    """Streams the answer to stdout; the note on how it ended goes to stderr."""
+    """Streams the answer to stdout, ended by a newline unless --raw; the note on how it
+    ended goes to stderr. Returns the generated text."""
     from deimos.engine import Request
     from deimos.engine.repetition import LoopGuard
 
@@ -208,12 +209,11 @@ def _stream(llm, ids: list[int], args: argparse.Namespace, sampling) -> str:
         sys.stdout.write(piece)
         sys.stdout.flush()
     text = "".join(pieces)
+    if not getattr(args, "raw", False) and not text.endswith("\n"):
+        sys.stdout.write("\n")  # --raw: stdout is the generated text, nothing else
+        sys.stdout.flush()
     note = _finish_note(req, args, llm.n_ctx)
     if note is not None:
-        if text and not text.endswith("\n") and not getattr(args, "raw", False):
-            sys.stdout.write("\n")  # the note on a line of its own (stdout stays text-only)
-            sys.stdout.flush()
-            text += "\n"
         _say(note)
     return text
 
@@ -229,9 +229,7 @@ def cmd_run(args: argparse.Namespace) -> int:
              "plain text, as --raw does")
         raw = True
     ids = llm.encode_raw(prompt) if raw else llm.encode_chat([{"role": "user", "content": prompt}])
-    text = _stream(llm, ids, args, sampling)
-    if not args.raw and not text.endswith("\n"):
-        sys.stdout.write("\n")
+    _stream(llm, ids, args, sampling)
     return 0
 
 
@@ -260,9 +258,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         messages.append({"role": "user", "content": line})
         reply = _stream(llm, llm.encode_chat(messages), args, sampling)
-        if not reply.endswith("\n"):
-            sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": reply.rstrip("\n")})
+        messages.append({"role": "assistant", "content": reply})
     return 0
 
 
@@ -464,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $DEIMOS_API_KEY, which `ps` does not show)")
-    p.add_argument("--max-queue", type=int, default=64,
+    p.add_argument("--max-queue", type=_checked(int, Bound(lo=1, integer=True)), default=64,
                    help="requests waiting for the engine before new ones get 503")
     p.add_argument("--no-tui", action="store_true", help="no dashboard: JSON request logs only")
     _add_engine(p)

