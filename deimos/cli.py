@@ -50,7 +50,8 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int | None = RUN_MAX_T
     d = SamplingParams()
     g = p.add_argument_group("sampling (llama.cpp's defaults)")
     g.add_argument("-n", "--max-tokens", type=_checked(int, Bound(lo=1, integer=True)),
-                   default=max_tokens, help=f"tokens to generate at most (default {max_tokens})")
+                   default=max_tokens, help="tokens to generate at most (default: "
+                   f"{max_tokens or 'what the context holds'})")
 
     def flag(field: str, kind: type, help: str | None = None, *aliases: str) -> None:
         g.add_argument(SAMPLING_FLAGS[field], *aliases, type=_checked(kind, SAMPLING_BOUNDS[field]),
