@@ -218,3 +218,63 @@ def test_reads_llama_perplexity_files(tmp_path):
     want = kld.log_softmax(logits)
     assert np.abs(got - want)[want > -16].max() < 2e-4
     f.check_matches(n_vocab=V, vocab_sha256="anything", tokens=tokens)  # no fingerprint to check
+
+
+# ---- quant-check --kld ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    from testdata import llama_cpp_path
+
+    from deimos.synth import write_model
+
+    d = tmp_path_factory.mktemp("qkld")
+    donor = llama_cpp_path("models/ggml-vocab-llama-spm.gguf")
+    a = write_model(d / "a.gguf", "llama", "llama-tiny", "Q8_0", donor, seed=1)
+    b = write_model(d / "b.gguf", "llama", "llama-tiny", "Q4_K_M", donor, seed=2)
+    return a, b
+
+
+def test_quant_kld_equals_direct_computation(tiny_pair):
+    """quant_kld of two models equals torch's kl_div over every window's second half."""
+    from testdata import data_file
+
+    from deimos.eval.cli import load, quant_kld, tokenize
+    from deimos.eval.perplexity import plan_windows, window_input, window_targets
+    from deimos.models.batch import Batch
+    from deimos.runtime.kv_cache import KVCache
+
+    a, b = tiny_pair
+    text = str(data_file("texts/alice29.txt"))
+    s = quant_kld(str(b), str(a), text, n_ctx=12, n_chunks=2)
+    ref, q = load(str(a), "cpu"), load(str(b), "cpu")
+    _, ids = tokenize(ref, text)
+    w = plan_windows(ids.shape[0], 12, 2)
+    want, top = [], []
+    for i in range(2):
+        x = torch.from_numpy(window_input(ids, w, i, ref.bos_id))
+        lp, lq = (torch.log_softmax(m.model.forward(Batch(x, torch.arange(12), KVCache(
+            m.model.config, 12), torch.arange(12))).double(), -1)[6:11] for m in (ref, q))
+        want += torch.nn.functional.kl_div(lq, lp, reduction="none", log_target=True).sum(-1)
+        top += (lp.argmax(-1) == lq.argmax(-1)).tolist()
+        assert window_targets(ids, w, i).shape == (5,)
+    assert s.n == 10
+    assert s.kld.value == pytest.approx(float(np.mean(want)), rel=1e-4)
+    assert s.same_top.value == pytest.approx(np.mean(top))
+    same = quant_kld(str(a), str(a), text, n_ctx=12, n_chunks=2)
+    assert same.kld.value == 0 and same.same_top.value == 1.0
+
+
+def test_quant_check_kld_command(tiny_pair, capsys):
+    from testdata import data_file
+
+    from deimos import cli
+
+    a, b = tiny_pair
+    rc = cli.main(["quant-check", str(b), str(a), "--kld", str(data_file("texts/alice29.txt")),
+                   "--kld-ctx", "12", "--kld-chunks", "2"])
+    out = capsys.readouterr().out
+    assert rc in (0, 1)  # 1: the random Q4_K_M "quantization" of another model is flagged
+    assert "KL-divergence of b.gguf from a.gguf" in out and "Mean    KLD:" in out
+    assert "Same top p:" in out
