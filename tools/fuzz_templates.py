@@ -56,9 +56,11 @@ FILTERS = [
     ("center", ["", "{n}"]), ("indent", ["{n}", "{n}, true, true", "{s}"]),
     ("wordwrap", ["{n}", "{n}, true, {s}"]), ("replace", ["{s}, {s}", "'', {s}", "{s}, {s}, {n}"]),
     ("format", ["{v}", "{v}, {v}", "a={v}"]), ("join", ["", "{s}", "{s}, 'content'"]),
-    ("batch", ["{n}", "{n}, {v}"]), ("slice", ["{n}", "{n}, {v}"]), ("truncate", ["{n}", "{n}, true, {s}"]),
-    ("round", ["", "{n}", "{n}, 'floor'"]), ("tojson", ["", "indent={n}", "indent={s}", "ensure_ascii=true"]),
-    ("int", ["", "{n}, 16"]), ("float", [""]), ("list", [""]), ("map", ["'string'", "'center', {n}", "attribute='content'", "'upper'"]),
+    ("batch", ["{n}", "{n}, {v}"]), ("slice", ["{n}", "{n}, {v}"]),
+    ("truncate", ["{n}", "{n}, true, {s}"]), ("round", ["", "{n}", "{n}, 'floor'"]),
+    ("tojson", ["", "indent={n}", "indent={s}", "ensure_ascii=true"]),
+    ("int", ["", "{n}, 16"]), ("float", [""]), ("list", [""]),
+    ("map", ["'string'", "'center', {n}", "attribute='content'", "'upper'"]),
     ("select", ["", "'string'"]), ("reject", ["'none'"]), ("selectattr", ["'role'"]),
     ("unique", [""]), ("sort", ["", "attribute='role'"]), ("groupby", ["'role'"]),
     ("sum", ["", "start=[]", "start={v}"]), ("pprint", [""]), ("urlize", ["", "{n}"]),
@@ -134,33 +136,41 @@ def _expr(rng: random.Random, depth: int = 0) -> str:
     return e
 
 
+# Statement shapes; each <TOKEN> is replaced by a fresh random pick (see _TOKENS).
+SHAPES = [
+    "{{ <E> }}",
+    "{{ <E> }}{{ <E> }}",
+    "{% set ns = namespace(v=<V>) %}{% for i in range(<N>) %}{% set ns.v = <E> %}"
+    "{% set ns.v = ns.v <ACC> <RHS> %}{% endfor %}{{ ns.v }}",
+    "{% for i in range(<N>) %}{% for j in range(<N>) %}{{ <E> }}{% endfor %}{% endfor %}",
+    "{% macro f(k) %}{% if k > 0 %}{{ f(k - 1) }}{{ f(k - 1) }}{% else %}{{ <E> }}{% endif %}"
+    "{% endmacro %}{{ f(<K>) }}",
+    "{% macro g(x) %}{{ g(x ~ x) }}{% endmacro %}{{ g(<S>) }}",
+    "{% set x %}{% for i in range(<N>) %}<Y>{{ <E> }}{% endfor %}{% endset %}{{ x | length }}",
+    "{% filter <F> %}{% for i in range(<N>) %}{{ <E> }}{% endfor %}{% endfilter %}",
+    "{% for x in <R> recursive %}{{ loop(x.c if x.c is defined else []) }}{{ <E> }}{% endfor %}",
+    "{% set a = [[<V>] * <N>] * <N> %}{% set b = [[<V>] * <N>] * <N> %}{{ <D> }}",
+    "{% set ns = namespace(t=()) %}{% for i in range(<N>) %}{% for j in range(<N>) %}"
+    "{% set ns.t = (ns.t,) %}{% endfor %}{% endfor %}{{ {ns.t: 1} | length }}",
+]
+_TOKENS = {
+    "<E>": lambda rng: _expr(rng),
+    "<V>": lambda rng: rng.choice(VALUES),
+    "<S>": lambda rng: rng.choice(STRS),
+    "<N>": lambda rng: rng.choice(SMALL),
+    "<K>": lambda rng: rng.choice(["3", "20", "40", "100000"]),
+    "<ACC>": lambda rng: rng.choice(["*", "+", "~", "**"]),
+    "<RHS>": lambda rng: rng.choice(["ns.v", "2", "ns.v | length", "[ns.v]", "(ns.v,)"]),
+    "<Y>": lambda rng: "y" * rng.choice([1, 100, 5000]),
+    "<F>": lambda rng: rng.choice(["upper", "center(2000000000)", "indent(100000)", "wordwrap(1)"]),
+    "<R>": lambda rng: rng.choice(RECURSIVE),
+    "<D>": lambda rng: rng.choice(DAG_USES),
+}
+_TOKEN = re.compile("|".join(re.escape(t) for t in _TOKENS))
+
+
 def _statement(rng: random.Random) -> str:
-    e = _expr(rng)
-    n, m = rng.choice(SMALL), rng.choice(SMALL)
-    shapes = [
-        lambda: f"{{{{ {e} }}}}",
-        lambda: f"{{% set ns = namespace(v={rng.choice(VALUES)}) %}}{{% for i in range({n}) %}}"
-                f"{{% set ns.v = {_expr(rng).replace('VALUE', 'ns.v')} %}}"
-                f"{{% set ns.v = ns.v {rng.choice(['*', '+', '~', '**'])} "
-                f"{rng.choice(['ns.v', '2', 'ns.v|length', '[ns.v]', '(ns.v,)'])} %}}{{% endfor %}}{{{{ ns.v }}}}",
-        lambda: f"{{% for i in range({n}) %}}{{% for j in range({m}) %}}{{{{ {e} }}}}{{% endfor %}}"
-                f"{{% endfor %}}",
-        lambda: f"{{% macro f(k) %}}{{% if k > 0 %}}{{{{ f(k - 1) }}}}{{{{ f(k - 1) }}}}{{% else %}}"
-                f"{{{{ {e} }}}}{{% endif %}}{{% endmacro %}}{{{{ f({rng.choice(['3', '20', '40', '100000'])}) }}}}",
-        lambda: f"{{% macro g(x) %}}{{{{ g(x ~ x) }}}}{{% endmacro %}}{{{{ g({rng.choice(STRS)}) }}}}",
-        lambda: f"{{% set x %}}{{% for i in range({n}) %}}{'y' * rng.choice([1, 100, 5000])}{{{{ {e} }}}}"
-                f"{{% endfor %}}{{% endset %}}{{{{ x | length }}}}",
-        lambda: f"{{% filter {rng.choice(['upper', 'center(2000000000)', 'indent(100000)', 'wordwrap(1)'])} %}}"
-                f"{{% for i in range({n}) %}}{{{{ {e} }}}}{{% endfor %}}{{% endfilter %}}",
-        lambda: f"{{% for x in {rng.choice(RECURSIVE)} recursive %}}"
-                f"{{{{ loop(x.c if x.c is defined else []) }}}}{{{{ {e} }}}}{{% endfor %}}",
-        lambda: f"{{% set a = [[{rng.choice(VALUES)}] * {n}] * {m} %}}{{% set b = [[{rng.choice(VALUES)}] * {n}] * {m} %}}"
-                f"{{{{ {rng.choice(DAG_USES)} }}}}",
-        lambda: f"{{% set ns = namespace(t=()) %}}{{% for i in range({n}) %}}{{% for j in range({m}) %}}"
-                f"{{% set ns.t = (ns.t,) %}}{{% endfor %}}{{% endfor %}}{{{{ {{ns.t: 1}} | length }}}}",
-        lambda: f"{{{{ {e} }}}}{{{{ {_expr(rng)} }}}}",
-    ]
-    return rng.choice(shapes)()
+    return _TOKEN.sub(lambda m: _TOKENS[m.group()](rng), rng.choice(SHAPES))
 
 
 def _real_templates() -> list[str]:
@@ -212,7 +222,7 @@ def make_cases(seed: int, n: int) -> list[Case]:
         if real and rng.random() < 0.3:
             src = _mutate(rng, rng.choice(real))
         else:
-            src = "".join(_statement(rng) for _ in range(rng.randint(1, 2)))
+            src = _statement(rng)
         content = rng.choice(["hi", "x" * 100_000, "ab\n\t<é>" * 1000, "{{ '{}' }}%s"])
         cases.append(Case(src, content, rng.random() < 0.5))
     return cases
@@ -269,7 +279,8 @@ def _worker(conn: mp.connection.Connection, time_s: float, cap_mb: int) -> None:
             case = conn.recv()
         except EOFError:
             return
-        msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": case.content},
+        msgs = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": case.content},
                 {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}]
         base = _rss_now_kb()
         exact = _reset_peak()

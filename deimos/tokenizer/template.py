@@ -208,10 +208,14 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             return None
         return FormatCall(value.__self__, value.__name__ == "format_map")
 
-    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
+    def call_binop(
+        self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any
+    ) -> Any:
         return binop(budget_of(context), operator, left, right)
 
-    def call(__self, __context: jinja2.runtime.Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+    def call(  # noqa: N805 - Jinja's signature: positional names that kwargs cannot clash with
+        __self, __context: jinja2.runtime.Context, __obj: Any, *args: Any, **kwargs: Any
+    ) -> Any:
         budget = budget_of(__context)
         budget._tick()
         if not __self.is_safe_callable(__obj):

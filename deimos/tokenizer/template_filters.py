@@ -291,7 +291,9 @@ _NOT_FRESH = {"attr", "d", "default", "first", "last", "random", "max", "min", "
 
 def _do_format(budget: Budget, value: Any, *args: Any, **kwargs: Any) -> Any:
     if args and kwargs:
-        raise jinja2.FilterArgumentError("can't handle positional and keyword arguments at the same time")
+        raise jinja2.FilterArgumentError(
+            "can't handle positional and keyword arguments at the same time"
+        )
     text = value if isinstance(value, str) else str(value)
     return printf(budget, text, kwargs or args)
 
