@@ -180,6 +180,9 @@ def _truncate(budget: Budget, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 
 def _round(budget: Budget, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Args:
+    if args and not isinstance(args[0], (int, float)):
+        # Jinja computes value * 10 ** precision: a string would be repeated, not scaled
+        raise TypeError(f"round() needs a number, got {type(args[0]).__name__}")
     precision = _arg(args, kwargs, 1, "precision", 0)
     if isinstance(precision, int) and abs(precision) > 400:  # 10 ** precision is computed
         raise BudgetExceeded(f"round() to {precision} digits")
