@@ -256,6 +256,14 @@ def _int(budget: Budget, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Args:
     return args, kwargs
 
 
+def _number_test(budget: Budget, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Args:
+    # odd/even/divisibleby compute value % n: on a string that is %-formatting
+    for a in args:
+        if not isinstance(a, (int, float)):
+            raise TypeError(f"this test needs numbers, got {type(a).__name__}")
+    return args, kwargs
+
+
 def _lower_test(budget: Budget, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Args:
     if args:  # str(value).islower()
         budget._reserve(budget._str_cost(args[0]), "a string")
@@ -284,7 +292,7 @@ _TEST_RULES: dict[str, Rule] = {
     "none": _same, "boolean": _same, "false": _same, "true": _same, "integer": _same,
     "float": _same, "number": _same, "string": _same, "mapping": _same, "iterable": _same,
     "sequence": _same, "callable": _same, "sameas": _same, "escaped": _same, "filter": _same,
-    "test": _same, "odd": _same, "even": _same,
+    "test": _same, "odd": _number_test, "even": _number_test, "divisibleby": _number_test,
 }
 _NOT_FRESH = {"attr", "d", "default", "first", "last", "random", "max", "min", "safe"}
 
