@@ -50,9 +50,10 @@ def binop(budget: Budget, op: str, left: Any, right: Any) -> Any:
             _check_bits(budget, (left.bit_length() - 1) * right + 1, f"{left} ** {right}")
     elif op == "+":
         if isinstance(left, (str, bytes)) and isinstance(right, (str, bytes)):
-            grow = 6 if isinstance(left, Markup) and not isinstance(right, Markup) else 1
+            # Markup escapes the other side (either way round: Markup.__radd__ runs first)
+            grow = 6 if isinstance(left, Markup) != isinstance(right, Markup) else 1
             wide = 4 if str_units(left) != len(left) or str_units(right) != len(right) else 1
-            budget._reserve(wide * (len(left) + grow * len(right)), "a concatenation")
+            budget._reserve(wide * grow * (len(left) + len(right)), "a concatenation")
         elif isinstance(left, (list, tuple)) and isinstance(right, (list, tuple)):
             budget._reserve(8 * (len(left) + len(right)), "a concatenation")
         elif isinstance(left, Markup):
