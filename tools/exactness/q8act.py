@@ -54,19 +54,16 @@ class Q8InputLinear(Linear):
         return super().__call__(x)
 
 
-def quantize_activations(model) -> int:
-    """Makes every ``Linear`` of a CPU reference model round its input (in place: the model
-    is the llama.cpp emulation from then on); returns how many linears that is."""
+def linears(model) -> list[Linear]:
+    """Every distinct ``Linear`` reachable from a CPU reference model's attributes."""
     seen: set[int] = set()
-    count = 0
+    out: list[Linear] = []
 
     def walk(v) -> None:
-        nonlocal count
         if isinstance(v, Linear):
             if id(v) not in seen:
                 seen.add(id(v))
-                v.__class__ = Q8InputLinear
-                count += 1
+                out.append(v)
         elif isinstance(v, (list, tuple)):
             for x in v:
                 walk(x)
@@ -76,4 +73,13 @@ def quantize_activations(model) -> int:
                 walk(x)
 
     walk(model)
-    return count
+    return out
+
+
+def quantize_activations(model) -> int:
+    """Makes every ``Linear`` of a CPU reference model round its input (in place: the model
+    is the llama.cpp emulation from then on); returns how many linears that is."""
+    found = linears(model)
+    for v in found:
+        v.__class__ = Q8InputLinear
+    return len(found)

@@ -22,6 +22,7 @@ from deimos.models.weights import Linear
 from deimos.runtime.kv_cache import KVCache
 from deimos.tokenizer import Tokenizer
 
+from .q8act import linears
 from .sequences import REPEAT_TIMES
 
 EPS = (1e-4, 1e-3, 1e-2)
@@ -40,27 +41,6 @@ class NoisyLinear(Linear):
         return super().__call__(x)
 
 
-def _linears(model) -> list[Linear]:
-    seen: set[int] = set()
-    out: list[Linear] = []
-
-    def walk(v) -> None:
-        if isinstance(v, Linear):
-            if id(v) not in seen:
-                seen.add(id(v))
-                out.append(v)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x)
-        elif hasattr(v, "__dict__") and not isinstance(v, torch.Tensor) and id(v) not in seen:
-            seen.add(id(v))
-            for x in vars(v).values():
-                walk(x)
-
-    walk(model)
-    return out
-
-
 def log_probs(model, ids: list[int]) -> torch.Tensor:
     n = len(ids)
     out = model.forward(Batch(torch.tensor(ids), torch.arange(n), KVCache(model.config, n),
@@ -77,7 +57,7 @@ def main() -> int:
     torch.set_num_threads(1)
     f = GGUFFile(args.model)
     model, tok = load_model(f), Tokenizer.from_gguf(f)
-    lins = _linears(model)
+    lins = linears(model)
     g = torch.Generator().manual_seed(args.seed)
     for lin in lins:
         lin.__class__ = NoisyLinear
