@@ -39,6 +39,18 @@ def _spec_arg(args: Any, index: int) -> tuple[Any, int]:
     return (args if index == 0 else None), index + 1
 
 
+def _spec_field(text: str, pos: int, args: Any, arg_index: int, budget: Budget
+                ) -> tuple[int, int, int]:
+    """A %-spec's width or precision at ``pos``: ``*`` (taken from the arguments) or digits.
+    -> (value, position after it, next argument index); 0 when neither is there."""
+    if pos < len(text) and text[pos] == "*":
+        value, arg_index = _spec_arg(args, arg_index)
+        return (abs(value) if isinstance(value, int) else 0), pos + 1, arg_index
+    if m := _DIGITS.match(text, pos):
+        return _number(m.group(), budget), m.end(), arg_index
+    return 0, pos, arg_index
+
+
 def predict_printf(budget: Budget, fmt: str | bytes, args: Any, *, escape: bool = False) -> int:
     """Upper bound (bytes) of ``fmt % args``, following CPython's conversion-spec grammar:
     ``%[(key)][flags][width|*][.precision|*][hlL]type``."""
@@ -59,23 +71,10 @@ def predict_printf(budget: Budget, fmt: str | bytes, args: Any, *, escape: bool 
             key = text[start : pos - 1]
         while pos < n and text[pos] in "-+ #0":
             pos += 1
-        width = prec = 0
-        if pos < n and text[pos] == "*":
-            value, arg_index = _spec_arg(args, arg_index)
-            width = abs(value) if isinstance(value, int) else 0
-            pos += 1
-        elif m := _DIGITS.match(text, pos):
-            width = _number(m.group(), budget)
-            pos = m.end()
+        width, pos, arg_index = _spec_field(text, pos, args, arg_index, budget)
+        prec = 0
         if pos < n and text[pos] == ".":
-            pos += 1
-            if pos < n and text[pos] == "*":
-                value, arg_index = _spec_arg(args, arg_index)
-                prec = abs(value) if isinstance(value, int) else 0
-                pos += 1
-            elif m := _DIGITS.match(text, pos):
-                prec = _number(m.group(), budget)
-                pos = m.end()
+            prec, pos, arg_index = _spec_field(text, pos + 1, args, arg_index, budget)
         while pos < n and text[pos] in "hlL":
             pos += 1
         if pos >= n:
