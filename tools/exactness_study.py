@@ -13,7 +13,7 @@ deimos-cuda-decode; with ``--llama-cuda DIR`` (a CUDA libllama with llama_ref bu
 ``python tools/llama_ref/driver.py --build-in DIR``) llama-cuda and llama-cuda-default
 (``--ngl 99``). Needs $DEIMOS_TEST_DATA (the models, the llama.cpp source) and, for the
 llama-cpu paths, $LLAMA_CPU_DIR (the unpacked CPU llama.cpp build, with llama-quantize).
-torch and llama.cpp run on one thread, so that every run sums in the same order.
+torch (unless --threads) and llama.cpp run on one thread, so that every run sums in the same order.
 """
 
 from __future__ import annotations
@@ -142,6 +142,9 @@ def main() -> int:
                     help="where the F32 twins are kept")
     ap.add_argument("--per-group", type=int, default=None,
                     help="only the first N sequences of each group (a shorter run)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (default 1: every CPU run sums in one order; the "
+                    "float64 yardstick does not care, so a GPU machine's run may use more)")
     ap.add_argument("--out", type=Path, default=Path("exactness-results.json"))
     args = ap.parse_args()
     groups = set(args.groups.split(","))
@@ -161,7 +164,9 @@ def main() -> int:
         ap.error("--paths: the deimos-cuda paths need a CUDA device")
     if set(names) & set(LLAMA_CUDA_PATHS) and args.llama_cuda is None:
         ap.error("--paths: the llama-cuda paths need --llama-cuda DIR")
-    torch.set_num_threads(1)
+    if args.threads < 1:
+        ap.error(f"--threads: must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
     args.cache.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=TOOLS).stdout.strip()
