@@ -361,7 +361,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     cfg = BenchConfig(model=str(_resolve(args.model)), n_prompt=args.n_prompt,
                       n_gen=args.n_gen, rounds=args.repetitions, device=_device(args),
-                      roof=args.roof, vs_llama=args.vs_llama, seed=args.seed)
+                      roof=args.roof, vs_llama=args.vs_llama, seed=args.seed,
+                      llama_args=args.llama_args, llama_reps=args.llama_reps)
     report = run_bench(cfg)
     Console(stderr=args.json == "-").print(render(report))
     if args.json:
@@ -372,6 +373,60 @@ def cmd_bench(args: argparse.Namespace) -> int:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
     return 0
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    """--concurrency: comma-separated positive integers."""
+    try:
+        levels = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be integers separated by commas, got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"every level must be >= 1, got {text!r}")
+    return levels
+
+
+# bench serve's sampling flags and the request fields each sets (llama-server calls the
+# repetition penalty repeat_penalty, Deimos repetition_penalty: both are sent)
+SERVE_SAMPLING = {"temperature": ("temperature",), "top_k": ("top_k",), "top_p": ("top_p",),
+                  "min_p": ("min_p",), "repeat_penalty": ("repeat_penalty", "repetition_penalty"),
+                  "presence_penalty": ("presence_penalty",),
+                  "frequency_penalty": ("frequency_penalty",), "sampling_seed": ("seed",)}
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from deimos.bench.serve import ServeBenchConfig, api_key_from_env, run_serve_bench
+    from deimos.bench.serve_stats import markdown
+
+    sampling = {name: getattr(args, dest) for dest, names in SERVE_SAMPLING.items()
+                for name in names if getattr(args, dest) is not None}
+    cfg = ServeBenchConfig(
+        url=args.url, model=args.model, api_key=args.api_key or api_key_from_env(),
+        concurrency=args.concurrency, prompt_tokens=args.prompt_tokens,
+        max_tokens=args.max_tokens, requests=args.requests, warmup=args.warmup,
+        endpoint=args.endpoint, sampling=sampling, seed=args.seed, timeout_s=args.timeout)
+    report = run_serve_bench(cfg, progress=_say)
+    if args.json:
+        text = json.dumps(report.to_json(), indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    print(markdown(report), file=sys.stderr if args.json == "-" else sys.stdout)
+    return 0
+
+
+def _bench_serve_argv(argv: Sequence[str]) -> list[str]:
+    """``deimos [-v] bench serve ...`` -> ``bench-serve ...`` (a nested subcommand beside
+    bench's positional MODEL would make argparse take MODEL for a subcommand name; a model
+    file named "serve" is still ./serve)."""
+    argv = list(argv)
+    i = next((k for k, a in enumerate(argv) if not a.startswith("-")), None)
+    if i is not None and argv[i:i + 2] == ["bench", "serve"]:
+        argv[i:i + 2] = ["bench-serve"]
+    return argv
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -510,12 +565,65 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bandwidth roof in B/s for the decode share (default: this device's "
                         "copy rate, measured)")
     p.add_argument("--vs-llama", default=None, metavar="LLAMA_BENCH",
-                   help="path of llama.cpp's llama-bench: run it on the same file, interleaved")
+                   help="path of llama.cpp's llama-bench: run it on the same file first, alone "
+                        "(its own warm-up, then the repetitions), then Deimos's rounds")
+    p.add_argument("--llama-args", default=None, metavar='"FLAGS"',
+                   help="llama-bench's flags beside -m/-p/-n/-r/-o, given with '=' "
+                        "(--llama-args=\"-ngl 99 -fa 1 -ub 2048\"; default: \"-ngl 99 -fa 1\", "
+                        "its best known flags for one GPU)")
+    p.add_argument("--llama-reps", type=positive, default=None,
+                   help="llama-bench's repetitions (default: max(-r, 5))")
     p.add_argument("--json", default=None, metavar="FILE",
                    help="also write the report as JSON ('-': stdout, the table then on stderr)")
     p.add_argument("--seed", type=int, default=0)
     _add_device(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("bench-serve", prog="deimos bench serve",
+                       help="(also `bench serve`) throughput and latencies of an OpenAI-"
+                            "compatible server (deimos serve, llama-server) at several "
+                            "concurrencies")
+    p.add_argument("--url", default="http://127.0.0.1:8080", help="the server's base URL")
+    p.add_argument("--api-key", default=None,
+                   help="sent as 'Authorization: Bearer KEY' (default: $DEIMOS_API_KEY or "
+                        "$OPENAI_API_KEY)")
+    p.add_argument("--model", default=None,
+                   help="the request's model (default: the first id of GET /v1/models)")
+    p.add_argument("--concurrency", type=_levels, default=(1, 4, 16, 64), metavar="C1,C2,...",
+                   help="client tasks per level, each sending its next request when its last "
+                        "one ends (default: 1,4,16,64)")
+    p.add_argument("--prompt-tokens", type=positive, default=512,
+                   help="prompt length: random words, calibrated on the server's usage")
+    p.add_argument("--max-tokens", type=positive, default=128,
+                   help="tokens per request (sent with ignore_eos)")
+    p.add_argument("--requests", type=positive, default=None,
+                   help="measured requests per level (default: 4 x concurrency, at least 8)")
+    p.add_argument("--warmup", type=_checked(int, Bound(lo=0, integer=True)), default=None,
+                   help="requests per level before the measured ones (default: the "
+                        "concurrency)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--chat", dest="endpoint", action="store_const", const="chat",
+                      help="/v1/chat/completions (the default)")
+    mode.add_argument("--completions", dest="endpoint", action="store_const",
+                      const="completions", help="/v1/completions")
+    p.set_defaults(endpoint="chat")
+    g = p.add_argument_group("sampling (sent only if given; else each server's defaults, "
+                             "llama.cpp's sampler chain for both deimos serve and llama-server)")
+    for dest, field in (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"),
+                        ("min_p", "min_p"), ("repeat_penalty", "repetition_penalty"),
+                        ("presence_penalty", "presence_penalty"),
+                        ("frequency_penalty", "frequency_penalty"), ("sampling_seed", "seed")):
+        kind = int if field in ("top_k", "seed") else float
+        flag = "--sampling-seed" if dest == "sampling_seed" else SAMPLING_FLAGS[field]
+        g.add_argument(flag, dest=dest, type=_checked(kind, SAMPLING_BOUNDS[field]), default=None,
+                       help=f"the request's {' and '.join(SERVE_SAMPLING[dest])}")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts' random words")
+    p.add_argument("--timeout", type=_checked(float, Bound(lo=0, lo_open=True)), default=600.0,
+                   help="seconds a request may take before it is cut and counted as failed")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the report with every request's record as JSON ('-': "
+                        "stdout, the table then on stderr)")
+    p.set_defaults(func=cmd_bench_serve)
 
     p = sub.add_parser("pull", help="fetch a known model into the local cache")
     p.add_argument("name", nargs="?")
@@ -561,7 +669,7 @@ def _model_arg(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_bench_serve_argv(sys.argv[1:] if argv is None else argv))
     _model_arg(parser, args)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         stream=sys.stderr, format="deimos: %(levelname)s: %(message)s")

@@ -1,6 +1,12 @@
 """``deimos bench``: prefill and decode tokens/s of the GPU engine, round by round, optionally
-interleaved with llama-bench on the same file; no round is reported while another process uses
-the GPU.
+beside llama-bench on the same file; no round is reported while another process uses the GPU.
+
+With ``--vs-llama`` each engine is measured in its own best conditions, one after the other,
+never interleaved (interleaving single llama-bench rounds with ours was measured to understate
+llama.cpp's prefill by half): first llama-bench alone, before this process touches the GPU,
+in one run with its own warm-up and ``llama_reps`` repetitions (deimos.bench.llama), the GPU
+watched for other processes while it runs; then Deimos: graphs captured, one warm-up round,
+then ``rounds`` rounds, each after the contention check. Both report mean ± sd and the best.
 
 A round, as llama-bench's pp/tg tests: prefill = ``n_prompt`` random tokens into an empty
 cache (in the generator's chunks of 512); decode = ``n_gen`` single-token steps from an empty
@@ -16,22 +22,25 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from deimos.bench.contention import ContentionCheck, Nvml
-from deimos.bench.llama import run_llama_bench
+from deimos.bench.llama import llama_args, run_llama_bench
 from deimos.bench.roof import copy_rate
-from deimos.bench.stats import BenchReport, RoundTimes, summarize
-from deimos.gguf import GGUFFile
+from deimos.bench.stats import BenchReport, EngineResult, RoundTimes, Spread, summarize
 from deimos.engine.generator import Generator
 from deimos.engine.request import Request
+from deimos.gguf import GGUFFile
 from deimos.kernels.sampling import SamplingParams
 
 log = logging.getLogger("deimos")
 
 H200_COPY_ROOF = 4.3e12  # B/s: device-to-device copy measured on the H200 (read + write)
+LLAMA_ATTEMPTS = 2  # llama-bench runs tried when another GPU process spoils one
+WARMUP_GEN = 4  # decode steps of Deimos's warm-up round
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,8 @@ class BenchConfig:
     roof: float | None = None  # B/s; None: the device's copy rate, measured (bench/roof.py)
     vs_llama: str | None = None  # path of llama-bench
     seed: int = 0
+    llama_args: str | None = None  # llama-bench's flags; None: DEFAULT_LLAMA_ARGS (-ngl 99 -fa 1)
+    llama_reps: int | None = None  # llama-bench's -r; None: max(rounds, 5)
 
     def __post_init__(self) -> None:
         for name in ("n_prompt", "n_gen", "rounds"):
@@ -51,6 +62,13 @@ class BenchConfig:
                 raise ValueError(f"bench: {name} must be positive, got {getattr(self, name)}")
         if self.roof is not None and self.roof <= 0:
             raise ValueError(f"bench: --roof must be positive, got {self.roof}")
+        if self.llama_reps is not None and self.llama_reps <= 0:
+            raise ValueError(f"bench: llama_reps must be positive, got {self.llama_reps}")
+        llama_args(self.llama_args)  # a flag deimos sets itself fails here, before any load
+
+    @property
+    def reps_llama(self) -> int:
+        return self.llama_reps if self.llama_reps is not None else max(self.rounds, 5)
 
 
 def weight_bytes_per_token(file: GGUFFile, device: str = "cuda") -> int:
@@ -95,6 +113,73 @@ def time_round(gen: Generator, n_prompt: int, n_gen: int, device: torch.device,
     return RoundTimes(t1 - t0, t3 - t2, n_prompt, n_gen)
 
 
+def intruders(seen: set[int], child_pid: int) -> set[int]:
+    """The GPU processes seen while llama-bench ran that were not llama-bench. NVML shows the
+    child's PID unless we run in a container (host PIDs); then one new process is taken for
+    it, and any more are others'."""
+    if child_pid in seen:
+        return seen - {child_pid}
+    return seen if len(seen) > 1 else set()
+
+
+def _watcher(nvml: Nvml, seen: set[int]) -> Callable[[], None]:
+    """A callable that adds the GPU's compute processes of the moment (but this one) to
+    ``seen``."""
+    mine = os.getpid()
+
+    def watch() -> None:
+        try:
+            seen.update(p.pid for p in nvml.processes() if p.pid != mine)
+        except Exception as e:  # noqa: BLE001 - an NVML hiccup: the other samples decide
+            log.debug("bench: NVML sample failed: %s", e)
+
+    return watch
+
+
+def _llama_alone(cfg: BenchConfig, path, nvml: Nvml | None) -> tuple[EngineResult | None, int,
+                                                                      list[str]]:
+    """llama-bench in one run of its own, before this process touches the GPU: (its result or
+    None, runs refused, notes)."""
+    args = llama_args(cfg.llama_args)
+    reps = cfg.reps_llama
+    refused = 0
+    notes: list[str] = []
+    mine = os.getpid()
+    for attempt in range(LLAMA_ATTEMPTS):
+        if attempt:
+            time.sleep(5.0)
+        if nvml is not None:
+            busy = [p.pid for p in nvml.processes() if p.pid != mine]
+            if busy:
+                log.warning("bench: llama.cpp run refused: other GPU processes %s",
+                            ", ".join(map(str, busy)))
+                refused += 1
+                continue
+        seen: set[int] = set()
+        watch = _watcher(nvml, seen) if nvml is not None and nvml.available else None
+        try:
+            run = run_llama_bench(cfg.vs_llama, path, cfg.n_prompt, cfg.n_gen, reps, args, watch)
+            prefill, decode = Spread.of(run.prefill_ts), Spread.of(run.decode_ts)
+        except (RuntimeError, ValueError, OSError) as e:
+            # our rounds still count; the report says why llama.cpp has none
+            log.error("bench: llama-bench: %s", e)
+            notes.append(f"llama-bench failed: {str(e)[:300]}")
+            return None, refused, notes
+        others = intruders(seen, run.pid)
+        if others:
+            log.warning("bench: llama.cpp run refused: other GPU processes %s appeared while it "
+                        "ran", ", ".join(map(str, sorted(others))))
+            refused += 1
+            continue
+        warm = ("no warm-up (--no-warmup)" if "--no-warmup" in args
+                else "its own warm-up run per test")
+        method = (f"llama-bench {run.build}, one run alone before Deimos loaded: {warm}, "
+                  f"{reps} repetitions, flags {' '.join(args) or '(none)'}")
+        return EngineResult("llama.cpp", prefill, decode, method), refused, notes
+    notes.append(f"llama-bench: no run without another GPU process in {LLAMA_ATTEMPTS} tries")
+    return None, refused, notes
+
+
 def run_bench(cfg: BenchConfig) -> BenchReport:
     from deimos.models import load_model
     from deimos.registry import resolve
@@ -106,13 +191,18 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     before = nvml.processes() if nvml is not None else []
     path = resolve(cfg.model)
     file = GGUFFile(path)
+    theirs: EngineResult | None = None
+    refused = 0
+    notes: list[str] = []
+    if cfg.vs_llama:
+        theirs, refused, notes = _llama_alone(cfg, path, nvml)
     device = torch.device(cfg.device)
     model = load_model(file, device=cfg.device)
     gen = torch.Generator().manual_seed(cfg.seed)
     generator = Generator(model, cfg.n_prompt + cfg.n_gen, device=str(device))
     generator.warm()  # captures the graphs (compiling every kernel they run)
     # warm-up round (the eager kernels of a path without graphs compile here), not reported
-    time_round(generator, cfg.n_prompt, 4, device, gen)
+    time_round(generator, cfg.n_prompt, WARMUP_GEN, device, gen)
     if cfg.roof is not None:
         roof, roof_note = cfg.roof, "--roof"
     else:
@@ -129,10 +219,6 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
         return not others
 
     ours: list[RoundTimes] = []
-    theirs: list[RoundTimes] = []
-    refused = 0
-    notes: list[str] = []
-    vs_llama = cfg.vs_llama
     for r in range(cfg.rounds):
         if idle("deimos"):
             ours.append(time_round(generator, cfg.n_prompt, cfg.n_gen, device, gen))
@@ -140,20 +226,13 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
                      ours[-1].decode_tps)
         else:
             refused += 1
-        if vs_llama:
-            if not idle("llama.cpp"):
-                refused += 1
-                continue
-            try:
-                theirs.append(run_llama_bench(vs_llama, path, cfg.n_prompt, cfg.n_gen))
-            except (RuntimeError, ValueError, OSError) as e:
-                # our rounds still count; the report says why llama.cpp has none
-                log.error("bench: llama-bench: %s", e)
-                notes.append(f"llama-bench failed: {str(e)[:300]}")
-                vs_llama = None
-    engines = [summarize("deimos", ours)]
-    if theirs:
-        engines.append(summarize("llama.cpp", theirs))
+    graphs = "CUDA graphs captured, " if device.type == "cuda" else ""
+    method = (f"{graphs}1 warm-up round (pp{cfg.n_prompt} + tg{WARMUP_GEN}) not reported, then "
+              f"{len(ours)} rounds" + (f" of {cfg.rounds}" if len(ours) != cfg.rounds else "")
+              + (", after llama.cpp's run" if cfg.vs_llama else ""))
+    engines = [summarize("deimos", ours, method)]
+    if theirs is not None:
+        engines.append(theirs)
     return BenchReport(
         model=path.name, device=str(device), n_prompt=cfg.n_prompt, n_gen=cfg.n_gen,
         rounds=cfg.rounds, weight_bytes=weight_bytes_per_token(file, cfg.device), roof=roof,

@@ -9,13 +9,15 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass(frozen=True)
 class Spread:
-    """Tokens/s over rounds: mean, sample standard deviation (0 for one round), min, max."""
+    """Tokens/s over rounds: mean, sample standard deviation (0 for one round), min, max (the
+    best round), and the rounds' values in order."""
 
     mean: float
     std: float
     min: float
     max: float
     n: int
+    values: tuple[float, ...] = ()
 
     @classmethod
     def of(cls, values: Sequence[float]) -> Spread:
@@ -26,7 +28,11 @@ class Spread:
         n = len(values)
         mean = sum(values) / n
         var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
-        return cls(mean, math.sqrt(var), min(values), max(values), n)
+        return cls(mean, math.sqrt(var), min(values), max(values), n, tuple(values))
+
+    @property
+    def best(self) -> float:
+        return self.max
 
     def text(self) -> str:
         return f"{self.mean:.2f} ± {self.std:.2f}"
@@ -55,6 +61,7 @@ class EngineResult:
     engine: str  # "deimos" | "llama.cpp"
     prefill: Spread
     decode: Spread
+    method: str = ""  # how it was measured: warm-up, repetitions, flags
 
 
 @dataclass(frozen=True)
@@ -78,12 +85,15 @@ class BenchReport:
         return self.weight_bytes * r.decode.mean
 
     def ratios(self) -> dict[str, float] | None:
-        """deimos / llama.cpp for prefill and decode (mean t/s), when both ran."""
+        """deimos / llama.cpp, when both ran: of the mean t/s ("prefill", "decode") and of the
+        best round's ("prefill_best", "decode_best")."""
         by = {e.engine: e for e in self.engines}
         if "deimos" not in by or "llama.cpp" not in by:
             return None
         a, b = by["deimos"], by["llama.cpp"]
-        return {"prefill": a.prefill.mean / b.prefill.mean, "decode": a.decode.mean / b.decode.mean}
+        return {"prefill": a.prefill.mean / b.prefill.mean, "decode": a.decode.mean / b.decode.mean,
+                "prefill_best": a.prefill.best / b.prefill.best,
+                "decode_best": a.decode.best / b.decode.best}
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -95,6 +105,6 @@ class BenchReport:
         return d
 
 
-def summarize(engine: str, rounds: Sequence[RoundTimes]) -> EngineResult:
+def summarize(engine: str, rounds: Sequence[RoundTimes], method: str = "") -> EngineResult:
     return EngineResult(engine, Spread.of([r.prefill_tps for r in rounds]),
-                        Spread.of([r.decode_tps for r in rounds]))
+                        Spread.of([r.decode_tps for r in rounds]), method)
