@@ -71,7 +71,7 @@ class _StubDriver:
 
 def _jobs() -> list[Job]:
     """Every (kernel, constexpr config) the wrappers launch on a GPU."""
-    return _q8_jobs() + _layer_jobs()
+    return _q8_jobs() + _layer_jobs() + _paged_jobs()
 
 
 def _q8_jobs() -> list[Job]:
@@ -266,6 +266,75 @@ def _layer_jobs() -> list[Job]:
         jobs.append(Job("topk_merge", f"M={sampling.TOPK_MERGE} K={k_pad}",
                         _warm(sampling._topk_merge_kernel, [i64, i64, 64, 4],
                               MERGE=sampling.TOPK_MERGE, K_PAD=k_pad, num_warps=8)))
+    return jobs
+
+
+def _paged_jobs() -> list[Job]:
+    """The paged-cache attention kernels (block tables, blocks of 64 here; the block size is a
+    runtime shift): the decode split kernel with PAGED at D = 64, 128, 256 and GQA groups 1..16,
+    with and without the fused new token; the combine at B = 64 (one split: the batch alone
+    fills the H200) with and without the QuantizedX; the varlen paged prefill at the same
+    shapes; RoPE storing k/v at slots."""
+    import importlib
+
+    import torch
+    import triton
+    from triton.runtime.jit import MockTensor
+
+    decode_attention, prefill_attention, rope = (
+        importlib.import_module("deimos.kernels.triton." + m)
+        for m in ("decode_attention", "prefill_attention", "rope")
+    )
+    f16, f32, i32, i64 = torch.float16, torch.float32, torch.int32, torch.int64
+    maxb, bs_shift = 64, 6  # S = 4096
+    s = maxb << bs_shift
+    jobs = []
+    for d in (64, 128, 256):
+        for g in (1, 4, 8, 16):
+            hk = 8 if g <= 4 else 2
+            hq = g * hk
+            c = decode_attention.decode_config(s, 8, hk, d)
+            for rope_kw in ({}, {"ROPE": True, "NEOX": False, "HAS_NORM": False},
+                            {"ROPE": True, "NEOX": True, "HAS_NORM": True}):  # fmt: skip
+                args = [f32, f16, f16, i32, f32, f32, f32, hq * d, d, hk * d, d, hk * d, d, s, hk,
+                        d, c.split, c.n_split, d**-0.5, 0, f32, f32, d, d, f32, f32, f32, 1e-6, d]
+                paged = dict(PAGED=True, skn_b=(hq + 2 * hk) * d, svn_b=(hq + 2 * hk) * d,
+                             p_tab=MockTensor(i32), stab_b=maxb, bs_shift=bs_shift)  # fmt: skip
+                jobs.append(Job("paged_decode" + ("+rope" if rope_kw else ""),
+                                f"G={g} D={d} S={c.block_s} w={c.num_warps}"
+                                + (f" neox={int(rope_kw['NEOX'])} norm={int(rope_kw['HAS_NORM'])}"
+                                   if rope_kw else ""),
+                                _warm(decode_attention._decode_split_kernel, args, G=g,
+                                      G_PAD=decode_attention.GROUP_ROWS, BLOCK_S=c.block_s,
+                                      BLOCK_D=d, num_warps=c.num_warps, **rope_kw, **paged,
+                                      **PDL_KW)))  # fmt: skip
+        c = decode_attention.decode_config(s, 64, 8, d)
+        for quant in (False, True):
+            jobs.append(Job("decode_combine" + ("+q8" if quant else ""),
+                            f"D={d} splits={c.n_split} (B=64)",
+                            _warm(decode_attention._decode_combine_kernel,
+                                  [f32, f32, f32, f32, 32 * d, d, 32, d, c.n_split, i32, f32, i32],
+                                  BLOCK_SPLIT=triton.next_power_of_2(c.n_split), BLOCK_D=d,
+                                  QUANT=quant, num_warps=4, **PDL_KW)))  # fmt: skip
+        pc = prefill_attention.paged_prefill_config(d)
+        for g in (1, 4, 8, 16):
+            hk = 8 if g <= 4 else 2
+            hq = g * hk
+            args = [f32, f16, f16, f32, i32, i32, i32, i32, hq * d, d, hk * d, d, hk * d, d,
+                    hq * d, d, maxb, d, d**-0.5, 0, bs_shift]
+            jobs.append(Job("paged_prefill", f"G={g} D={d} M={pc.block_m} N={pc.block_n} "
+                                             f"w={pc.num_warps} st={pc.num_stages}",
+                            _warm(prefill_attention._paged_prefill_kernel, args, G=g,
+                                  BLOCK_M=pc.block_m, BLOCK_N=pc.block_n, BLOCK_D=d,
+                                  num_warps=pc.num_warps, num_stages=pc.num_stages)))
+    for hq, hk, d, slot_t in ((32, 8, 128, i32), (8, 4, 256, i32), (9, 3, 64, i64)):
+        for neox, norm_ in ((False, False), (True, True)):
+            args = [f32] * 6 + [i32, f32, f32, f32] + [d * (hq + 2 * hk), d] * 6 + [hq, hk, d, d, 1e-6]
+            jobs.append(Job("rope+slots", f"H={hq}+{hk} D={d} neox={int(neox)} norm={int(norm_)} "
+                                          f"slots={str(slot_t)[6:]}",
+                            _warm(rope._rope_kernel, args, NEOX=neox, HAS_K=True, TO_CACHE=True,
+                                  BLOCK_H=4, BLOCK_D=d, HAS_NORM=norm_, SLOTS=True,
+                                  p_slot=MockTensor(slot_t), num_warps=4, **PDL_KW)))
     return jobs
 
 

@@ -35,3 +35,32 @@ def causal_attention(
     scores = scores.masked_fill(~allowed[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hts,shd->thd", probs, vf).to(q.dtype)
+
+
+def slots_of(block_table_row: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
+    """Pool rows of positions 0..n-1 of one sequence in a paged KV cache: position s lives in
+    slot ``block_table_row[s // block_size] * block_size + s % block_size``. Returns int64 [n]."""
+    if n > block_table_row.shape[0] * block_size:
+        raise ValueError(f"slots_of: {n} positions need more than the table's "
+                         f"{block_table_row.shape[0]} blocks of {block_size}")  # fmt: skip
+    pos = torch.arange(n, device=block_table_row.device)
+    return block_table_row.long()[pos // block_size] * block_size + pos % block_size
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    q_positions: torch.Tensor,
+    block_table_row: torch.Tensor,
+    block_size: int,
+    scale: float,
+    window: int = 0,
+) -> torch.Tensor:
+    """Attention of one sequence's queries over a paged KV cache: its keys 0..max(q_positions)
+    gathered from the pools ``k_pool, v_pool [n_slots, Hkv, D]`` through ``block_table_row``,
+    then ``causal_attention``. q: [T, Hq, D] at ``q_positions`` [T]. Returns [T, Hq, D]."""
+    n = int(q_positions.max()) + 1 if q_positions.numel() else 0
+    slots = slots_of(block_table_row.to(k_pool.device), n, block_size)
+    k_pos = torch.arange(n, device=q.device)
+    return causal_attention(q, k_pool[slots], v_pool[slots], q_positions, k_pos, scale, window)

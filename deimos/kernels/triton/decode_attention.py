@@ -1,11 +1,21 @@
 """Split-K decode attention over the KV cache (flash-decoding, Triton).
-Oracle: deimos.kernels.attention.causal_attention with k_pos = arange(S).
+Oracles: deimos.kernels.attention.causal_attention with k_pos = arange(S) (contiguous cache),
+paged_attention_reference (paged cache).
 
-q ``[B, Hq, D]`` (B query rows of one sequence, e.g. 1 for plain decode, more for drafted
-tokens) at positions ``q_pos[B]`` (int32 on the device, so a CUDA graph can replay it while the
-length grows) over the cache ``k, v [S, Hkv, D]`` (deimos.runtime.kv_cache's per-layer layout;
-S = the capacity or any prefix of it that covers every q_pos). Row b sees keys s <= q_pos[b]
-and, with a window W > 0, q_pos[b] - s < W.
+q ``[B, Hq, D]`` at positions ``q_pos[B]`` (int32 on the device, so a CUDA graph can replay it
+while the lengths grow). Two cache layouts:
+
+- contiguous, ``k, v [S, Hkv, D]`` (deimos.runtime.kv_cache's per-layer layout; S = the
+  capacity or any prefix of it that covers every q_pos): the B rows are queries of ONE
+  sequence (1 for plain decode, more for drafted tokens), key s in row s;
+- paged, ``block_tables`` int32 ``[B, MAXB]`` and ``k, v [n_slots, Hkv, D]`` the layer's pools
+  (n_slots = n_blocks * block_size): every row b is ITS OWN sequence, its key s in the slot
+  ``block_tables[b, s // block_size] * block_size + s % block_size``; S = MAXB * block_size.
+  Each key's slot is computed inside the key loop from a vectorized load of the table
+  entries of the tile (L1-resident), so block_size (a power of two) and the key tile need
+  not divide each other.
+
+Row b sees keys s <= q_pos[b] and, with a window W > 0, q_pos[b] - s < W.
 
 Stage 1, grid (B * Hkv, n_split): a program takes one kv head, the G = Hq / Hkv query heads
 that share it (GQA: each K/V byte is read once per group, not per head) and one split of the
@@ -17,8 +27,18 @@ Stage 2, grid (B, Hq): combine the n_split partials of a head: out = sum_j e^(m_
 sum_j e^(m_j - M) l_j. (Stage 2 done by the last stage-1 program of each kv head instead,
 found with an atomic counter, was measured slower on the H200: BENCHMARKS.md.)
 
-n_split is chosen from S and B * Hkv so stage 1 has about 2 programs per SM of an H200
+n_split is chosen from S, B * Hkv and D so stage 1 has about 2 programs per SM of an H200
 (132 SMs); it depends only on shapes, so a captured graph stays valid as q_pos grows.
+
+Cost (what to compare the H200's ~4.8 TB/s with): stage 1 reads, per row b and kv head, the
+K and V rows of its n_b = min(q_pos[b] + 1, W) visible keys, 2 * n_b * D * 2 bytes (fp16),
+plus the table's int32 entries of those keys (4 bytes per block from DRAM; the rest L1
+hits) and q (Hq * D * 2 bytes per row); it writes B * Hq * n_split * (D + 2) * 4 bytes of
+partials, which stage 2 reads back, writing B * Hq * D * 2 bytes of output (plus the
+QuantizedX, 1.25 bytes per element, with ``quantized``). Total ~ 4 * Hkv * D * sum_b n_b
+bytes: a sequence of 4096 keys with 8 kv heads of 128 is 16.8 MB per layer, ~4 us at 4 TB/s.
+The fused new token adds the new k and v reads (2 * Hkv * D * 4 bytes per row for an fp32
+projection) and their stores (2 * Hkv * D * 2 bytes per row).
 """
 
 from __future__ import annotations
@@ -41,6 +61,18 @@ GROUP_ROWS = 16  # tl.dot's minimum M on sm_90
 
 
 @triton.jit
+def key_slots(o_k, m_k, p_tab_row, bs_shift, PAGED: tl.constexpr):
+    """Cache rows (int64) of the keys at positions ``o_k`` (those in ``m_k``; positions >= 0):
+    the positions themselves, or PAGED through the sequence's table row, block_size =
+    2^bs_shift keys a block. Shared with the paged prefill kernel."""
+    if PAGED:
+        b_blk = tl.load(p_tab_row + (o_k >> bs_shift), mask=m_k, other=0)
+        return (b_blk.to(tl.int64) << bs_shift) + (o_k & ((1 << bs_shift) - 1))
+    else:
+        return o_k.to(tl.int64)
+
+
+@triton.jit
 def _decode_split_kernel(
     p_q, p_k, p_v, p_pos, p_m, p_l, p_acc,
     sq_b, sq_h, sk_s, sk_h, sv_s, sv_h,
@@ -48,18 +80,26 @@ def _decode_split_kernel(
     p_kn, p_vn, skn_h, svn_h, p_inv_freq, p_qnw, p_knw, eps, R,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr = False, ROPE: tl.constexpr = False, NEOX: tl.constexpr = False,
-    HAS_NORM: tl.constexpr = False,
+    HAS_NORM: tl.constexpr = False, PAGED: tl.constexpr = False,
+    skn_b=0, svn_b=0, p_tab=None, stab_b=0, bs_shift=0,
 ):  # fmt: skip
-    """ROPE (one query row, B = 1): q and the new token's k arrive as the projections made
-    them; each program rotates (and head-norms) its q heads and the new key itself, and the
-    program whose split holds q_pos stores the new key and value in the cache row q_pos and
-    folds that key in from registers; no program reads row q_pos from the cache."""
+    """PAGED: the keys of row b through its table row ``p_tab + b * stab_b`` (block_size =
+    2^bs_shift), else in the rows of their positions. ROPE: q and the new token's k arrive as
+    the projections made them (row b of each); each program rotates (and head-norms) its q
+    heads and the new key itself, and the program whose split holds q_pos stores the new key
+    and value in the cache row of q_pos (its slot when PAGED) and folds that key in from
+    registers; no program reads that row. Without PAGED the B rows share one cache, so ROPE
+    is for B = 1 there (the wrapper checks)."""
     pdl_start(PDL)
     i_bh = tl.program_id(0)
     i_sp = tl.program_id(1)
     i_b = i_bh // HKV
     i_kv = i_bh % HKV
     pos = tl.load(p_pos + i_b)
+    if PAGED:
+        p_tab_row = p_tab + i_b.to(tl.int64) * stab_b
+    else:
+        p_tab_row = p_pos  # never read
     lo = i_sp * SPLIT
     own = (pos >= lo) & (pos < lo + SPLIT)  # this split holds the query's own key
     # keys [lo, hi) of this split, before the window (the S bound only guards a bad q_pos);
@@ -74,13 +114,15 @@ def _decode_split_kernel(
     o_h = i_kv * G + o_g  # query heads of the group
     if ROPE:  # q and the new key together: their loads overlap
         posf = pos.to(tl.float32)
-        b_qf, m_qf = rope_tile(p_q, p_inv_freq, posf, i_kv * G, sq_h, i_kv * G + G,
-                               D, R, p_qnw, eps, NEOX, G_PAD, BLOCK_D, HAS_NORM)  # fmt: skip
+        b_qf, m_qf = rope_tile(p_q + i_b.to(tl.int64) * sq_b, p_inv_freq, posf, i_kv * G, sq_h,
+                               i_kv * G + G, D, R, p_qnw, eps, NEOX, G_PAD, BLOCK_D,
+                               HAS_NORM)  # fmt: skip
         b_q = b_qf.to(p_k.dtype.element_ty)
-        kt, m_kt = rope_tile(p_kn, p_inv_freq, posf, i_kv, skn_h, i_kv + 1, D, R,
-                             p_knw, eps, NEOX, 2, BLOCK_D, HAS_NORM)  # fmt: skip
+        kt, m_kt = rope_tile(p_kn + i_b.to(tl.int64) * skn_b, p_inv_freq, posf, i_kv, skn_h,
+                             i_kv + 1, D, R, p_knw, eps, NEOX, 2, BLOCK_D, HAS_NORM)  # fmt: skip
         k_new = tl.sum(kt, axis=0).to(p_k.dtype.element_ty)  # row 1 of the tile is masked
-        v_new = tl.load(p_vn + i_kv * svn_h + o_d, mask=m_d, other=0.0).to(p_v.dtype.element_ty)
+        p_vnb = p_vn + i_b.to(tl.int64) * svn_b + i_kv * svn_h + o_d
+        v_new = tl.load(p_vnb, mask=m_d, other=0.0).to(p_v.dtype.element_ty)
     else:
         p_qb = p_q + i_b.to(tl.int64) * sq_b + o_h[:, None] * sq_h + o_d[None, :]
         b_q = tl.load(p_qb, mask=m_g[:, None] & m_d[None, :], other=0.0).to(p_k.dtype.element_ty)
@@ -93,10 +135,10 @@ def _decode_split_kernel(
     for s0 in range(lo - lo % BLOCK_S, hi, BLOCK_S):
         o_k = s0 + o_s
         m_s = (o_k >= lo) & (o_k < hi)
-        o_k64 = o_k.to(tl.int64)
+        o_row = key_slots(o_k, m_s, p_tab_row, bs_shift, PAGED)
         m_kd = m_s[:, None] & m_d[None, :]
-        p_kb = p_k + o_k64[:, None] * sk_s + i_kv * sk_h + o_d[None, :]
-        p_vb = p_v + o_k64[:, None] * sv_s + i_kv * sv_h + o_d[None, :]
+        p_kb = p_k + o_row[:, None] * sk_s + i_kv * sk_h + o_d[None, :]
+        p_vb = p_v + o_row[:, None] * sv_s + i_kv * sv_h + o_d[None, :]
         b_k = tl.load(p_kb, mask=m_kd, other=0.0)
         b_v = tl.load(p_vb, mask=m_kd, other=0.0)
         qk = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.float32) * qk_scale  # [G_PAD, BLOCK_S]
@@ -104,7 +146,7 @@ def _decode_split_kernel(
         m_i, l_i, acc = online_softmax_step(qk, b_v, m_i, l_i, acc)
     if ROPE:
         if own:
-            p_row = pos.to(tl.int64)
+            p_row = key_slots(pos, True, p_tab_row, bs_shift, PAGED)
             tl.store(p_k + p_row * sk_s + i_kv * sk_h + o_d, k_new, mask=m_d)
             tl.store(p_v + p_row * sv_s + i_kv * sv_h + o_d, v_new, mask=m_d)
             qk1 = tl.sum(b_q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
@@ -115,10 +157,10 @@ def _decode_split_kernel(
             acc = acc * alpha[:, None] + p1[:, None] * v_new.to(tl.float32)[None, :]
             m_i = m_new
     # partials of head h, split j at [(b * Hq + h) * N_SPLIT + j]
-    o_part = (i_b * (HKV * G) + o_h) * N_SPLIT + i_sp
+    o_part = (i_b.to(tl.int64) * (HKV * G) + o_h) * N_SPLIT + i_sp
     tl.store(p_m + o_part, m_i, mask=m_g)
     tl.store(p_l + o_part, l_i, mask=m_g)
-    tl.store(p_acc + o_part[:, None].to(tl.int64) * D + o_d[None, :], acc,
+    tl.store(p_acc + o_part[:, None] * D + o_d[None, :], acc,
              mask=m_g[:, None] & m_d[None, :])  # fmt: skip
 
 
@@ -171,11 +213,11 @@ def decode_config(s: int, b: int, hkv: int, d: int) -> DecodeConfig:
 
 
 class NewToken(NamedTuple):
-    """The decode step's own token for ``decode_attention`` to rotate and store itself (RoPE
-    fused into the attention launch): q is passed un-rotated; k, v ``[1, Hkv, D]`` as the
-    projections made them (strided views are fine); rotation as deimos.kernels.triton.rope
-    (``inv_freq`` from ``rope_inv_freq``, ``rope_type`` "norm"/"neox", optional qk-norm
-    ``head_norms=(q_weight, k_weight, eps)``)."""
+    """The decode step's own tokens for ``decode_attention`` to rotate and store itself (RoPE
+    fused into the attention launch): q is passed un-rotated; k, v ``[B, Hkv, D]`` as the
+    projections made them (strided views are fine, last dim contiguous; B = 1 without block
+    tables); rotation as deimos.kernels.triton.rope (``inv_freq`` from ``rope_inv_freq``,
+    ``rope_type`` "norm"/"neox", optional qk-norm ``head_norms=(q_weight, k_weight, eps)``)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -184,22 +226,52 @@ class NewToken(NamedTuple):
     head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None
 
 
-def _new_token_args(new: NewToken | None, q: torch.Tensor, k: torch.Tensor) -> tuple[list, dict]:
+def _new_token_args(new: NewToken | None, q: torch.Tensor, k: torch.Tensor,
+                    paged: bool) -> tuple[list, dict]:
     """The split kernel's extra arguments for ``new`` (placeholders without it), checked."""
     if new is None:
         return [q, q, 0, 0, q, q, q, 0.0, 2], {}
     n_b, hq, d = q.shape
     hkv = k.shape[1]
-    if n_b != 1:
-        raise ValueError(f"decode_attention: a fused new token needs one query row, got {n_b}")
+    if n_b != 1 and not paged:
+        raise ValueError(f"decode_attention: a fused new token needs one query row, got {n_b} "
+                         "(B rows of one contiguous cache would read each other's new keys)")
     r, qn, kn, eps = rope_params("decode_attention", d, q.device, new.inv_freq, new.rope_type,
                                  new.head_norms)  # fmt: skip
     for name, t in (("k", new.k), ("v", new.v)):
-        if t.shape != (1, hkv, d) or t.stride(2) != 1 or t.device != q.device:
-            raise ValueError(f"decode_attention: the new token's {name} must be [1, {hkv}, {d}] on "
-                             f"{q.device}, last dim contiguous; got {tuple(t.shape)}")  # fmt: skip
+        if t.shape != (n_b, hkv, d) or t.stride(2) != 1 or t.device != q.device:
+            raise ValueError(f"decode_attention: the new token's {name} must be [{n_b}, {hkv}, "
+                             f"{d}] on {q.device}, last dim contiguous; got {tuple(t.shape)}")
     args = [new.k, new.v, new.k.stride(1), new.v.stride(1), new.inv_freq, qn, kn, eps, r]
-    return args, {"ROPE": True, "NEOX": new.rope_type == "neox", "HAS_NORM": new.head_norms is not None}
+    kw = {"ROPE": True, "NEOX": new.rope_type == "neox", "HAS_NORM": new.head_norms is not None,
+          "skn_b": new.k.stride(0), "svn_b": new.v.stride(0)}
+    return args, kw
+
+
+def check_block_tables(op: str, block_tables: torch.Tensor, block_size: int, n_rows: int,
+                       pool: torch.Tensor) -> int:
+    """Checks a paged cache's tables int32 ``[n_rows, MAXB]`` on the pool's device and
+    ``block_size`` (a power of two dividing the pool's ``n_slots`` rows); returns log2 of it."""
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"{op}: block_size must be a power of two, got {block_size}")
+    if pool.shape[0] % block_size:
+        raise ValueError(f"{op}: the pool's {pool.shape[0]} slots are not whole blocks of "
+                         f"{block_size}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != n_rows or block_tables.shape[1] < 1:
+        raise ValueError(f"{op}: block_tables must be [{n_rows}, MAXB], got "
+                         f"{tuple(block_tables.shape)}")
+    if block_tables.dtype != torch.int32:
+        raise ValueError(f"{op}: block_tables must be int32, got {block_tables.dtype}")
+    if block_tables.device != pool.device:
+        raise ValueError(f"{op}: block_tables on {block_tables.device}, the pool on {pool.device}")
+    if block_tables.stride(1) != 1:
+        raise ValueError(f"{op}: block_tables' rows must be contiguous")
+    if block_tables.shape[1] * block_size >= 2**31:
+        raise ValueError(f"{op}: a table of {block_tables.shape[1]} blocks of {block_size} "
+                         f"keys spans S = {block_tables.shape[1] * block_size} >= 2^31 positions")
+    if pool.shape[0] >= 2**31:
+        raise ValueError(f"{op}: {pool.shape[0]} slots >= 2^31")
+    return block_size.bit_length() - 1
 
 
 def decode_attention(
@@ -212,30 +284,53 @@ def decode_attention(
     out: torch.Tensor | None = None,
     quantized=None,
     new: NewToken | None = None,
+    block_tables: torch.Tensor | None = None,
+    block_size: int = 0,
 ) -> torch.Tensor:
     """Attention of B query rows over a KV cache.
 
-    q: ``[B, Hq, D]``; k, v: ``[S, Hkv, D]`` (same dtype, fp16/bf16/fp32; last dim contiguous);
-    q_pos: int32 ``[B]`` on the device, every q_pos < S and keys 0..q_pos written;
-    window: sliding window W (0 = none). Products run in k's dtype (fp32 caches use TF32 on
-    the GPU), accumulation in fp32. Returns ``[B, Hq, D]`` in q's dtype (or ``out``).
+    q: ``[B, Hq, D]``; q_pos: int32 (or int64) ``[B]`` on the device; window: sliding window W
+    (0 = none). Products run in k's dtype (fp32 caches use TF32 on the GPU), accumulation in
+    fp32. Returns ``[B, Hq, D]`` in q's dtype (or ``out``).
+
+    Contiguous (``block_tables`` None): k, v ``[S, Hkv, D]`` (same dtype, fp16/bf16/fp32; last
+    dim contiguous), the B rows of one sequence, every q_pos < S and keys 0..q_pos written.
+    Paged: ``block_tables`` int32 ``[B, MAXB]`` on the device and ``block_size`` (a power of
+    two, 16..256 in the engine) with k, v the pools ``[n_slots, Hkv, D]``: row b is its own
+    sequence, its keys 0..q_pos[b] in the slots its table row gives (module docstring);
+    q_pos[b] < MAXB * block_size. The split count depends only on (MAXB * block_size, B, Hkv,
+    D): a captured graph replays for any positions and table contents. A graph's padding row
+    (q_pos 0, a table row of a scratch block) just runs.
+
     ``quantized``: a ``QuantizedX`` ``[B, Hq * D]`` (D a multiple of 32) that also receives the
     output rows as the output projection's integer activation.
-    ``new``: B = 1, q not yet rotated, and the key/value of q_pos not yet in the cache: this
-    launch rotates q and the new key (``NewToken``) and writes row q_pos of k and v (what
-    ``apply_rope(..., cache=...)`` followed by this function does, in one launch fewer).
+    ``new``: q not yet rotated, and the key/value of q_pos not yet in the cache: this launch
+    rotates q and the new key (``NewToken``) and writes the row of q_pos of k and v (the slot
+    of q_pos[b] in row b's table when paged; B = 1 when contiguous): what
+    ``apply_rope(..., cache=..., slots=...)`` followed by this function does, in one launch
+    fewer.
     """
     out = check_attention_io("decode_attention", q, k, v, window, out, q_pos.device, "B")
     n_b, hq, d = q.shape
-    s, hkv, _ = k.shape
+    n_rows, hkv, _ = k.shape
     if hq // hkv > GROUP_ROWS:
         raise ValueError(f"decode_attention: {hq // hkv} query heads per kv head > {GROUP_ROWS}")
     if q_pos.shape != (n_b,) or q_pos.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"decode_attention: q_pos must be int32 [{n_b}], got "
                          f"{q_pos.dtype} {tuple(q_pos.shape)}")  # fmt: skip
+    paged = block_tables is not None
+    if paged:
+        bs_shift = check_block_tables("decode_attention", block_tables, block_size, n_b, k)
+        s = block_tables.shape[1] * block_size
+        paged_kw = {"PAGED": True, "p_tab": block_tables, "stab_b": block_tables.stride(0),
+                    "bs_shift": bs_shift}
+    else:
+        if block_size:
+            raise ValueError("decode_attention: block_size without block_tables")
+        s, paged_kw = n_rows, {}
     if n_b == 0:
         return out
-    new_args, new_kw = _new_token_args(new, q, k)
+    new_args, new_kw = _new_token_args(new, q, k, paged)
     cfg = decode_config(s, n_b, hkv, d)
     f32 = dict(dtype=torch.float32, device=q.device)
     part_m = torch.empty((n_b, hq, cfg.n_split), **f32)
@@ -251,7 +346,7 @@ def decode_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         s, hkv, d, cfg.split, cfg.n_split, scale, window, *new_args,
         G=hq // hkv, G_PAD=GROUP_ROWS, BLOCK_S=cfg.block_s, BLOCK_D=block_d,
-        num_warps=cfg.num_warps, **new_kw, **launch_options(pdl_on(q.device)),
+        num_warps=cfg.num_warps, **new_kw, **paged_kw, **launch_options(pdl_on(q.device)),
     )  # fmt: skip
     _decode_combine_kernel[(n_b, hq)](
         part_m, part_l, part_acc, out, out.stride(0), out.stride(1), hq, d, cfg.n_split,

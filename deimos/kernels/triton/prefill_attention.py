@@ -1,6 +1,8 @@
-"""Causal flash attention for prefill with GQA and an optional sliding window (Triton).
+"""Causal flash attention for prefill with GQA and an optional sliding window (Triton):
+``prefill_attention`` (one sequence's chunk over a contiguous cache) and
+``paged_prefill_attention`` (the chunks of B sequences packed, over a paged cache; below).
 Oracle: deimos.kernels.attention.causal_attention with q_pos = start + arange(T),
-k_pos = arange(S).
+k_pos = arange(S); paged: paged_attention_reference, one sequence at a time.
 
 q ``[T, Hq, D]`` holds a chunk at positions start .. start+T-1; k, v ``[S, Hkv, D]`` the cache
 with the chunk's own keys already written (S >= start + T; S may be the whole capacity). Query
@@ -19,6 +21,37 @@ Shared memory (sm_90: 232,448 B per block): Q [M, D] plus num_stages copies of t
 tiles [N, D] in fp16. D = 256: M = 64, N = 32, 2 stages -> 32 KB + 2 x 32 KB; D <= 128:
 M = 128, N = 64 -> 32 KB + 2 x 32 KB at D = 128. tools/compile_kernels.py checks the real
 numbers.
+
+Paged varlen prefill (``paged_prefill_attention``).
+
+q ``[T, Hq, D]`` holds the chunks one after another: sequence b's rows cu_q[b] .. cu_q[b+1]-1
+at positions q_start[b] .. q_start[b] + len_b - 1 (a chunk may continue a cached prefix).
+Its keys 0 .. q_start[b] + len_b - 1 are already in the pools ``k, v [n_slots, Hkv, D]``
+(the rope kernel stored the chunk's own: ``apply_rope(..., cache=..., slots=...)``), key s in
+the slot ``block_tables[b, s // block_size] * block_size + s % block_size``. Query t of
+sequence b sees its key s when s <= q_start[b] + t and, with a window W > 0,
+q_start[b] + t - s < W.
+
+Tiles as above: a program owns BLOCK_M rows of one kv head, the rows being
+(token, group head) pairs ``r = t * G + g`` of ONE sequence (G = Hq / Hkv), so each K/V byte
+is loaded once per group. The host's ``prefill_tile_map`` lists the (sequence, M tile) pairs
+from the chunk lengths; the grid is (n_tiles, Hkv), and a program reads its sequence, tile,
+rows, start and table on the device, so a CUDA graph captured for one tile map replays for
+any starts and tables (and for device lengths up to the ones the map was made for: the
+tiles past a sequence's device length do nothing). Each key tile's slots come from a
+vectorized load of the table entries of its keys (key_slots, shared with decode), so
+block_size (a power of two) and BLOCK_N need not divide each other. Online softmax in base 2,
+fp32 accumulators, ``tl.dot`` on the pool's dtype with ``out_dtype=float32``; every key tile
+is masked (causal and window).
+
+Cost (to compare with the H200): FLOPs 4 * Hq * D * sum over rows of their visible keys
+(about 4 * Hq * D * len_b * (q_start[b] + len_b / 2) per sequence without a window), on the
+tensor cores at fp16 (~790 TFLOP/s dense measured for bf16 here). Bytes: q and the output
+(2 * T * Hq * D * 2) and each sequence's K/V once from DRAM, 4 * Hkv * D * (q_start[b] +
+len_b); the M tiles of a sequence re-read its keys, (len_b * G / BLOCK_M) times in all, mostly
+from L2. The table adds 4 bytes per key per tile (L1 hits after the first).
+
+Shared memory: as above (the same tiles).
 """
 
 from __future__ import annotations
@@ -31,6 +64,7 @@ import triton.language as tl
 
 from deimos.kernels.triton._attention_io import check_attention_io
 from deimos.kernels.triton._softmax import online_softmax_step
+from deimos.kernels.triton.decode_attention import check_block_tables, key_slots
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -158,6 +192,165 @@ def prefill_attention(
         n_t, d, 0 if on_device else start, scale, window, start if on_device else q,
         G=g, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, START_ON_DEVICE=on_device,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+# ---- paged varlen prefill ---------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    p_q, p_k, p_v, p_o, p_tab, p_cu, p_start, p_map,
+    sq_t, sq_h, sk_s, sk_h, sv_s, sv_h, so_t, so_h, stab_b,
+    D, scale, window, bs_shift,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    i_tile = tl.program_id(0)
+    i_kv = tl.program_id(1)
+    i_seq = tl.load(p_map + 2 * i_tile)
+    i_m = tl.load(p_map + 2 * i_tile + 1)
+    row0 = tl.load(p_cu + i_seq)
+    n_t = tl.load(p_cu + i_seq + 1) - row0  # the sequence's rows in q
+    start = tl.load(p_start + i_seq)
+    p_tab_row = p_tab + i_seq.to(tl.int64) * stab_b
+
+    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_t = o_r // G
+    o_h = i_kv * G + o_r % G
+    m_r = o_t < n_t
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    q_pos = start + o_t
+    m_qd = m_r[:, None] & m_d[None, :]
+    o_q = (row0 + o_t).to(tl.int64)
+    p_qb = p_q + o_q[:, None] * sq_t + o_h[:, None] * sq_h + o_d[None, :]
+    b_q = tl.load(p_qb, mask=m_qd, other=0.0).to(p_k.dtype.element_ty)
+
+    # keys of the tile: [lo, hi) with hi past the last row's position; none for a tile past
+    # the sequence's rows
+    t_first = (i_m * BLOCK_M) // G
+    t_last = tl.minimum((i_m * BLOCK_M + BLOCK_M - 1) // G, n_t - 1)
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(0, start + t_first - window + 1)
+        lo = lo - lo % BLOCK_N
+    hi = tl.where(t_first < n_t, start + t_last + 1, lo)
+
+    qk_scale = scale * LOG2E
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    o_n = tl.arange(0, BLOCK_N)
+    for s0 in range(lo, hi, BLOCK_N):
+        o_s = s0 + o_n
+        m_s = o_s < hi
+        o_row = key_slots(o_s, m_s, p_tab_row, bs_shift, True)
+        m_kd = m_s[:, None] & m_d[None, :]
+        p_kb = p_k + o_row[:, None] * sk_s + i_kv * sk_h + o_d[None, :]
+        p_vb = p_v + o_row[:, None] * sv_s + i_kv * sv_h + o_d[None, :]
+        b_k = tl.load(p_kb, mask=m_kd, other=0.0)
+        b_v = tl.load(p_vb, mask=m_kd, other=0.0)
+        qk = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.float32) * qk_scale  # [M, N]
+        delta = q_pos[:, None] - o_s[None, :]
+        ok = (delta >= 0) & m_s[None, :]
+        if window > 0:
+            ok = ok & (delta < window)
+        qk = tl.where(ok, qk, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(qk, b_v, m_i, l_i, acc)
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only
+    out = acc / l_i[:, None]
+    p_ob = p_o + o_q[:, None] * so_t + o_h[:, None] * so_h + o_d[None, :]
+    tl.store(p_ob, out.to(p_o.dtype.element_ty), mask=m_qd)
+
+
+def paged_prefill_config(d: int) -> PrefillConfig:
+    """prefill_config's tiles with one pipeline stage more: the loop's loads are a chain
+    (table entries -> slots -> K/V tiles), and with 3 stages Triton's pipeliner issues the
+    table load a tile ahead of the K/V copies instead of waiting on it each iteration; the
+    shared memory stays that of 2 stages plus the table's few hundred bytes (sm_90 compile,
+    Triton 3.9: tools/compile_kernels.py)."""
+    c = prefill_config(d)
+    return c._replace(num_stages=c.num_stages + 1)
+
+
+def prefill_tile_map(q_lens: list[int], n_head: int, n_head_kv: int, head_dim: int,
+                     device: torch.device | str) -> torch.Tensor:
+    """The (sequence, M tile) pairs of a packed prefill of chunks of ``q_lens`` tokens, int32
+    ``[n_tiles, 2]`` on ``device``: sequence b has cdiv(len_b * G, BLOCK_M) tiles (G = n_head /
+    n_head_kv, BLOCK_M from the head size's tile rule). Listed from the last M tile index down
+    (the tiles with the most keys start first, a shorter tail). Made on the host once per
+    set of lengths; ``paged_prefill_attention`` needs one made for its q's heads and D."""
+    if n_head_kv <= 0 or n_head % n_head_kv:
+        raise ValueError(f"prefill_tile_map: {n_head} query heads do not group over {n_head_kv}")
+    if any(n < 0 for n in q_lens):
+        raise ValueError(f"prefill_tile_map: negative chunk length in {q_lens}")
+    g = n_head // n_head_kv
+    block_m = paged_prefill_config(head_dim).block_m
+    tiles = [(b, j) for b, n in enumerate(q_lens) for j in range(triton.cdiv(n * g, block_m))]
+    tiles.sort(key=lambda bj: -bj[1])  # stable: sequences in order within a tile index
+    return torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2).to(device)
+
+
+def _check_int(op: str, name: str, t: torch.Tensor, shape: tuple, device: torch.device) -> None:
+    if t.dtype != torch.int32 or tuple(t.shape) != shape or t.device != device:
+        raise ValueError(f"{op}: {name} must be int32 {list(shape)} on {device}, got {t.dtype} "
+                         f"{list(t.shape)} on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous")
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_q: torch.Tensor,
+    q_start: torch.Tensor,
+    tile_map: torch.Tensor,
+    block_size: int,
+    scale: float,
+    window: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of B sequences' prefill chunks, packed, over a paged KV cache.
+
+    q: ``[T, Hq, D]`` (fp16/bf16 on the GPU, D <= 256; strided views allowed, last dim
+    contiguous), sequence b's rows ``cu_q[b] .. cu_q[b+1]-1`` (cu_q int32 ``[B+1]``, cu_q[0] =
+    0, cu_q[B] <= T) at positions from ``q_start[b]`` (int32 ``[B]``); k, v: the pools
+    ``[n_slots, Hkv, D]`` (same dtype as each other) holding keys 0 .. q_start[b] + len_b - 1
+    of every sequence through ``block_tables`` int32 ``[B, MAXB]`` (q_start[b] + len_b <=
+    MAXB * block_size, block_size a power of two); ``tile_map`` from
+    ``prefill_tile_map(lens, Hq, Hkv, D, device)``. Everything but the tile map's length is
+    read on the device: nothing is read back. window: sliding window W (0 = none). Returns
+    ``[T, Hq, D]`` in q's dtype (or ``out``); rows past cu_q[B] are not written.
+    """
+    op = "paged_prefill_attention"
+    out = check_attention_io(op, q, k, v, window, out, q.device, "T")
+    n_t, hq, d = q.shape
+    hkv = k.shape[1]
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"{op}: head size {d} > {MAX_HEAD_DIM}")
+    if block_tables.dim() != 2:
+        raise ValueError(f"{op}: block_tables must be [B, MAXB], got {list(block_tables.shape)}")
+    n_b = block_tables.shape[0]
+    bs_shift = check_block_tables(op, block_tables, block_size, n_b, k)
+    _check_int(op, "cu_q", cu_q, (n_b + 1,), q.device)
+    _check_int(op, "q_start", q_start, (n_b,), q.device)
+    if tile_map.dim() != 2 or tile_map.shape[1] != 2:
+        raise ValueError(f"{op}: tile_map must be [n_tiles, 2], got {list(tile_map.shape)}")
+    _check_int(op, "tile_map", tile_map, tuple(tile_map.shape), q.device)
+    if n_t == 0 or tile_map.shape[0] == 0:
+        return out
+    g = hq // hkv
+    cfg = paged_prefill_config(d)
+    _paged_prefill_kernel[(tile_map.shape[0], hkv)](
+        q, k, v, out, block_tables, cu_q, q_start, tile_map,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), block_tables.stride(0),
+        d, scale, window, bs_shift,
+        G=g, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

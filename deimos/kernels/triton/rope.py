@@ -11,6 +11,12 @@ whole heads. Element d < R pairs with its partner (norm: d ^ 1; neox: d +- R/2),
 second time from memory (an L1 hit) rather than shuffled in registers; dims >= R pass through
 unchanged. Every load precedes every store of a program and programs own disjoint tokens, so
 in place is safe.
+
+Cost (bandwidth-bound): reads q and k (and v with ``cache``), T * (Hq + 2 Hk) * D elements
+(4 bytes each from an fp32 projection), plus the partner elements again (L1 hits) and, with
+``slots``, 4 or 8 bytes a token; writes q' (T * Hq * D, q's dtype) and k', v into the cache
+rows (2 * T * Hk * D * 2 bytes for an fp16 cache). A paged cache's slots scatter whole rows
+of Hk * D elements, so the stores stay coalesced.
 """
 
 from __future__ import annotations
@@ -93,10 +99,12 @@ def _rope_kernel(
     HQ, HK, D, R, eps,
     NEOX: tl.constexpr, HAS_K: tl.constexpr, TO_CACHE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr = False,
+    SLOTS: tl.constexpr = False, p_slot=None,
 ):  # fmt: skip
     """Grid (T, head blocks of q then of k). TO_CACHE: k' and v go to the cache rows at the
-    token's position (ko/vo are the layer's cache), else k' to row t of ko. HAS_NORM: q and
-    k heads RMS-normalized first (weights p_qn, p_kn)."""
+    token's position (ko/vo are the layer's cache; SLOTS: at the row p_slot[t] instead, a
+    paged cache's slot), else k' to row t of ko. HAS_NORM: q and k heads RMS-normalized first
+    (weights p_qn, p_kn)."""
     pdl_start(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     i_hb = tl.program_id(1)
@@ -108,7 +116,12 @@ def _rope_kernel(
                     sq_h, sqo_h, HQ, D, R, p_qn, eps, NEOX, BLOCK_H, BLOCK_D, HAS_NORM)  # fmt: skip
     elif HAS_K:
         h0 = (i_hb - n_qb) * BLOCK_H
-        row = pos_i if TO_CACHE else i_t
+        if SLOTS:
+            row = tl.load(p_slot + i_t).to(tl.int64)
+        elif TO_CACHE:
+            row = pos_i
+        else:
+            row = i_t
         _rope_heads(p_k + i_t * sk_t, p_ko + row * sko_t, p_inv_freq, pos, h0,
                     sk_h, sko_h, HK, D, R, p_kn, eps, NEOX, BLOCK_H, BLOCK_D, HAS_NORM)  # fmt: skip
         if TO_CACHE:
@@ -178,6 +191,7 @@ def apply_rope(
     inplace: bool = False,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` (or None) at ``positions`` ``[T]`` (int).
 
@@ -186,7 +200,9 @@ def apply_rope(
 
     ``cache=(v, k_cache, v_cache)``: the rotated k and v ``[T, Hk, D]`` are stored straight
     into the layer's cache ``[S, Hk, D]`` at rows ``positions`` (decode: one launch instead of
-    rotate + two scatters); returns ``(q', k_cache)``.
+    rotate + two scatters); returns ``(q', k_cache)``. ``slots`` (int32/int64 ``[T]`` on the
+    device, with ``cache`` only): the rows are ``slots[t]`` instead (a paged cache's pools
+    ``[n_slots, Hk, D]``, deimos.kernels.attention.slots_of); positions still give the angles.
 
     inv_freq: float32 ``[R/2]`` from ``rope_inv_freq`` (R = rope dims <= D; dims >= R are left
     as they are). rope_type: "norm" (adjacent pairs) or "neox" (halves). q and k may be strided
@@ -214,7 +230,14 @@ def apply_rope(
         for name, t in (("v", v), ("k_cache", ko), ("v_cache", vo)):
             if t.device != q.device or t.stride(2) != 1:
                 raise ValueError(f"apply_rope: {name} must be on {q.device}, last dim contiguous")
+        ints = (torch.int32, torch.int64)
+        if slots is not None and (slots.shape != (n_t,) or slots.dtype not in ints
+                                  or slots.device != q.device):  # fmt: skip
+            raise ValueError(f"apply_rope: slots must be int32/int64 [{n_t}] on {q.device}, got "
+                             f"{slots.dtype} {tuple(slots.shape)} on {slots.device}")  # fmt: skip
     else:
+        if slots is not None:
+            raise ValueError("apply_rope: slots need cache=(v, k_cache, v_cache)")
         ko = k if k is None or inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
         v = vo = None
     if n_t == 0:
@@ -232,7 +255,7 @@ def apply_rope(
         hq, max(hk, 1), d, r, eps,
         NEOX=rope_type == "neox", HAS_K=k is not None, TO_CACHE=cache is not None,
         BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d), HAS_NORM=head_norms is not None,
-        num_warps=4, **launch_options(pdl_on(q.device)),
+        SLOTS=slots is not None, p_slot=slots, num_warps=4, **launch_options(pdl_on(q.device)),
     )  # fmt: skip
     return qo, ko
 

@@ -1,0 +1,453 @@
+"""Attention through a paged KV cache (block tables) for batches of sequences.
+
+Oracles: deimos.kernels.attention.paged_attention_reference (gather a sequence's keys through
+its table row, then causal_attention in float32), the reference RoPE (float64 angles) and
+RMSNorm for the fused new token, quantize_x of the stored output for the fused QuantizedX,
+and the kernel itself one sequence at a time for "a packed varlen call equals a loop".
+Pools are built with SHUFFLED block ids, the sequences' blocks interleaved; every pool row
+that no sequence's keys occupy is NaN (the unused table entries point at a NaN block too),
+and outputs are poisoned with NaN, so a read outside a sequence's keys or an unwritten
+output shows. Relative RMS error, max difference printed.
+
+Without CUDA the kernels run in Triton's interpreter: small shapes, the kernels' own tiles.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_device import DEVICE  # noqa: I001  (first: sets TRITON_INTERPRET)
+
+from deimos.kernels import norm as ref_norm  # noqa: E402
+from deimos.kernels import rope as ref_rope  # noqa: E402
+from deimos.kernels.attention import paged_attention_reference, slots_of  # noqa: E402
+from deimos.kernels.triton import (  # noqa: E402
+    NewToken,
+    apply_rope,
+    decode_attention,
+    paged_prefill_attention,
+    prefill_tile_map,
+    rope_inv_freq,
+)
+from deimos.quant.triton.gemv_q8 import empty_quantized, quantize_x  # noqa: E402
+
+NAN = float("nan")
+F16 = torch.float16
+
+
+def _rand(*shape: int, seed: int, dtype: torch.dtype = torch.float32, scale: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+def _close(label: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    """Relative RMS error ||ref - out|| / ||ref|| < tol; every element finite."""
+    out = out.detach().double().cpu()
+    ref = ref.detach().double().cpu()
+    assert out.shape == ref.shape, f"{label}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    bad = int((~torch.isfinite(out)).sum())
+    assert bad == 0, f"{label}: {bad} elements not finite (unwritten or read outside the keys)"
+    diff = out - ref
+    rel = (diff.norm() / ref.norm().clamp_min(1e-30)).item()
+    print(f"{label}: rel rms {rel:.2e}, max |diff| {diff.abs().max().item():.2e}")
+    assert rel < tol, f"{label}: relative RMS error {rel:.2e} >= {tol}"
+
+
+def _poison(like: torch.Tensor) -> torch.Tensor:
+    return torch.full(like.shape, NAN, dtype=like.dtype, device=like.device)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().view(torch.int16)
+
+
+class Paged:
+    """Pools ``[n_blocks * bs, Hkv, D]`` fp16 and tables int32 ``[B, MAXB]``: sequence b owns
+    cdiv(alloc[b], bs) blocks, handed out from a shuffled permutation round-robin over the
+    sequences (interleaved); its keys 0..filled[b]-1 are random, every other row NaN. Unused
+    table entries point at the NaN block ``spare``; ``scratch`` is a block of finite garbage
+    that no sequence owns (a graph's padding rows point there)."""
+
+    def __init__(self, alloc: list[int], filled: list[int], bs: int, hkv: int, d: int, seed: int,
+                 extra_width: int = 1):  # fmt: skip
+        need = [-(-n // bs) for n in alloc]
+        n_blocks = sum(need) + 2
+        g = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(n_blocks, generator=g).tolist()
+        self.spare, self.scratch = perm.pop(), perm.pop()
+        width = max(need) + extra_width
+        table = torch.full((len(alloc), width), self.spare, dtype=torch.int32)
+        for j in range(max(need)):
+            for b in range(len(alloc)):
+                if j < need[b]:
+                    table[b, j] = perm.pop()
+        self.bs, self.width = bs, width
+        self.k = torch.full((n_blocks * bs, hkv, d), NAN, dtype=F16)
+        self.v = torch.full((n_blocks * bs, hkv, d), NAN, dtype=F16)
+        for b, n in enumerate(filled):
+            rows = slots_of(table[b], n, bs)
+            self.k[rows] = _rand(n, hkv, d, seed=seed + 10 * b + 1, dtype=F16).cpu()
+            self.v[rows] = _rand(n, hkv, d, seed=seed + 10 * b + 2, dtype=F16).cpu()
+        rows = torch.arange(self.scratch * bs, (self.scratch + 1) * bs)
+        self.k[rows] = _rand(bs, hkv, d, seed=seed + 7, dtype=F16).cpu()
+        self.v[rows] = _rand(bs, hkv, d, seed=seed + 8, dtype=F16).cpu()
+        self.table = table
+        self.k, self.v = self.k.to(DEVICE), self.v.to(DEVICE)
+
+    def tables(self) -> torch.Tensor:
+        return self.table.to(DEVICE)
+
+    def reference(self, q, positions, b: int, scale: float, window: int,
+                  table_row: torch.Tensor | None = None, k=None, v=None):  # fmt: skip
+        row = self.table[b] if table_row is None else table_row
+        return paged_attention_reference(
+            q.float().cpu(), (self.k if k is None else k).float().cpu(),
+            (self.v if v is None else v).float().cpu(), torch.as_tensor(positions).long(), row,
+            self.bs, scale, window)  # fmt: skip
+
+
+def _case_id(c: tuple) -> str:
+    lens, bs, hq, hkv, d, w = c
+    return f"len{'-'.join(map(str, lens))}_bs{bs}_h{hq}x{hkv}_d{d}_w{w}"
+
+
+def test_references() -> None:
+    """slots_of on a hand-made table; paged_attention_reference over blocks scattered in a pool
+    equals causal_attention over the same keys kept contiguous."""
+    from deimos.kernels.attention import causal_attention
+
+    row = torch.tensor([5, 2, 7], dtype=torch.int32)
+    assert slots_of(row, 6, 2).tolist() == [10, 11, 4, 5, 14, 15]
+    with pytest.raises(ValueError, match="more than the table's 3 blocks"):
+        slots_of(row, 7, 2)
+    n, bs, hq, hkv, d = 21, 4, 6, 2, 16
+    k, v = torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+    table = torch.tensor([3, 0, 6, 1, 4, 2], dtype=torch.int32)
+    k_pool = torch.full((8 * bs, hkv, d), NAN)
+    v_pool = torch.full((8 * bs, hkv, d), NAN)
+    k_pool[slots_of(table, n, bs)], v_pool[slots_of(table, n, bs)] = k, v
+    q, pos = torch.randn(3, hq, d), torch.tensor([5, 19, 20])
+    got = paged_attention_reference(q, k_pool, v_pool, pos, table, bs, 0.25, window=7)
+    assert torch.equal(got, causal_attention(q, k, v, pos, torch.arange(n), 0.25, 7))
+
+
+# ---- decode: B sequences, one query row each -----------------------------------------------------
+
+DECODE_CASES = [
+    # (sequence lengths = q_pos + 1, block size, Hq, Hkv, D, window)
+    ((1,), 16, 4, 4, 64, 0),  # B = 1, G = 1, the first token
+    ((17, 70, 1), 16, 8, 2, 64, 0),  # blocks of 16 < the key tile of 64
+    ((70, 17, 1, 33, 129), 64, 8, 1, 128, 0),  # B = 5, G = 8
+    ((70, 17, 5), 64, 4, 1, 64, 20),  # window
+    ((40, 9, 100), 32, 16, 1, 64, 30),  # G = 16, window
+    ((40, 9, 3), 16, 4, 2, 256, 0),  # D = 256 (key tile 32)
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=_case_id)
+def test_paged_decode(case: tuple) -> None:
+    lens, bs, hq, hkv, d, window = case
+    pool = Paged(list(lens), list(lens), bs, hkv, d, seed=sum(lens) + d)
+    q = _rand(len(lens), hq, d, seed=d, dtype=F16)
+    pos = torch.tensor([n - 1 for n in lens], dtype=torch.int32, device=DEVICE)
+    scale = d**-0.5
+    out = decode_attention(q, pool.k, pool.v, pos, scale, window, out=_poison(q),
+                           block_tables=pool.tables(), block_size=bs)  # fmt: skip
+    for b, n in enumerate(lens):
+        ref = pool.reference(q[b : b + 1], [n - 1], b, scale, window)
+        _close(f"paged decode {case} row {b}", out[b : b + 1], ref, 3e-3)
+
+
+def test_paged_decode_padding_row_and_quantized() -> None:
+    """Row 1 is a CUDA graph's padding (q_pos 0, every table entry the scratch block): it runs
+    like any sequence of one key; the others are untouched by it. The combine kernel's
+    QuantizedX of the B rows equals quantize_x of the output it stored."""
+    lens, bs, hq, hkv, d = [30, 1, 65], 16, 8, 2, 64
+    pool = Paged(lens, lens, bs, hkv, d, seed=3)
+    tables = pool.table.clone()
+    tables[1] = pool.scratch
+    q = _rand(3, hq, d, seed=4, dtype=F16)
+    pos = torch.tensor([29, 0, 64], dtype=torch.int32, device=DEVICE)
+    qx = empty_quantized(3, hq * d, DEVICE)
+    out = decode_attention(q, pool.k, pool.v, pos, d**-0.5, out=_poison(q), quantized=qx,
+                           block_tables=tables.to(DEVICE), block_size=bs)  # fmt: skip
+    for b in range(3):
+        ref = pool.reference(q[b : b + 1], [int(pos[b])], b, d**-0.5, 0, table_row=tables[b])
+        _close(f"padded batch row {b}", out[b : b + 1], ref, 3e-3)
+    want = quantize_x(out.reshape(3, -1))
+    for name in ("xq", "xd", "xs"):
+        assert torch.equal(getattr(qx, name), getattr(want, name)), f"QuantizedX {name} differs"
+
+
+def test_paged_decode_many_rows() -> None:
+    """B = 70 (past the 64 the engine plans for): one program per (row, kv head), no splits."""
+    n_b, bs, hq, hkv, d = 70, 16, 2, 1, 32
+    lens = [1 + (7 * b) % 40 for b in range(n_b)]
+    pool = Paged(lens, lens, bs, hkv, d, seed=9)
+    q = _rand(n_b, hq, d, seed=10, dtype=F16)
+    pos = torch.tensor([n - 1 for n in lens], dtype=torch.int32, device=DEVICE)
+    out = decode_attention(q, pool.k, pool.v, pos, d**-0.5, out=_poison(q),
+                           block_tables=pool.tables(), block_size=bs)  # fmt: skip
+    ref = torch.cat([pool.reference(q[b : b + 1], [n - 1], b, d**-0.5, 0)
+                     for b, n in enumerate(lens)])  # fmt: skip
+    _close("paged decode B=70", out, ref, 3e-3)
+
+
+# ---- decode with the fused new token (RoPE, qk-norm, k/v stored at the slot) ------------------
+
+FUSED_CASES = [
+    # (q_pos per row, block size, Hq, Hkv, D, rope dims, rope type, qk-norm, window)
+    ((0, 16, 70), 16, 8, 2, 64, 64, "norm", False, 0),
+    ((5, 63, 64), 64, 4, 1, 128, 128, "neox", True, 0),
+    ((33, 1, 90), 32, 16, 1, 64, 32, "norm", True, 40),
+    ((20, 47, 2), 16, 4, 4, 64, 64, "neox", False, 0),
+]
+
+
+def _rope_ref(x: torch.Tensor, pos, r: int, kind: str, norm_w: torch.Tensor | None):
+    """The reference new token: head RMSNorm (qk-norm) if given, then RoPE (float64 angles)."""
+    x = x.float().cpu()
+    if norm_w is not None:
+        x = ref_norm.rms_norm(x.reshape(-1, x.shape[-1]), norm_w.cpu(), 1e-6).view(x.shape)
+    cos, sin = ref_rope.rope_cos_sin(torch.as_tensor(pos).long(), r, 10000.0)
+    return ref_rope.apply_rope(x, cos, sin, kind)
+
+
+@pytest.mark.parametrize("case", FUSED_CASES,
+                         ids=lambda c: "p{}_bs{}_h{}x{}_d{}_r{}_{}_n{:d}_w{}".format(
+                             "-".join(map(str, c[0])), *c[1:]))  # fmt: skip
+@pytest.mark.parametrize("padded", [False, True], ids=["", "padded"])
+def test_paged_decode_fused_new_token(case: tuple, padded: bool) -> None:
+    """B rows, each its own sequence: q and the new k/v as views of one projection output
+    (un-rotated); the launch rotates (and head-norms) them at q_pos[b], stores k/v at the
+    slot of q_pos[b] of row b's table (which held NaN) and attends. ``padded``: a fourth row
+    is graph padding (q_pos 0 in the scratch block): its output is its own value."""
+    q_pos, bs, hq, hkv, d, r, kind, norms, window = case
+    q_pos = list(q_pos) + ([0] if padded else [])
+    n_b = len(q_pos)
+    alloc = [p + 1 for p in q_pos]
+    pool = Paged(alloc, q_pos, bs, hkv, d, seed=sum(q_pos) + d)
+    tables = pool.table.clone()
+    if padded:
+        tables[-1] = pool.scratch
+    qkv = _rand(n_b, hq + 2 * hkv, d, seed=d + 1)  # one projection output, fp32
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+    inv = rope_inv_freq(r, 10000.0, device=DEVICE)
+    qn, kn = (_rand(d, seed=3) + 1.0, _rand(d, seed=4) + 1.0) if norms else (None, None)
+    hn = (qn, kn, 1e-6) if norms else None
+    pos = torch.tensor(q_pos, dtype=torch.int32, device=DEVICE)
+    k_pool, v_pool = pool.k.clone(), pool.v.clone()
+    qx = empty_quantized(n_b, hq * d, DEVICE)
+    out = decode_attention(q, k_pool, v_pool, pos, d**-0.5, window, out=_poison(q), quantized=qx,
+                           new=NewToken(k, v, inv, kind, hn), block_tables=tables.to(DEVICE),
+                           block_size=bs)  # fmt: skip
+
+    q_ref = _rope_ref(q, q_pos, r, kind, qn)
+    k_ref = _rope_ref(k, q_pos, r, kind, kn)
+    want_k, want_v = pool.k.clone().cpu(), pool.v.clone().cpu()
+    slots = [int(slots_of(tables[b], p + 1, bs)[p]) for b, p in enumerate(q_pos)]
+    for b, s in enumerate(slots):
+        want_k[s] = k_ref[b].to(F16)
+        want_v[s] = v[b].cpu().to(F16)
+    _close(f"fused {case} stored k", k_pool.cpu()[slots], want_k[slots], 2e-3)
+    assert torch.equal(v_pool.cpu()[slots], want_v[slots]), "stored v differs"
+    others = torch.ones(k_pool.shape[0], dtype=torch.bool)
+    others[slots] = False
+    assert torch.equal(_bits(k_pool)[others], _bits(pool.k)[others]), "other k rows changed"
+    assert torch.equal(_bits(v_pool)[others], _bits(pool.v)[others]), "other v rows changed"
+    for b, p in enumerate(q_pos):
+        ref = pool.reference(q_ref[b : b + 1], [p], b, d**-0.5, window, table_row=tables[b],
+                             k=want_k, v=want_v)  # fmt: skip
+        _close(f"fused {case} row {b}", out[b : b + 1], ref, 3e-3)
+    want = quantize_x(out.reshape(n_b, -1))
+    assert torch.equal(qx.xq, want.xq) and torch.equal(qx.xd, want.xd)
+
+
+# ---- packed varlen prefill -----------------------------------------------------------------------
+
+PREFILL_CASES = [
+    # (sequences (start, chunk length), block size, Hq, Hkv, D, window)
+    (((0, 7), (37, 20), (5, 1)), 16, 4, 2, 64, 0),  # a chunk continuing a cached prefix
+    (((0, 33), (100, 17), (3, 9)), 64, 8, 1, 64, 24),  # G = 8, window
+    (((0, 5), (20, 30)), 32, 16, 1, 64, 0),  # G = 16, blocks of 32 < the key tile of 64
+    (((10, 20),), 16, 2, 2, 128, 0),  # B = 1, G = 1
+    (((40, 9), (0, 12), (7, 3)), 16, 4, 2, 256, 0),  # D = 256 (key tile 32)
+    (((60, 70), (0, 3)), 64, 4, 1, 64, 50),  # window across tiles
+]
+
+
+def _prefill_setup(case: tuple, seed: int):
+    seqs, bs, hq, hkv, d, window = case
+    ends = [s + n for s, n in seqs]
+    pool = Paged(ends, ends, bs, hkv, d, seed=seed)
+    lens = [n for _, n in seqs]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = _rand(int(cu[-1]), hq, d, seed=seed + 5, dtype=F16)
+    start = torch.tensor([s for s, _ in seqs], dtype=torch.int32)
+    return pool, lens, cu, start, q
+
+
+def _prefill_id(c: tuple) -> str:
+    seqs = "-".join(f"{s}+{n}" for s, n in c[0])
+    return f"{seqs}_bs{c[1]}_h{c[2]}x{c[3]}_d{c[4]}_w{c[5]}"
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=_prefill_id)
+def test_paged_prefill(case: tuple) -> None:
+    seqs, bs, hq, hkv, d, window = case
+    pool, lens, cu, start, q = _prefill_setup(case, seed=sum(map(sum, seqs)) + d)
+    tiles = prefill_tile_map(lens, hq, hkv, d, DEVICE)
+    out = paged_prefill_attention(q, pool.k, pool.v, pool.tables(), cu.to(DEVICE),
+                                  start.to(DEVICE), tiles, bs, d**-0.5, window,
+                                  out=_poison(q))  # fmt: skip
+    for b, (s, n) in enumerate(seqs):
+        ref = pool.reference(q[cu[b] : cu[b + 1]], torch.arange(s, s + n), b, d**-0.5, window)
+        _close(f"paged prefill {case} seq {b}", out[cu[b] : cu[b + 1]], ref, 3e-3)
+
+
+def test_paged_prefill_packed_equals_loop_and_over_cover() -> None:
+    """A packed call of three sequences equals, bit for bit, three calls of one sequence each.
+    A tile map made for longer chunks (a graph's upper bounds) with the device lengths
+    shorter gives the same rows and leaves the rows past cu_q[B] unwritten."""
+    case = (((0, 40), (70, 25), (9, 3)), 16, 8, 2, 64, 30)
+    seqs, bs, hq, hkv, d, window = case
+    pool, lens, cu, start, q = _prefill_setup(case, seed=77)
+    tab = pool.tables()
+    packed = paged_prefill_attention(q, pool.k, pool.v, tab, cu.to(DEVICE), start.to(DEVICE),
+                                     prefill_tile_map(lens, hq, hkv, d, DEVICE), bs, d**-0.5,
+                                     window, out=_poison(q))  # fmt: skip
+    for b, n in enumerate(lens):
+        one = paged_prefill_attention(
+            q[cu[b] : cu[b + 1]], pool.k, pool.v, tab[b : b + 1],
+            torch.tensor([0, n], dtype=torch.int32, device=DEVICE), start[b : b + 1].to(DEVICE),
+            prefill_tile_map([n], hq, hkv, d, DEVICE), bs, d**-0.5, window,
+        )  # fmt: skip
+        assert torch.equal(one, packed[cu[b] : cu[b + 1]]), f"sequence {b} differs from the loop"
+    q_pad = torch.cat([q, _rand(5, hq, d, seed=78, dtype=F16)])
+    over = paged_prefill_attention(q_pad, pool.k, pool.v, tab, cu.to(DEVICE), start.to(DEVICE),
+                                   prefill_tile_map([n + 5 for n in lens], hq, hkv, d, DEVICE),
+                                   bs, d**-0.5, window, out=_poison(q_pad))  # fmt: skip
+    assert torch.equal(over[: q.shape[0]], packed)
+    assert torch.isnan(over[q.shape[0] :]).all(), "rows past cu_q[B] were written"
+
+
+def test_prefill_tile_map() -> None:
+    """cdiv(len * G, BLOCK_M) tiles per sequence (BLOCK_M 128 at D 64, 64 at D 256), highest
+    tile index first."""
+    tiles = prefill_tile_map([100, 0, 10], 8, 2, 64, DEVICE).cpu().tolist()
+    assert sorted(tiles) == [[0, 0], [0, 1], [0, 2], [0, 3], [2, 0]]
+    assert [j for _, j in tiles] == sorted((j for _, j in tiles), reverse=True)
+    assert prefill_tile_map([65], 4, 4, 256, DEVICE).cpu().tolist() == [[0, 1], [0, 0]]
+    assert prefill_tile_map([], 4, 4, 64, DEVICE).shape == (0, 2)
+    with pytest.raises(ValueError, match="do not group"):
+        prefill_tile_map([3], 6, 4, 64, DEVICE)
+
+
+# ---- apply_rope storing at slots -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=str)
+def test_rope_to_slots(slot_dtype: torch.dtype) -> None:
+    """k' and v land in the pool rows ``slots`` (positions give the angles); the rest of the
+    pool is untouched; q rotated as without slots."""
+    t, hq, hk, d = 5, 4, 2, 64
+    qkv = _rand(t, hq + 2 * hk, d, seed=11)
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hk], qkv[:, hq + hk :]
+    pos = torch.tensor([3, 17, 64, 65, 0], device=DEVICE)
+    slots = torch.tensor([40, 3, 77, 12, 0], dtype=slot_dtype, device=DEVICE)
+    k_pool = torch.full((80, hk, d), NAN, device=DEVICE)
+    v_pool = torch.full((80, hk, d), NAN, device=DEVICE)
+    inv = rope_inv_freq(d, 10000.0, device=DEVICE)
+    qo, ko = apply_rope(q, k, pos, inv, "neox", cache=(v, k_pool, v_pool), slots=slots)
+    assert ko is k_pool
+    cos, sin = ref_rope.rope_cos_sin(pos.cpu(), d, 10000.0)
+    _close("rope slots q", qo, ref_rope.apply_rope(q.cpu(), cos, sin, "neox"), 2e-4)
+    rows = slots.long().cpu()
+    _close("rope slots k", k_pool.cpu()[rows], ref_rope.apply_rope(k.cpu(), cos, sin, "neox"), 2e-4)
+    assert torch.equal(v_pool.cpu()[rows], v.cpu())
+    others = torch.ones(80, dtype=torch.bool)
+    others[rows] = False
+    assert torch.isnan(k_pool.cpu()[others]).all() and torch.isnan(v_pool.cpu()[others]).all()
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+
+def test_paged_bad_input() -> None:
+    lens, bs, hq, hkv, d = [5, 20], 16, 4, 2, 64
+    pool = Paged(lens, lens, bs, hkv, d, seed=1)
+    tab = pool.tables()
+    q = _rand(2, hq, d, seed=2, dtype=F16)
+    pos = torch.tensor([4, 19], dtype=torch.int32, device=DEVICE)
+
+    def dec(**kw):
+        args = dict(q=q, k=pool.k, v=pool.v, q_pos=pos, scale=0.125, block_tables=tab,
+                    block_size=bs)  # fmt: skip
+        args.update(kw)
+        return decode_attention(**args)
+
+    with pytest.raises(ValueError, match=r"block_tables must be \[2, MAXB\]"):
+        dec(block_tables=tab[:1])
+    with pytest.raises(ValueError, match="block_tables must be int32"):
+        dec(block_tables=tab.long())
+    with pytest.raises(ValueError, match="block_tables on meta"):
+        dec(block_tables=tab.to("meta"))
+    with pytest.raises(ValueError, match="power of two"):
+        dec(block_size=24)
+    with pytest.raises(ValueError, match="not whole blocks of 16"):
+        dec(k=pool.k[:-8], v=pool.v[:-8])
+    with pytest.raises(ValueError, match="block_size without block_tables"):
+        dec(block_tables=None)
+    with pytest.raises(ValueError, match="q_pos must be"):
+        dec(q_pos=pos[:1])
+    with pytest.raises(ValueError, match=r"quantized output \(2, 128\)"):
+        dec(quantized=empty_quantized(2, 128, DEVICE))
+    kv = _rand(2, hkv, d, seed=3)
+    inv = rope_inv_freq(d, 1e4, device=DEVICE)
+    with pytest.raises(ValueError, match=r"new token's k must be \[2, 2, 64\]"):
+        dec(q=q.float(), new=NewToken(kv[:1], kv, inv, "norm"))
+    # the table's width: S = MAXB * block_size positions must fit int32 (meta: no memory)
+    m = torch.device("meta")
+    with pytest.raises(ValueError, match=r"spans S = 2147483648"):
+        decode_attention(q.to(m), torch.empty(2**31, hkv, d, dtype=F16, device=m),
+                         torch.empty(2**31, hkv, d, dtype=F16, device=m), pos.to(m), 0.125,
+                         block_tables=torch.zeros(2, 2**23, dtype=torch.int32, device=m),
+                         block_size=256)  # fmt: skip
+
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    st = torch.tensor([4, 19], dtype=torch.int32, device=DEVICE)
+    tiles = prefill_tile_map([1, 1], hq, hkv, d, DEVICE)
+
+    def pre(**kw):
+        args = dict(q=q, k=pool.k, v=pool.v, block_tables=tab, cu_q=cu, q_start=st,
+                    tile_map=tiles, block_size=bs, scale=0.125)  # fmt: skip
+        args.update(kw)
+        return paged_prefill_attention(**args)
+
+    assert torch.isfinite(pre()).all()
+    with pytest.raises(ValueError, match=r"cu_q must be int32 \[3\]"):
+        pre(cu_q=cu[:2])
+    with pytest.raises(ValueError, match="q_start must be int32"):
+        pre(q_start=st.long())
+    with pytest.raises(ValueError, match="tile_map must be int32"):
+        pre(tile_map=tiles.float())
+    with pytest.raises(ValueError, match=r"tile_map must be \[n_tiles, 2\]"):
+        pre(tile_map=tiles[:, :1])
+    with pytest.raises(ValueError, match=r"block_tables must be \[B, MAXB\]"):
+        pre(block_tables=tab[0])
+    with pytest.raises(ValueError, match="q_start must be int32 .* on meta"):
+        pre(q_start=st.to("meta"))
+    with pytest.raises(ValueError, match="does not fit"):
+        pre(k=pool.k[:, :, :32], v=pool.v[:, :, :32])
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        pre(window=-1)
+    qb = _rand(2, 4, 512, seed=4, dtype=F16)
+    with pytest.raises(ValueError, match="head size 512"):
+        pre(q=qb, k=qb[:, :2].repeat(16, 1, 1), v=qb[:, :2].repeat(16, 1, 1))
+
+    k3 = _rand(2, hkv, d, seed=5)
+    with pytest.raises(ValueError, match="slots need cache"):
+        apply_rope(q.float(), k3, pos, inv, "norm", slots=pos)
+    with pytest.raises(ValueError, match=r"slots must be int32/int64 \[2\]"):
+        apply_rope(q.float(), k3, pos, inv, "norm", cache=(k3, pool.k, pool.v), slots=pos[:1])
