@@ -20,7 +20,6 @@ from testdata import model_path
 from deimos.engine.constrain import OBJECT_DEPTH, GrammarVocab, JsonConstraint, any_object
 from deimos.gguf import GGUFFile
 from deimos.kernels.sampling import Sampler, SamplingParams
-from deimos.models.batch import Batch
 from deimos.runtime.kv_cache import KVCache
 from deimos.tokenizer import Tokenizer
 from deimos.tokenizer.stops import end_of_generation_ids
@@ -78,9 +77,7 @@ def generate(llm, constraint: JsonConstraint, params: SamplingParams, max_tokens
     kv = KVCache(llm.config, len(prompt) + max_tokens + 1)
 
     def forward(tokens: list[int]) -> torch.Tensor:
-        start = kv.length
-        batch = Batch(torch.tensor(tokens), torch.arange(start, start + len(tokens)), kv)
-        return llm.model.forward(batch)[0]
+        return kv.forward(llm.model, torch.tensor(tokens))[0]
 
     sampler = Sampler(params, llm.config.n_vocab)
     logits = forward(prompt)

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from deimos.engine import LLM, RequestError
-from deimos.models.batch import Batch
 from deimos.runtime.kv_cache import KVCache
 from testdata import model_path, reference
 
@@ -36,9 +35,7 @@ def gemma() -> LLM:
 
 def one_shot_argmax(llm: LLM, tokens: list[int], first: int) -> list[int]:
     kv = KVCache(llm.config, len(tokens))
-    batch = Batch(torch.tensor(tokens), torch.arange(len(tokens)), kv,
-                  logits_at=torch.arange(first - 1, len(tokens) - 1))
-    return llm.model.forward(batch).argmax(-1).tolist()
+    return kv.forward(llm.model, torch.tensor(tokens), torch.arange(first - 1, len(tokens) - 1)).argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("case_id", ["german", "python", "question"])
@@ -210,9 +207,10 @@ def test_kernel_cache_dir_follows_the_deimos_cache(monkeypatch, tmp_path):
 
 def test_cuda_graphs_only_on_the_kernel_path(smol):
     """The CPU reference never captures graphs; a graph refuses a model that is not on CUDA."""
-    from deimos.runtime.graph import DecodeGraph
+    from deimos.runtime.graph import StepGraph
 
-    assert smol.generator.graph is None and smol.generator.prefill_graphs is None
-    smol.generator.warm()  # a no-op without graphs
+    runner = smol.engine.runner
+    assert not runner.use_graphs and not runner.decode_graphs and not runner.prefill_graphs
+    smol.engine.warm()  # a no-op without graphs
     with pytest.raises(ValueError, match="CUDA"):
-        DecodeGraph(smol.model, KVCache(smol.config, 8))
+        StepGraph(smol.model, smol.engine.pool, 1, 1, 8)

@@ -22,7 +22,6 @@ from deimos.kernels.attention import causal_attention
 from deimos.kernels.norm import rms_norm
 from deimos.kernels.rope import apply_rope, rope_cos_sin
 from deimos.models import load_model
-from deimos.models.batch import Batch
 from deimos.runtime.kv_cache import KVCache
 from deimos.synth import write_model
 
@@ -43,7 +42,7 @@ def path(request, tmp_path_factory):
 def _logits(model, kv) -> torch.Tensor:
     t = torch.tensor(PROMPT)
     n = len(PROMPT)
-    return model.forward(Batch(t, torch.arange(n), kv, logits_at=torch.arange(n)))
+    return kv.forward(model, t, torch.arange(n))
 
 
 def test_float64_model_is_float64_and_close_to_float32(path):

@@ -23,7 +23,6 @@ from deimos.gguf import GGUFFile  # noqa: E402
 from deimos.gguf.constants import GGMLType  # noqa: E402
 from deimos.quant.triton.dequant_gemv import scale16  # noqa: E402
 from deimos.models import ARCHITECTURES, load_model  # noqa: E402
-from deimos.models.batch import Batch  # noqa: E402
 from deimos.models.gpu import (  # noqa: E402
     DenseLinear,
     LinearPart,
@@ -227,14 +226,12 @@ def _greedy(model, prompt: list[int], n: int, device: str) -> tuple[torch.Tensor
     cfg = model.config
     kv = KVCache(cfg, len(prompt) + n, device=device)
     t = torch.tensor(prompt, device=device)
-    logits = model.forward(Batch(t, torch.arange(len(prompt), device=device), kv,
-                                 torch.arange(len(prompt), device=device)))
+    logits = kv.forward(model, t, torch.arange(len(prompt), device=device))
     out: list[int] = []
     tok = int(torch.argmax(logits[-1]))
     for i in range(n):
         out.append(tok)
-        pos = torch.tensor([len(prompt) + i], device=device)
-        step = model.forward(Batch(torch.tensor([tok], device=device), pos, kv))
+        step = kv.forward(model, torch.tensor([tok], device=device))
         tok = int(torch.argmax(step[0]))
     return logits.float().cpu(), out
 
@@ -246,11 +243,10 @@ def _forced(model, prompt: list[int], tokens: list[int], device: str) -> torch.T
     """Decode logits [len(tokens), V] with ``tokens`` fed one by one after the prompt."""
     cfg = model.config
     kv = KVCache(cfg, len(prompt) + len(tokens), device=device)
-    model.forward(Batch(torch.tensor(prompt, device=device), torch.arange(len(prompt), device=device), kv))
+    kv.forward(model, torch.tensor(prompt, device=device))
     out = []
     for i, tok in enumerate(tokens):
-        pos = torch.tensor([len(prompt) + i], device=device)
-        out.append(model.forward(Batch(torch.tensor([tok], device=device), pos, kv))[0].float().cpu())
+        out.append(kv.forward(model, torch.tensor([tok], device=device))[0].float().cpu())
     return torch.stack(out)
 
 

@@ -242,8 +242,7 @@ def test_quant_kld_equals_direct_computation(tiny_pair):
 
     from deimos.eval.cli import load, quant_kld, tokenize
     from deimos.eval.perplexity import plan_windows, window_input, window_targets
-    from deimos.models.batch import Batch
-    from deimos.runtime.kv_cache import KVCache
+        from deimos.runtime.kv_cache import KVCache
 
     a, b = tiny_pair
     text = str(data_file("texts/alice29.txt"))
@@ -254,8 +253,8 @@ def test_quant_kld_equals_direct_computation(tiny_pair):
     want, top = [], []
     for i in range(2):
         x = torch.from_numpy(window_input(ids, w, i, ref.bos_id))
-        lp, lq = (torch.log_softmax(m.model.forward(Batch(x, torch.arange(12), KVCache(
-            m.model.config, 12), torch.arange(12))).double(), -1)[6:11] for m in (ref, q))
+        lp, lq = (torch.log_softmax(KVCache(m.model.config, 12).forward(
+            m.model, x, torch.arange(12)).double(), -1)[6:11] for m in (ref, q))
         want += torch.nn.functional.kl_div(lq, lp, reduction="none", log_target=True).sum(-1)
         top += (lp.argmax(-1) == lq.argmax(-1)).tolist()
         assert window_targets(ids, w, i).shape == (5,)

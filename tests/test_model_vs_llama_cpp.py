@@ -19,7 +19,6 @@ import torch
 
 from deimos.gguf import GGUFFile
 from deimos.models import load_model
-from deimos.models.batch import Batch
 from deimos.runtime.kv_cache import KVCache
 from deimos.synth import write_model
 from testdata import REAL_MODELS, data_file, model_path, reference
@@ -30,9 +29,7 @@ ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 def forced_logits(model, tokens: list[int], first: int) -> torch.Tensor:
     """Logits [len(tokens) - first, V] predicting tokens[first:] from everything before."""
     kv = KVCache(model.config, len(tokens))
-    batch = Batch(torch.tensor(tokens), torch.arange(len(tokens)), kv,
-                  logits_at=torch.arange(first - 1, len(tokens) - 1))
-    return model.forward(batch)
+    return kv.forward(model, torch.tensor(tokens), torch.arange(first - 1, len(tokens) - 1))
 
 
 def top_errors(logits: torch.Tensor, tops: list) -> torch.Tensor:

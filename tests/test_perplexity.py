@@ -25,7 +25,6 @@ from deimos.eval.perplexity import (PerplexityError, evaluate, plan_windows, ppl
                                     window_input, window_targets)
 from deimos.gguf import GGUFFile
 from deimos.models import load_model
-from deimos.models.batch import Batch
 from deimos.runtime.kv_cache import KVCache
 from deimos.synth import write_model
 
@@ -48,7 +47,7 @@ def oracle_nll(model, tokens: np.ndarray, n_ctx: int, n_chunk: int, bos: int | N
         if bos is not None:
             ids[0] = bos
         kv = KVCache(model.config, n_ctx)
-        logits = model.forward(Batch(ids, torch.arange(n_ctx), kv, torch.arange(n_ctx)))
+        logits = kv.forward(model, ids, torch.arange(n_ctx))
         logp = torch.log_softmax(logits.double(), dim=-1)
         for j in range(n_ctx // 2, n_ctx - 1):
             out.append(-float(logp[j, targets[j + 1]]))

@@ -9,9 +9,9 @@ watched for other processes while it runs; then Deimos: graphs captured, one war
 then ``rounds`` rounds, each after the contention check. Both report mean ± sd and the best.
 
 A round, as llama-bench's pp/tg tests: prefill = ``n_prompt`` random tokens into an empty
-cache (in the generator's chunks of 512); decode = ``n_gen`` single-token steps from an empty
+cache (in the engine's steps of 512); decode = ``n_gen`` single-token steps from an empty
 cache, each step's greedy token read back and fed to the next, as generation does. Both go
-through the engine's Generator, so on CUDA they replay its graphs (captured before the first
+through the engine (deimos.engine.Engine), so on CUDA they replay its graphs (captured before the first
 round, deimos.runtime.graph); the timed prefill includes the host copy of its tokens. Times are wall clock between
 device synchronizations. Decode bandwidth counts the file's weight bytes read per token
 (every matrix once; the token embedding only if it is also the output projection).
@@ -31,7 +31,7 @@ from deimos.bench.contention import ContentionCheck, Nvml
 from deimos.bench.llama import llama_args, run_llama_bench
 from deimos.bench.roof import copy_rate
 from deimos.bench.stats import BenchReport, EngineResult, RoundTimes, Spread, summarize
-from deimos.engine.generator import Generator
+from deimos.engine.engine import Engine, EngineConfig
 from deimos.engine.request import Request
 from deimos.gguf import GGUFFile
 from deimos.kernels.sampling import SamplingParams
@@ -86,26 +86,36 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_round(gen: Generator, n_prompt: int, n_gen: int, device: torch.device,
+def time_round(engine: Engine, n_prompt: int, n_gen: int, device: torch.device,
                rng: torch.Generator) -> RoundTimes:
-    """Prefill ``n_prompt`` random tokens into an empty cache, then from an empty cache a
-    greedy request of one random token that makes ``n_gen`` tokens (``n_gen`` forward steps,
-    stop tokens ignored), through the generator's own paths (graphs and the device greedy
-    chain on CUDA): what a user's greedy request runs."""
-    n_vocab = gen.model.config.n_vocab
+    """Prefill ``n_prompt`` random tokens into an empty cache (a request of one output token,
+    in the engine's steps of at most 512 tokens), then a greedy request of one random token
+    that makes ``n_gen`` tokens (``n_gen`` forward steps, stop tokens ignored), through the
+    engine's own paths (its graphs and the device sampling on CUDA): what a user's request
+    runs. The prefix cache is off (every round computes its whole prompt)."""
+    n_vocab = engine.model.config.n_vocab
     tokens = torch.randint(0, n_vocab, (n_prompt,), generator=rng).tolist()
-    gen.reset()
+    greedy = SamplingParams(temperature=0.0)
+
+    def run(req: Request) -> int:
+        seq = engine.add(req)
+        made = 0
+        while not seq.finished:
+            for out in engine.step():
+                if out.error is not None:
+                    raise out.error
+                made += out.seq is seq
+        return made
+
     _sync(device)
     t0 = time.perf_counter()
-    gen.prefill(tokens)
+    run(Request(tokens, 1, greedy))
     _sync(device)
     t1 = time.perf_counter()
-    gen.reset()
-    req = Request([int(torch.randint(0, n_vocab, (1,), generator=rng))], n_gen,
-                  SamplingParams(temperature=0.0))  # fmt: skip
+    req = Request([int(torch.randint(0, n_vocab, (1,), generator=rng))], n_gen, greedy)
     _sync(device)
     t2 = time.perf_counter()
-    made = sum(1 for _ in gen.run(req))
+    made = run(req)
     _sync(device)
     t3 = time.perf_counter()
     if made != n_gen:
@@ -199,10 +209,11 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     device = torch.device(cfg.device)
     model = load_model(file, device=cfg.device)
     gen = torch.Generator().manual_seed(cfg.seed)
-    generator = Generator(model, cfg.n_prompt + cfg.n_gen, device=str(device))
-    generator.warm()  # captures the graphs (compiling every kernel they run)
+    engine = Engine(model, EngineConfig(n_ctx=cfg.n_prompt + cfg.n_gen + 1, max_seqs=1,
+                                           max_batch_tokens=512, prefix_cache=False))
+    engine.warm()  # captures the graphs (compiling every kernel they run)
     # warm-up round (the eager kernels of a path without graphs compile here), not reported
-    time_round(generator, cfg.n_prompt, WARMUP_GEN, device, gen)
+    time_round(engine, cfg.n_prompt, WARMUP_GEN, device, gen)
     if cfg.roof is not None:
         roof, roof_note = cfg.roof, "--roof"
     else:
@@ -221,7 +232,7 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     ours: list[RoundTimes] = []
     for r in range(cfg.rounds):
         if idle("deimos"):
-            ours.append(time_round(generator, cfg.n_prompt, cfg.n_gen, device, gen))
+            ours.append(time_round(engine, cfg.n_prompt, cfg.n_gen, device, gen))
             log.info("bench: round %d deimos: pp %.1f t/s, tg %.1f t/s", r, ours[-1].prefill_tps,
                      ours[-1].decode_tps)
         else:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deimos.engine.generator import Generator
+from deimos.engine.engine import Engine, EngineConfig
 from deimos.engine.repetition import LoopGuard
 from deimos.engine.request import Request
 from deimos.gguf import GGUFFile
@@ -80,10 +80,12 @@ class Completion:
 
 class LLM:
     def __init__(self, model: str | Path, *, n_ctx: int | None = None, device: str = "cpu",
-                 progress=None):
+                 progress=None, **engine: Any):
         """``model``: a GGUF path or the short name of a known model (pulled if needed).
         ``progress(label)``: called at each loading stage (the CLI's progress bar).
-        ``n_ctx`` past the model's trained context is allowed, with a warning."""
+        ``n_ctx``: the most tokens one sequence holds; past the model's trained context it is
+        allowed, with a warning. ``engine``: EngineConfig's other fields (max_seqs,
+        max_batch_tokens, block_size, kv_tokens, kv_gib, prefix_cache, cuda_graphs)."""
         check_device(device)
         if device != "cpu":
             use_kernel_cache()
@@ -105,12 +107,14 @@ class LLM:
             log.warning("context size %d is past %s's trained context of %d tokens: expect "
                         "the answers to degrade past %d", n_ctx, self.path.name,
                         self.config.context_length, self.config.context_length)
-        self.generator = Generator(self.model, n_ctx, device=device)
-        self.generator.warm(progress)  # CUDA graphs (and every kernel) before the first request
+        if device == "cpu":
+            engine.setdefault("max_seqs", 32)
+        self.engine = Engine(self.model, EngineConfig(n_ctx=n_ctx, **engine))
+        self.engine.warm(progress)  # CUDA graphs (and every kernel) before the first request
 
     @property
     def n_ctx(self) -> int:
-        return self.generator.n_ctx
+        return self.engine.n_ctx
 
     @property
     def has_chat_template(self) -> bool:
@@ -139,10 +143,42 @@ class LLM:
         params = sampling or SamplingParams(**kw)
         return Request(prompt_ids, max_tokens, params, self.stop_ids, loop_guard=guard or None)
 
+    def run(self, req: Request) -> Iterator[int]:
+        """Generates ``req`` alone (the engine runs it with whatever else this thread added):
+        yields each token id as it is chosen; sets ``req.finish_reason``. Closing the iterator
+        early cancels the request (its blocks are free at once)."""
+        seq = self.engine.add(req)
+        try:
+            while not seq.finished:
+                for out in self.engine.step():
+                    if out.seq is seq:
+                        if out.error is not None:
+                            raise out.error
+                        yield out.token
+        finally:
+            self.engine.cancel(seq)
+
+    def run_many(self, reqs: Sequence[Request]) -> list[Request]:
+        """Generates every request of ``reqs`` together (continuous batching); returns them
+        finished. A failed one raises its error after the others finished."""
+        seqs = [self.engine.add(r) for r in reqs]
+        errors: list[BaseException] = []
+        try:
+            while not all(s.finished for s in seqs):
+                for out in self.engine.step():
+                    if out.error is not None and out.seq in seqs:
+                        errors.append(out.error)
+        finally:
+            for s in seqs:
+                self.engine.cancel(s)
+        if errors:
+            raise errors[0]
+        return list(reqs)
+
     def stream_ids(self, req: Request) -> Iterator[str]:
         """Text pieces of ``req``'s generated tokens (complete UTF-8 only; stop tokens not shown)."""
         dec = self.tokenizer.stream_decoder()
-        for token in self.generator.run(req):
+        for token in self.run(req):
             if req.finish_reason == "stop":
                 break
             piece = dec.feed(token)
@@ -171,6 +207,21 @@ class LLM:
     def chat(self, messages: Sequence[Mapping[str, Any]], *, max_tokens: int = 256,
              sampling: SamplingParams | None = None, **sampling_kw: Any) -> Completion:
         return self._complete(self._request(self.encode_chat(messages), max_tokens, sampling, sampling_kw))
+
+    def generate_many(self, prompts: Sequence[str], *, max_tokens: int = 256, raw: bool = False,
+                      sampling: SamplingParams | None = None, **sampling_kw: Any) -> list[Completion]:
+        """Every prompt answered, decoded together."""
+        reqs = []
+        for p in prompts:
+            ids = self.encode_raw(p) if raw else self.encode_chat([{"role": "user", "content": p}])
+            reqs.append(self._request(ids, max_tokens, sampling, dict(sampling_kw)))
+        self.run_many(reqs)
+        return [self._completion(r) for r in reqs]
+
+    def _completion(self, req: Request) -> Completion:
+        ids = [t for t in req.output_ids if not (req.finish_reason == "stop" and t in req.stop_ids)]
+        return Completion(self.tokenizer.decode(ids), list(req.output_ids), len(req.prompt_ids),
+                          req.cached_tokens, req.finish_reason or "length")
 
     def _complete(self, req: Request) -> Completion:
         text = "".join(self.stream_ids(req))

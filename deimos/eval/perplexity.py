@@ -30,7 +30,6 @@ import torch
 
 from deimos.eval import kld
 from deimos.eval.logits_file import FLOOR, LogProbFile, LogProbWriter
-from deimos.models.batch import Batch
 from deimos.models.blocks import DecoderModel
 from deimos.runtime.kv_cache import KVCache
 
@@ -105,7 +104,7 @@ def window_logits(model: DecoderModel, kv: KVCache, ids: np.ndarray, first: int,
         lo, hi = max(b, first), min(e, n - 1)  # scored positions in this step
         # a step with none to score still fills the cache; it asks for its last row only
         want = torch.arange(lo - b, hi - b, device=device) if lo < hi else None
-        logits = model.forward(Batch(tokens[b:e], torch.arange(b, e, device=device), kv, want))
+        logits = kv.forward(model, tokens[b:e], want)
         if want is not None:
             out.append(logits)
     return torch.cat(out)

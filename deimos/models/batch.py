@@ -1,5 +1,17 @@
-"""What one forward step consumes: the tokens, their positions, where logits are wanted,
-and the sequence's KV cache. Passed explicitly to every layer; there is no global context."""
+"""What one forward step consumes: the tokens of one or more sequences, their positions, where
+their keys and values live in the paged KV cache, and where logits are wanted. Passed
+explicitly to every layer; there is no global context.
+
+A step packs the tokens of B sequences one after another. The first ``n_decode`` sequences
+contribute one token each (decode); the others a chunk of their prompt (prefill), each chunk
+continuing what the cache already holds for that sequence. Every token's key and value are
+stored at its *slot*, a row of the layer's pool (``PagedKV``): position s of a sequence lives in
+row ``table[s // block_size] * block_size + s % block_size`` of its block table.
+
+The device tensors are what the kernels (and a CUDA graph) read; the host lists describe the
+same layout for the CPU reference and for choosing shapes. A CUDA graph is captured for a fixed
+(T, B, n_decode): replays change only the device tensors' contents.
+"""
 
 from __future__ import annotations
 
@@ -9,29 +21,40 @@ from typing import Protocol
 import torch
 
 
-class KVStore(Protocol):
-    """Per-sequence attention cache (deimos.runtime.kv_cache.KVCache). A step: ``begin``
-    (room check, returns the start), every layer ``write``s its keys and values and reads
-    them back (``view``, or the whole per-layer tensors ``k``/``v`` for kernels that take
-    positions on the device), then ``commit``."""
+class PagedKV(Protocol):
+    """The KV pool (deimos.runtime.kv_pool.KVPool): per layer ``[n_slots, Hkv, D]`` rows."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    block_size: int
 
-    def begin(self, positions: torch.Tensor) -> int: ...
 
-    def commit(self, n: int) -> None: ...
+@dataclass
+class SeqLayout:
+    q_lens: list[int]  # host: tokens of each sequence in the step, decode sequences first
+    q_starts: list[int]  # host: position of each sequence's first token in the step
+    n_decode: int  # the first n_decode sequences have one token each
+    slots: torch.Tensor  # [T] int64: the cache row of each token
+    tables: torch.Tensor  # [B, MAXB] int32: each sequence's block table (padded)
+    q_start: torch.Tensor  # [B] int32: q_starts on the device
+    cu_q: torch.Tensor  # [B + 1] int32: token offsets of the sequences (0, ..., T)
+    tile_map: torch.Tensor | None = None  # the GPU prefill's (sequence, tile) list, or None
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    @property
+    def n_seqs(self) -> int:
+        return len(self.q_lens)
 
-    def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    @property
+    def n_prefill_tokens(self) -> int:
+        return sum(self.q_lens[self.n_decode:])
 
 
 @dataclass
 class Batch:
     tokens: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64, absolute positions in the sequence
-    kv: KVStore
+    positions: torch.Tensor  # [T] int64, absolute positions in their sequences
+    kv: PagedKV
+    seqs: SeqLayout
     logits_at: torch.Tensor | None = None  # [N] indices into T whose logits are returned; None: the last
 
     def __post_init__(self) -> None:
@@ -42,3 +65,13 @@ class Batch:
             )
         if self.tokens.numel() == 0:
             raise ValueError("Batch: no tokens")
+        if sum(self.seqs.q_lens) != self.tokens.shape[0]:
+            raise ValueError(f"Batch: the sequences hold {sum(self.seqs.q_lens)} tokens, the step "
+                             f"{self.tokens.shape[0]}")
+        if any(n != 1 for n in self.seqs.q_lens[: self.seqs.n_decode]):
+            raise ValueError("Batch: every decode sequence has exactly one token")
+
+
+def slots_for(table: list[int], start: int, n: int, block_size: int) -> list[int]:
+    """Cache rows of positions start .. start + n - 1 of a sequence with block ``table``."""
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]

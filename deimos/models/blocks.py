@@ -96,17 +96,14 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
         """-> logits [N, n_vocab] float32 for the positions ``batch.logits_at`` (default: the
-        last); the step's keys and values are committed to ``batch.kv``."""
-        start = batch.kv.begin(batch.positions)
-        logits = self.step(batch, start)
-        batch.kv.commit(batch.tokens.shape[0])
-        return logits
+        last); the step's keys and values are written to their slots of ``batch.kv``."""
+        return self.step(batch)
 
-    def step(self, batch: Batch, start: int) -> torch.Tensor:
-        """The forward pass without the cache's host bookkeeping. On the kernel path a
-        one-token step (T = 1) makes no host synchronisation and no shape depends on
-        ``start``: it is what a decode CUDA graph captures (deimos.runtime.graph)."""
-        step = self.ops.begin(batch, start)
+    def step(self, batch: Batch) -> torch.Tensor:
+        """The forward pass. On the kernel path no host synchronisation is made and no shape
+        depends on the positions: it is what a CUDA graph captures (deimos.runtime.graph);
+        who owns which slot is the caller's bookkeeping."""
+        step = self.ops.begin(batch)
         hidden = self.embed(batch.tokens)
         if self.config.embed_scale != 1.0:
             hidden = hidden * self.config.embed_scale

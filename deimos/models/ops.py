@@ -5,7 +5,7 @@
 the kernel-backed weights). Model code calls ``ops`` and never knows which it has.
 
 A step's per-step state (``StepState``) is made once by ``ops.begin`` and handed to every
-layer: the positions, where the chunk starts in the cache, and the rope tables the ops need.
+layer: the batch (its sequences' layout in the paged cache) and the rope tables the ops need.
 """
 
 from __future__ import annotations
@@ -26,28 +26,29 @@ from deimos.models.config import ModelConfig
 @dataclass
 class StepState:
     batch: Batch
-    start: int  # cache position of the step's first token (host)
     n: int  # tokens in the step
     rope: Any  # what the ops' ``rope`` needs (tables or device positions)
+    extra: Any = None  # what else the ops keep for the step (the GPU prefill's tile map)
 
 
 class Ops(Protocol):
-    def begin(self, batch: Batch, start: int) -> StepState: ...
+    def begin(self, batch: Batch) -> StepState: ...
     def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]: ...
     def rms_norm(self, x, weight, eps) -> torch.Tensor: ...
     def attention(self, q, k, v, layer: int, step: StepState, rope_base: float, scale: float,
                   window: int, head_norms: tuple | None = None) -> torch.Tensor:
         """The q and k heads RMS-normalized when ``head_norms=(q_weight, k_weight, eps)``
-        (qk-norm), RoPE on q and k, the step's k and v into the cache, attention over the
-        cache."""
+        (qk-norm), RoPE on q and k, the step's k and v into the cache at their slots, each
+        sequence's queries attending over its own cached keys."""
         ...
     def gated_act(self, gate, up, activation: str) -> torch.Tensor: ...
 
 
 class ReferenceOps:
-    """Float32 torch reference ops; the KV cache is written at ``step.start`` (host)."""
+    """Float32 torch reference ops: keys and values written at the step's slots, then each
+    sequence's keys gathered through its block table (host layout) for the reference attention."""
 
-    graph_safe = False  # the cache slice depends on the host start
+    graph_safe = False  # the per-sequence loop reads the host layout
 
     def __init__(self, cfg: ModelConfig, freq_factors: torch.Tensor | None):
         self.cfg = cfg
@@ -55,12 +56,12 @@ class ReferenceOps:
         self.dtype = torch.float32  # of the rope tables; deimos.eval.float64 sets float64
         self.bases = sorted({cfg.layer_rope_base(i) for i in range(cfg.n_layer)})
 
-    def begin(self, batch: Batch, start: int) -> StepState:
+    def begin(self, batch: Batch) -> StepState:
         cfg = self.cfg
         tables = {b: rope_cos_sin(batch.positions, cfg.rope_dim, b, cfg.rope_scale, self.freq_factors,
                                   self.dtype)
                   for b in self.bases}  # fmt: skip
-        return StepState(batch, start, batch.tokens.shape[0], tables)
+        return StepState(batch, batch.tokens.shape[0], tables)
 
     def add_rms_norm(self, x, residual, weight, eps):
         return add_rms_norm(x, residual, weight, eps)
@@ -76,10 +77,24 @@ class ReferenceOps:
         cos, sin = step.rope[rope_base]
         q = apply_rope(q, cos, sin, self.cfg.rope_type)
         k = apply_rope(k, cos, sin, self.cfg.rope_type)
-        kv = step.batch.kv
-        kv.write(layer, step.start, k, v)
-        k_all, v_all, k_pos = kv.view(layer, step.start + step.n)
-        return causal_attention(q, k_all, v_all, step.batch.positions, k_pos, scale, window)
+        batch = step.batch
+        kv, seqs = batch.kv, batch.seqs
+        k_pool, v_pool = kv.k[layer], kv.v[layer]
+        slots = seqs.slots.to(k_pool.device)
+        k_pool.index_copy_(0, slots, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, slots, v.to(v_pool.dtype))
+        out = torch.empty(q.shape[:2] + (v.shape[2],), dtype=q.dtype, device=q.device)
+        bs = kv.block_size
+        t0 = 0
+        for b, (n, start) in enumerate(zip(seqs.q_lens, seqs.q_starts)):
+            end = start + n  # keys 0 .. end - 1 of this sequence
+            k_pos = torch.arange(end, device=q.device)
+            rows = seqs.tables[b].to(torch.long)[k_pos // bs] * bs + k_pos % bs
+            out[t0 : t0 + n] = causal_attention(q[t0 : t0 + n], k_pool[rows].to(q.dtype),
+                                                v_pool[rows].to(q.dtype),
+                                                batch.positions[t0 : t0 + n], k_pos, scale, window)
+            t0 += n
+        return out
 
     def gated_act(self, gate, up, activation):
         return gated_act(gate, up, activation)

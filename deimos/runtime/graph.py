@@ -1,231 +1,167 @@
-"""Forward steps as CUDA graphs: a model's step of a fixed number of tokens over one KV
-cache, captured once and replayed.
+"""Forward steps as CUDA graphs: a model step of a fixed shape over the paged KV pool, captured
+once and replayed.
 
-- ``DecodeGraph``: the one-token decode step, replayed every generated token.
-- ``PrefillGraphs``: prompt chunks, padded up to a bucket length (16, 32, ... 512), one graph
-  per bucket, captured the first time a chunk needs it; the logits are taken at the last real
-  token. Without them a short prefill is bound by the host: ~700 kernel launches for a 0.6B
-  model at ~35 us of Python each (measured on the H200), against ~4 ms of GPU work.
+- decode buckets: B sequences of one token each (B in DECODE_BUCKETS up to the engine's
+  ``max_seqs``; a batch is padded up to the next bucket), the batch's sampling captured in the
+  same graph (deimos.kernels.triton.sample_batch) so a replay hands back token ids;
+- prefill buckets: one sequence's prompt chunk padded up to 16, 32, ... 512 tokens, the logits
+  of its last real token. Without them a short prefill is bound by the host: ~700 kernel
+  launches for a 0.6B model at ~35 us of Python each (measured on the H200), against ~4 ms of
+  GPU work.
 
-A graph reads its tokens, positions (and the row whose logits are wanted) from static device
-tensors filled from one pinned host buffer before each replay (one small copy); every
-intermediate lives in the graph's private memory pool, so a replay allocates nothing and
-makes no host synchronisation: the caller syncs once, when it reads the sampled token.
-Nothing in a step depends on its position on the host (deimos.models.gpu.ops: cache rows
-written at the device positions, attention bounded by positions read on the device), so a
-graph is captured once per (model, cache, length) and never patched or re-captured.
-Padding tokens of a prefill chunk write cache rows past the chunk, which later steps
-overwrite before anything reads them; a chunk is padded only while the cache has the room.
+A graph reads everything that changes between replays from static device tensors filled from
+pinned host buffers before each replay (two small copies: int64 and int32 inputs); every
+intermediate lives in the graphs' shared memory pool (they never run at once), so a replay
+allocates nothing and makes no host synchronisation. Nothing in a step depends on host values
+(deimos.models.gpu.ops), so a graph is captured once per shape and never patched.
 
-The decode graph ends with the greedy choice on the device (kernels/triton/greedy.py): its
-argmax becomes the next replay's token and the position advances, so a greedy request runs
-as replays enqueued one after another while the host reads each token a step behind
-(``DecodeGraph.start_chain`` / ``launch_chained`` / ``chained_token``; engine/generator.py).
-
-The cache's host bookkeeping (``begin``/``commit``) stays outside the graphs, here. The
-graphs of one generator share one memory pool: they run one at a time, and each keeps only
-its logits alive between replays, so the pool holds the largest step's intermediates once.
+Padding: a padded decode row has token 0 at position 0 with an all-zero block table, so it
+reads and writes only the pool's scratch block 0; a prefill chunk's padding tokens are stored
+at scratch slots too. Their outputs are never read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
-from deimos.models.batch import Batch
+from deimos.models.batch import Batch, SeqLayout
 from deimos.models.blocks import DecoderModel
-from deimos.runtime.kv_cache import KVCache
 
+DECODE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
-class StepGraph:
-    """One step of exactly ``n`` tokens (the real ones first, then padding)."""
+def decode_bucket(n: int, max_seqs: int) -> int:
+    for b in DECODE_BUCKETS:
+        if b >= n:
+            return min(b, max(max_seqs, n))
+    return n
 
-    def __init__(self, model: DecoderModel, kv: KVCache, n: int, warmup: int = 2,
-                 pool: tuple | None = None):
+
+class StepGraph:
+    """A step of ``n_seqs`` sequences and ``n_tokens`` tokens: decode (every sequence one
+    token, ``n_seqs == n_tokens``) or one prefill chunk (``n_seqs == 1``).
+
+    Inputs (``load``): int64 tokens, positions, slots [n_tokens] and logits rows [n_logits];
+    int32 block tables [n_seqs, max_blocks], first positions [n_seqs], token offsets
+    [n_seqs + 1]. ``after(logits)`` (optional) is captured after the model step, e.g. the
+    batch's sampling; its buffers are the caller's. In a decode graph, when ``after`` returns
+    the chosen ids (int64 [n_seqs]), the graph also writes them as its own next tokens and
+    advances its positions, and it computes its slots from the tables and positions on the
+    device: a ``replay(chained=True)`` then feeds the previous replay's choices without the
+    host knowing them (only the tables are copied in)."""
+
+    def __init__(self, model: DecoderModel, pool, n_tokens: int, n_seqs: int, max_blocks: int,
+                 after: Callable[[torch.Tensor], None] | None = None, mempool: tuple | None = None,
+                 warmup: int = 2, tile_map: torch.Tensor | None = None) -> None:
         device = model.device
         if device.type != "cuda":
             raise ValueError(f"StepGraph: the model is on {device}, CUDA graphs need a CUDA device")
         self.model = model
-        self.kv = kv
-        self.n = n
+        self.pool = pool
+        self.n_tokens, self.n_seqs, self.max_blocks = n_tokens, n_seqs, max_blocks
+        self.decode = n_seqs == n_tokens
+        self.n_logits = n_seqs
+        self.after = after
+        self.mempool = mempool
         self.warmup = warmup
-        # tokens, positions and the logits row: views of one device buffer, one copy a step
-        self._dev = torch.zeros(2 * n + 1, dtype=torch.long, device=device)
-        self.tokens = self._dev[:n]
-        self.positions = self._dev[n : 2 * n]
-        self.logits_at = self._dev[2 * n :] if n > 1 else None
-        self._host = torch.zeros(2 * n + 1, dtype=torch.long).pin_memory()
-        self._host_np = self._host.numpy()  # numpy writes: no torch op on the host per step
-        self._offsets = np.arange(n, dtype=np.int64)
-        self._copied = torch.cuda.Event()  # the last copies out of _host are done
+        n, b = n_tokens, n_seqs
+        self._i64 = torch.zeros(3 * n + self.n_logits, dtype=torch.long, device=device)
+        self._i32 = torch.zeros(b * max_blocks + b + b + 1, dtype=torch.int32, device=device)
+        self._h64 = torch.zeros_like(self._i64, device="cpu").pin_memory()
+        self._h32 = torch.zeros_like(self._i32, device="cpu").pin_memory()
+        self._h64n, self._h32n = self._h64.numpy(), self._h32.numpy()
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        d64, d32 = self._i64, self._i32
+        self.tokens, self.positions, self.slots = d64[:n], d64[n : 2 * n], d64[2 * n : 3 * n]
+        self.logits_at = d64[3 * n :]
+        tb = b * max_blocks
+        self.tables = d32[:tb].view(b, max_blocks)
+        self.q_start, self.cu_q = d32[tb : tb + b], d32[tb + b :]
+        self.tile_map = tile_map
+        self.layout = SeqLayout([1] * b if self.decode else [n], [0] * b, b if self.decode else 0,
+                                self.slots, self.tables, self.q_start, self.cu_q, tile_map)
         self._graph: torch.cuda.CUDAGraph | None = None
-        self._logits: torch.Tensor | None = None
-        self.pool = pool  # a memory pool shared with graphs that never run at the same time
+        self.logits: torch.Tensor | None = None
+        self.chainable = False
         self.replays = 0
 
     @property
     def captured(self) -> bool:
         return self._graph is not None
 
-    def fits(self, start: int) -> bool:
-        return start + self.n <= self.kv.capacity
+    def host_buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        """The pinned host inputs to fill (after ``wait_host``) before ``replay``:
+        (int64 [tokens | positions | slots | logits rows], int32 [tables | q_start | cu_q])."""
+        self._copied.synchronize()  # the previous copies out of them are done
+        return self._h64n, self._h32n
 
-    def _load(self, tokens: list[int], start: int) -> None:
-        n, h = self.n, self._host
-        self._copied.synchronize()  # the previous copies may still read the pinned buffer
-        a = self._host_np
-        a[: len(tokens)] = tokens
-        a[len(tokens) : n] = 0
-        a[n : 2 * n] = self._offsets + start
-        a[2 * n] = len(tokens) - 1
-        self._dev.copy_(h, non_blocking=True)
+    def _upload(self) -> None:
+        self._i64.copy_(self._h64, non_blocking=True)
+        self._i32.copy_(self._h32, non_blocking=True)
         self._copied.record()
 
     @torch.inference_mode()
-    def _capture(self) -> None:
-        # warm-up and capture write this step's rows at the positions loaded now, which are
-        # free (at and past the cache's length): nothing valid is overwritten
-        batch = Batch(self.tokens, self.positions, self.kv, self.logits_at)
+    def capture(self) -> None:
+        """Capture with the inputs loaded now (padding-like: every slot scratch)."""
+        if self._graph is not None:
+            return
+        h64, h32 = self.host_buffers()
+        h64[:] = 0
+        h32[:] = 0
+        n, b = self.n_tokens, self.n_seqs
+        if self.decode:
+            h32[b * self.max_blocks + b :] = np.arange(b + 1, dtype=np.int32)
+            h64[3 * n :] = np.arange(b)
+        else:
+            h64[n : 2 * n] = np.arange(n)
+            h64[2 * n : 3 * n] = np.arange(n) % self.pool.block_size  # scratch slots
+            h32[-1] = n
+            h64[3 * n :] = n - 1
+        self._upload()
+        batch = Batch(self.tokens, self.positions, self.pool, self.layout, self.logits_at)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compiles the kernels, settles the allocator
             for _ in range(self.warmup):
-                logits = self.model.step(batch, self.kv.length)[0]
-                self._after_step(logits, self._dev.clone())
+                self._body(batch, feed=False)
         torch.cuda.current_stream().wait_stream(side)
+        self._upload()  # the warm-up fed itself: start the capture from the loaded inputs
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._logits = self.model.step(batch, self.kv.length)[0]
-            self._after_step(self._logits, self._dev)
+        with torch.cuda.graph(graph, pool=self.mempool):
+            self.logits = self._body(batch, feed=True)
         self._graph = graph
 
-    def _after_step(self, logits: torch.Tensor, feed: torch.Tensor) -> None:
-        """What a subclass adds to the captured step after the logits (``feed``: the step's
-        own input buffer); the warm-up calls it on a scratch copy of the inputs."""
+    def _body(self, batch: Batch, feed: bool) -> torch.Tensor:
+        bs = self.pool.block_size
+        if self.decode:  # slots from the tables at the (possibly device-fed) positions
+            blk = torch.gather(self.tables, 1, (self.positions // bs).view(-1, 1).to(torch.int64))
+            self.slots.copy_(blk.view(-1).to(torch.int64) * bs + self.positions % bs)
+        logits = self.model.step(batch)
+        ids = self.after(logits) if self.after is not None else None
+        if self.decode and ids is not None and feed:
+            self.tokens.copy_(ids.clamp(min=0))
+            self.positions.add_(1)
+        self.chainable = self.decode and ids is not None
+        return logits
 
-    def capture(self) -> None:
-        """Capture now (at the cache's current length, whose rows are free) instead of at
-        the first run; nothing is committed."""
+    def replay(self, chained: bool = False) -> torch.Tensor:
+        """Copies the host inputs in and replays; the logits [n_logits, V] (static).
+        ``chained``: the tokens and positions are the previous replay's own (only the int32
+        inputs, the tables, are copied in)."""
         if self._graph is None:
-            if not self.fits(self.kv.length):
-                raise ValueError(f"StepGraph: no room to capture {self.n} rows")
-            self._load([0] * self.n, self.kv.length)
-            self._capture()
-
-    def run(self, tokens: list[int]) -> torch.Tensor:
-        """Runs ``tokens`` (1..n of them) at the cache's next positions and commits them;
-        returns the logits float32 ``[n_vocab]`` of the last one on the device (a static
-        tensor: valid until this graph's next replay)."""
-        if not 1 <= len(tokens) <= self.n:
-            raise ValueError(f"StepGraph: {len(tokens)} tokens for a graph of {self.n}")
-        start = self.kv.begin(self.positions[: len(tokens)])  # the room check (no sync)
-        if not self.fits(start):
-            raise ValueError(f"StepGraph: {self.n} rows from {start} pass the cache's {self.kv.capacity}")
-        self._load(tokens, start)
-        if self._graph is None:
-            self._capture()
+            raise RuntimeError("StepGraph.replay before capture")
+        if chained:
+            if not self.chainable:
+                raise RuntimeError("StepGraph: this graph does not feed itself")
+            self._i32.copy_(self._h32, non_blocking=True)
+            self._copied.record()
+        else:
+            self._upload()
         self._graph.replay()
         self.replays += 1
-        self.kv.commit(len(tokens))
-        return self._logits
-
-
-class DecodeGraph(StepGraph):
-    """The one-token step. It ends with the greedy choice on the device (greedy.py): the
-    argmax is written as the next replay's token and the position advanced, so greedy
-    decoding can run as a chain of replays (``start_chain``, ``launch_chained``,
-    ``chained_token``) with the host reading each token while the next step runs. A plain
-    ``step`` loads its token and position from the host as before (the chain's writes are
-    overwritten); the greedy kernel costs it a few microseconds."""
-
-    RING = 4  # pinned slots for chained tokens: more than the steps ever in flight
-
-    def __init__(self, model: DecoderModel, kv: KVCache, warmup: int = 2, pool: tuple | None = None):
-        super().__init__(model, kv, 1, warmup, pool)
-        # imported here: defining the Triton kernels reads TRITON_INTERPRET, which a process
-        # that only imports this module (CPU tests) must not have fixed yet
-        from deimos.kernels.triton.greedy import GreedyState, greedy_next
-
-        self._greedy_next = greedy_next
-        device = model.device
-        self._greedy = GreedyState(model.config.n_vocab, device)
-        self._token = torch.zeros(1, dtype=torch.long, device=device)
-        self._ring = torch.zeros(self.RING, dtype=torch.long).pin_memory()
-        self._ring_np = self._ring.numpy()
-        self._ring_slots = [self._ring[i : i + 1] for i in range(self.RING)]  # copy targets
-        self._ring_done = [torch.cuda.Event() for _ in range(self.RING)]
-        self._launched = 0
-
-    def _after_step(self, logits: torch.Tensor, feed: torch.Tensor) -> None:
-        self._greedy_next(logits, self._greedy, self._token, feed)
-
-    def step(self, token: int) -> torch.Tensor:
-        """``token`` at the cache's next position, committed; its logits ``[n_vocab]``."""
-        return self.run([token])
-
-    def start_chain(self, token: int) -> None:
-        """The next ``launch_chained`` feeds ``token`` at the cache's next position; each one
-        after it feeds the greedy choice of the one before."""
-        self._load([token], self.kv.begin(self.positions))  # the room check
-        if self._graph is None:
-            self._capture()
-
-    def launch_chained(self) -> int:
-        """Enqueue one step of the chain (no host synchronisation) and commit its cache row;
-        returns the ticket that ``chained_token`` reads its greedy choice with."""
-        self.kv.begin(self.positions)  # the room check (device positions: no sync)
-        self._graph.replay()
-        self.replays += 1
-        self.kv.commit(1)
-        slot = self._launched % self.RING
-        self._ring_slots[slot].copy_(self._token, non_blocking=True)
-        self._ring_done[slot].record()
-        self._launched += 1
-        return self._launched - 1
-
-    def chained_token(self, ticket: int) -> int:
-        """The greedy token the step of ``ticket`` chose (waits for that step only). At most
-        RING - 1 later steps may have been launched since."""
-        if not self._launched - self.RING < ticket < self._launched:
-            raise ValueError(f"DecodeGraph: ticket {ticket} is not among the last {self.RING} steps")
-        slot = ticket % self.RING
-        self._ring_done[slot].synchronize()
-        token = int(self._ring_np[slot])
-        if token < 0:
-            raise ValueError("logits contain NaN")
-        return token
-
-
-class PrefillGraphs:
-    """Prompt chunks through the smallest bucket graph that holds them."""
-
-    def __init__(self, model: DecoderModel, kv: KVCache, buckets: tuple[int, ...] = PREFILL_BUCKETS,
-                 pool: tuple | None = None):
-        self.model = model
-        self.kv = kv
-        self.graphs = {n: StepGraph(model, kv, n, pool=pool) for n in buckets}
-
-    def capture_all(self, progress=None) -> None:
-        """Every bucket now (the cache must have the room): the graphs' memory is then
-        taken once, before the first request, and no request pays a capture.
-        ``progress(label)`` is called before each capture."""
-        for n, graph in sorted(self.graphs.items()):
-            if progress is not None:
-                progress(f"prefill graph {n}")
-            if graph.fits(self.kv.length):  # a bucket longer than the context is never used
-                graph.capture()
-
-    @property
-    def max_tokens(self) -> int:
-        return max(self.graphs)
-
-    def run(self, tokens: list[int]) -> torch.Tensor | None:
-        """The chunk's last logits, or None when no bucket holds it within the cache's room
-        (the caller runs it eagerly)."""
-        for n in sorted(self.graphs):
-            if len(tokens) <= n:
-                graph = self.graphs[n]
-                return graph.run(tokens) if graph.fits(self.kv.length) else None
-        return None
+        return self.logits

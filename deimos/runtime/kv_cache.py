@@ -1,15 +1,21 @@
-"""A contiguous KV cache for one sequence: per layer, keys and values of positions 0..n-1.
+"""A KV cache for one sequence: positions 0..n-1 in a pool of their own, blocks in order.
 
-Positions are written in order; rewriting from an earlier position (``truncate``) is how a
-session reuses the common prefix of a new prompt. Device-agnostic: float32 on the CPU (the
-reference), float16 on other devices unless ``dtype`` says otherwise.
+The engine's sequences share one ``KVPool`` through block tables (deimos.engine); this is the
+one-sequence case the evaluation tools use (perplexity windows, the exactness study): block i
+of the sequence is block i + 1 of its own pool (block 0 is the pool's scratch block), so slot =
+position + block_size. Positions are written in order; ``truncate`` forgets a suffix.
+Float32 on the CPU (the reference), float16 on other devices unless ``dtype`` says otherwise.
 """
 
 from __future__ import annotations
 
 import torch
 
+from deimos.models.batch import Batch, SeqLayout
 from deimos.models.config import ModelConfig
+from deimos.runtime.kv_pool import KVPool
+
+BLOCK_SIZE = 64
 
 
 class ContextFullError(ValueError):
@@ -21,16 +27,14 @@ class KVCache:
                  dtype: torch.dtype | None = None) -> None:
         if capacity <= 0:
             raise ValueError(f"KVCache: capacity must be positive, got {capacity}")
-        if dtype is None:
-            dtype = torch.float32 if torch.device(device).type == "cpu" else torch.float16
-        self.dtype = dtype
+        n_blocks = -(-capacity // BLOCK_SIZE)
+        self.pool = KVPool(config, n_blocks + 1, BLOCK_SIZE, device, dtype)
+        self.dtype = self.pool.dtype
         self.capacity = capacity
-        shape_k = (capacity, config.n_head_kv, config.head_dim)
-        shape_v = (capacity, config.n_head_kv, config.head_dim_v)
-        self.k = [torch.empty(shape_k, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.v = [torch.empty(shape_v, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.block_size = BLOCK_SIZE
+        self.k, self.v = self.pool.k, self.pool.v
         self.length = 0  # positions [0, length) hold valid entries for every layer
-        self._pos = torch.arange(capacity, device=device)
+        self._table = torch.arange(1, n_blocks + 1, dtype=torch.int32, device=device).view(1, -1)
 
     def truncate(self, length: int) -> None:
         """Forget everything from position ``length`` on."""
@@ -38,31 +42,28 @@ class KVCache:
             raise ValueError(f"KVCache.truncate: {length} outside [0, {self.length}]")
         self.length = length
 
-    def begin(self, positions: torch.Tensor) -> int:
-        """A step of ``positions`` [T] is about to be written: returns its start (the current
-        length) after checking the room. Positions on a device are trusted to start at the
-        cache's length (reading them would cost a device-to-host sync); host positions are
-        checked."""
-        n = positions.shape[0]
+    def batch(self, tokens: torch.Tensor, logits_at: torch.Tensor | None = None) -> Batch:
+        """The step of ``tokens`` [T] (on the model's device) at the next positions, checked
+        for room; ``commit`` after it ran."""
+        n = tokens.shape[0]
         start = self.length
-        if positions.device.type == "cpu" and n and int(positions[0]) != start:
-            raise ValueError(f"KVCache: step starts at position {int(positions[0])}, cache holds {start}")
         if start + n > self.capacity:
             raise ContextFullError(f"context full: {start + n} tokens > context size {self.capacity}")
-        return start
+        device = tokens.device
+        positions = torch.arange(start, start + n, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        layout = SeqLayout([n], [start], 1 if n == 1 else 0, positions + BLOCK_SIZE, self._table,
+                           torch.tensor([start], **i32), torch.tensor([0, n], **i32))
+        return Batch(tokens, positions, self.pool, layout, logits_at)
 
     def commit(self, n: int) -> None:
-        """The step begun at the current length wrote ``n`` positions in every layer."""
         if self.length + n > self.capacity:
             raise ContextFullError(f"context full: {self.length + n} tokens > context size {self.capacity}")
         self.length += n
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k ``[T, Hkv, D]`` and v of ``layer`` at positions ``start`` .. ``start + T - 1``.
-        (The GPU path stores them in its RoPE kernel, at positions read on the device.)"""
-        self.k[layer][start : start + k.shape[0]] = k
-        self.v[layer][start : start + v.shape[0]] = v
-
-    def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keys, values and their positions ``[0, end)`` of ``layer``."""
-        return self.k[layer][:end], self.v[layer][:end], self._pos[:end]
+    def forward(self, model, tokens: torch.Tensor, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs ``tokens`` through ``model`` at the next positions and commits them: the logits
+        of ``logits_at`` (default: the last token)."""
+        logits = model.step(self.batch(tokens, logits_at))
+        self.commit(tokens.shape[0])
+        return logits

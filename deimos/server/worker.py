@@ -1,9 +1,9 @@
-"""The engine worker: one thread owns the ``LLM`` and runs one request at a time.
+"""The engine worker: one thread owns the ``LLM``'s engine and decodes every job together.
 
-The generator has a single KV-cache slot, so generation is serialized: handlers ``submit`` a
-``Job`` and read its events from an asyncio queue; the thread takes jobs in arrival order.
-A job's ``cancelled`` flag (set when its client disconnects) is checked between tokens: the
-generation stops at once and the slot goes to the next job.
+Handlers ``submit`` a ``Job`` and read its events from an asyncio queue; the thread admits new
+jobs at step boundaries (continuous batching: deimos.engine.Engine), so a request joins the
+running batch at the next step. A job's ``cancelled`` flag (set when its client disconnects)
+is checked at every step: its sequence ends and its KV blocks are free at once.
 
 Events a job receives, in order: any number of ``Piece``, then one ``Done`` or ``Failed``
 (or, put there by the server's shutdown rather than the worker, one ``Cut``).
@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from deimos.engine import LLM, Request
+from deimos.engine.request import EngineError
 from deimos.kernels.sampling import TokenLogprobs
 from deimos.engine.jsontext import closure
 from deimos.server.metrics import Finished, Metrics
@@ -79,100 +80,189 @@ class Job:
             self.cancelled.set()
 
 
+class _Active:
+    """A job the engine is running: its sequence and the text state of its answer."""
+
+    def __init__(self, job: Job, seq, tokenizer, started: float) -> None:
+        self.job = job
+        self.seq = seq
+        self.dec = tokenizer.stream_decoder()
+        self.stops = StopMatcher(job.stops)
+        # (start, end) of each token's text in the produced text, for tokens not yet shown
+        self.pending: deque[tuple[int, int, TokenLogprobs]] = deque()
+        self.produced = self.emitted = 0
+        self.shown_text: list[str] = []  # what the client got, for closing truncated JSON
+        self.json_out = any(isinstance(p, Constrained) for p in job.request.logits_processors)
+        self.t0 = started
+        self.t_first: float | None = None
+        self.finish: str | None = None  # set when the answer is over (stop string, cancel)
+
+    def token(self, token: int) -> None:
+        """The engine chose ``token`` for this job: its text (after stop strings) to the client."""
+        req = self.job.request
+        if self.t_first is None:
+            self.t_first = time.monotonic()
+        if req.finish_reason == "stop":  # an end-of-generation token: no text
+            return
+        last = req.finish_reason is not None
+        piece = self.dec.feed(token) + (self.dec.flush() if last else "")
+        if req.top_logprobs is not None:
+            self.pending.append((self.produced, self.produced + len(piece), req.token_logprobs[-1]))
+        self.produced += len(piece)
+        text = self.stops.feed(piece)
+        if last and not self.stops.stopped:
+            text += self.stops.flush()
+        self.emitted += len(text)
+        if self.json_out:
+            self.shown_text.append(text)
+        shown = _release(self.pending, self.emitted, self.stops.stopped, last)
+        if text or shown:
+            self.job.emit(Piece(text, shown))
+        if self.stops.stopped:
+            self.finish = "stop"
+
+
 class EngineWorker:
+    """One thread owns the engine (deimos.engine.Engine): it admits submitted jobs at step
+    boundaries, steps the engine while any sequence runs, hands every chosen token to its
+    job, and frees a cancelled job's sequence at the next step."""
+
     def __init__(self, llm: LLM, metrics: Metrics, max_queue: int = 64) -> None:
         self.llm = llm
+        self.engine = llm.engine
         self.metrics = metrics
         self.max_queue = max_queue
-        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._inbox: queue.Queue[Job | None] = queue.Queue()
+        self._active: dict[int, _Active] = {}
+        self._waiting = 0  # jobs admitted to the engine but not running yet (read by submit)
+        self._stop = False
         self._thread = threading.Thread(target=self._loop, name="deimos-engine", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        self._jobs.put(None)
+        self._stop = True
+        self._inbox.put(None)
         self._thread.join(timeout=5)
 
+    @property
+    def queued(self) -> int:
+        return self._inbox.qsize() + self._waiting
+
     def submit(self, job: Job) -> None:
-        if self._jobs.qsize() >= self.max_queue:
-            raise QueueFull(f"{self._jobs.qsize()} requests are already waiting")
-        self._jobs.put(job)
-        self.metrics.set_queued(self._jobs.qsize())
+        if self.queued >= self.max_queue:
+            raise QueueFull(f"{self.queued} requests are already waiting")
+        self._inbox.put(job)
+        self.metrics.set_queued(self.queued)
+
+    # ---- the loop ----------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            self.metrics.set_queued(self._jobs.qsize())
+        while not self._stop:
+            try:
+                self._admit(block=not self.engine.has_work)
+                self._cancel()
+                outs = self.engine.step()
+                for out in outs:
+                    self._deliver(out)
+                self._report()
+            except Exception as e:  # noqa: BLE001 - the worker outlives any one step
+                log.error("engine worker: %s", e, exc_info=True)
+                for a in list(self._active.values()):
+                    self._fail(a, EngineError(f"the engine failed: {type(e).__name__}: {e}"))
+
+    def _admit(self, block: bool) -> None:
+        while True:
+            try:
+                job = self._inbox.get(block=block, timeout=None if block else 0)
+            except queue.Empty:
+                return
+            block = False
+            if job is None:
+                self._stop = True
+                return
             if job.cancelled.is_set():  # its client left while it waited
                 continue
+            self.metrics.start(job.id, len(job.request.prompt_ids))
             try:
-                self._run(job)
-            except Exception as e:  # noqa: BLE001 - the worker outlives any one request
-                log.debug("request %s failed: %s", job.id, e, exc_info=True)
-                self.metrics.finish(Finished(len(job.request.prompt_ids), 0, 0, 0.0, 0.0, 0.0,
-                                             "error"), 0.0, 0.0, False)
+                seq = self.engine.add(job.request)
+            except Exception as e:  # noqa: BLE001 - a refused request fails alone
+                log.debug("request %s refused: %s", job.id, e, exc_info=True)
+                self._record_failure(job)
                 job.emit(Failed(e))
+                continue
+            a = _Active(job, seq, self.llm.tokenizer, time.monotonic())
+            if seq.finished:  # max_tokens 0
+                self._done(a)
+            else:
+                self._active[seq.id] = a
 
-    def _run(self, job: Job) -> None:
-        req = job.request
-        t0 = time.monotonic()
-        self.metrics.start(job.id, len(req.prompt_ids))
-        dec = self.llm.tokenizer.stream_decoder()
-        stops = StopMatcher(job.stops)
-        # (start, end) of each token's text in the produced text, for tokens not yet shown
-        pending: deque[tuple[int, int, TokenLogprobs]] = deque()
-        produced = emitted = 0
-        shown_text: list[str] = []  # what the client got, for closing truncated JSON
-        json_out = any(isinstance(p, Constrained) for p in req.logits_processors)
-        t_first: float | None = None
-        finish: str | None = None
-        gen = self.llm.generator.run(req)
-        try:
-            for token in gen:
-                if t_first is None:
-                    t_first = time.monotonic()
-                if job.cancelled.is_set():
-                    finish = "cancelled"
-                    break
-                if req.finish_reason == "stop":  # an end-of-generation token: no text
-                    break
-                last = req.finish_reason == "length"
-                piece = dec.feed(token) + (dec.flush() if last else "")
-                if req.top_logprobs is not None:
-                    pending.append((produced, produced + len(piece), req.token_logprobs[-1]))
-                produced += len(piece)
-                text = stops.feed(piece)
-                if last and not stops.stopped:
-                    text += stops.flush()
-                emitted += len(text)
-                if json_out:
-                    shown_text.append(text)
-                shown = _release(pending, emitted, stops.stopped, last)
-                if text or shown:
-                    job.emit(Piece(text, shown))
-                self.metrics.progress(req.cached_tokens, len(req.output_ids))
-                if stops.stopped:
-                    finish = "stop"
-                    break
-        finally:
-            gen.close()  # an abandoned generation leaves the cache consistent (see Generator)
+    def _cancel(self) -> None:
+        for a in list(self._active.values()):
+            if a.job.cancelled.is_set() and a.finish is None:
+                a.finish = "cancelled"
+            if a.finish is not None:
+                self.engine.cancel(a.seq)
+                self._done(a)
+
+    def _deliver(self, out) -> None:
+        a = self._active.get(out.seq.id)
+        if a is None:
+            return
+        if out.error is not None:
+            self._fail(a, out.error)
+            return
+        a.token(out.token)
+        self.metrics.progress(a.job.id, a.job.request.cached_tokens,
+                              len(a.job.request.output_ids))
+        if a.finish is not None:  # a stop string: the sequence ends now
+            self.engine.cancel(a.seq)
+        if a.finish is not None or a.seq.finished:
+            self._done(a)
+
+    def _report(self) -> None:
+        st = self.engine.stats()
+        self._waiting = st.waiting
+        self.metrics.set_queued(self.queued)
+        set_engine = getattr(self.metrics, "set_engine", None)
+        if set_engine is not None:
+            set_engine(st)
+
+    def _record_failure(self, job: Job) -> None:
+        self.metrics.finish(job.id, Finished(len(job.request.prompt_ids), 0, 0, 0.0, 0.0, 0.0,
+                                             "error"), 0.0, 0.0, False)
+
+    def _fail(self, a: _Active, err: BaseException) -> None:
+        self._active.pop(a.seq.id, None)
+        self.engine.cancel(a.seq)
+        log.debug("request %s failed: %s", a.job.id, err)
+        self._record_failure(a.job)
+        a.job.emit(Failed(err))
+
+    def _done(self, a: _Active) -> None:
+        self._active.pop(a.seq.id, None)
+        req = a.job.request
         t_end = time.monotonic()
-        finish = finish or req.finish_reason or "length"
-        if json_out and finish == "length":  # cut mid-value: closed so that it parses
-            tail = closure("".join(shown_text))
+        finish = a.finish or req.finish_reason or "length"
+        if finish == "error":
+            finish = "length"
+        if a.json_out and finish == "length":  # cut mid-value: closed so that it parses
+            tail = closure("".join(a.shown_text))
             if tail:
-                job.emit(Piece(tail, []))
-        first = t_first if t_first is not None else t_end
+                a.job.emit(Piece(tail, []))
+        first = a.t_first if a.t_first is not None else t_end
         done = Done(finish, len(req.prompt_ids), req.cached_tokens, len(req.output_ids),
-                    first - t0, first - t0, t_end - first, t0 - job.enqueued)
+                    first - a.t0, first - a.t0, t_end - first, a.t0 - a.job.enqueued)
         n = done.completion_tokens
         computed = done.prompt_tokens - done.cached_tokens
         self.metrics.finish(
+            a.job.id,
             Finished(done.prompt_tokens, done.cached_tokens, n, done.ttft_s,
                      computed / done.prefill_s if done.prefill_s > 0 else 0.0,
                      (n - 1) / done.decode_s if n > 1 and done.decode_s > 0 else 0.0, finish),
             done.prefill_s, done.decode_s, finish == "cancelled")
-        job.emit(done)
+        a.job.emit(done)
 
 
 def _release(pending: deque[tuple[int, int, TokenLogprobs]], emitted: int, cut: bool,

@@ -26,7 +26,6 @@ import torch
 from deimos.eval.float64 import kv_cache, to_float64
 from deimos.gguf import GGUFFile
 from deimos.models import load_model
-from deimos.models.batch import Batch
 from deimos.runtime.kv_cache import KVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "llama_ref"))
@@ -43,7 +42,7 @@ def _deimos_forward(model, kv, seq: Sequence, device: str) -> np.ndarray:
     n = len(seq.tokens)
     t = torch.tensor(seq.tokens, device=device)
     at = torch.tensor(seq.positions, device=device)
-    logits = model.forward(Batch(t, torch.arange(n, device=device), kv, logits_at=at))
+    logits = kv.forward(model, t, at)
     return logits.cpu().numpy()
 
 
@@ -73,8 +72,7 @@ def deimos_cuda(path: Path, decode: bool) -> Path_:
         rows = {}
         # the first token as a one-token prefill, then one decode step per token
         for i, tok in enumerate(s.tokens[: max(s.positions) + 1]):
-            b = Batch(torch.tensor([tok], device="cuda"), torch.tensor([i], device="cuda"), kv)
-            out = model.forward(b)
+            out = kv.forward(model, torch.tensor([tok], device="cuda"))
             if i in s.positions:
                 rows[i] = out[0].float().cpu().numpy()
         return np.stack([rows[p] for p in s.positions])

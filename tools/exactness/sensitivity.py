@@ -17,7 +17,6 @@ import torch
 from deimos.eval.kld import kld_per_position
 from deimos.gguf import GGUFFile
 from deimos.models import load_model
-from deimos.models.batch import Batch
 from deimos.models.weights import Linear
 from deimos.runtime.kv_cache import KVCache
 from deimos.tokenizer import Tokenizer
@@ -43,8 +42,7 @@ class NoisyLinear(Linear):
 
 def log_probs(model, ids: list[int]) -> torch.Tensor:
     n = len(ids)
-    out = model.forward(Batch(torch.tensor(ids), torch.arange(n), KVCache(model.config, n),
-                              logits_at=torch.arange(n - 1)))
+    out = KVCache(model.config, n).forward(model, torch.tensor(ids), torch.arange(n - 1))
     return out.double().log_softmax(-1)
 
 

@@ -2,10 +2,12 @@
 
 - ``QuantLinear`` (formats with a GEMV kernel): decode (T == 1) runs the integer-activation
   GEMV (gemv_q8: x turned once into two int8 planes, ``QuantizedX``, shared by every
-  projection that reads the same activation; weight codes times x codes by dp4a);
-  T > 1 (prefill) dequantizes the weight to a transient fp16 matrix (``dequantize_fp16``,
-  streaming near the copy rate) and multiplies on the tensor cores (``matmul_f16``): both ours,
-  measured faster than a fused dequant-GEMM at every prompt length (dequant.py).
+  projection that reads the same activation; weight codes times x codes by dp4a); a decode
+  batch (2 <= T <= 64 rows, one per sequence) the batched GEMM that reads each packed weight
+  once (gemm_q: a weight tile decoded in registers feeding the tensor cores, x in fp16 with its
+  columns in the weight's word order); longer steps (prefill) dequantize the weight to a
+  transient fp16 matrix (``dequantize_fp16``, streaming near the copy rate) and multiply on the
+  tensor cores (``matmul_f16``).
 - ``DenseLinear``: float weights (and formats without a kernel), an fp16 matrix from load:
   ``gemv_f16`` for decode, ``matmul_f16`` for T > 1.
 - ``QuantEmbedding`` / ``DenseEmbedding``: gather the token rows, dequantize only those.
@@ -22,7 +24,10 @@ from deimos.gguf.constants import GGMLType
 from deimos.kernels.triton.matmul import gemv_f16, matmul_f16
 from deimos.models.gpu.dequant import dequantize_fp16, gather_rows, permuted_columns
 from deimos.models.gpu.notices import Notices
+from deimos.quant.triton.dequant_gemv import words_per_group
 from deimos.quant.triton import PackedWeight
+from deimos.quant.triton.gemm_q import MAX_ROWS as GEMM_ROWS
+from deimos.quant.triton.gemm_q import gemm_q
 from deimos.quant.triton.gemv_q8 import QuantizedX, gemv_q8, quantize_x
 
 
@@ -37,6 +42,7 @@ class InputCache:
         self._x: torch.Tensor | None = None
         self._quantized: QuantizedX | None = None
         self._half: torch.Tensor | None = None
+        self._permuted: dict[int, torch.Tensor] = {}  # words per group -> x's fp16 columns
 
     def _same(self, x: torch.Tensor) -> bool:
         c = self._x
@@ -47,10 +53,12 @@ class InputCache:
     def _switch(self, x: torch.Tensor) -> None:
         if not self._same(x):
             self._x, self._quantized, self._half = x, None, None
+            self._permuted = {}
 
     def put(self, x: torch.Tensor, quantized: QuantizedX) -> None:
         """``x``'s quantized form, made by the kernel that produced x."""
         self._x, self._quantized, self._half = x, quantized, None
+        self._permuted = {}
 
     def quantized(self, x: torch.Tensor) -> QuantizedX:
         self._switch(x)
@@ -63,6 +71,15 @@ class InputCache:
         if self._half is None:
             self._half = x.to(torch.float16).contiguous()  # the kernels want unit column stride
         return self._half
+
+    def permuted(self, x: torch.Tensor, words: int, cols: torch.Tensor) -> torch.Tensor:
+        """``x`` in fp16 with its columns in the order ``cols`` of weights of ``words`` code
+        words per group (every format with the same word count shares the order)."""
+        half = self.half(x)
+        p = self._permuted.get(words)
+        if p is None:
+            p = self._permuted[words] = half.index_select(1, cols)
+        return p
 
 
 def _check_input(x: torch.Tensor, k: int, name: str) -> None:
@@ -87,6 +104,7 @@ class QuantLinear:
         self.inputs = inputs
         self.notices = notices
         self._cols: torch.Tensor | None = None
+        self._words = words_per_group(packed.ggml_type)
 
     def _columns(self) -> torch.Tensor:
         if self._cols is None:
@@ -105,6 +123,8 @@ class QuantLinear:
         _check_input(x, self.packed.k, self.name)
         if x.shape[0] == 1:
             y = gemv_q8(self.packed, self.inputs.quantized(x))
+        elif x.shape[0] <= GEMM_ROWS:
+            y = gemm_q(self.packed, self.inputs.permuted(x, self._words, self._columns()))
         else:
             w16 = dequantize_fp16(self.packed, permuted=True)
             y = matmul_f16(self.inputs.half(x)[:, self._columns()], w16)

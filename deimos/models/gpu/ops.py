@@ -1,11 +1,15 @@
 """The layer ops on the Triton kernels (deimos.kernels.triton); the oracle is
 deimos.models.ops.ReferenceOps.
 
-Decode (one token) is written so a CUDA graph can replay it: the split-K decode attention
-rotates q and the new key itself (RoPE and qk-norm fused into its launch), stores the new key
-and value straight into the cache row at the device position, reads the length from the
-device, and no shape depends on the position. Prefill (T > 1) stores the same way and runs the causal flash kernel over the
-whole cache with the chunk's start read on the device: a prefill chunk is graph-safe too.
+Every step reads the paged KV cache through block tables (deimos.models.batch.SeqLayout) and
+takes nothing from the host that changes between replays, so any step is graph-safe:
+- a decode-only step (every sequence one token): the split-K decode attention rotates q and
+  the new keys itself (RoPE and qk-norm fused into its launch), stores each new key and value
+  at its slot (found through the row's table on the device) and reads the lengths from the
+  positions;
+- any other step: one RoPE launch rotates q and k and stores k and v at the step's slots; the
+  decode rows then run the decode attention and the prefill chunks the varlen flash kernel
+  (its (sequence, tile) map made on the host once per step, or captured with the graph).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import torch
 from deimos.kernels.triton.activation import gated_act
 from deimos.kernels.triton.decode_attention import NewToken, decode_attention
 from deimos.kernels.triton.norm import add_rms_norm, rms_norm
-from deimos.kernels.triton.prefill_attention import prefill_attention
+from deimos.kernels.triton.prefill_attention import paged_prefill_attention, prefill_tile_map
 from deimos.kernels.triton.rope import apply_rope, rope_inv_freq
 from deimos.models.batch import Batch
 from deimos.models.config import ModelConfig
@@ -37,9 +41,19 @@ class TritonOps:
         self.inv_freq = {b: rope_inv_freq(cfg.rope_dim, b, cfg.rope_scale, freq_factors, device)
                          for b in bases}  # fmt: skip
 
-    def begin(self, batch: Batch, start: int) -> StepState:
+    def begin(self, batch: Batch) -> StepState:
         # int32 positions: what the rope and decode-attention kernels read
-        return StepState(batch, start, batch.tokens.shape[0], batch.positions.to(torch.int32))
+        seqs = batch.seqs
+        nd = seqs.n_decode
+        prefill = None
+        if nd < seqs.n_seqs:  # the prefill chunks' offsets from their first token, and tiles
+            tiles = seqs.tile_map
+            if tiles is None:
+                cfg = self.cfg
+                tiles = prefill_tile_map(seqs.q_lens[nd:], cfg.n_head, cfg.n_head_kv, cfg.head_dim,
+                                         batch.tokens.device)
+            prefill = (seqs.cu_q[nd:] - nd, tiles)
+        return StepState(batch, batch.tokens.shape[0], batch.positions.to(torch.int32), prefill)
 
     def _quantized_for(self, rows: int, k: int, device: torch.device):
         if self.inputs is None or rows != 1 or k % 32:
@@ -57,29 +71,42 @@ class TritonOps:
         return rms_norm(x, weight, eps)
 
     def attention(self, q, k, v, layer, step, rope_base, scale, window, head_norms=None):
-        kv = step.batch.kv
+        batch = step.batch
+        seqs, kv = batch.seqs, batch.kv
         k_cache, v_cache = kv.k[layer], kv.v[layer]
+        bs = kv.block_size
         inv_freq = self.inv_freq[rope_base]
-        if step.n == 1 and v.shape == k.shape:
-            # one launch: the attention kernel rotates (and head-norms) q and the new key
-            # itself and stores the new key and value in the cache row. The combine kernel
-            # quantizes per head: whole groups of 32 in each head
-            qx = self._quantized_for(1, q.shape[1] * q.shape[2], q.device) if q.shape[2] % 32 == 0 else None
+        nd = seqs.n_decode
+        paged = dict(block_tables=seqs.tables, block_size=bs)
+        if step.extra is None and v.shape == k.shape:
+            # decode only, one launch: the attention kernel rotates (and head-norms) q and the
+            # new keys itself and stores each new key and value at its slot. With one row, the
+            # combine kernel also quantizes the output per head (whole groups of 32 a head)
+            n = step.n
+            qx = None
+            if n == 1 and q.shape[2] % 32 == 0:
+                qx = self._quantized_for(1, q.shape[1] * q.shape[2], q.device)
             new = NewToken(k, v, inv_freq, self.cfg.rope_type, head_norms)
             out = decode_attention(q, k_cache, v_cache, step.rope, scale, window, quantized=qx,
-                                   new=new)  # fmt: skip
+                                   new=new, **paged)  # fmt: skip
             if qx is not None:
                 out = out.view(1, -1)  # what the output projection reads
                 self.inputs.put(out, qx)
             return out
-        # one launch: q (head-normed and) rotated in place, k rotated and v copied into the
-        # cache rows. In place on q: it is the step's own GEMV output
+        # one launch: q (head-normed and) rotated in place, k rotated and v stored at the
+        # step's slots. In place on q: it is the step's own projection output
         apply_rope(q, k, step.rope, inv_freq, self.cfg.rope_type, inplace=True,
-                   cache=(v, k_cache, v_cache), head_norms=head_norms)
-        if step.n == 1:
-            return decode_attention(q, k_cache, v_cache, step.rope, scale, window)
-        # the start read from the positions on the device: a prefill graph replays for any start
-        return prefill_attention(q, k_cache, v_cache, step.rope, scale, window)
+                   cache=(v, k_cache, v_cache), head_norms=head_norms, slots=seqs.slots)
+        if step.extra is None:
+            return decode_attention(q, k_cache, v_cache, step.rope, scale, window, **paged)
+        out = torch.empty(q.shape[:2] + (v.shape[2],), dtype=q.dtype, device=q.device)
+        if nd:
+            decode_attention(q[:nd], k_cache, v_cache, step.rope[:nd], scale, window, out=out[:nd],
+                             block_tables=seqs.tables[:nd], block_size=bs)
+        cu, tiles = step.extra
+        paged_prefill_attention(q[nd:], k_cache, v_cache, seqs.tables[nd:], cu, seqs.q_start[nd:], tiles,
+                                bs, scale, window, out=out[nd:])
+        return out
 
     def gated_act(self, gate, up, activation):
         qx = self._quantized_for(gate.shape[0], gate.shape[1], gate.device)

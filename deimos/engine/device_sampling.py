@@ -1,0 +1,134 @@
+"""The device side of the batch's sampling: the static inputs and outputs of
+``deimos.kernels.triton.sample_batch.sample_rows`` for a fixed number of rows, filled from the
+sequences' requests before a step and read after it.
+
+Per row: the request's settings, its draw u (the request's ``Sampler.next_uniform``: every
+sampled step takes one, whichever path samples it) and its penalty window as (id, count) pairs
+(at most ``PENALTY_WIDTH`` distinct ids; a row with more is left to the host). Padding rows are
+greedy with no penalties. Five host-to-device copies before a step (from pinned buffers); the
+kernels (captured in the decode graph) leave ids and flags in a device buffer, and ``fetch``,
+after the replay, copies them into one of ``RING`` pinned slots with an event: a step's
+choices can be read while the next step, launched already, runs and overwrites the device
+buffer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from deimos.kernels.triton.sample_batch import EXACT, HOST, SampleScratch, SamplingRows, sample_rows
+
+PENALTY_WIDTH = 64
+RING = 4  # pinned output slots: more than the steps ever in flight
+
+
+class DeviceRows:
+    def __init__(self, rows: int, n_vocab: int, device: torch.device, width: int = PENALTY_WIDTH):
+        self.n_rows = rows
+        self.width = width
+        dev = torch.device(device)
+        # device inputs: views of one buffer per dtype
+        self._f64 = torch.zeros((4, rows), dtype=torch.float64, device=dev)  # temp, top_p, min_p, u
+        self._f32 = torch.zeros((3, rows), dtype=torch.float32, device=dev)  # repeat, freq, pres
+        self._i32 = torch.zeros((1 + width, rows), dtype=torch.int32, device=dev)  # top_k, counts^T
+        self._i64 = torch.zeros((rows, width), dtype=torch.int64, device=dev)  # pen ids
+        self._counts = torch.zeros((rows, width), dtype=torch.int32, device=dev)
+        self.rows = SamplingRows(self._f64[0], self._i32[0], self._f64[1], self._f64[2],
+                                 self._f32[0], self._f32[1], self._f32[2], self._f64[3],
+                                 self._i64, self._counts)
+        pin = dict(pin_memory=True)
+        self._h = [torch.zeros_like(t, device="cpu", **pin) for t in (self._f64, self._f32, self._counts, self._i64)]
+        self._hk = torch.zeros(rows, dtype=torch.int32, device="cpu", **pin)
+        self._hn = [t.numpy() for t in self._h]
+        self._hkn = self._hk.numpy()
+        self.ids = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.flags = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self._ring = [torch.zeros(2 * rows, dtype=torch.int64, device="cpu", **pin) for _ in range(RING)]
+        self._ring_n = [t.numpy() for t in self._ring]
+        self._ring_done = [torch.cuda.Event() for _ in range(RING)]
+        self._ring_meta: list[tuple[list[float], set[int]] | None] = [None] * RING
+        self._fetched = 0
+        self._out_dev = torch.zeros(2 * rows, dtype=torch.int64, device=dev)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        self.scratch = SampleScratch(rows, n_vocab, width, dev)
+        self.loaded = False
+        self._us: list[float] = []
+        self._host_rows: set[int] = set()
+
+    def load(self, wanting) -> None:
+        """Fill the inputs for the sequences ``wanting`` (rows 0..len-1; the rest padding)."""
+        self._copied.synchronize()  # the last copies out of the pinned buffers are done
+        f64, f32, cnt, ids = self._hn
+        f64[:] = 0.0
+        f32[:] = 1.0
+        f32[1:] = 0.0
+        cnt[:] = 0
+        ids[:] = 0
+        topk = self._hkn
+        topk[:] = 0
+        self._us = []
+        self._host_rows = set()
+        for i, seq in enumerate(wanting):
+            req = seq.request
+            p = req.sampling
+            s = req.sampler
+            u = s.next_uniform()
+            self._us.append(u)
+            f64[0, i] = p.temperature
+            f64[1, i] = p.top_p
+            f64[2, i] = p.min_p
+            f64[3, i] = u
+            topk[i] = p.top_k
+            if p.penalties_enabled:
+                window = s.penalty_counts()
+                if len(window) > self.width:
+                    self._host_rows.add(i)
+                    continue
+                f32[0, i] = p.repetition_penalty
+                f32[1, i] = p.frequency_penalty
+                f32[2, i] = p.presence_penalty
+                for j, (tok, c) in enumerate(window.items()):
+                    ids[i, j] = tok
+                    cnt[i, j] = c
+        self._f64.copy_(self._h[0], non_blocking=True)
+        self._f32.copy_(self._h[1], non_blocking=True)
+        self._counts.copy_(self._h[2], non_blocking=True)
+        self._i64.copy_(self._h[3], non_blocking=True)
+        self._i32[0].copy_(self._hk, non_blocking=True)
+        self._copied.record()
+        self.loaded = True
+
+    def run(self, logits: torch.Tensor) -> torch.Tensor:
+        """The batch's sampling on ``logits`` [rows, V] (captured in a decode graph)."""
+        sample_rows(logits[: self.n_rows], self.rows, self.ids, self.flags, self.scratch)
+        self._out_dev[: self.n_rows].copy_(self.ids)
+        self._out_dev[self.n_rows :].copy_(self.flags)
+        return self.ids
+
+    def fetch(self) -> int:
+        """After the step ran (was enqueued): copy its choices out; a ticket for ``read``."""
+        slot = self._fetched % RING
+        self._ring[slot].copy_(self._out_dev, non_blocking=True)
+        self._ring_done[slot].record()
+        self._ring_meta[slot] = (self._us, self._host_rows)
+        self.loaded = False
+        self._fetched += 1
+        return self._fetched - 1
+
+    def read(self, ticket: int, n: int) -> tuple[list[int], list[int], list[float]]:
+        """The ids, flags and draws of the first ``n`` rows of the step of ``ticket`` (waits
+        for that step only)."""
+        if not self._fetched - RING < ticket < self._fetched:
+            raise RuntimeError(f"DeviceRows: ticket {ticket} is not among the last {RING} steps")
+        slot = ticket % RING
+        self._ring_done[slot].synchronize()
+        out = self._ring_n[slot]
+        ids = out[:n].tolist()
+        flags = out[self.n_rows : self.n_rows + n].tolist()
+        us, host_rows = self._ring_meta[slot]
+        for i in host_rows:
+            if i < n and flags[i] == EXACT:
+                flags[i] = HOST
+        return ids, flags, us[:n]

@@ -1,0 +1,290 @@
+"""The engine: many requests decoded together (continuous batching over a paged KV cache).
+
+    engine = Engine(model, EngineConfig(n_ctx=4096), stop_ids)
+    seq = engine.add(request)
+    while engine.has_work:
+        for out in engine.step():     # StepOutput(seq, token, error) for every token chosen
+            ...
+
+A step: the scheduler plans it (deimos.engine.scheduler), the runner runs the model on it
+(deimos.engine.runner), and the sequences that reached the end of their tokens get their next
+token from the sampler (deimos.engine.sampling: on the GPU batched in the step's graph, rows that
+need the host's exact path on the host). Finished and cancelled sequences give their blocks
+back at once; full blocks stay in the prefix cache for the next request that shares them.
+
+One thread owns an engine (the server's worker, or the ``LLM`` API's caller).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from deimos.engine.block_manager import BlockManager
+from deimos.engine.request import ContextLengthError, EngineError, Request, RequestError
+from deimos.engine.runner import ModelRunner
+from deimos.engine.sampling import BatchSampler
+from deimos.engine.scheduler import Scheduler, SchedulerConfig
+from deimos.engine.sequence import Sequence, SeqStatus
+from deimos.kernels.sampling import Sampler
+from deimos.models.blocks import DecoderModel
+from deimos.runtime.kv_pool import KVPool, bytes_per_token, pool_blocks
+
+log = logging.getLogger("deimos")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every setting of the engine, once. ``n_ctx``: the most tokens one sequence may hold
+    (prompt plus outputs). The KV pool: ``kv_tokens`` or ``kv_gib`` when given; on a GPU
+    otherwise ``kv_fraction`` of the memory free after the weights (less a reserve for the
+    step's activations), at most ``kv_max_factor`` full contexts per running sequence; on the
+    CPU ``n_ctx`` tokens per running sequence, at most 4 GiB."""
+
+    n_ctx: int
+    max_seqs: int = 64
+    max_batch_tokens: int = 2048
+    block_size: int = 16
+    kv_tokens: int | None = None
+    kv_gib: float | None = None
+    kv_fraction: float = 0.9
+    kv_max_factor: float = 2.0
+    prefix_cache: bool = True
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n_ctx < 2:
+            raise ValueError(f"n_ctx must be >= 2, got {self.n_ctx}")
+        if self.block_size < 16 or self.block_size > 256 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two in 16..256, got {self.block_size}")
+        if self.kv_tokens is not None and self.kv_tokens < 1:
+            raise ValueError(f"kv_tokens must be >= 1, got {self.kv_tokens}")
+        if self.kv_gib is not None and not self.kv_gib > 0:
+            raise ValueError(f"kv_gib must be > 0, got {self.kv_gib}")
+        if not 0 < self.kv_fraction <= 1:
+            raise ValueError(f"kv_fraction must be in (0, 1], got {self.kv_fraction}")
+        SchedulerConfig(self.max_seqs, self.max_batch_tokens)  # its checks
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    seq: Sequence
+    token: int | None  # the token chosen (None: the sequence ended without one, see error)
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    block_size: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    preemptions: int
+
+
+def _make_pool(model: DecoderModel, cfg: EngineConfig) -> KVPool:
+    device = model.device
+    dtype = torch.float32 if device.type == "cpu" else torch.float16
+    want = int(cfg.n_ctx * cfg.max_seqs * cfg.kv_max_factor)
+    if cfg.kv_tokens is not None or cfg.kv_gib is not None:
+        n = pool_blocks(model.config, cfg.block_size, dtype, tokens=cfg.kv_tokens, gib=cfg.kv_gib)
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        reserve = 2 * 2**30 + 64 * cfg.max_batch_tokens * model.config.n_embd * 4  # activations
+        n = pool_blocks(model.config, cfg.block_size, dtype, free_bytes=free, fraction=cfg.kv_fraction,
+                        reserve_bytes=reserve, max_tokens=want)
+    else:
+        per = bytes_per_token(model.config, dtype)
+        tokens = min(cfg.n_ctx * cfg.max_seqs, max(cfg.n_ctx, (4 * 2**30) // per))
+        n = pool_blocks(model.config, cfg.block_size, dtype, tokens=tokens)
+    one = -(-cfg.n_ctx // cfg.block_size) + 1  # one full context and the scratch block
+    if n < one:
+        log.warning("a KV pool of %d tokens cannot hold one full context (%d tokens): using %d",
+                    (n - 1) * cfg.block_size, cfg.n_ctx, (one - 1) * cfg.block_size)
+        n = one
+    return KVPool(model.config, n, cfg.block_size, device, dtype)
+
+
+class Engine:
+    def __init__(self, model: DecoderModel, cfg: EngineConfig) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.n_vocab = model.config.n_vocab
+        self.pool = _make_pool(model, cfg)
+        self.blocks = BlockManager(self.pool.n_blocks, cfg.block_size, cfg.prefix_cache)
+        self.scheduler = Scheduler(self.blocks, SchedulerConfig(cfg.max_seqs, cfg.max_batch_tokens))
+        self.sampler = BatchSampler(self.n_vocab, model.device, cfg.max_seqs)
+        self.runner = ModelRunner(model, self.pool, cfg.n_ctx, cfg.max_seqs, cfg.cuda_graphs,
+                                  decode_after=self.sampler.graph_hook,
+                                  decode_before=self.sampler.prepare,
+                                  decode_launched=self.sampler.launched)
+        self._ids = itertools.count()
+        self._inflight = None  # a launched step not read yet (deimos.engine.runner.StepResult)
+        self.steps = 0
+
+    @property
+    def n_ctx(self) -> int:
+        return self.cfg.n_ctx
+
+    def warm(self, progress=None) -> None:
+        self.runner.warm(progress)
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def add(self, req: Request) -> Sequence:
+        """Queue ``req``; errors in the request itself raise here (RequestError)."""
+        n = self.n_vocab
+        bad = [t for t in req.prompt_ids if not 0 <= t < n]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {n})")
+        if len(req.prompt_ids) >= self.cfg.n_ctx:
+            raise ContextLengthError(
+                f"the prompt has {len(req.prompt_ids)} tokens; the context holds {self.cfg.n_ctx} "
+                "(prompt plus at least one generated token)")
+        req.sampler = Sampler(req.sampling, n)
+        for t in req.prompt_ids:
+            req.sampler.accept(t)
+        seq = Sequence(next(self._ids), req, list(req.prompt_ids))
+        if req.max_tokens == 0:
+            req.finish_reason = "length"
+            seq.status = SeqStatus.FINISHED
+            return seq
+        self.scheduler.add(seq)
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop ``seq`` now (from the owning thread); its blocks are free before the next step."""
+        if not seq.finished:
+            seq.request.finish_reason = seq.request.finish_reason or "cancelled"
+            self.scheduler.finish(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self._inflight is not None
+
+    def stats(self) -> EngineStats:
+        b = self.blocks
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), b.n_used,
+                           b.n_free, b.n_cached, b.block_size, b.hit_tokens, b.query_tokens,
+                           self.scheduler.preemptions)
+
+    # ---- the step ----------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """One step: the tokens chosen (an empty list while a step is only launched: on a GPU
+        a decode step whose batch does not change is launched before the one before it is
+        read, its tokens fed on the device, so the GPU never waits for the host)."""
+        for seq in [s for s in self.scheduler.running + list(self.scheduler.waiting) if s.cancelled]:
+            self.cancel(seq)
+        if self._inflight is not None:
+            return self._continue()
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        try:
+            result = self.runner.run(plan)
+        except Exception as e:  # noqa: BLE001 - a fault of the engine: every sequence of the step fails
+            return self._failed(plan.decode + [s for s, _ in plan.prefill], e)
+        self.steps += 1
+        for seq in plan.decode:
+            seq.n_computed += 1
+        for seq, n in plan.prefill:
+            seq.n_computed += n
+            self._seal(seq)
+        if result.wanting and self.runner.chain_ready(result):
+            self._inflight = result  # read at the next call, after launching the one after
+            return []
+        return self._read(result)
+
+    def _failed(self, seqs: list[Sequence], e: Exception) -> list[StepOutput]:
+        log.error("engine step failed: %s", e, exc_info=True)
+        err = EngineError(f"the engine failed on a step: {type(e).__name__}: {e}")
+        outs = []
+        for seq in seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq)
+                outs.append(StepOutput(seq, None, err))
+        return outs
+
+    def _chain_ok(self, cur) -> bool:
+        """Whether the decode step after ``cur`` can be launched before ``cur`` is read: the
+        same sequences (nothing waiting, nothing else running), none of them finishing by
+        length at ``cur``, every one sampled on the device exactly without needing ``cur``'s
+        token on the host (no penalties, processors or logprobs; greedy or top-k <= 256),
+        and a block for every next position."""
+        rows = cur.wanting
+        if self.scheduler.waiting or len(self.scheduler.running) != len(rows):
+            return False
+        need = 0
+        for seq in rows:
+            req = seq.request
+            p = req.sampling
+            if (seq.finished or seq.cancelled or req.logits_processors or req.top_logprobs is not None
+                    or p.penalties_enabled or not (p.greedy or 1 <= p.top_k <= 256)
+                    or len(req.output_ids) + 1 >= req.max_tokens
+                    or len(seq.tokens) >= self.cfg.n_ctx):  # fmt: skip
+                return False
+            need += self.blocks.blocks_to_grow(seq.table, seq.n_computed + 1)
+        return need <= self.blocks.n_free
+
+    def _continue(self) -> list[StepOutput]:
+        cur, self._inflight = self._inflight, None
+        nxt = None
+        if self._chain_ok(cur):
+            for seq in cur.wanting:
+                self.blocks.grow(seq.table, seq.n_computed + 1)
+            try:
+                nxt = self.runner.run_chained(cur.wanting)
+            except Exception as e:  # noqa: BLE001
+                return self._failed(list(cur.wanting), e)
+            self.steps += 1
+            for seq in cur.wanting:
+                seq.n_computed += 1
+        outs = self._read(cur)
+        self._inflight = nxt
+        return outs
+
+    def _read(self, result) -> list[StepOutput]:
+        outs: list[StepOutput] = []
+        if result.wanting:
+            choices = self.sampler.choose(result, self.model.device)
+            for seq, (token, error) in zip(result.wanting, choices):
+                if seq.finished:  # ended while this step ran (cancelled, or a chained row)
+                    continue
+                outs.append(self._emit(seq, token, error))
+                self._seal(seq)
+        return outs
+
+    def _seal(self, seq: Sequence) -> None:
+        if not seq.finished:
+            n = min(seq.n_computed, len(seq.tokens))
+            seq.n_sealed = self.blocks.seal(seq.table, seq.tokens, n, seq.n_sealed)
+
+    def _emit(self, seq: Sequence, token: int | None, error: BaseException | None) -> StepOutput:
+        """``token`` is ``seq``'s next output: recorded, and the sequence finished on a stop
+        token, the loop guard, ``max_tokens``, or a full context (prompt + outputs - 1 rows
+        are fed: one more row must be free to feed this token)."""
+        req = seq.request
+        if error is not None or token is None:
+            req.finish_reason = "error"
+            self.scheduler.finish(seq)
+            return StepOutput(seq, None, error)
+        req.sampler.accept(token)
+        req.output_ids.append(token)
+        seq.tokens.append(token)
+        if token in req.stop_ids:
+            req.finish_reason = "stop"
+        elif req.loop_guard is not None and req.loop_guard.period(req.output_ids) is not None:
+            req.finish_reason = "repetition"
+        elif len(req.output_ids) >= req.max_tokens or len(seq.tokens) - 1 >= self.cfg.n_ctx:
+            req.finish_reason = "length"
+        if req.finish_reason is not None:
+            self.scheduler.finish(seq)
+        return StepOutput(seq, token)

@@ -1,0 +1,224 @@
+"""The model runner: a scheduler's plan in, the logits of the sequences that need a token out.
+
+It owns what a step needs on the device: the KV pool, the CUDA graphs (one per decode batch
+bucket and per prefill chunk bucket, sharing one memory pool) and their static inputs. It sees
+sequences only through their tokens, positions and block tables; which sequence runs when is
+the scheduler's business, what is done with the logits the engine's.
+
+A step packs the plan's decode sequences first (one token each), then its prefill chunks. It
+replays a graph when the step has a graph's shape (decode only, up to the largest bucket; one
+prefill chunk of at most 512 tokens) and runs the model eagerly otherwise (the CPU reference
+always). Logits are computed only for the sequences whose step reaches the end of their
+tokens (a decode, or a prompt's last chunk).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deimos.engine.scheduler import StepPlan
+from deimos.engine.sequence import Sequence
+from deimos.models.batch import Batch, SeqLayout
+from deimos.models.blocks import DecoderModel
+from deimos.runtime.kv_pool import KVPool
+
+
+@dataclass
+class StepInputs:
+    """A plan's step as host arrays (what graphs copy in, or eager steps wrap)."""
+
+    tokens: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slots: np.ndarray  # int64 [T]
+    tables: np.ndarray  # int32 [B, max_blocks]
+    q_lens: list[int]
+    q_starts: list[int]
+    n_decode: int
+    logits_at: np.ndarray  # int64 [N]: the rows of T whose logits are wanted
+    wanting: list[Sequence]  # the N sequences those rows belong to, in order
+
+
+def step_inputs(plan: StepPlan, block_size: int, max_blocks: int) -> StepInputs:
+    seqs: list[tuple[Sequence, int]] = [(s, 1) for s in plan.decode] + plan.prefill
+    n_tok = sum(n for _, n in seqs)
+    tokens = np.empty(n_tok, dtype=np.int64)
+    positions = np.empty(n_tok, dtype=np.int64)
+    slots = np.empty(n_tok, dtype=np.int64)
+    tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+    q_lens, q_starts, at, wanting = [], [], [], []
+    t = 0
+    for b, (seq, n) in enumerate(seqs):
+        start = seq.n_computed
+        table = np.asarray(seq.table, dtype=np.int64)
+        tables[b, : len(seq.table)] = table
+        pos = np.arange(start, start + n, dtype=np.int64)
+        tokens[t : t + n] = seq.tokens[start : start + n]
+        positions[t : t + n] = pos
+        slots[t : t + n] = table[pos // block_size] * block_size + pos % block_size
+        q_lens.append(n)
+        q_starts.append(start)
+        if start + n == len(seq.tokens):
+            at.append(t + n - 1)
+            wanting.append(seq)
+        t += n
+    return StepInputs(tokens, positions, slots, tables, q_lens, q_starts, len(plan.decode),
+                      np.asarray(at, dtype=np.int64), wanting)
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor | None  # [N, V] float32 on the device, or None when N == 0
+    wanting: list[Sequence]
+    graph: object | None = None  # the graph that ran (its captured sampler outputs), or None
+    ticket: int | None = None  # the decode graph's sampled choices (BatchSampler.launched)
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, pool: KVPool, n_ctx: int, max_seqs: int,
+                 cuda_graphs: bool = True,
+                 decode_after: Callable[[int], Callable[[torch.Tensor], None] | None] | None = None,
+                 decode_before: Callable[[int, list[Sequence]], None] | None = None,
+                 decode_launched: Callable[[int], int | None] | None = None) -> None:
+        """``decode_after(B)``: what a decode graph of B rows captures after the model step
+        (the batch's sampling), made once per bucket; None: logits only. ``decode_before(B,
+        sequences)``: called before such a graph replays (the sampling's inputs)."""
+        self.model = model
+        self.pool = pool
+        self.n_ctx = n_ctx
+        self.max_seqs = max_seqs
+        self.block_size = pool.block_size
+        self.max_blocks = -(-n_ctx // self.block_size)
+        self.device = model.device
+        self.decode_before = decode_before
+        self.decode_launched = decode_launched
+        self.last_decode = None  # (graph, inputs) of the last decode replay
+        self.decode_graphs: dict[int, object] = {}
+        self.prefill_graphs: dict[int, object] = {}
+        self.use_graphs = (cuda_graphs and self.device.type == "cuda"
+                           and getattr(model.ops, "graph_safe", False))  # fmt: skip
+        if self.use_graphs:
+            from deimos.kernels.triton.prefill_attention import prefill_tile_map
+            from deimos.runtime.graph import DECODE_BUCKETS, PREFILL_BUCKETS, StepGraph
+
+            mempool = torch.cuda.graph_pool_handle()  # the graphs never run at once
+            cfg = model.config
+            for b in DECODE_BUCKETS:
+                if b > max_seqs:
+                    break
+                after = decode_after(b) if decode_after is not None else None
+                self.decode_graphs[b] = StepGraph(model, pool, b, b, self.max_blocks, after, mempool)
+            for n in PREFILL_BUCKETS:
+                if n > n_ctx:
+                    break
+                tiles = prefill_tile_map([n], cfg.n_head, cfg.n_head_kv, cfg.head_dim, self.device)
+                self.prefill_graphs[n] = StepGraph(model, pool, n, 1, self.max_blocks, None, mempool,
+                                                   tile_map=tiles)
+
+    def warm(self, progress=None) -> None:
+        """Capture every graph now (compiling every kernel): GPU memory is taken once, before
+        the first request, and no request pays a capture."""
+        for label, graphs in (("prefill graph", self.prefill_graphs), ("decode graph", self.decode_graphs)):
+            for n, g in sorted(graphs.items()):
+                if progress is not None:
+                    progress(f"{label} {n}")
+                g.capture()
+
+    def decode_graph_for(self, n: int):
+        for b in sorted(self.decode_graphs):
+            if b >= n:
+                return self.decode_graphs[b]
+        return None
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> StepResult:
+        x = step_inputs(plan, self.block_size, self.max_blocks)
+        if not len(x.logits_at) and not len(x.tokens):
+            return StepResult(None, [])
+        graph = None
+        if self.use_graphs:
+            if x.n_decode == len(x.q_lens):
+                graph = self.decode_graph_for(x.n_decode)
+            elif x.n_decode == 0 and len(x.q_lens) == 1 and len(x.logits_at) <= 1:
+                n = len(x.tokens)
+                graph = next((g for m, g in sorted(self.prefill_graphs.items()) if m >= n), None)
+        if graph is not None:
+            if graph.decode and self.decode_before is not None:
+                self.decode_before(graph.n_seqs, x.wanting)
+            logits = self._replay(graph, x)
+            ticket = None
+            if graph.decode:
+                self.last_decode = (graph, x)
+                logits = logits[: len(x.wanting)]
+                if self.decode_launched is not None:
+                    ticket = self.decode_launched(graph.n_seqs)
+            elif not len(x.logits_at):
+                logits = None
+            return StepResult(logits, x.wanting, graph, ticket)
+        return StepResult(self._eager(x), x.wanting)
+
+    def run_chained(self, seqs: list[Sequence]) -> StepResult:
+        """The decode step after the last one, on the same graph and rows, its tokens fed on
+        the device by that step's choices: ``seqs`` are that step's rows, each with a block
+        for its next position (the caller grew the tables); only the tables are copied in."""
+        graph, x = self.last_decode
+        h64, h32 = graph.host_buffers()
+        mb, b = graph.max_blocks, graph.n_seqs
+        h32[: b * mb] = 0
+        for i, seq in enumerate(seqs):
+            h32[i * mb : i * mb + len(seq.table)] = seq.table
+        if self.decode_before is not None:
+            self.decode_before(graph.n_seqs, seqs)
+        logits = graph.replay(chained=True)
+        ticket = self.decode_launched(graph.n_seqs) if self.decode_launched is not None else None
+        return StepResult(logits[: len(seqs)], list(seqs), graph, ticket)
+
+    def chain_ready(self, result: StepResult) -> bool:
+        """Whether ``result``'s graph can feed its own next step."""
+        g = result.graph
+        return g is not None and g.decode and g.chainable and result.ticket is not None \
+            and self.last_decode is not None \
+            and self.last_decode[0] is g
+
+    def _replay(self, g, x: StepInputs) -> torch.Tensor:
+        h64, h32 = g.host_buffers()
+        n, b, mb = g.n_tokens, g.n_seqs, g.max_blocks
+        t = len(x.tokens)
+        h64[:] = 0
+        h32[:] = 0
+        h64[:t] = x.tokens
+        h64[n : n + t] = x.positions
+        h64[2 * n : 2 * n + t] = x.slots
+        if g.decode:
+            h64[3 * n :] = np.arange(b)
+            h32[: len(x.q_lens) * mb] = x.tables.reshape(-1)
+            h32[b * mb : b * mb + len(x.q_starts)] = x.q_starts
+            h32[b * mb + b :] = np.arange(b + 1)
+        else:
+            pad = np.arange(t, n)
+            h64[n + t : 2 * n] = x.q_starts[0] + pad  # padding: later positions, scratch slots
+            h64[2 * n + t : 3 * n] = pad % self.block_size
+            h64[3 * n] = t - 1
+            h32[:mb] = x.tables[0]
+            h32[mb] = x.q_starts[0]
+            h32[mb + 1 :] = (0, n)
+        return g.replay()
+
+    def _eager(self, x: StepInputs) -> torch.Tensor | None:
+        dev = self.device
+
+        def put(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=False)
+
+        b = len(x.q_lens)
+        cu = np.zeros(b + 1, dtype=np.int32)
+        cu[1:] = np.cumsum(x.q_lens)
+        layout = SeqLayout(x.q_lens, x.q_starts, x.n_decode, put(x.slots), put(x.tables),
+                           put(np.asarray(x.q_starts, dtype=np.int32)), put(cu))
+        at = x.logits_at if len(x.logits_at) else np.asarray([len(x.tokens) - 1])
+        batch = Batch(put(x.tokens), put(x.positions), self.pool, layout, put(at))
+        logits = self.model.step(batch)
+        return logits if len(x.logits_at) else None

@@ -1,0 +1,147 @@
+"""Continuous batching: which sequences run at the next step, and how many tokens each.
+
+Every step (``schedule``):
+1. every running sequence that is decoding gets its one token, oldest first; when the pool has
+   no block for a sequence's next position, the newest running sequence is preempted (its
+   blocks dropped, back to the front of the queue, recomputed later: never failed);
+2. running sequences still prefilling get the next chunk of their prompt, within what is left
+   of the step's token budget (``max_batch_tokens``), so a long prompt is prefilled over many
+   steps while the other streams keep decoding;
+3. waiting sequences are admitted in arrival order while the budget, ``max_seqs`` and the
+   pool allow: the prefix cache is matched first (deimos.engine.block_manager), and only the
+   rest of the prompt is prefilled.
+
+The scheduler sees blocks and token counts only, never tensors. A plan lists the decode
+sequences first, then the prefill chunks: the order the step packs them in.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from deimos.engine.block_manager import BlockManager
+from deimos.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_seqs: int = 64  # sequences running at once (the largest decode batch)
+    max_batch_tokens: int = 2048  # tokens a step computes, decodes and prefill chunks together
+
+    def __post_init__(self) -> None:
+        if self.max_seqs < 1:
+            raise ValueError(f"max_seqs must be >= 1, got {self.max_seqs}")
+        if self.max_batch_tokens < self.max_seqs:
+            raise ValueError(f"max_batch_tokens ({self.max_batch_tokens}) must be >= max_seqs "
+                             f"({self.max_seqs}): every running sequence decodes at each step")
+
+
+@dataclass
+class StepPlan:
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.decode) + sum(n for _, n in self.prefill)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, cfg: SchedulerConfig) -> None:
+        self.blocks = blocks
+        self.cfg = cfg
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """``seq`` is done (or cancelled): its blocks go back, it leaves every queue."""
+        self.blocks.free(seq.table)
+        seq.status = SeqStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.blocks.free(seq.table)
+        seq.n_computed = 0
+        seq.n_sealed = 0
+        seq.preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        plan.preempted.append(seq)
+        self.preemptions += 1
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.cfg.max_batch_tokens
+        scheduled: set[int] = set()
+        # 1. decodes, oldest first; preempt the newest when a next position has no block
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING or not seq.decoding:
+                continue
+            need = self.blocks.blocks_to_grow(seq.table, len(seq.tokens))
+            while need > self.blocks.n_free:
+                victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
+                if victim is None:
+                    break
+                self._preempt(victim, plan)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING or need > self.blocks.n_free:
+                continue
+            self.blocks.grow(seq.table, len(seq.tokens))
+            plan.decode.append(seq)
+            scheduled.add(id(seq))
+            budget -= 1
+        # 2. running prefills continue
+        for seq in self.running:
+            if id(seq) in scheduled or budget <= 0:
+                continue
+            n = min(seq.remaining, budget)
+            if self.blocks.blocks_to_grow(seq.table, seq.n_computed + n) > self.blocks.n_free:
+                continue  # waits for blocks (decodes free them as they finish)
+            self.blocks.grow(seq.table, seq.n_computed + n)
+            plan.prefill.append((seq, n))
+            scheduled.add(id(seq))
+            budget -= n
+        # 3. admissions, in arrival order (a preempted sequence is at the front)
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_seqs:
+            seq = self.waiting[0]
+            hit = len(self.blocks.match(seq.tokens)) * self.blocks.block_size
+            n = min(len(seq.tokens) - hit, budget)
+            if not self.blocks.can_allocate(seq.tokens, hit + n):
+                break
+            seq.table, cached = self.blocks.allocate(seq.tokens, hit + n)
+            seq.n_computed = cached
+            seq.n_sealed = cached // self.blocks.block_size
+            if not seq.admitted:
+                seq.request.cached_tokens = cached
+                seq.admitted = True
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            if seq.decoding:  # everything but the last token was cached (a resumed sequence)
+                plan.decode.append(seq)
+                budget -= 1
+            else:
+                plan.prefill.append((seq, n))
+                budget -= n
+            scheduled.add(id(seq))
+        return plan

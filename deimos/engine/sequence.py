@@ -1,0 +1,54 @@
+"""One sequence's state in the engine: its tokens, its block table, how much of it the cache
+holds, and the request it serves (sampler, outputs, finish reason).
+
+``tokens`` is the prompt followed by every output so far; the cache holds the keys and values
+of ``tokens[:n_computed]``. A sequence that is decoding has exactly one token not yet computed:
+its last output, fed at the next step. Preemption drops the blocks and the count; the next
+admission recomputes (mostly from the prefix cache) and carries on from the same tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from deimos.engine.request import Request
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    id: int
+    request: Request
+    tokens: list[int]
+    status: SeqStatus = SeqStatus.WAITING
+    table: list[int] = field(default_factory=list)
+    n_computed: int = 0  # tokens whose keys and values are in the cache
+    n_sealed: int = 0  # leading full blocks registered in the prefix cache
+    admitted: bool = False  # admitted once (the prompt's cache hits are counted then)
+    preemptions: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    cancelled: bool = False  # set by the owner (a client went away): finished at the next step
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens not yet in the cache (1 while decoding)."""
+        return len(self.tokens) - self.n_computed
+
+    @property
+    def decoding(self) -> bool:
+        return self.remaining == 1 and self.n_computed >= self.n_prompt
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
