@@ -19,6 +19,7 @@ from deimos.kernels.sampling import (
     SamplingError,
     SamplingParams,
     apply_penalties,
+    draw_uniform,
     filter_candidates,
     logprobs,
 )
@@ -180,6 +181,24 @@ def test_seed_determinism():
     assert run(p) != run(SamplingParams(**{**p.__dict__, "seed": 43}))
     s = Sampler(SamplingParams(seed=None), 3000)
     assert isinstance(s.seed, int)  # a random seed is drawn and reported
+
+
+def test_sample_takes_the_draw_u():
+    """The draw is ``u`` (None: the sampler's next ``draw_uniform``); it picks by the
+    cumulative distribution of the kept ids; greedy draws nothing."""
+    x = _logits(1000, 2, 1.0)
+    p = SamplingParams(temperature=1.0, seed=9, **OFF)
+    a, b = Sampler(p, 1000), Sampler(p, 1000)
+    got = [a.sample(x) for _ in range(5)]
+    assert a.draws == 5
+    assert [b.sample(x, draw_uniform(9, n)) for n in range(5)] == got and b.draws == 0
+    # no filter: the ids in vocabulary order, each with some mass
+    assert b.sample(x, 0.0) == 0 and b.sample(x, 1 - 1e-12) == 999
+    g = Sampler(SamplingParams(temperature=0.0, seed=9), 1000)
+    assert g.sample(x) == int(torch.argmax(x)) and g.draws == 0
+    for bad in (1.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="u must be in"):
+            b.sample(x, bad)
 
 
 def test_penalties_hand_computed():

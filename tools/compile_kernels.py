@@ -71,7 +71,7 @@ class _StubDriver:
 
 def _jobs() -> list[Job]:
     """Every (kernel, constexpr config) the wrappers launch on a GPU."""
-    return _q8_jobs() + _layer_jobs() + _paged_jobs()
+    return _q8_jobs() + _layer_jobs() + _paged_jobs() + _sample_batch_jobs()
 
 
 def _q8_jobs() -> list[Job]:
@@ -340,6 +340,35 @@ def _paged_jobs() -> list[Job]:
 
 def _describe(cfg: object) -> str:
     return f"N={cfg.block_n} S={cfg.block_s} warps={cfg.num_warps}"
+
+
+def _sample_batch_jobs() -> list[Job]:
+    """The batched sampler (kernels.triton.sample_batch) at vocabularies of 49,152, 151,936 and
+    262,144 (12, 38, 64 blocks of 4096); launched without FMA contraction, as sample_rows does.
+    Its merge passes are topk_merge K=256 above."""
+    import importlib
+
+    import torch
+    import triton
+
+    sb = importlib.import_module("deimos.kernels.triton.sample_batch")
+    f32, f64, i32, i64 = torch.float32, torch.float64, torch.int32, torch.int64
+    width = 64
+    jobs = [Job("sb_penalize", f"L={sb.PEN_BLOCK} w=4",
+                _warm(sb._penalize_kernel, [f32, 151936, 151936, i64, i32, f32, width, f32, f32, f32],
+                      BLOCK_L=sb.PEN_BLOCK, num_warps=4, **sb.NO_FUSION))]
+    for v in (49152, 151936, 262144):
+        n_blk = triton.cdiv(v, sb.TOPK_BLOCK)
+        jobs.append(Job("sb_window_block", f"V={v} B={sb.TOPK_BLOCK} K={sb.WINDOW} w=8",
+                        _warm(sb._window_block_kernel, [f32, i64, f32, f64, i32, v, v, n_blk],
+                              BLOCK=sb.TOPK_BLOCK, K_PAD=sb.WINDOW, num_warps=8, **sb.NO_FUSION)))
+        nb_pad = max(2, triton.next_power_of_2(n_blk))
+        args = [i64, f32, f64, i32, n_blk, v, f64, i32, f64, f64, f64, f32, v, i64, i32, f32, width,
+                i64, f64, i64, f64, i64, i32]
+        jobs.append(Job("sb_row", f"V={v} K={sb.WINDOW} CH={sb.RANK_CHUNK} NB={nb_pad} w=4",
+                        _warm(sb._row_kernel, args, K=sb.WINDOW, CH=sb.RANK_CHUNK, NB_PAD=nb_pad,
+                              BLOCK_L=sb.PEN_BLOCK, num_warps=4, **sb.NO_FUSION)))
+    return jobs
 
 
 def _resources(cubin: bytes) -> tuple[str, str]:

@@ -1,7 +1,7 @@
 """The sampler (torch), following llama.cpp's default sampler chain. It runs where the
-logits are (every tensor it makes follows ``logits.device``; the draw's random number comes
-from the request's CPU generator either way): the engine hands it device logits unless a
-logits processor or logprobs need host ones (engine/generator.py).
+logits are (every tensor it makes follows ``logits.device``; the draw's uniform number is
+computed on the host either way, below): the engine hands it device logits unless a logits
+processor or logprobs need host ones (engine/generator.py).
 
 Order (llama.cpp common defaults, src/llama-sampler.cpp):
     penalties -> top_k -> top_p -> min_p -> temperature -> draw
@@ -16,6 +16,11 @@ The filters never sort the whole vocabulary (V is 262144 for gemma3):
   locates the cut's value bin in a few O(V) passes, then sorts only that bin;
 - min_p is a threshold (``logit >= max + log(min_p)``) and needs no order at all.
 Ties at a top_k/top_p boundary keep the lowest ids (llama.cpp's partial sort is unspecified).
+
+The draw is counter-based and computed on the host: the n-th draw of a request seeded ``s`` is
+``draw_uniform(s, n)`` (splitmix64, 53 bits), so the same seed gives the same stream wherever the
+logits are and whoever samples (this sampler, or the batched device sampler of
+deimos.kernels.triton.sample_batch, which takes each row's ``u`` from ``Sampler.next_uniform``).
 """
 
 from __future__ import annotations
@@ -29,9 +34,29 @@ import torch
 
 from deimos.kernels.sampling_params import SAMPLING_BOUNDS, Bound, SamplingError, SamplingParams
 
-__all__ = ["SAMPLING_BOUNDS", "Bound", "Sampler", "SamplingError", "SamplingParams", "TokenLogprobs", "filter_candidates", "logprobs"]
+__all__ = ["SAMPLING_BOUNDS", "Bound", "Sampler", "SamplingError", "SamplingParams", "TokenLogprobs",
+           "choose", "draw_uniform", "filter_candidates", "logprobs"]
 
 _WINDOWS = (64, 256, 1024, 4096)
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment: 2^64 / golden ratio, odd
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer (Stafford's mix13): a bijection of 64-bit words."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def draw_uniform(seed: int, counter: int) -> float:
+    """The ``counter``-th draw (0, 1, ...) of the stream seeded ``seed``: a float64 in [0, 1)
+    with 53 random bits. splitmix64 of the mixed seed advanced ``counter + 1`` steps, so a
+    draw depends on nothing but (seed, counter): pure Python, the same on every machine."""
+    if seed < 0 or counter < 0:
+        raise ValueError(f"draw_uniform: seed and counter must be >= 0, got {seed}, {counter}")
+    z = _mix64((_mix64(seed & _M64) + (counter + 1) * _GOLDEN) & _M64)
+    return (z >> 11) * 2.0**-53
 
 
 def apply_penalties(logits: torch.Tensor, counts: Counter[int], p: SamplingParams) -> torch.Tensor:
@@ -178,10 +203,30 @@ def logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
     return TokenLogprobs(token, float(lp[token]), ids.tolist(), vals.tolist())
 
 
-class Sampler:
-    """One request's sampler: its own seeded generator and penalty history."""
+def choose(logits: torch.Tensor, p: SamplingParams, u: float) -> int:
+    """The token ``Sampler.sample`` picks from ``logits`` [V] float32 (penalties already
+    applied) with the draw ``u`` in [0, 1): greedy is the first maximum; else top_k -> top_p ->
+    min_p, softmax at the temperature in float64 over the kept ids (in ``filter_candidates``'
+    order), and the first id whose cumulative probability exceeds ``u`` times the total."""
+    if p.greedy:  # first maximum: ties to the lowest id
+        if logits.is_cuda:
+            from deimos.kernels.triton.sampling import argmax
 
-    __slots__ = ("params", "vocab_size", "seed", "_gen", "_window", "_counts")
+            return int(argmax(logits))
+        return int(torch.argmax(logits))
+    ids = filter_candidates(logits, p)
+    probs = torch.softmax(logits[ids].double() / p.temperature, 0)
+    cum = torch.cumsum(probs, 0)
+    target = cum[-1:] * u  # float64, on cum's device: no copy
+    i = min(int(torch.searchsorted(cum, target, right=True)), ids.numel() - 1)
+    return int(ids[i])
+
+
+class Sampler:
+    """One request's sampler: its seed and draw counter (``draws``: how many draws it has
+    made; the next is ``draw_uniform(seed, draws)``) and its penalty history."""
+
+    __slots__ = ("_counts", "_window", "draws", "params", "seed", "vocab_size")
 
     def __init__(self, params: SamplingParams, vocab_size: int) -> None:
         if vocab_size <= 0:
@@ -189,8 +234,7 @@ class Sampler:
         self.params = params
         self.vocab_size = vocab_size
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
-        self._gen = torch.Generator(device="cpu")
-        self._gen.manual_seed(self.seed)
+        self.draws = 0
         n = params.penalty_last_n
         self._window: deque[int] = deque(maxlen=None if n == -1 else n)
         self._counts: Counter[int] = Counter()
@@ -214,24 +258,26 @@ class Sampler:
         self._check(logits)
         return apply_penalties(logits, self._counts, self.params)
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """Draw the next token from ``logits`` [V] float32. Does not call ``accept``."""
-        logits = self.penalized(logits)
-        p = self.params
-        if p.greedy:  # first maximum: ties to the lowest id (NaN was refused by _check)
-            if logits.is_cuda:
-                from deimos.kernels.triton.sampling import argmax
+    def next_uniform(self) -> float:
+        """The ``u`` of this request's next draw (advances the draw counter)."""
+        u = draw_uniform(self.seed, self.draws)
+        self.draws += 1
+        return u
 
-                return int(argmax(logits))
-            return int(torch.argmax(logits))
-        ids = filter_candidates(logits, p)
-        probs = torch.softmax(logits[ids].double() / p.temperature, 0)
-        cum = torch.cumsum(probs, 0)
-        # the draw comes from the request's CPU generator wherever the logits are: the same
-        # seed gives the same stream on the CPU and on the GPU
-        u = torch.rand(1, generator=self._gen, dtype=torch.float64).to(cum.device) * cum[-1]
-        i = min(int(torch.searchsorted(cum, u, right=True)), ids.numel() - 1)
-        return int(ids[i])
+    def penalty_counts(self) -> dict[int, int]:
+        """Token id -> count in the penalty window, as the penalties see it (empty when the
+        penalties are off): what a batched row's pen_ids / pen_counts hold."""
+        return dict(self._counts) if self.params.penalties_enabled else {}
+
+    def sample(self, logits: torch.Tensor, u: float | None = None) -> int:
+        """Draw the next token from ``logits`` [V] float32 with the uniform ``u`` in [0, 1)
+        (None: ``next_uniform()``; greedy draws nothing). Does not call ``accept``."""
+        if u is not None and not 0.0 <= u < 1.0:
+            raise ValueError(f"u must be in [0, 1), got {u!r}")
+        logits = self.penalized(logits)
+        if u is None and not self.params.greedy:
+            u = self.next_uniform()
+        return choose(logits, self.params, 0.0 if u is None else u)
 
     def _check(self, logits: torch.Tensor) -> None:
         if logits.dim() != 1 or logits.numel() != self.vocab_size:

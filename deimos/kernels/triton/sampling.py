@@ -81,6 +81,49 @@ def _store_top_keys(key, p_out, K_PAD: tl.constexpr):
     tl.store(p_out + pos, key, mask=sel & (pos < K_PAD))
 
 
+INT32_MIN = tl.constexpr(-2147483647 - 1)
+
+
+@triton.jit
+def _order_bits(b_x, m_v):
+    """Each logit ``b_x`` (float32) as an int32 whose signed order is the float order (the
+    order key's upper half); INT32_MIN where ``m_v`` is false."""
+    b_x = tl.where(b_x == 0.0, 0.0, b_x)  # -0.0 as +0.0: equal logits, ordered by id
+    bits = b_x.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative: magnitude bits flipped
+    return tl.where(m_v, ordered, INT32_MIN)
+
+
+@triton.jit
+def _order_keys(b_x, o_v, m_v):
+    """The int64 order key of each logit ``b_x`` (float32) at id ``o_v`` (module docstring);
+    INT64_MIN where ``m_v`` is false (padding: below every real key)."""
+    key = (_order_bits(b_x, m_v).to(tl.int64) << 32) | (_ID_MASK - o_v.to(tl.int64))
+    return tl.where(m_v, key, INT64_MIN)
+
+
+@triton.jit
+def _store_top_block_keys(ordered, key, p_out, K_PAD: tl.constexpr):
+    """``_store_top_keys`` for one block of the vocabulary, where position order is id order:
+    ``ordered`` (int32 [N], ``_order_bits``) and ``key`` (int64 [N], ``_order_keys``) of the
+    same logits, N >= K_PAD. The K_PAD-th largest value T is searched over the 32 value bits
+    only (32 counting passes instead of 64); every key above T is kept, and of those tied at T
+    the first positions, i.e. the lowest ids, i.e. the biggest keys: the same K_PAD keys."""
+    n_pos = tl.sum((ordered >= 0).to(tl.int32), axis=0)
+    t = tl.where(n_pos >= K_PAD, 0, INT32_MIN).to(tl.int32)
+    one = tl.full([], 1, tl.int32)
+    for i in range(31):
+        cand = t | (one << (30 - i))
+        n_ge = tl.sum((ordered >= cand).to(tl.int32), axis=0)
+        t = tl.where(n_ge >= K_PAD, cand, t)
+    above = ordered > t  # fewer than K_PAD; with the ties at T, at least K_PAD
+    tie = ordered == t
+    need = K_PAD - tl.sum(above.to(tl.int32), axis=0)
+    sel = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= need))  # exactly K_PAD
+    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    tl.store(p_out + pos, key, mask=sel)
+
+
 @triton.jit
 def _topk_block_kernel(p_x, p_keys, V, stride_b, N_BLOCKS,
                        BLOCK: tl.constexpr, K_PAD: tl.constexpr):  # fmt: skip
@@ -89,11 +132,7 @@ def _topk_block_kernel(p_x, p_keys, V, stride_b, N_BLOCKS,
     o_v = i_blk * BLOCK + tl.arange(0, BLOCK)
     m_v = o_v < V
     b_x = tl.load(p_x + i_b * stride_b + o_v, mask=m_v, other=0.0)
-    b_x = tl.where(b_x == 0.0, 0.0, b_x)  # -0.0 as +0.0: equal logits, ordered by id
-    bits = b_x.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed order == float order
-    key = (ordered.to(tl.int64) << 32) | (_ID_MASK - o_v.to(tl.int64))
-    key = tl.where(m_v, key, INT64_MIN)  # padding: below every real key
+    key = _order_keys(b_x, o_v, m_v)
     _store_top_keys(key, p_keys + (i_b * N_BLOCKS + i_blk) * K_PAD, K_PAD)
 
 
