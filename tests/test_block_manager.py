@@ -1,0 +1,138 @@
+"""The block manager (deimos.engine.block_manager) and the scheduler (deimos.engine.scheduler)
+on their own: no model. Oracles: the invariants (every block held, cached or free, exactly
+once; ``BlockManager.check``), and counts worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from deimos.engine.block_manager import BlockManager, OutOfBlocks, chain_key
+from deimos.engine.request import Request
+from deimos.engine.scheduler import Scheduler, SchedulerConfig
+from deimos.engine.sequence import Sequence, SeqStatus
+from deimos.kernels.sampling import SamplingParams
+
+BS = 4
+
+
+def test_allocate_seal_free_and_match():
+    bm = BlockManager(10, BS)  # 9 usable
+    tokens = list(range(10))  # 2 full blocks + 2 tokens
+    table, cached = bm.allocate(tokens, len(tokens))
+    assert cached == 0 and len(table) == 3 and 0 not in table  # block 0 is scratch
+    assert bm.n_used == 3 and bm.n_free == 6
+    assert bm.seal(table, tokens, 10, 0) == 2  # two full blocks registered
+    bm.check()
+    bm.free(table)
+    assert table == [] and bm.n_used == 0 and bm.n_cached == 2
+    bm.check()
+    # the same prefix again: both full blocks are hits, the partial one is not
+    t2, cached2 = bm.allocate(tokens + [99], 11)
+    assert cached2 == 8 and len(t2) == 3
+    assert bm.n_cached == 0 and bm.hit_tokens == 8 and bm.query_tokens == 21
+    bm.free(t2)
+    bm.check()
+
+
+def test_match_stops_before_the_last_token_and_at_a_difference():
+    bm = BlockManager(10, BS)
+    tokens = list(range(8))
+    table, _ = bm.allocate(tokens, 8)
+    bm.seal(table, tokens, 8, 0)
+    bm.free(table)
+    assert len(bm.match(tokens)) == 1  # all but the last token: the second block is not usable
+    assert len(bm.match(tokens + [5])) == 2
+    assert len(bm.match([0, 1, 2, 9, 4, 5, 6, 7, 8])) == 0  # differs inside the first block
+    assert len(bm.match([0, 1, 2, 3, 9, 5, 6, 7, 8])) == 1  # inside the second
+
+
+def test_chain_keys_depend_on_the_whole_prefix():
+    a = chain_key(b"", (1, 2, 3, 4))
+    assert chain_key(a, (5, 6, 7, 8)) != chain_key(chain_key(b"", (0, 2, 3, 4)), (5, 6, 7, 8))
+    assert chain_key(a, (5, 6, 7, 8)) == chain_key(chain_key(b"", (1, 2, 3, 4)), (5, 6, 7, 8))
+
+
+def test_lru_eviction_keeps_the_newest_and_never_a_held_block():
+    bm = BlockManager(5, BS)  # 4 usable
+    seqs = [[10 * i + j for j in range(BS)] + [0] for i in range(3)]  # 1 full block + 1
+    tables = []
+    for s in seqs:
+        t, _ = bm.allocate(s, BS)
+        bm.seal(t, s, BS, 0)
+        tables.append(t)
+    for t in tables:
+        bm.free(t)  # freed in order: seqs[0]'s block is the oldest
+    assert bm.n_cached == 3
+    held, _ = bm.allocate(seqs[2], BS)  # a hit on the newest
+    assert bm.n_cached == 2
+    fresh = [bm._take() for _ in range(2)]  # one free block, then evicts the oldest cached one
+    assert bm.match(seqs[0]) == [] and len(bm.match(seqs[1])) == 1
+    bm.check()
+    with pytest.raises(OutOfBlocks):
+        bm._take(), bm._take()
+    bm.free(held)
+    bm.free(fresh)
+
+
+def test_shared_block_stays_held_until_every_holder_frees_it():
+    bm = BlockManager(8, BS)
+    s = list(range(9))
+    a, _ = bm.allocate(s, 9)
+    bm.seal(a, s, 9, 0)
+    b, cached = bm.allocate(s, 9)
+    assert cached == 8 and b[:2] == a[:2]
+    bm.free(a)
+    assert bm.n_cached == 0  # still held by b
+    bm.free(b)
+    assert bm.n_cached == 2
+    bm.check()
+
+
+def _seq(i: int, n_prompt: int, max_tokens: int = 4) -> Sequence:
+    req = Request(list(range(1, n_prompt + 1)), max_tokens, SamplingParams(temperature=0))
+    return Sequence(i, req, list(req.prompt_ids))
+
+
+def test_scheduler_budget_chunks_a_long_prompt_and_decodes_keep_running():
+    bm = BlockManager(64, BS)
+    sch = Scheduler(bm, SchedulerConfig(max_seqs=4, max_batch_tokens=8))
+    short, long_ = _seq(0, 3), _seq(1, 30)
+    sch.add(short)
+    sch.add(long_)
+    plan = sch.schedule()
+    assert [(s.id, n) for s, n in plan.prefill] == [(0, 3), (1, 5)]
+    short.n_computed, long_.n_computed = 3, 5
+    short.tokens.append(7)  # its first output: now decoding
+    for _ in range(3):
+        plan = sch.schedule()
+        assert [s.id for s in plan.decode] == [0]  # the decode is never starved
+        assert [(s.id, n) for s, n in plan.prefill] == [(1, 7)]
+        short.n_computed += 1
+        short.tokens.append(7)
+        long_.n_computed += 7
+    bm.check()
+
+
+def test_scheduler_preempts_the_newest_when_blocks_run_out():
+    bm = BlockManager(4, BS)  # 3 usable blocks
+    sch = Scheduler(bm, SchedulerConfig(max_seqs=4, max_batch_tokens=16))
+    a, b = _seq(0, 4), _seq(1, 4)
+    sch.add(a)
+    sch.add(b)
+    plan = sch.schedule()
+    assert len(plan.prefill) == 2 and bm.n_free == 1
+    for s in (a, b):
+        s.n_computed = 4
+        s.tokens.append(9)  # position 4 needs a second block each: only one is free
+    plan = sch.schedule()
+    assert [s.id for s in plan.decode] == [0] and plan.preempted == [b]
+    assert b.status is SeqStatus.WAITING and b.n_computed == 0 and b.table == []
+    assert sch.waiting[0] is b and sch.preemptions == 1
+    bm.check()
+
+
+def test_scheduler_config_checks():
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        SchedulerConfig(max_seqs=8, max_batch_tokens=4)
+    with pytest.raises(ValueError, match="max_seqs"):
+        SchedulerConfig(max_seqs=0)
