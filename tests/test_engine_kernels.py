@@ -1,0 +1,129 @@
+"""The engine on the kernel path (deimos.models.gpu: paged attention, the batched GEMM, the
+mixed decode + prefill steps; on a GPU also the CUDA graphs per batch bucket, the sampling in
+the graph and decode steps chained a step ahead) against the engine on the CPU reference.
+
+Oracle: the float32 reference engine, greedy, the same requests together; a token may differ
+only where the reference's top two are within TIE (the kernel path rounds activations and
+weights to fp16 or to its 15-bit integer planes). On a GPU, the sampling in the graph against
+the host's exact sampler on the same logits with the same draws (a no-op logits processor
+sends a request down the host path). Without CUDA the kernels run in Triton's interpreter on a
+tiny model (slow: few tokens)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_device import DEVICE, INTERPRETED  # noqa: I001  (first: sets TRITON_INTERPRET)
+
+from testdata import llama_cpp_path  # noqa: E402
+
+from deimos.engine.engine import Engine, EngineConfig  # noqa: E402
+from deimos.engine.request import Request  # noqa: E402
+from deimos.gguf import GGUFFile  # noqa: E402
+from deimos.kernels.sampling import SamplingParams  # noqa: E402
+from deimos.models import ARCHITECTURES, load_model  # noqa: E402
+from deimos.models.weights import WeightSource  # noqa: E402
+from deimos.synth import write_model  # noqa: E402
+
+DONOR = "models/ggml-vocab-llama-spm.gguf"
+TIE = 0.05
+GREEDY = SamplingParams(temperature=0)
+N_TOKENS = 4 if INTERPRETED else 24
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("engine_kernels")
+    out = {}
+    for preset, typ in (("llama-tiny", "Q8_0"), ("qwen3-tiny", "Q8_0"), ("llama-tiny-k", "Q4_K_M")):
+        path = d / f"{preset}-{typ}.gguf"
+        write_model(path, preset.split("-")[0], preset, typ, llama_cpp_path(DONOR), seed=9)
+        out[(preset, typ)] = GGUFFile(path)
+    return out
+
+
+def _engines(f: GGUFFile, **cfg):
+    ref = load_model(f)
+    ker = ARCHITECTURES[ref.config.arch](ref.config, WeightSource(f, DEVICE, kernels=True))
+    c = EngineConfig(**{"n_ctx": 128, "max_seqs": 8, **cfg})
+    return Engine(ref, c), Engine(ker, c)
+
+
+def _run(engine: Engine, reqs: list[Request]) -> None:
+    seqs = [engine.add(r) for r in reqs]
+    while engine.has_work:
+        for out in engine.step():
+            assert out.error is None, out.error
+    assert all(s.finished for s in seqs)
+    assert engine.blocks.n_used == 0
+    engine.blocks.check()
+
+
+def _prompts(n_vocab: int) -> list[list[int]]:
+    return [[(7 * i + 3) % n_vocab for i in range(n)] for n in (5, 17, 33, 1, 70)]
+
+
+@pytest.mark.parametrize("key", [("llama-tiny", "Q8_0"), ("qwen3-tiny", "Q8_0"),
+                                 ("llama-tiny-k", "Q4_K_M")], ids=lambda k: "-".join(k))
+def test_kernel_engine_greedy_matches_reference(files, key):
+    if INTERPRETED and key != ("llama-tiny", "Q8_0"):
+        pytest.skip("the interpreter runs one model (slow)")
+    ref, ker = _engines(files[key])
+    ker.warm()
+    prompts = _prompts(ref.n_vocab)
+    want = [Request(p, N_TOKENS, GREEDY, top_logprobs=2) for p in prompts]
+    got = [Request(p, N_TOKENS, GREEDY) for p in prompts]
+    _run(ref, want)
+    _run(ker, got)
+    for w, g in zip(want, got):
+        for i, (a, b) in enumerate(zip(w.output_ids, g.output_ids)):
+            if a != b:
+                lp = w.token_logprobs[i]
+                margin = lp.top_logprobs[0] - lp.top_logprobs[1]
+                assert margin < TIE, f"token {i}: {a} vs {b}, reference margin {margin:.4f}"
+                break
+        assert len(w.output_ids) == len(g.output_ids)
+
+
+@pytest.mark.gpu
+def test_graphs_device_sampling_and_chains_on_the_gpu(files):
+    """Graphs are used (decode buckets, prefill buckets), the device sampler's choices equal
+    the host sampler's on the same logits and draws, and decode steps were chained."""
+    _, ker = _engines(files[("llama-tiny-k", "Q4_K_M")], max_seqs=16)
+    ker.warm()
+    prompts = _prompts(ker.n_vocab) * 2
+    params = [SamplingParams(seed=i) for i in range(len(prompts))]  # llama.cpp's default chain
+    device = [Request(p, 32, s) for p, s in zip(prompts, params)]
+    _run(ker, device)
+    runner = ker.runner
+    assert sum(g.replays for g in runner.decode_graphs.values()) > 0
+    assert sum(g.replays for g in runner.prefill_graphs.values()) > 0
+    chained_before = ker.steps
+    host = [Request(p, 32, s, logits_processors=[lambda ids, x: x]) for p, s in zip(prompts, params)]
+    _run(ker, host)  # the same draws, sampled on the host from the same (bitwise) logits
+    for d, h in zip(device, host):
+        assert d.output_ids == h.output_ids
+    # one stream alone chains its decode steps: more steps than host round trips
+    solo = Request(prompts[0], 64, GREEDY)
+    _run(ker, solo)
+    assert ker.steps > chained_before
+
+
+@pytest.mark.gpu
+def test_mixed_steps_and_preemption_on_the_gpu(files):
+    ref, ker = _engines(files[("llama-tiny-k", "Q4_K_M")], max_seqs=8, max_batch_tokens=64,
+                        kv_tokens=256)
+    prompts = [[(5 * i + j) % ref.n_vocab for i in range(40 + 9 * j)] for j in range(8)]
+    want = [Request(p, 40, GREEDY, top_logprobs=2) for p in prompts]
+    got = [Request(p, 40, GREEDY) for p in prompts]
+    _run(ref, want)
+    _run(ker, got)
+    assert ker.scheduler.preemptions > 0
+    for w, g in zip(want, got):
+        for i, (a, b) in enumerate(zip(w.output_ids, g.output_ids)):
+            if a != b:
+                lp = w.token_logprobs[i]
+                assert lp.top_logprobs[0] - lp.top_logprobs[1] < TIE
+                break
+    torch.cuda.synchronize()
