@@ -71,7 +71,7 @@ class _StubDriver:
 
 def _jobs() -> list[Job]:
     """Every (kernel, constexpr config) the wrappers launch on a GPU."""
-    return _q8_jobs() + _layer_jobs() + _paged_jobs() + _sample_batch_jobs()
+    return _q8_jobs() + _gemm_q_jobs() + _layer_jobs() + _paged_jobs() + _sample_batch_jobs()
 
 
 def _q8_jobs() -> list[Job]:
@@ -150,6 +150,46 @@ def _q8_jobs() -> list[Job]:
         jobs.append(Job("quantize_x", f"x={dt} G={q.QUANT_BLOCK_G}",
                         _warm_args(q._quantize_x_kernel, args, BLOCK_G=q.QUANT_BLOCK_G,
                                    num_warps=4)))
+    return jobs
+
+
+def _gemm_q_jobs() -> list[Job]:
+    """The batched decode GEMM (quant.triton.gemm_q) per format at the tiles its rule gives
+    for llama 8B's matrices at M = 2, 16, 64 (each with the EVEN/ATOMIC flags of that launch),
+    and each tile's masked variant (a K its steps do not divide), unsplit."""
+    import importlib
+
+    import torch
+    from triton.runtime.jit import MockTensor
+
+    from deimos.gguf.constants import GGMLType
+    from deimos.quant.triton.dequant_gemv import FMT_ID, scale16, weight_arrays, words_per_group
+    from deimos.quant.triton.layout import KERNEL_TYPE
+
+    g = importlib.import_module("deimos.quant.triton.gemm_q")
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+    jobs = []
+    for t in [*FMT_ID, GGMLType.IQ4_XS, GGMLType.IQ2_XS]:
+        kt = KERNEL_TYPE.get(t, t)
+        wpg = words_per_group(kt)
+        sample = _packed_sample(t, 4096)
+        launches = set()  # what the kernel is specialized on (split_k is only the grid)
+        for n, k in shapes:
+            for m in (2, 16, 64):
+                cfg = g.gemm_q_config(kt, n, k, m)
+                _, splits, even = g.k_runs(k, wpg, cfg)
+                launches.add((cfg._replace(split_k=1), even, splits > 1))
+                launches.add((cfg._replace(split_k=1), False, False))
+        for cfg, even, atomic in sorted(launches):
+            args = [MockTensor(torch.float16)] + [MockTensor(a.dtype) for a in weight_arrays(sample)]
+            args += [MockTensor(torch.float32), 16, 4096, 4096, 4096, 32]
+            jobs.append(Job("gemm_q_" + t.name,
+                            f"M={cfg.block_m} N={cfg.block_n} J={cfg.block_j} w={cfg.num_warps} "
+                            f"st={cfg.num_stages} even={int(even)} atomic={int(atomic)}",
+                            _warm_args(g._gemm_q_kernel, args, FMT=FMT_ID[kt], BLOCK_M=cfg.block_m,
+                                       BLOCK_N=cfg.block_n, BLOCK_J=cfg.block_j, ATOMIC=atomic,
+                                       EVEN=even, SCALE16=scale16(sample), num_warps=cfg.num_warps,
+                                       num_stages=cfg.num_stages, **PDL_KW)))
     return jobs
 
 

@@ -1,0 +1,241 @@
+"""The batched decode GEMM over packed weights (deimos.quant.triton.gemm_q) against its oracles.
+
+Oracles: ``gemm_q_reference`` (the packed layout decoded by ``naive.dequantize_packed``, bit
+exact against deimos.quant, times x in float64): the kernel rounds each decoded weight to fp16
+for the tensor cores, so it must agree to fp16 rounding (relative RMS < 1e-3); and the same
+product of the reference's weights rounded to fp16 (what the kernel multiplies), which it must
+equal up to float32 accumulation (< 1e-5): that pins the decode itself. Without CUDA the kernel
+runs in Triton's interpreter on CPU tensors; gpu-marked tests use 8B shapes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from kernel_device import DEVICE, INTERPRETED  # first: sets TRITON_INTERPRET
+
+from deimos.gguf.constants import GGMLType
+from deimos.models.gpu.dequant import permuted_columns
+from deimos.quant import get_format
+from deimos.quant.triton.dequant_gemv import FMT_ID
+from deimos.quant.triton.gemm_q import (
+    GemmQConfig,
+    gemm_q,
+    gemm_q_config,
+    gemm_q_reference,
+)
+from deimos.quant.triton.layout import PackedWeight, pack
+from deimos.quant.triton.naive import dequantize_packed
+
+# the kernels' formats, and formats packed in another's layout: Q3_K as Q6_K codes, the IQ /
+# ternary / MXFP4 formats as Q8_0 codes with f16 scales (TQ2_0), f32 scales per 32 (IQ4_XS,
+# MXFP4) or per 16 (IQ2_XS: SCALE16)
+FORMATS = [*FMT_ID, GGMLType.Q3_K, GGMLType.IQ4_XS, GGMLType.IQ2_XS, GGMLType.TQ2_0, GGMLType.MXFP4]
+LEGACY = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0]  # blocks of 32
+
+
+def _blocks(t: GGMLType, n: int, k: int, seed: int) -> np.ndarray:
+    fmt = get_format(t)
+    return fmt.random_blocks(n * k // fmt.block_size, np.random.default_rng(seed)).reshape(n, -1)
+
+
+def _case(t: GGMLType, n: int, k: int, m: int, seed: int) -> tuple[PackedWeight, torch.Tensor]:
+    """A packed random weight on DEVICE and fp16 activations [m, k] in element order (CPU)."""
+    w = pack(_blocks(t, n, k, seed), t).to(DEVICE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1)).to(torch.float16)
+    return w, x
+
+
+def _run(w: PackedWeight, x: torch.Tensor, cfg: GemmQConfig | None) -> torch.Tensor:
+    xp = x[:, permuted_columns(w).cpu()].contiguous().to(DEVICE)
+    out = torch.full((x.shape[0], w.n), float("nan"), device=DEVICE)
+    y = gemm_q(w, xp, out=out, cfg=cfg)
+    assert y is out
+    assert torch.isfinite(out).all(), "outputs left unwritten"
+    return y.cpu()
+
+
+def _check(w: PackedWeight, x: torch.Tensor, y: torch.Tensor, what: str) -> None:
+    ref = gemm_q_reference(w, x).double()
+    rel = ((y.double() - ref).norm() / ref.norm()).item()
+    diff = (y.double() - ref).abs().max().item()
+    w16 = dequantize_packed(w).to(torch.float16).double()  # what the tensor cores multiply
+    ref16 = x.double() @ w16.T
+    rel16 = ((y.double() - ref16).norm() / ref16.norm()).item()
+    print(f"{what}: rel RMS {rel:.2e} (max diff {diff:.2e}); vs fp16 weights {rel16:.2e}")
+    assert rel < 1e-3, f"{what}: relative RMS error {rel:.2e} against gemm_q_reference"
+    assert rel16 < 1e-5, f"{what}: {rel16:.2e} against the fp16-rounded weights' product"
+
+
+# (n, k): odd row counts; k = 1024 and 512 put some formats' rows in whole steps of the
+# interpreter's tile (no masks) and others in a part step (masked loads)
+SHAPES = [(70, 1024), (200, 512)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"n{s[0]}_k{s[1]}")
+@pytest.mark.parametrize("m", [2, 3, 16, 17, 64], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("t", FORMATS, ids=lambda t: t.name)
+def test_gemm_q_formats(t: GGMLType, m: int, shape: tuple[int, int]) -> None:
+    """Every format under the default tile (on the interpreter: its tile, block_m 16/32/64)."""
+    n, k = shape
+    w, x = _case(t, n, k, m, seed=n + m)
+    _check(w, x, _run(w, x, None), f"{t.name} m={m} {n}x{k}")
+
+
+# tiles other than the default: narrow and wide rows, every block_m, split-K by 2 (whole
+# and part steps), 3 (uneven runs) and 4, several stages
+TILES = [GemmQConfig(16, 16, 16, 4, 3), GemmQConfig(32, 32, 32, 4, 2, 2), GemmQConfig(64, 64, 8, 4, 3, 2),
+         GemmQConfig(16, 128, 64, 8, 4, 3), GemmQConfig(64, 16, 32, 2, 1, 4)]
+
+
+@pytest.mark.parametrize("cfg", TILES, ids=lambda c: "m{}_n{}_j{}_w{}_s{}_k{}".format(*c))
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q5_0,
+                               GGMLType.Q2_K, GGMLType.IQ2_XS], ids=lambda t: t.name)
+def test_gemm_q_tiles(t: GGMLType, cfg: GemmQConfig) -> None:
+    n, k = 37, 1536
+    m = min(cfg.block_m, 13 if cfg.block_m == 16 else cfg.block_m - 5)
+    w, x = _case(t, n, k, m, seed=5)
+    _check(w, x, _run(w, x, cfg), f"{t.name} m={m} {cfg}")
+
+
+@pytest.mark.parametrize("split", [1, 2], ids=lambda s: f"split{s}")
+@pytest.mark.parametrize("k", [96, 800], ids=lambda k: f"k{k}")
+@pytest.mark.parametrize("t", LEGACY, ids=lambda t: t.name)
+def test_gemm_q_legacy_k(t: GGMLType, k: int, split: int) -> None:
+    """Formats of 32-element blocks at K a multiple of 32 but not of 256: part steps, a
+    split whose last run is short."""
+    n, m = 45, 5
+    w, x = _case(t, n, k, m, seed=k)
+    cfg = GemmQConfig(16, 32, 8, 4, 2, split)
+    _check(w, x, _run(w, x, cfg), f"{t.name} k={k} split={split}")
+
+
+def _rule_tiles(t: GGMLType) -> list[GemmQConfig]:
+    """Every tile the rule gives for the benchmark shapes (llama 8B, qwen3 0.6B)."""
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
+              (4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)]
+    return sorted({gemm_q_config(t, n, k, m) for n, k in shapes for m in (2, 4, 8, 16, 32, 64)})
+
+
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q2_K],
+                         ids=lambda t: t.name)
+def test_gemm_q_rule_tiles(t: GGMLType) -> None:
+    """The GPU rule's tiles for real shapes, on a small matrix (their splits cut its short
+    rows into fewer runs)."""
+    n, k = 41, 1024
+    cfgs = _rule_tiles(t)
+    assert cfgs
+    for cfg in cfgs:
+        m = {16: 9, 32: 32, 64: 33}[cfg.block_m]
+        w, x = _case(t, n, k, m, seed=cfg.block_n + cfg.split_k)
+        _check(w, x, _run(w, x, cfg), f"{t.name} m={m} {cfg}")
+
+
+def test_gemm_q_config_rule() -> None:
+    """The rule's invariants: block_m pads M, K steps of 64-512 columns, enough programs on
+    the H200 where the matrix is large; formats in another's layout get that format's tile."""
+    for t in FMT_ID:
+        for n, k in ((4096, 4096), (1024, 2048), (151936, 1024), (4096, 14336)):
+            for m in (1, 2, 16, 17, 33, 64):
+                cfg = gemm_q_config(t, n, k, m)
+                assert cfg.block_m >= m and cfg.block_m in (16, 32, 64)
+                nk = 32 // (8 if t == GGMLType.Q8_0 else 2 if t == GGMLType.Q2_K else 4)
+                assert 64 <= cfg.block_j * nk <= 512
+                programs = -(-n // cfg.block_n) * cfg.split_k
+                # ~2 programs an SM of 132 where the matrix is large (8B's 16M+ weights)
+                assert programs >= (200 if n * k >= 1 << 24 else 64), f"{t.name} {n}x{k} m={m}: {cfg}"
+    assert gemm_q_config(GGMLType.IQ4_XS, 4096, 4096, 2) == gemm_q_config(GGMLType.Q8_0, 4096, 4096, 2)
+
+
+def test_gemm_q_reference_is_element_order() -> None:
+    """The oracle takes x in element order: equal to the dequantized matrix product."""
+    w, x = _case(GGMLType.Q4_K, 9, 256, 2, seed=3)
+    want = x.double() @ dequantize_packed(w).double().T
+    assert torch.allclose(gemm_q_reference(w, x).double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_gemm_q_one_row_and_new_out() -> None:
+    w, x = _case(GGMLType.Q6_K, 23, 512, 1, seed=9)
+    xp = x[:, permuted_columns(w).cpu()].contiguous().to(DEVICE)
+    y = gemm_q(w, xp)
+    assert y.shape == (1, 23) and y.dtype == torch.float32
+    _check(w, x, y.cpu(), "Q6_K m=1 out=None")
+
+
+def test_gemm_q_bad_input() -> None:
+    w, x = _case(GGMLType.Q4_K, 8, 512, 4, seed=0)
+    xp = x[:, permuted_columns(w).cpu()].contiguous().to(DEVICE)
+    with pytest.raises(ValueError, match="must be float16"):
+        gemm_q(w, xp.float())
+    with pytest.raises(ValueError, match=r"x must be \[M, 512\]"):
+        gemm_q(w, xp[:, :256].contiguous())
+    with pytest.raises(ValueError, match=r"x must be \[M, 512\]"):
+        gemm_q(w, xp[0])
+    with pytest.raises(ValueError, match="M = 65"):
+        gemm_q(w, torch.zeros(65, 512, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match="M = 0"):
+        gemm_q(w, torch.zeros(0, 512, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match="unit column stride"):
+        gemm_q(w, torch.zeros(512, 4, dtype=torch.float16, device=DEVICE).T)
+    with pytest.raises(ValueError, match="out must be"):
+        gemm_q(w, xp, out=torch.empty(4, 9, device=DEVICE))
+    with pytest.raises(ValueError, match="block_m 16 < M = 17"):
+        gemm_q(w, torch.zeros(17, 512, dtype=torch.float16, device=DEVICE),
+               cfg=GemmQConfig(16, 16, 16, 4, 2))
+    for bad in (GemmQConfig(24, 16, 16, 4, 2), GemmQConfig(16, 24, 16, 4, 2), GemmQConfig(16, 8, 16, 4, 2),
+                GemmQConfig(16, 16, 1, 4, 2), GemmQConfig(16, 16, 12, 4, 2), GemmQConfig(16, 16, 16, 3, 2),
+                GemmQConfig(16, 16, 16, 4, 0), GemmQConfig(16, 16, 16, 4, 2, 0)):
+        with pytest.raises(ValueError, match="bad tile"):
+            gemm_q(w, xp, cfg=bad)
+    f16 = PackedWeight(GGMLType.F16, 8, 512, {"qw": torch.zeros(8, 256, dtype=torch.int32)})
+    with pytest.raises(ValueError, match="no kernel for F16"):
+        gemm_q(f16, xp.cpu())
+
+
+def test_sweep_runs_tiny(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/sweep_gemm_batch.py (run on the H200 later, in one short call) has no Python
+    errors: its --tiny sweep, one format and one M, every tile checked and timed."""
+    import importlib.util
+
+    from testdata import REPO
+
+    spec = importlib.util.spec_from_file_location("sweep_gemm_batch", REPO / "bench" / "sweep_gemm_batch.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    sweep.main(["--tiny", "--types", "Q6_K", "--rows", "3", "--jobs", "1"])
+    text = capsys.readouterr().out
+    assert "skipped" not in text and "WRONG" not in text and "no tile ran" not in text, text
+    assert text.count("Q6_K ") >= 3 and "one tile for all shapes" in text, text
+
+
+GPU_SHAPES = [(4096, 4096), (1024, 4096), (28672, 4096), (4096, 14336), (151936, 1024)]
+PERIOD = 512  # the GPU test's weights: PERIOD random rows repeated (packing 117M weights is slow)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 16, 64], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("t", [*FMT_ID, GGMLType.IQ2_XS], ids=lambda t: t.name)
+def test_gemm_q_gpu(t: GGMLType, shape: tuple[int, int], m: int) -> None:
+    """The launch rule's tiles at real shapes: every output row against the oracle of its
+    period row, and the time (CUDA-graph replay) and GB/s of the weight's bytes."""
+    if INTERPRETED or not torch.cuda.is_available():
+        pytest.fail("gpu test needs CUDA and TRITON_INTERPRET unset (run on the GPU machine)")
+    from deimos.quant.triton.bench import ROOF_GBS, time_graph
+
+    n, k = shape
+    small, x = _case(t, PERIOD, k, m, seed=7)
+    reps = -(-n // PERIOD)
+    w = PackedWeight(small.ggml_type, n, k, {a: v.repeat(reps, 1)[:n].contiguous()
+                                             for a, v in small.tensors.items()})
+    y = _run(w, x, None)
+    ref = gemm_q_reference(small, x).double()[:, torch.arange(n) % PERIOD]
+    rel = ((y.double() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-3, f"{t.name} {n}x{k} m={m}: relative RMS error {rel:.2e}"
+    xp = x[:, permuted_columns(w).cpu()].contiguous().cuda()
+    out = torch.empty(m, n, device="cuda")
+    sec = time_graph(lambda: gemm_q(w, xp, out=out))
+    gbs = w.nbytes / sec / 1e9
+    print(f"PERF gemm_q {t.name:5} {n:>6}x{k:<6} m={m:<2} {tuple(gemm_q_config(t, n, k, m))} "
+          f"{sec * 1e6:7.2f} us {gbs:6.0f} GB/s {gbs / ROOF_GBS:4.0%} (weights partly in L2 when small)")
