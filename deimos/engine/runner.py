@@ -53,12 +53,17 @@ def step_inputs(plan: StepPlan, block_size: int, max_blocks: int) -> StepInputs:
     t = 0
     for b, (seq, n) in enumerate(seqs):
         start = seq.n_computed
-        table = np.asarray(seq.table, dtype=np.int64)
-        tables[b, : len(seq.table)] = table
-        pos = np.arange(start, start + n, dtype=np.int64)
-        tokens[t : t + n] = seq.tokens[start : start + n]
-        positions[t : t + n] = pos
-        slots[t : t + n] = table[pos // block_size] * block_size + pos % block_size
+        table = seq.table
+        tables[b, : len(table)] = table
+        if n == 1:  # a decode row: plain Python is faster than numpy for one token
+            tokens[t] = seq.tokens[start]
+            positions[t] = start
+            slots[t] = table[start // block_size] * block_size + start % block_size
+        else:
+            pos = np.arange(start, start + n, dtype=np.int64)
+            tokens[t : t + n] = seq.tokens[start : start + n]
+            positions[t : t + n] = pos
+            slots[t : t + n] = np.asarray(table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
         q_lens.append(n)
         q_starts.append(start)
         if start + n == len(seq.tokens):
