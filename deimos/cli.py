@@ -74,10 +74,66 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="the same as the positional MODEL")
 
 
+def _block_size(text: str) -> int:
+    """--block-size: a power of two in 16..256 (the paged attention's tiles)."""
+    value = _checked(int, Bound(lo=16, hi=256, integer=True))(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"must be a power of two in [16, 256], got {value}")
+    return value
+
+
+# the engine flags and the EngineConfig fields they set
+ENGINE_FLAGS = {"max_seqs": "--max-seqs", "max_batch_tokens": "--max-batch-tokens",
+                "kv_tokens": "--kv-tokens", "kv_gib": "--kv-gib", "block_size": "--block-size",
+                "prefix_cache": "--no-prefix-cache"}
+CPU_MAX_SEQS = 32  # LLM's default on the CPU (EngineConfig's, 64, on a GPU)
+
+
 def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=_checked(int, Bound(lo=2, integer=True)),
                    default=None, help="context size in tokens (default: the model's trained "
                    "context, at most 4096)")
+    g = p.add_argument_group("engine (continuous batching over a paged KV cache)")
+    positive = _checked(int, Bound(lo=1, integer=True))
+    g.add_argument("--max-seqs", type=positive, default=None, metavar="N",
+                   help=f"sequences decoded at once (default: 64 on a GPU, {CPU_MAX_SEQS} on "
+                        "the CPU)")
+    g.add_argument("--max-batch-tokens", type=positive, default=None, metavar="N",
+                   help="tokens one step computes, decodes and prompt chunks together "
+                        "(default: 2048; at least --max-seqs)")
+    kv = g.add_mutually_exclusive_group()
+    kv.add_argument("--kv-tokens", type=positive, default=None, metavar="N",
+                    help="KV pool size in tokens, shared by every sequence (default: from the "
+                         "GPU's free memory; on the CPU the context per sequence, at most 4 GiB)")
+    kv.add_argument("--kv-gib", type=_checked(float, Bound(lo=0, lo_open=True)), default=None,
+                    metavar="X", help="KV pool size in GiB (instead of --kv-tokens)")
+    g.add_argument("--block-size", type=_block_size, default=None, metavar="N",
+                   help="tokens per KV block, the prefix cache's unit (a power of two in "
+                        "16..256; default: the engine's)")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not reuse the KV blocks of earlier prompts' shared prefixes")
+
+
+def engine_options(args: argparse.Namespace, device: str) -> dict[str, object]:
+    """``LLM(**...)``'s engine settings from the flags given (the engine's defaults for the
+    rest); a combination the engine refuses is one line naming the flags."""
+    opts: dict[str, object] = {k: getattr(args, k) for k in ENGINE_FLAGS
+                               if k != "prefix_cache" and getattr(args, k, None) is not None}
+    if getattr(args, "no_prefix_cache", False):
+        opts["prefix_cache"] = False
+    from deimos.engine.engine import EngineConfig
+
+    trial = dict(opts)
+    if device == "cpu":
+        trial.setdefault("max_seqs", CPU_MAX_SEQS)
+    try:
+        EngineConfig(n_ctx=2, **trial)  # its checks, before the model loads
+    except ValueError as e:
+        message = str(e)
+        for field, flag in ENGINE_FLAGS.items():
+            message = message.replace(field, flag)
+        raise ValueError(message) from None
+    return opts
 
 
 def _default_device() -> str:
@@ -125,16 +181,19 @@ def _resolve(model: str):
     return resolve(model, display=PullDisplay(_say, bars=_bars()))
 
 
-def _load(path, n_ctx: int | None, device: str, *, stages: bool = False, transient: bool = True):
+def _load(path, n_ctx: int | None, device: str, *, stages: bool = False, transient: bool = True,
+          engine: dict[str, object] | None = None):
     """The LLM, with a progress bar of its stages on a terminal (weights; on a GPU each
-    kernel and CUDA graph compiled or loaded from the cache) or, with ``stages``, always."""
+    kernel and CUDA graph compiled or loaded from the cache) or, with ``stages``, always.
+    ``engine``: EngineConfig's settings (``engine_options``)."""
+    engine = engine or {}
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from deimos.engine import LLM
 
     if not (stages or _bars()):
-        return LLM(path, n_ctx=n_ctx, device=device)
+        return LLM(path, n_ctx=n_ctx, device=device, **engine)
     n_stages = 1  # the weights
     if device != "cpu":
         from deimos.runtime.graph import PREFILL_BUCKETS
@@ -153,14 +212,15 @@ def _load(path, n_ctx: int | None, device: str, *, stages: bool = False, transie
             what = "loading weights" if label == "weights" else f"compiling: {label}"
             bar.update(task, description=f"{what} ({device})")
 
-        llm = LLM(path, n_ctx=n_ctx, device=device, progress=progress)
+        llm = LLM(path, n_ctx=n_ctx, device=device, progress=progress, **engine)
         bar.advance(task)
     return llm
 
 
 def _llm(args: argparse.Namespace):
     device = _device(args)  # a bad --device fails before any download
-    return _load(_resolve(args.model), args.ctx_size, device)
+    engine = engine_options(args, device)
+    return _load(_resolve(args.model), args.ctx_size, device, engine=engine)
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -315,10 +375,12 @@ def serve_config(args: argparse.Namespace):
     port = port if args.port is None else args.port
     # the environment keeps the key out of `ps`; --api-key wins when both are set
     api_key = args.api_key or os.environ.get("DEIMOS_API_KEY") or None
+    device = _device(args)
+    engine = engine_options(args, device)
     return ServeConfig(
         model=args.model, host=host, port=port, n_ctx=args.ctx_size, api_key=api_key,
         sampling=_sampling(args), max_tokens=args.max_tokens, max_queue=args.max_queue,
-        tui=not args.no_tui, device=_device(args),
+        tui=not args.no_tui, device=device, alias=args.alias or None, **engine,
     )
 
 
@@ -343,7 +405,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     before = sum(1 for _ in cache.rglob("*.json"))
     path = _resolve(args.model)
     t0 = time.perf_counter()
-    llm = _load(path, args.ctx_size, device, stages=True, transient=False)
+    llm = _load(path, args.ctx_size, device, stages=True, transient=False,
+                engine=engine_options(args, device))
     after = sum(1 for _ in cache.rglob("*.json"))
     print(f"{llm.path.name}: every kernel and CUDA graph ready in {time.perf_counter() - t0:.1f} s; "
           f"{after - before} new kernel builds in {cache} ({after} in all)")
@@ -517,7 +580,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $DEIMOS_API_KEY, which `ps` does not show)")
     p.add_argument("--max-queue", type=_checked(int, Bound(lo=1, integer=True)), default=64,
-                   help="requests waiting for the engine before new ones get 503")
+                   help="requests (each choice of n) waiting to start before new ones get 503 "
+                        "with Retry-After")
+    p.add_argument("--alias", default=None, metavar="NAME",
+                   help="the model id /v1/models lists and responses name (default: the "
+                        "file's name without .gguf); requests may name any model")
     p.add_argument("--no-tui", action="store_true", help="no dashboard: JSON request logs only")
     _add_engine(p)
     # -n: max_tokens of requests that give none (default: up to the context)

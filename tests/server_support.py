@@ -91,3 +91,65 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+class InProcessServer:
+    """The real app over a real engine, served by uvicorn on loopback in this process, so a
+    test can look at the engine (its KV blocks) while clients talk HTTP to it. ``engine``:
+    LLM's engine settings (max_seqs, block_size...)."""
+
+    def __init__(self, model: Path, *, n_ctx: int, max_queue: int = 64, model_id: str = "m",
+                 **engine: Any) -> None:
+        import threading
+
+        import uvicorn
+
+        from deimos.engine import LLM
+        from deimos.server.app import Server, create_app
+        from deimos.server.metrics import Metrics
+        from deimos.server.serve import bind_socket, memory_sizes
+        from deimos.server.worker import EngineWorker
+
+        self.llm = LLM(model, n_ctx=n_ctx, **engine)
+        self.metrics = Metrics(memory_sizes(self.llm))
+        self.worker = EngineWorker(self.llm, self.metrics, max_queue=max_queue)
+        self.server = Server(self.llm, self.worker, self.metrics, model_id)
+        sock = bind_socket("127.0.0.1", 0)
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._uvicorn = uvicorn.Server(uvicorn.Config(create_app(self.server),
+                                                      log_level="warning"))
+        self.worker.start()
+        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]},
+                                        daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._uvicorn.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+
+    connect = ServerProcess.connect
+    request = ServerProcess.request
+
+    def close(self) -> None:
+        self._uvicorn.should_exit = True
+        self._thread.join(30)
+        self.worker.stop()
+
+
+def sse_events(data: bytes | str) -> list[Any]:
+    """The JSON payloads of an SSE body, and "[DONE]" as itself."""
+    text = data.decode() if isinstance(data, bytes) else data
+    return [json.loads(ev[6:]) if ev[6:] != "[DONE]" else "[DONE]"
+            for ev in text.split("\n\n") if ev.startswith("data: ")]
+
+
+def metric_values(text: str) -> dict[str, float]:
+    """Every sample of a Prometheus text exposition: series (with labels) -> value."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            out[series] = float(value)
+    return out

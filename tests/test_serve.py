@@ -1,5 +1,6 @@
-"""``deimos serve`` starting and stopping: the address bound before the model loads, the warning for
-an open address without a key, and the drain on SIGTERM with streams in flight.
+"""``deimos serve`` starting and stopping: its flags (the engine's, --alias), the address bound
+before the model loads, the warning for an open address without a key, and the drain on SIGTERM
+with streams in flight.
 
 Oracles: the process's exit status and stderr, what each client's HTTP connection received
 (``http.client`` raises IncompleteRead on a chunked body without its terminator), whether a new
@@ -17,12 +18,14 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from server_support import ServerProcess, free_port
 from testdata import REPO, model_path
 
-from deimos.server.serve import ServeConfig, ServeError, bind_socket, warn_if_open
+from deimos.cli import build_parser, main, serve_config
+from deimos.server.serve import ServeConfig, ServeError, bind_socket, model_id, warn_if_open
 
 SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
@@ -42,6 +45,50 @@ def test_open_address_without_a_key_is_warned_about(capsys, caplog, host, key, l
     err = capsys.readouterr().err
     assert ("WARNING" in err and host in err and "API key" in err) == loud, err
     assert any("no API key" in r.getMessage() for r in caplog.records) == loud
+
+
+def test_engine_flags_and_alias_make_the_serve_config():
+    parse = build_parser().parse_args
+    cfg = serve_config(parse(["serve", "m", "--device", "cpu", "--max-seqs", "4",
+                              "--max-batch-tokens", "256", "--kv-tokens", "4096",
+                              "--block-size", "32", "--no-prefix-cache", "--alias", "smol"]))
+    assert (cfg.max_seqs, cfg.max_batch_tokens, cfg.kv_tokens, cfg.kv_gib, cfg.block_size,
+            cfg.prefix_cache, cfg.alias) == (4, 256, 4096, None, 32, False, "smol")
+    assert cfg.engine_options() == {"max_seqs": 4, "max_batch_tokens": 256, "kv_tokens": 4096,
+                                    "block_size": 32, "prefix_cache": False}
+    plain = serve_config(parse(["serve", "m", "--device", "cpu", "--kv-gib", "0.5"]))
+    assert plain.engine_options() == {"kv_gib": 0.5} and plain.alias is None  # the defaults:
+    # the engine's (LLM picks max_seqs by device)
+    assert model_id(Path("/models/SmolLM2-135M.Q4_1.gguf")) == "SmolLM2-135M.Q4_1"
+    assert model_id(Path("/models/SmolLM2-135M.Q4_1.gguf"), "smol") == "smol"
+
+
+@pytest.mark.parametrize("flags, flag, problem", [
+    (["--max-seqs", "0"], "--max-seqs", "must be >= 1, got 0"),
+    (["--max-batch-tokens", "x"], "--max-batch-tokens", "must be an integer"),
+    (["--kv-tokens", "-3"], "--kv-tokens", "must be >= 1"),
+    (["--kv-gib", "0"], "--kv-gib", "must be > 0"),
+    (["--kv-gib", "1", "--kv-tokens", "9"], "--kv-tokens", "not allowed with argument --kv-gib"),
+    (["--block-size", "48"], "--block-size", "must be a power of two in [16, 256], got 48"),
+    (["--block-size", "512"], "--block-size", "must be in [16, 256]"),
+], ids=["seqs", "batch-tokens", "kv-tokens", "kv-gib", "both-kv", "block-odd", "block-big"])
+def test_bad_engine_flag_is_one_line_naming_it(capsys, flags, flag, problem):
+    with pytest.raises(SystemExit) as exit_:  # argparse's exit
+        main(["serve", "m", "--device", "cpu", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2
+    assert err[-1].startswith(f"deimos serve: error: argument {flag}: ") and problem in err[-1]
+
+
+@pytest.mark.parametrize("command", [["serve", "m"], ["run", "m", "hi"], ["chat", "m"]])
+def test_a_batch_budget_below_the_sequences_names_both_flags(capsys, command):
+    """A combination the engine refuses: one line, before anything loads (the model "m" does
+    not exist, and that is not what is said)."""
+    code = main([*command, "--device", "cpu", "--max-seqs", "8", "--max-batch-tokens", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1, err
+    assert err[0] == ("deimos: error: --max-batch-tokens (4) must be >= --max-seqs (8): every "
+                      "running sequence decodes at each step")
 
 
 def test_busy_port_is_a_clear_error():

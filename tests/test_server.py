@@ -100,7 +100,7 @@ def test_completion_matches_engine_and_stop_strings(client, llm):
     assert all(stop not in "".join(pieces[: i + 1]) for i in range(len(pieces)))
 
 
-def test_chat_plain_stream_and_prefix_reuse(client, llm):
+def test_chat_plain_stream_and_prefix_reuse(server, client, llm):
     messages = [{"role": "user", "content": "Name a color."}]
     want = llm.chat(messages, max_tokens=4, temperature=0)
     a = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=4, **GREEDY)
@@ -118,8 +118,10 @@ def test_chat_plain_stream_and_prefix_reuse(client, llm):
     assert finals == [a.choices[0].finish_reason]
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage.completion_tokens == a.usage.completion_tokens
-    # the same prompt again: everything but the last prompt token comes from the cache
-    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+    # the same prompt again: every full KV block of it but the last prompt token's comes
+    # from the prefix cache
+    bs = int(metric(server, "deimos_kv_block_size"))
+    assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // bs * bs
 
     # a second turn prefills only what is new; the engine in this process agrees on how much
     turn2 = messages + [{"role": "assistant", "content": text},
@@ -127,7 +129,7 @@ def test_chat_plain_stream_and_prefix_reuse(client, llm):
     b = client.chat.completions.create(model=MODEL_ID, messages=turn2, max_tokens=2, **GREEDY)
     ref = llm.chat(turn2, max_tokens=2, temperature=0)
     cached = b.usage.prompt_tokens_details.cached_tokens
-    assert cached == ref.cached_tokens and cached >= a.usage.prompt_tokens
+    assert cached == ref.cached_tokens and cached >= a.usage.prompt_tokens // bs * bs
     assert b.choices[0].message.content == ref.text
 
 
@@ -193,6 +195,21 @@ def test_tool_call_round_trip(client):
     assert r2.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 1
 
 
+def test_tool_calls_per_choice(client):
+    """n = 2 sampled choices, each its own forced call (its own constraint state)."""
+    r = client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Weather in Rome and Oslo?"}],
+        tools=[WEATHER], max_tokens=40, n=2, seed=4, temperature=0.7,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert [c.index for c in r.choices] == [0, 1]
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments),
+                            WEATHER["function"]["parameters"])
+
+
 # ---- serving many clients -----------------------------------------------------------------
 
 def test_concurrent_requests_are_all_answered(client):
@@ -243,7 +260,6 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 @pytest.mark.parametrize("path, body, status, param, words", [
-    (CHAT, {"model": "gpt-17", "messages": MSG}, 404, "model", "does not exist"),
     (CHAT, {"model": MODEL_ID}, 400, "messages", "required"),
     (CHAT, {"model": MODEL_ID, "messages": []}, 400, "messages", "at least 1"),
     (CHAT, {"model": MODEL_ID, "messages": MSG, "temperature": "hot"}, 400, "temperature", "number"),
@@ -256,7 +272,7 @@ MSG = [{"role": "user", "content": "hi"}]
      "messages", "context"),
     (CHAT, {"model": MODEL_ID, "messages": [{"role": "wizard", "content": "hi"}]}, 400,
      "messages[0].role", "user"),
-    (CHAT, {"model": MODEL_ID, "messages": MSG, "n": 2}, 400, "n", "1"),
+    (CHAT, {"model": MODEL_ID, "messages": MSG, "n": 17}, 400, "n", "16"),
     (CHAT, {"model": MODEL_ID, "messages": MSG, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}]},
      400, "tools", "JSON Schema"),
@@ -271,7 +287,7 @@ MSG = [{"role": "user", "content": "hi"}]
      "vocabulary"),
     ("/v1/completions", {"model": MODEL_ID, "prompt": "hi", "stop": [""]}, 400, "stop",
      "non-empty"),
-], ids=["unknown-model", "no-messages", "empty-messages", "wrong-type", "temperature-range",
+], ids=["no-messages", "empty-messages", "wrong-type", "temperature-range",
         "top-p-range", "max-tokens-zero", "max-tokens-past-context", "prompt-too-long",
         "bad-role", "n", "tool-schema", "tool-choice", "response-schema", "logit-bias",
         "token-id", "empty-stop"])
@@ -282,6 +298,13 @@ def test_bad_input_gets_a_4xx_that_names_the_problem(server, path, body, status,
     assert set(err) == {"message", "type", "param", "code"}
     assert err["param"] == param, err
     assert words.lower() in err["message"].lower(), err
+
+
+def test_any_model_id_is_the_served_model(server, client):
+    """As llama-server: one model is served, whatever the request names."""
+    r = client.chat.completions.create(model="gpt-17", messages=MSG, max_tokens=1, **GREEDY)
+    assert r.model == MODEL_ID and r.usage.completion_tokens == 1
+    assert client.models.retrieve("gpt-17").id == MODEL_ID
 
 
 def test_malformed_requests_and_unknown_routes(server, client):
@@ -307,7 +330,9 @@ def test_metrics_and_request_log(server, client):
     for name in ("deimos_requests_total", "deimos_prompt_tokens_total",
                  "deimos_cached_tokens_total", "deimos_generated_tokens_total",
                  "deimos_time_to_first_token_seconds_bucket", "deimos_decode_tokens_per_second",
-                 "deimos_prefill_tokens_per_second"):
+                 "deimos_prefill_tokens_per_second", "deimos_running_sequences",
+                 "deimos_kv_blocks_used", "deimos_prefix_cache_hit_rate",
+                 "deimos_preemptions_total"):
         assert name in text
     assert metric(server, 'deimos_memory_bytes{kind="model_weights"}') > 100e6
     assert metric(server, 'deimos_memory_bytes{kind="kv_cache"}') > 0

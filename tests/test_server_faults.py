@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 
 import pytest
@@ -132,6 +133,19 @@ def test_engine_fault_is_a_500_counted_and_logged_and_the_server_keeps_serving(s
     assert any(json.loads(rec.getMessage())["status"] == 500 for rec in logged)
     assert any("engine fault" in rec.getMessage() for rec in caplog.records)
     assert client.post(CHAT, json=body).status_code == 200  # still serving
+
+
+def test_draining_is_a_503_with_retry_after_the_grace_period(served):
+    server, client = served
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    server.shutdown.draining = True  # as Shutdown.begin sets it (without the timer)
+    try:
+        r = client.post(CHAT, json=body)
+    finally:
+        server.shutdown.draining = False
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+    assert r.headers["Retry-After"] == str(math.ceil(server.shutdown.grace_s))
+    assert client.post(CHAT, json=body).status_code == 200
 
 
 def test_prompt_beyond_the_context_says_so(served):

@@ -2,8 +2,10 @@
 
     app = create_app(Server(llm, worker, metrics, ...))
 
-Handlers validate and tokenize, then hand a ``Job`` to the worker and turn its events into a
-response (JSON, or SSE with ``stream: true``). A client that goes away cancels its job.
+Handlers validate and tokenize, then hand one ``Job`` per choice (``n``; deimos.server.choices)
+to the worker and turn their events into one response (JSON, or SSE with ``stream: true``).
+A client that goes away cancels its jobs. Any ``model`` is accepted: the one model served
+answers (as llama-server does), and responses name it by the listed id.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,20 +25,20 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from deimos.engine import LLM
+from deimos.engine import Request as EngineRequest
 from deimos.engine.request import ContextLengthError, EngineError, RequestError
 from deimos.server import errors, tools
-from deimos.server.errors import APIError, bad_request, fault
+from deimos.server.choices import Choices
+from deimos.server.errors import APIError, bad_request, fault, retry_after
 from deimos.server.gate import Gate, Shutdown, shutting_down
 from deimos.server.metrics import Metrics
 from deimos.server.params import Defaults, build_request, schema_constraint
 from deimos.server.protocol import ChatCompletionRequest, CompletionRequest
-from deimos.server.responses import LogprobFormatter, sse, usage
+from deimos.server.responses import LogprobFormatter, sse, usage, usage_numbers
 from deimos.server.worker import Cut, Done, EngineWorker, Failed, Job, Piece, QueueFull
 from deimos.tokenizer.template import TemplateError
 
 log = logging.getLogger("deimos.server")
-
-DISCONNECT_POLL_S = 0.25
 
 
 @dataclass
@@ -43,8 +46,7 @@ class Server:
     llm: LLM
     worker: EngineWorker
     metrics: Metrics
-    model_id: str
-    aliases: frozenset[str] = frozenset()
+    model_id: str  # what /v1/models lists and every response's ``model`` says
     defaults: Defaults = field(default_factory=Defaults)
     api_key: str | None = None
     shutdown: Shutdown = field(default_factory=Shutdown)
@@ -53,70 +55,71 @@ class Server:
     def __post_init__(self) -> None:
         self.tool_style = tools.tool_call_style(self.llm.template.source, self.llm.tokenizer)
         self.logprobs = LogprobFormatter(self.llm.tokenizer)
-
-    def check_model(self, model: str) -> None:
-        if model != self.model_id and model not in self.aliases:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.model_id!r}", param="model", code="model_not_found")
+        self.metrics.set_engine(self.llm.engine.stats())  # /metrics has them before a step
 
 
-# ---- running a job ------------------------------------------------------------------------
+# ---- running a request's choices ----------------------------------------------------------
+
+QUEUE_FULL_RETRY_S = 1.0  # a full queue drains as running requests finish: retry soon
 
 
-def _submit(server: Server, job: Job) -> Job:
+def _submit(server: Server, group: Choices) -> Choices:
+    """Every job of ``group`` to the worker, or none: 503 with ``Retry-After`` while draining
+    or when the queue cannot take them all."""
     if server.shutdown.draining:
-        raise shutting_down()
+        raise shutting_down(server.shutdown.grace_s)
+    worker = server.worker
+    if group.n > worker.max_queue:
+        raise bad_request(f"n is {group.n}, but this server queues at most {worker.max_queue} "
+                          "requests (--max-queue)", "n")
+    busy = f"{worker.queued} requests are already waiting" if (
+        worker.queued + group.n > worker.max_queue) else None
+    submitted: list[Job] = []
+    if busy is None:
+        try:
+            for job in group.jobs:
+                worker.submit(job)
+                submitted.append(job)
+        except QueueFull as e:
+            busy = str(e)
+    if busy is not None:
+        for job in submitted:
+            job.cancelled.set()
+        raise APIError(503, f"the server is busy: {busy}; retry later", code="queue_full",
+                       headers=retry_after(QUEUE_FULL_RETRY_S))
+    for job in group.jobs:
+        server.shutdown.track(job)
+    return group
+
+
+@dataclass
+class Answer:
+    """One choice's whole answer."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    done: Done | None = None
+
+
+async def _collect(server: Server, group: Choices, request: Request) -> list[Answer] | None:
+    """Every choice's whole answer (None when the client left first); a failure of any
+    choice (the others are cancelled) or a shutdown cut raises as its API error."""
+    answers = [Answer() for _ in range(group.n)]
     try:
-        server.worker.submit(job)
-    except QueueFull as e:
-        raise APIError(503, f"the server is busy: {e}; retry later", code="queue_full") from None
-    server.shutdown.track(job)
-    return job
-
-
-Event = Piece | Done | Failed | Cut
-
-
-async def _events(server: Server, job: Job, request: Request, poll: bool
-                  ) -> AsyncIterator[Event]:
-    """The job's events; cancels the job when the consumer stops early or (``poll``) the
-    client disconnects. A streaming response learns of a disconnect by being cancelled."""
-    try:
-        while True:
-            if poll:
-                try:
-                    ev = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        job.cancelled.set()
-                        return
-                    continue
-            else:
-                ev = await job.events.get()
-            yield ev
-            if not isinstance(ev, Piece):
-                return
+        async with aclosing(group.events(request, poll=True)) as events:
+            async for i, ev in events:
+                if isinstance(ev, Piece):
+                    answers[i].text.append(ev.text)
+                    answers[i].logprobs += ev.logprobs
+                elif isinstance(ev, Failed):
+                    raise _failure(ev.error)
+                elif isinstance(ev, Cut):
+                    raise shutting_down(server.shutdown.grace_s)
+                else:
+                    answers[i].done = ev
     finally:
-        job.cancelled.set()  # no-op once done; otherwise frees the engine at the next token
-        server.shutdown.untrack(job)
-
-
-async def _collect(server: Server, job: Job, request: Request
-                   ) -> tuple[list[str], list, Done | None]:
-    """A whole answer: its text pieces, their logprobs and the final event (None when the
-    client left first); a failure or a shutdown cut raises as its API error."""
-    text, lps, done = [], [], None
-    async for ev in _events(server, job, request, poll=True):
-        if isinstance(ev, Piece):
-            text.append(ev.text)
-            lps += ev.logprobs
-        elif isinstance(ev, Failed):
-            raise _failure(ev.error)
-        elif isinstance(ev, Cut):
-            raise shutting_down()
-        else:
-            done = ev
-    return text, lps, done
+        group.close(server.shutdown)
+    return answers if all(a.done is not None for a in answers) else None
 
 
 def _failure(err: BaseException) -> APIError:
@@ -133,29 +136,51 @@ def _failure(err: BaseException) -> APIError:
     return fault(err, "generation failed")
 
 
-async def _closing(events: AsyncIterator[str], job: Job) -> AsyncIterator[str]:
+def _stream_end(server: Server, ev: Failed | Cut) -> APIError:
+    return _failure(ev.error) if isinstance(ev, Failed) else shutting_down(server.shutdown.grace_s)
+
+
+async def _closing(events: AsyncIterator[str], rid: str) -> AsyncIterator[str]:
     """An SSE body that always ends properly: an exception while streaming becomes a final
     error event and ``[DONE]`` (the 200 is already sent; the fault is logged once)."""
     try:
         async for line in events:
             yield line
     except Exception as e:  # noqa: BLE001 - the stream's last words instead of a cut connection
-        yield sse(fault(e, f"stream {job.id}").body())
+        yield sse(fault(e, f"stream {rid}").body())
         yield sse("[DONE]")
 
 
-def _record(request: Request, job: Job, stream: bool, done: Done | None, **extra: Any) -> None:
-    info: dict[str, Any] = {"id": job.id, "stream": stream, **extra}
-    if done is not None:
+def _tps(tokens: int, seconds: float) -> float | None:
+    return round(tokens / seconds, 1) if tokens > 0 and seconds > 0 else None
+
+
+def _record(request: Request, group: Choices, stream: bool, dones: list[Done | None],
+            **extra: Any) -> None:
+    """The request log line's generation details (``gate`` writes the line)."""
+    info: dict[str, Any] = {"id": group.id, "stream": stream, **extra}
+    if group.n > 1:
+        info["n"] = group.n
+    if dones and all(d is not None for d in dones):
+        first = dones[0]
+        info.update(usage_numbers(dones))
+        rates = [_tps(d.completion_tokens - 1, d.decode_s) for d in dones]
         info.update(
-            prompt_tokens=done.prompt_tokens, cached_tokens=done.cached_tokens,
-            completion_tokens=done.completion_tokens, finish_reason=done.finish_reason,
-            queued_ms=round(done.queued_s * 1000, 1), ttft_ms=round(done.ttft_s * 1000, 1),
-            prefill_tps=round((done.prompt_tokens - done.cached_tokens) / done.prefill_s, 1)
-            if done.prefill_s > 0 else None,
-            decode_tps=round((done.completion_tokens - 1) / done.decode_s, 1)
-            if done.completion_tokens > 1 and done.decode_s > 0 else None)
+            finish_reason=first.finish_reason if group.n == 1 else [d.finish_reason for d in dones],
+            queued_ms=round(min(d.queued_s for d in dones) * 1000, 1),
+            ttft_ms=round(min(d.ttft_s for d in dones) * 1000, 1),
+            prefill_tps=_tps(first.prompt_tokens - first.cached_tokens, first.prefill_s),
+            decode_tps=round(sum(r for r in rates if r), 1) if any(rates) else None)
     request.state.deimos = info
+
+
+def _disconnected(dones: list[Done | None], cut: str | None) -> dict[str, Any]:
+    return {"error": cut} if cut else {"disconnected": any(d is None for d in dones)}
+
+
+def _streaming(body: AsyncIterator[str], rid: str) -> StreamingResponse:
+    return StreamingResponse(_closing(body, rid), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
 
 
 # ---- chat ---------------------------------------------------------------------------------
@@ -229,99 +254,116 @@ def _chat_prompt(server: Server, body: ChatCompletionRequest) -> ChatPlan:
     return ChatPlan(ids, names)
 
 
+def _chat_requests(server: Server, body: ChatCompletionRequest, plan: ChatPlan,
+                   top: int | None) -> list[tuple[EngineRequest, list[str]]]:
+    """One engine request per choice, each with its own constraint state (a forced tool
+    call's schema is compiled for each)."""
+    requested = body.max_completion_tokens or body.max_tokens
+    out = []
+    for i in range(body.n):
+        forced = None
+        if plan.forced_schema is not None:
+            forced = schema_constraint(plan.forced_schema, server.llm, "tools")
+        out.append(build_request(body, plan.ids, server.llm, server.defaults,
+                                 requested_max=requested, top_logprobs=top,
+                                 prompt_param="messages", forced=forced, choice=i))
+    return out
+
+
 async def chat_completions(server: Server, body: ChatCompletionRequest, request: Request):
-    server.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     top = (body.top_logprobs or 0) if body.logprobs else None
     plan = await run_in_threadpool(_chat_prompt, server, body)
     tool_names = plan.tool_names
-    forced = None
-    if plan.forced_schema is not None:
-        forced = await run_in_threadpool(schema_constraint, plan.forced_schema, server.llm,
-                                         "tools")
-    requested = body.max_completion_tokens or body.max_tokens
-    req, stops = await run_in_threadpool(
-        lambda: build_request(body, plan.ids, server.llm, server.defaults, requested_max=requested,
-                              top_logprobs=top, prompt_param="messages", forced=forced))
-    job = _submit(server, Job(f"chatcmpl-{uuid.uuid4().hex[:24]}", req, stops,
-                              asyncio.get_running_loop()))
-    head = {"id": job.id, "created": int(time.time()), "model": server.model_id,
+    reqs = await run_in_threadpool(_chat_requests, server, body, plan, top)
+    group = _submit(server, Choices(f"chatcmpl-{uuid.uuid4().hex[:24]}", reqs,
+                                    asyncio.get_running_loop()))
+    head = {"id": group.id, "created": int(time.time()), "model": server.model_id,
             "system_fingerprint": "deimos"}
+
+    def reply(text: str) -> tuple[str | None, list]:
+        """The content and tool calls of a whole answer."""
+        if tool_names is None:
+            return text, []
+        return tools.parse_tool_calls(plan.prefix + text, server.tool_style, tool_names)
 
     def finish_reason(done: Done, calls: list) -> str:
         return "tool_calls" if calls else done.finish_reason
 
     if not body.stream:
-        text, lps, done = await _collect(server, job, request)
-        if done is None:  # the client left
-            _record(request, job, False, None, disconnected=True)
+        answers = await _collect(server, group, request)
+        if answers is None:  # the client left
+            _record(request, group, False, [], disconnected=True)
             return JSONResponse({}, status_code=499)
-        content: str | None = "".join(text)
-        calls: list = []
-        if tool_names is not None:
-            content, calls = tools.parse_tool_calls(plan.prefix + content, server.tool_style,
-                                                    tool_names)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-        choice = {"index": 0, "message": message,
-                  "logprobs": {"content": server.logprobs.chat(lps)} if top is not None else None,
-                  "finish_reason": finish_reason(done, calls)}
-        _record(request, job, False, done)
-        return {**head, "object": "chat.completion", "choices": [choice], "usage": usage(done)}
+        choices = []
+        for i, a in enumerate(answers):
+            content, calls = reply("".join(a.text))
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            choices.append({
+                "index": i, "message": message,
+                "logprobs": {"content": server.logprobs.chat(a.logprobs)} if top is not None
+                else None,
+                "finish_reason": finish_reason(a.done, calls)})
+        dones = [a.done for a in answers]
+        _record(request, group, False, dones)
+        return {**head, "object": "chat.completion", "choices": choices, "usage": usage(dones)}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def chunk(delta: dict, finish: str | None = None, logprobs: list | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def chunk(i: int, delta: dict, finish: str | None = None,
+              logprobs: list | None = None) -> str:
+        choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
         if logprobs is not None:
             choice["logprobs"] = {"content": server.logprobs.chat(logprobs)}
         return sse({**head, "object": "chat.completion.chunk", "choices": [choice]})
 
     async def stream() -> AsyncIterator[str]:
-        done = cut = None
-        held: list[str] = []  # with tools on, the reply is parsed whole before it is sent
-        held_lps: list = []
+        dones: list[Done | None] = [None] * group.n
+        cut = None
+        # with tools on, each reply is parsed whole before it is sent
+        held: list[list[str]] = [[] for _ in range(group.n)]
+        held_lps: list[list] = [[] for _ in range(group.n)]
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            async for ev in _events(server, job, request, poll=False):
+            for i in range(group.n):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for i, ev in group.events(request, poll=False):
                 if isinstance(ev, Piece):
                     if tool_names is not None:
-                        held.append(ev.text)
-                        held_lps += ev.logprobs
+                        held[i].append(ev.text)
+                        held_lps[i] += ev.logprobs
                     else:
-                        yield chunk({"content": ev.text},
+                        yield chunk(i, {"content": ev.text},
                                     logprobs=ev.logprobs if top is not None else None)
                 elif isinstance(ev, (Failed, Cut)):
-                    err = _failure(ev.error) if isinstance(ev, Failed) else shutting_down()
+                    err = _stream_end(server, ev)
                     cut = err.code
                     yield sse(err.body())
                     yield sse("[DONE]")
                     return
                 else:
-                    done = ev
-            calls: list = []
-            if tool_names is not None:
-                content, calls = tools.parse_tool_calls(plan.prefix + "".join(held),
-                                                        server.tool_style, tool_names)
-                if calls:
-                    yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
-                elif content:
-                    yield chunk({"content": content},
-                                logprobs=held_lps if top is not None else None)
-            yield chunk({}, finish_reason(done, calls))
+                    dones[i] = ev
+                    calls: list = []
+                    if tool_names is not None:
+                        content, calls = reply("".join(held[i]))
+                        if calls:
+                            yield chunk(i, {"tool_calls": [{"index": k, **c}
+                                                           for k, c in enumerate(calls)]})
+                        elif content:
+                            yield chunk(i, {"content": content},
+                                        logprobs=held_lps[i] if top is not None else None)
+                    yield chunk(i, {}, finish_reason(ev, calls))
             if include_usage:
                 yield sse({**head, "object": "chat.completion.chunk", "choices": [],
-                           "usage": usage(done)})
+                           "usage": usage(dones)})
             yield sse("[DONE]")
         finally:
-            job.cancelled.set()  # the client left mid-stream: free the engine at once
-            _record(request, job, True, done, **({"error": cut} if cut else
-                                                 {"disconnected": done is None}))
+            group.close(server.shutdown)  # the client left mid-stream: free the engine at once
+            _record(request, group, True, dones, **_disconnected(dones, cut))
 
-    return StreamingResponse(_closing(stream(), job), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return _streaming(stream(), group.id)
 
 
 # ---- text completions ---------------------------------------------------------------------
@@ -348,73 +390,84 @@ def _completion_prompt(server: Server, body: CompletionRequest) -> tuple[list[in
     return list(p), server.llm.tokenizer.decode(p)
 
 
+def _completion_requests(server: Server, body: CompletionRequest, prompt_ids: list[int]
+                         ) -> list[tuple[EngineRequest, list[str]]]:
+    requested = body.max_tokens
+    if requested is None and body.n_predict is not None:  # llama-server's name for it
+        if body.n_predict == 0:
+            raise bad_request("'n_predict': must be -1 (up to the context) or >= 1, got 0",
+                              "n_predict", "invalid_value")
+        if body.n_predict > 0:  # as llama-server: at most what the context holds
+            requested = min(body.n_predict, max(server.llm.n_ctx - len(prompt_ids), 1))
+    return [build_request(body, prompt_ids, server.llm, server.defaults,
+                          requested_max=requested, top_logprobs=body.logprobs,
+                          prompt_param="prompt", choice=i) for i in range(body.n)]
+
+
 async def completions(server: Server, body: CompletionRequest, request: Request):
-    server.check_model(body.model)
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix", "unsupported")
     if body.echo and body.logprobs is not None:
         raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo",
                           "unsupported")
     prompt_ids, prompt_text = await run_in_threadpool(_completion_prompt, server, body)
-    req, stops = await run_in_threadpool(
-        lambda: build_request(body, prompt_ids, server.llm, server.defaults,
-                              requested_max=body.max_tokens, top_logprobs=body.logprobs,
-                              prompt_param="prompt"))
-    job = _submit(server, Job(f"cmpl-{uuid.uuid4().hex[:24]}", req, stops,
-                              asyncio.get_running_loop()))
-    head = {"id": job.id, "object": "text_completion", "created": int(time.time()),
+    reqs = await run_in_threadpool(_completion_requests, server, body, prompt_ids)
+    group = _submit(server, Choices(f"cmpl-{uuid.uuid4().hex[:24]}", reqs,
+                                    asyncio.get_running_loop()))
+    head = {"id": group.id, "object": "text_completion", "created": int(time.time()),
             "model": server.model_id, "system_fingerprint": "deimos"}
     echo = prompt_text if body.echo else ""
     want_lps = body.logprobs is not None
 
     if not body.stream:
-        pieces, lps, done = await _collect(server, job, request)
-        text = [echo, *pieces]
-        if done is None:
-            _record(request, job, False, None, disconnected=True)
+        answers = await _collect(server, group, request)
+        if answers is None:
+            _record(request, group, False, [], disconnected=True)
             return JSONResponse({}, status_code=499)
-        choice = {"text": "".join(text), "index": 0,
-                  "logprobs": server.logprobs.completion(lps, 0) if want_lps else None,
-                  "finish_reason": done.finish_reason}
-        _record(request, job, False, done)
-        return {**head, "choices": [choice], "usage": usage(done)}
+        choices = [{"text": echo + "".join(a.text), "index": i,
+                    "logprobs": server.logprobs.completion(a.logprobs, len(echo))
+                    if want_lps else None,
+                    "finish_reason": a.done.finish_reason} for i, a in enumerate(answers)]
+        dones = [a.done for a in answers]
+        _record(request, group, False, dones)
+        return {**head, "choices": choices, "usage": usage(dones)}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def chunk(text: str, finish: str | None = None, logprobs: dict | None = None) -> str:
-        return sse({**head, "choices": [{"text": text, "index": 0, "logprobs": logprobs,
+    def chunk(i: int, text: str, finish: str | None = None, logprobs: dict | None = None) -> str:
+        return sse({**head, "choices": [{"text": text, "index": i, "logprobs": logprobs,
                                          "finish_reason": finish}]})
 
     async def stream() -> AsyncIterator[str]:
-        done = cut = None
-        offset = 0
+        dones: list[Done | None] = [None] * group.n
+        cut = None
+        offsets = [len(echo)] * group.n  # characters of each choice's text so far
         try:
             if echo:
-                yield chunk(echo)
-            async for ev in _events(server, job, request, poll=False):
+                for i in range(group.n):
+                    yield chunk(i, echo)
+            async for i, ev in group.events(request, poll=False):
                 if isinstance(ev, Piece):
-                    lp = server.logprobs.completion(ev.logprobs, offset) if want_lps else None
-                    offset += len(ev.text)
-                    yield chunk(ev.text, logprobs=lp)
+                    lp = server.logprobs.completion(ev.logprobs, offsets[i]) if want_lps else None
+                    offsets[i] += len(ev.text)
+                    yield chunk(i, ev.text, logprobs=lp)
                 elif isinstance(ev, (Failed, Cut)):
-                    err = _failure(ev.error) if isinstance(ev, Failed) else shutting_down()
+                    err = _stream_end(server, ev)
                     cut = err.code
                     yield sse(err.body())
                     yield sse("[DONE]")
                     return
                 else:
-                    done = ev
-            yield chunk("", done.finish_reason)
+                    dones[i] = ev
+                    yield chunk(i, "", ev.finish_reason)
             if include_usage:
-                yield sse({**head, "choices": [], "usage": usage(done)})
+                yield sse({**head, "choices": [], "usage": usage(dones)})
             yield sse("[DONE]")
         finally:
-            job.cancelled.set()  # the client left mid-stream: free the engine at once
-            _record(request, job, True, done, **({"error": cut} if cut else
-                                                 {"disconnected": done is None}))
+            group.close(server.shutdown)  # the client left mid-stream: free the engine at once
+            _record(request, group, True, dones, **_disconnected(dones, cut))
 
-    return StreamingResponse(_closing(stream(), job), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return _streaming(stream(), group.id)
 
 
 # ---- the app ------------------------------------------------------------------------------
@@ -445,8 +498,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/v1/models/{model:path}")
     async def _model(model: str):
-        server.check_model(model)
-        return model_card()
+        return model_card()  # any id names the one model served (as llama-server)
 
     @app.get("/health")
     async def _health():
@@ -457,13 +509,13 @@ def create_app(server: Server) -> FastAPI:
         return Response(server.metrics.prometheus(), media_type=CONTENT_TYPE_LATEST)
 
     def openapi() -> dict[str, Any]:
-        # the served model's id as the only valid "model", so generated clients (and schema
-        # fuzzers) can build requests that reach the engine
+        # the served model's id as the example "model" (any id is accepted: one model is
+        # served), so generated clients and schema fuzzers start from the listed name
         if app.openapi_schema is None:
             schema = FastAPI.openapi(app)
             for name in ("ChatCompletionRequest", "CompletionRequest"):
                 props = schema["components"]["schemas"][name]["properties"]
-                props["model"]["enum"] = [server.model_id]
+                props["model"]["examples"] = [server.model_id]
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -5,8 +5,10 @@
     ...
     dash.stop()
 
-Panels: speeds (the active request's prefill and decode rates measured here between redraws,
-the recent means ``Metrics`` keeps, a decode-speed sparkline), the active request, totals, and
+Panels: speeds (prefill and decode rates over every request, measured here between redraws;
+the recent per-request means ``Metrics`` keeps; a decode-speed sparkline), the engine (running
+and waiting sequences, KV blocks used, free and cached, the prefix cache's hit rate,
+preemptions), totals, the active requests (id, prompt, cached and generated tokens), and
 memory: the server's static sizes (weights, KV cache...), the process's resident set, and the
 whole machine's free memory: each GPU through NVML (``nvidia-ml-py``, optional) or torch's
 ``mem_get_info`` once CUDA is initialized, else system RAM from /proc/meminfo.
@@ -17,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections import deque
 from typing import Any
 
@@ -32,6 +33,7 @@ __all__ = ["Dashboard", "GpuMemory", "system_memory"]
 REFRESH_S = 0.25
 SPARK = "▁▂▃▄▅▆▇█"
 HISTORY = 120  # decode-rate samples kept for the sparkline (30 s at 4 redraws a second)
+ACTIVE_ROWS = 12  # active requests listed; the rest counted
 
 
 def _bytes(n: float | None) -> str:
@@ -142,35 +144,29 @@ def _bar(used: int, total: int, width: int = 20) -> Text:
 # ---- the dashboard -----------------------------------------------------------------------
 
 
-class _ActiveRates:
-    """Prefill and decode rates of the active request, from successive snapshots: prefill
-    ends when the first token shows up; decode is the slope of ``generated`` over the last
-    ~2 s of samples."""
+class _Rates:
+    """Prefill and decode rates now, over every request, from successive snapshots: the
+    slopes over the last ~2 s of two running totals, tokens generated (finished requests'
+    plus the active ones' so far) and prompt tokens computed (a request's count once its
+    first token is out)."""
 
-    def __init__(self) -> None:
-        self.id: str | None = None
-        self.first_at: float | None = None  # seconds since the request started
-        self.prefill_tps = 0.0
-        self.samples: deque[tuple[float, int]] = deque()
+    def __init__(self, window_s: float = 2.0) -> None:
+        self.window_s = window_s
+        self.samples: deque[tuple[float, int, int]] = deque()  # (time, prefilled, generated)
 
-    def update(self, active: dict[str, Any] | None) -> tuple[float, float]:
-        if active is None:
-            self.id = None
-            return 0.0, 0.0
-        if active["id"] != self.id:
-            self.id, self.first_at, self.prefill_tps = active["id"], None, 0.0
-            self.samples.clear()
-        t, n = active["elapsed_s"], active["generated"]
-        if n > 0 and self.first_at is None:
-            self.first_at = t
-            computed = active["prompt_tokens"] - active["cached_tokens"]
-            self.prefill_tps = computed / t if t > 0 else 0.0
-        self.samples.append((t, n))
-        while len(self.samples) > 2 and t - self.samples[0][0] > 2.0:
+    def update(self, snap: dict[str, Any]) -> tuple[float, float]:
+        active = snap["active"]
+        prefilled = snap["prefill_computed"] + sum(
+            a["prompt_tokens"] - a["cached_tokens"] for a in active if a["generated"] > 0)
+        generated = snap["generated_tokens"] + sum(a["generated"] for a in active)
+        t = snap["uptime_s"]
+        self.samples.append((t, prefilled, generated))
+        while len(self.samples) > 2 and t - self.samples[0][0] > self.window_s:
             self.samples.popleft()
-        (t0, n0), (t1, n1) = self.samples[0], self.samples[-1]
-        decode = (n1 - n0) / (t1 - t0) if t1 > t0 and n0 > 0 else 0.0
-        return self.prefill_tps, decode
+        (t0, p0, g0), (t1, p1, g1) = self.samples[0], self.samples[-1]
+        if t1 <= t0:
+            return 0.0, 0.0
+        return max(p1 - p0, 0) / (t1 - t0), max(g1 - g0, 0) / (t1 - t0)
 
 
 class Dashboard:
@@ -180,7 +176,7 @@ class Dashboard:
         self.title = title
         self.console = console or Console()
         self.refresh_s = refresh_s
-        self._rates = _ActiveRates()
+        self._rates = _Rates()
         self._history: deque[float] = deque(maxlen=HISTORY)
         self._gpu: GpuMemory | None = None  # opened on first draw
         self._stop = threading.Event()
@@ -238,17 +234,18 @@ class Dashboard:
         """One frame from a fresh snapshot (also what the tests print). Panels size to their
         content (no full-screen layout), so log lines printed above keep scrolling."""
         snap = self.metrics.snapshot()
-        prefill_now, decode_now = self._rates.update(snap["active"])
+        prefill_now, decode_now = self._rates.update(snap)
         self._history.append(decode_now)
         grid = Table.grid(expand=True)
         grid.add_column(ratio=1)
         grid.add_column(ratio=1)
-        grid.add_row(Group(self._speeds(snap, prefill_now, decode_now), self._active(snap)),
+        grid.add_row(Group(self._speeds(snap, prefill_now, decode_now), self._engine(snap)),
                      Group(self._memory(snap), self._totals(snap)))
-        return Group(self._header(snap), grid)
+        return Group(self._header(snap), grid, self._active(snap))
 
     def _header(self, snap: dict[str, Any]) -> Text:
-        busy = "busy" if snap["active"] else "idle"
+        n = len(snap["active"])
+        busy = f"{n} active" if n else "idle"
         return Text.assemble((f" {self.title} ", "bold reverse"),
                              f"  up {_duration(snap['uptime_s'])}  {busy}  "
                              f"queued {snap['queued']}")
@@ -258,7 +255,7 @@ class Dashboard:
         t.add_column(style="bold")
         t.add_column(justify="right")
         t.add_column(justify="right")
-        t.add_row("", Text("now", style="dim"), Text("recent mean", style="dim"))
+        t.add_row("", Text("now, all", style="dim"), Text("recent mean, each", style="dim"))
         t.add_row("prefill", _rate(prefill_now), _rate(snap["prefill_tps"]))
         t.add_row("decode", _rate(decode_now), _rate(snap["decode_tps"]))
         ttft = snap.get("ttft_mean_s") or 0.0
@@ -266,18 +263,38 @@ class Dashboard:
         spark = Text(sparkline(list(self._history), 40), style="cyan")
         return Panel(Group(t, Text("decode, last 30 s ", style="dim") + spark), title="speed")
 
-    def _active(self, snap: dict[str, Any]) -> Panel:
-        a = snap["active"]
-        if a is None:
-            return Panel(Text("idle", style="dim"), title="active request")
+    def _engine(self, snap: dict[str, Any]) -> Panel:
+        e = snap.get("engine")
+        if e is None:
+            return Panel(Text("no step yet", style="dim"), title="engine")
         t = Table.grid(padding=(0, 2))
         t.add_column(style="bold")
+        t.add_column(justify="right")
         t.add_column()
-        t.add_row("id", a["id"])
-        t.add_row("prompt", f"{a['prompt_tokens']:,} tokens ({a['cached_tokens']:,} cached)")
-        t.add_row("generated", f"{a['generated']:,} tokens")
-        t.add_row("elapsed", f"{a['elapsed_s']:.1f} s")
-        return Panel(t, title="active request")
+        t.add_row("sequences", f"{e['running']} running", f"{e['waiting']} waiting")
+        used, free = e["kv_blocks_used"], e["kv_blocks_free"]
+        t.add_row("KV blocks", f"{used:,} used of {used + free:,}", _bar(used, used + free))
+        t.add_row("", f"{e['kv_blocks_cached']:,} cached", f"{e['block_size']} tokens each")
+        t.add_row("prefix cache", f"{e['prefix_hit_rate'] * 100:.1f}% hit",
+                  f"{e['prefix_hit_tokens']:,} of {e['prefix_query_tokens']:,} tokens")
+        t.add_row("preemptions", f"{e['preemptions']:,}", "")
+        return Panel(t, title="engine")
+
+    def _active(self, snap: dict[str, Any]) -> Panel:
+        active = snap["active"]
+        if not active:
+            return Panel(Text("idle", style="dim"), title="active requests")
+        t = Table(box=None, padding=(0, 2), show_edge=False)
+        t.add_column("id", style="bold")
+        for name in ("prompt", "cached", "generated", "elapsed"):
+            t.add_column(name, justify="right")
+        for a in active[:ACTIVE_ROWS]:
+            t.add_row(a["id"], f"{a['prompt_tokens']:,}", f"{a['cached_tokens']:,}",
+                      f"{a['generated']:,}", f"{a['elapsed_s']:.1f} s")
+        rows: list[Any] = [t]
+        if len(active) > ACTIVE_ROWS:
+            rows.append(Text(f"and {len(active) - ACTIVE_ROWS} more", style="dim"))
+        return Panel(Group(*rows), title=f"active requests ({len(active)})")
 
     def _totals(self, snap: dict[str, Any]) -> Panel:
         t = Table.grid(padding=(0, 2))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import traceback
 from typing import Any
 
@@ -30,13 +31,17 @@ class _AsciiJSON(JSONResponse):
 
 
 class APIError(Exception):
+    """An answer with an error status. ``headers``: sent with it (a 503's ``Retry-After``)."""
+
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None) -> None:
+                 code: str | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else
                                        "invalid_request_error")
 
@@ -45,8 +50,14 @@ class APIError(Exception):
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return _AsciiJSON(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        return _AsciiJSON(self.body(), status_code=self.status,
+                          headers={**headers, **self.headers})
+
+
+def retry_after(seconds: float) -> dict[str, str]:
+    """The ``Retry-After`` header of a 503: whole seconds, at least 1."""
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -67,8 +78,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return bad_request("invalid request body")
     e = errors[0]
     if e.get("type") == "json_invalid":
-        return bad_request(f"the request body is not valid JSON: {e.get('ctx', {}).get('error', '')}"
-                           .rstrip(": "), code="invalid_json")
+        why = e.get("ctx", {}).get("error", "")
+        return bad_request(f"the request body is not valid JSON: {why}".rstrip(": "),
+                           code="invalid_json")
     if e.get("type") == "model_attributes_type" or e.get("loc") == ("body",):
         return bad_request("the request body must be a JSON object", code="invalid_json")
     # a union reports one error per branch: name the field once, with its first complaint

@@ -5,9 +5,10 @@ else handled becomes its error response (``errors.fault``): the status a client 
 the status ``/metrics`` counts and the request log records. (Starlette's own catch-all runs in
 ``ServerErrorMiddleware``, outside every user middleware: a 500 made there was counted as 0.)
 
-``Shutdown`` is the drain: once begun (SIGTERM/SIGINT), new requests get 503; the jobs in flight
-may finish within the grace period, and those still running then are cut: each handler gets a
-``Cut`` event and ends its answer saying why (a stream: an error event, then ``[DONE]``).
+``Shutdown`` is the drain: once begun (SIGTERM/SIGINT), new requests get 503 with
+``Retry-After`` (the grace period); the jobs in flight may finish within the grace period, and
+those still running then are cut: each handler gets a ``Cut`` event and ends its answer saying
+why (a stream: an error event, then ``[DONE]``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Protocol
 
 from starlette.exceptions import HTTPException
 
-from deimos.server.errors import APIError, fault
+from deimos.server.errors import APIError, fault, retry_after
 from deimos.server.metrics import Metrics
 from deimos.server.worker import Cut, Job
 
@@ -64,8 +65,10 @@ class Shutdown:
         self._jobs.clear()
 
 
-def shutting_down() -> APIError:
-    return APIError(503, SHUTTING_DOWN, code="server_shutting_down")
+def shutting_down(retry_s: float) -> APIError:
+    """The 503 of a draining server; ``Retry-After``: its grace period (by then this
+    instance is gone, and a restarted one or another is taking requests)."""
+    return APIError(503, SHUTTING_DOWN, code="server_shutting_down", headers=retry_after(retry_s))
 
 
 def too_large() -> APIError:
@@ -127,7 +130,8 @@ class Gate:
                                         "<key>'", code="invalid_api_key")
                     return await err.response()(scope, receive, send_status)
             if self.server.shutdown.draining:
-                return await shutting_down().response()(scope, receive, send_status)
+                refusal = shutting_down(self.server.shutdown.grace_s)
+                return await refusal.response()(scope, receive, send_status)
             length = dict(scope["headers"]).get(b"content-length", b"0")
             if not length.isdigit() or int(length) > MAX_BODY_BYTES:
                 return await too_large().response()(scope, receive, send_status)

@@ -1,5 +1,6 @@
 """Server metrics: one ``Metrics`` object per server, written by the request handlers and the
-engine worker, read by ``GET /metrics`` (prometheus_client's exposition of a registry of the
+engine worker (every request the engine has taken, by id; the engine's batch and KV pool
+after each step), read by ``GET /metrics`` (prometheus_client's exposition of a registry of the
 server's own, never the process-global one) and the terminal dashboard.
 
 Every method takes the lock; readers get copies (``snapshot``), never live containers.
@@ -13,6 +14,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -22,6 +24,9 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:  # the engine's module pulls in torch; the dashboard's tests need none
+    from deimos.engine.engine import EngineStats
 
 # seconds; the time-to-first-token histogram's upper bounds (Prometheus "le" labels)
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -43,7 +48,7 @@ class Finished:
 
 @dataclass(slots=True)
 class Active:
-    """The request the engine is working on now."""
+    """A request (one choice) the engine has taken: waiting for its first step or running."""
 
     id: str
     prompt_tokens: int
@@ -71,7 +76,8 @@ class Metrics:
         self.prefill_computed = 0  # prompt tokens computed (not reused)
         self.decode_steps = 0
         self.recent: deque[Finished] = deque(maxlen=RECENT)
-        self.active: Active | None = None
+        self.active: dict[str, Active] = {}  # by request id, in the order they started
+        self.engine: EngineStats | None = None  # the engine after its last step
         self.queued = 0
         self._memory = dict(memory or {})  # static sizes: model weights, KV cache
         self.registry = CollectorRegistry(auto_describe=False)
@@ -87,19 +93,26 @@ class Metrics:
         with self._lock:
             self.queued = n
 
+    def set_engine(self, stats: EngineStats) -> None:
+        """The engine's numbers after a step (the worker calls this every step: an assignment)."""
+        with self._lock:
+            self.engine = stats
+
     def start(self, request_id: str, prompt_tokens: int) -> None:
         with self._lock:
-            self.active = Active(request_id, prompt_tokens)
+            self.active[request_id] = Active(request_id, prompt_tokens)
 
-    def progress(self, cached_tokens: int, generated: int) -> None:
+    def progress(self, request_id: str, cached_tokens: int, generated: int) -> None:
         with self._lock:
-            if self.active is not None:
-                self.active.cached_tokens = cached_tokens
-                self.active.generated = generated
+            a = self.active.get(request_id)
+            if a is not None:
+                a.cached_tokens = cached_tokens
+                a.generated = generated
 
-    def finish(self, f: Finished, prefill_s: float, decode_s: float, disconnected: bool) -> None:
+    def finish(self, request_id: str, f: Finished, prefill_s: float, decode_s: float,
+               disconnected: bool) -> None:
         with self._lock:
-            self.active = None
+            self.active.pop(request_id, None)
             self.prompt_tokens += f.prompt_tokens
             self.cached_tokens += f.cached_tokens
             self.generated_tokens += f.completion_tokens
@@ -137,12 +150,10 @@ class Metrics:
     def snapshot(self) -> dict:
         """A consistent copy of everything, for the dashboard."""
         with self._lock:
-            active = None
-            if self.active is not None:
-                a = self.active
-                active = {"id": a.id, "prompt_tokens": a.prompt_tokens,
-                          "cached_tokens": a.cached_tokens, "generated": a.generated,
-                          "elapsed_s": time.monotonic() - a.started}
+            now = time.monotonic()
+            active = [{"id": a.id, "prompt_tokens": a.prompt_tokens,
+                       "cached_tokens": a.cached_tokens, "generated": a.generated,
+                       "elapsed_s": now - a.started} for a in self.active.values()]
             snap = {
                 "uptime_s": time.time() - self.started,
                 "requests": {f"{r} {s}": n for (r, s), n in sorted(self.requests.items())},
@@ -153,6 +164,8 @@ class Metrics:
                 "disconnects": self.disconnects,
                 "queued": self.queued,
                 "active": active,
+                "engine": None if self.engine is None else engine_numbers(self.engine),
+                "prefill_computed": self.prefill_computed,
                 "ttft_mean_s": self.ttft_sum / self.ttft_count if self.ttft_count else 0.0,
             }
         snap["prefill_tps"], snap["decode_tps"] = self.recent_speeds()
@@ -216,7 +229,30 @@ class _Collector(Collector):
                     "time from the engine taking a request to its first token",
                     buckets=buckets, sum_value=m.ttft_sum),
                 gauge("queue_depth", "requests waiting for the engine", m.queued),
-                gauge("active_requests", "requests being generated", int(m.active is not None)),
+                gauge("active_requests", "requests (choices) the engine has taken",
+                      len(m.active)),
+            ]
+            engine = m.engine
+        if engine is not None:
+            e = engine_numbers(engine)
+            families += [
+                gauge("running_sequences", "sequences in the running batch", e["running"]),
+                gauge("waiting_sequences", "sequences waiting for a batch slot or KV blocks",
+                      e["waiting"]),
+                gauge("kv_blocks_used", "KV blocks held by sequences", e["kv_blocks_used"]),
+                gauge("kv_blocks_free", "KV blocks that can be handed out (free or cached)",
+                      e["kv_blocks_free"]),
+                gauge("kv_blocks_cached", "free KV blocks holding a reusable prefix",
+                      e["kv_blocks_cached"]),
+                gauge("kv_block_size", "tokens per KV block", e["block_size"]),
+                gauge("prefix_cache_hit_rate", "prompt tokens found in the prefix cache over "
+                      "prompt tokens looked up", e["prefix_hit_rate"]),
+                counter("prefix_cache_hit_tokens", "prompt tokens found in the prefix cache",
+                        e["prefix_hit_tokens"]),
+                counter("prefix_cache_query_tokens", "prompt tokens looked up in the prefix "
+                        "cache", e["prefix_query_tokens"]),
+                counter("preemptions", "sequences preempted (KV blocks dropped, recomputed "
+                        "later) for want of KV blocks", e["preemptions"]),
             ]
         families += [
             gauge("prefill_tokens_per_second", "recent mean prefill speed", pre_tps),
@@ -227,6 +263,16 @@ class _Collector(Collector):
             memory.add_metric([kind], n)
         families.append(memory)
         yield from families
+
+
+def engine_numbers(st: EngineStats) -> dict[str, float]:
+    """The engine's stats as plain numbers, with the prefix cache's hit rate."""
+    q = st.prefix_query_tokens
+    return {"running": st.running, "waiting": st.waiting, "kv_blocks_used": st.kv_blocks_used,
+            "kv_blocks_free": st.kv_blocks_free, "kv_blocks_cached": st.kv_blocks_cached,
+            "block_size": st.block_size, "prefix_hit_tokens": st.prefix_hit_tokens,
+            "prefix_query_tokens": q, "prefix_hit_rate": st.prefix_hit_tokens / q if q else 0.0,
+            "preemptions": st.preemptions}
 
 
 def _rss_bytes() -> int:

@@ -24,13 +24,18 @@ class Defaults:
     max_tokens: int | None = None
 
 
-def sampling_params(body: _Sampling, d: SamplingParams) -> SamplingParams:
+def sampling_params(body: _Sampling, d: SamplingParams, choice: int = 0) -> SamplingParams:
+    """``choice``: the index among the request's ``n``; with a seed (the request's, or the
+    server's default) choice i is seeded seed + i, so the choices differ and each is
+    reproducible."""
+
     def pick(value: Any, default: Any) -> Any:
         return default if value is None else value
 
     top_k, top_p = pick(body.top_k, d.top_k), pick(body.top_p, d.top_p)
     if top_p == 0:  # OpenAI allows top_p = 0: only the most likely token
         top_k, top_p = 1, 1.0
+    seed = d.seed if body.seed is None else body.seed
     try:
         return SamplingParams(
             temperature=pick(body.temperature, d.temperature), top_k=top_k, top_p=top_p,
@@ -39,7 +44,7 @@ def sampling_params(body: _Sampling, d: SamplingParams) -> SamplingParams:
             presence_penalty=pick(body.presence_penalty, d.presence_penalty),
             frequency_penalty=pick(body.frequency_penalty, d.frequency_penalty),
             penalty_last_n=d.penalty_last_n,
-            seed=d.seed if body.seed is None else body.seed % 2**64,
+            seed=None if seed is None else (seed + choice) % 2**64,
         )
     except SamplingError as e:  # worded as the schema's checks (errors._validation_error)
         raise bad_request(f"'{e.field}': {e.problem}", e.field, "invalid_value") from None
@@ -128,8 +133,11 @@ def schema_constraint(schema: dict[str, Any] | None, llm: LLM, param: str) -> Co
 
 def build_request(body: _Sampling, prompt_ids: list[int], llm: LLM, defaults: Defaults, *,
                   requested_max: int | None, top_logprobs: int | None, prompt_param: str,
-                  forced: Constrained | None = None) -> tuple[Request, list[str]]:
-    """``forced``: a constraint that replaces ``response_format``'s (a forced tool call)."""
+                  forced: Constrained | None = None, choice: int = 0
+                  ) -> tuple[Request, list[str]]:
+    """``forced``: a constraint that replaces ``response_format``'s (a forced tool call).
+    ``choice``: which of the body's ``n`` choices (its seed; each choice needs a request of
+    its own, with its own constraint state)."""
     n_vocab = llm.config.n_vocab
     bad = next((t for t in prompt_ids if not 0 <= t < n_vocab), None)
     if bad is not None:
@@ -137,13 +145,18 @@ def build_request(body: _Sampling, prompt_ids: list[int], llm: LLM, defaults: De
                           prompt_param)
     if not prompt_ids:
         raise bad_request("the prompt is empty", prompt_param)
-    sampling = sampling_params(body, defaults.sampling)
+    sampling = sampling_params(body, defaults.sampling, choice)
     n = max_new_tokens(requested_max, len(prompt_ids), llm.n_ctx, defaults.max_tokens,
                        prompt_param)
     stops = stop_strings(body.stop)
-    processors = [p for p in (logit_bias(body.logit_bias, n_vocab),
-                              forced or json_constraint(body.response_format, llm))
-                  if p is not None]
-    req = Request(prompt_ids, n, sampling, llm.stop_ids, logits_processors=processors,
+    constraint = forced or json_constraint(body.response_format, llm)
+    if body.ignore_eos and constraint is not None:
+        raise bad_request("ignore_eos cannot be used with JSON output (response_format, or a "
+                          "forced tool call): the JSON ends with an end-of-generation token",
+                          "ignore_eos", "unsupported")
+    processors = [p for p in (logit_bias(body.logit_bias, n_vocab), constraint) if p is not None]
+    # ignore_eos: no end-of-generation token ends the answer (max_tokens or the context do)
+    stop_ids = frozenset() if body.ignore_eos else llm.stop_ids
+    req = Request(prompt_ids, n, sampling, stop_ids, logits_processors=processors,
                   top_logprobs=top_logprobs)
     return req, stops

@@ -1,21 +1,23 @@
 """OpenAI request bodies as pydantic models (they also make the server's /openapi.json).
 
 Strict types: ``"0.5"`` is not a temperature. Unknown fields are ignored, as clients send
-extras (``user``, ``metadata``...). Ranges are OpenAI's; ``top_k``, ``min_p`` and
-``repetition_penalty`` are llama.cpp's extensions. What the schema cannot say (a prompt that
-does not fit the context, a tool schema that is not JSON Schema) is checked in ``app``.
+extras (``user``, ``metadata``...). Ranges are OpenAI's; ``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos`` and ``n_predict`` are llama.cpp's extensions. What the
+schema cannot say (a prompt that does not fit the context, a tool schema that is not JSON
+Schema) is checked in ``app``.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
-
 from dataclasses import replace
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
 from deimos.kernels.sampling_params import SAMPLING_BOUNDS, Bound
+
+MAX_CHOICES = 16  # the most choices (``n``) one request may ask for
 
 
 class _Body(BaseModel):
@@ -123,10 +125,13 @@ class _Sampling(_Body):
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices to generate (decoded "
+                   "together; with a seed, choice i uses seed + i)")
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None
+    # llama-server's: no end-of-generation token ends the answer, only max_tokens (benchmarks)
+    ignore_eos: bool = False
 
 
 class ChatCompletionRequest(_Sampling):
@@ -145,3 +150,5 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
+    # llama-server's name for max_tokens (-1: up to the context); max_tokens wins when both
+    n_predict: int | None = Field(None, ge=-1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from deimos.kernels.sampling import TokenLogprobs
@@ -12,12 +13,23 @@ from deimos.tokenizer import Tokenizer
 MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI reports such tokens with this value
 
 
-def usage(done: Done) -> dict[str, Any]:
+def usage_numbers(dones: Done | Sequence[Done]) -> dict[str, int]:
+    """A request's token counts over its choices: the prompt once, every choice's completion
+    tokens; cached: the prompt tokens every choice reused from the prefix cache (the fewest)."""
+    dones = [dones] if isinstance(dones, Done) else list(dones)
+    return {"prompt_tokens": dones[0].prompt_tokens,
+            "cached_tokens": min(d.cached_tokens for d in dones),
+            "completion_tokens": sum(d.completion_tokens for d in dones)}
+
+
+def usage(dones: Done | Sequence[Done]) -> dict[str, Any]:
+    """OpenAI's usage object (with ``prompt_tokens_details.cached_tokens``)."""
+    n = usage_numbers(dones)
     return {
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.completion_tokens,
-        "total_tokens": done.prompt_tokens + done.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+        "prompt_tokens": n["prompt_tokens"],
+        "completion_tokens": n["completion_tokens"],
+        "total_tokens": n["prompt_tokens"] + n["completion_tokens"],
+        "prompt_tokens_details": {"cached_tokens": n["cached_tokens"]},
     }
 
 

@@ -36,6 +36,23 @@ class ServeConfig:
     tui: bool = True  # the dashboard, when stdout is a terminal
     device: str = "cpu"  # "cuda": the GPU path (the CLI picks it when a GPU is there)
     grace_s: float = 10.0  # after SIGTERM: how long requests in flight may run before the cut
+    alias: str | None = None  # the model id /v1/models lists (default: the file's stem)
+    # the engine (EngineConfig's fields; None: its default, as LLM picks it for the device)
+    max_seqs: int | None = None
+    max_batch_tokens: int | None = None
+    kv_tokens: int | None = None
+    kv_gib: float | None = None
+    block_size: int | None = None
+    prefix_cache: bool = True
+
+    def engine_options(self) -> dict[str, object]:
+        """The keyword arguments of ``LLM(**...)`` that this config sets."""
+        out: dict[str, object] = {k: getattr(self, k) for k in (
+            "max_seqs", "max_batch_tokens", "kv_tokens", "kv_gib", "block_size")
+            if getattr(self, k) is not None}
+        if not self.prefix_cache:
+            out["prefix_cache"] = False
+        return out
 
     @staticmethod
     def parse_listen(listen: str) -> tuple[str, int]:
@@ -65,15 +82,15 @@ def _tensor_bytes(obj: object, seen: set[int], depth: int = 0) -> int:
 
 
 def memory_sizes(llm: LLM) -> dict[str, int]:
-    kv = llm.generator.kv
-    kv_bytes = sum(t.nbytes for t in kv.k) + sum(t.nbytes for t in kv.v)
+    kv_bytes = llm.engine.pool.nbytes
     return {"model_weights": _tensor_bytes(llm.model, set()), "kv_cache": kv_bytes,
             "model_file": llm.file.file_size}
 
 
-def model_names(model_arg: str, path: Path) -> tuple[str, frozenset[str]]:
-    """The id /v1/models shows (the file's stem) and the other names a request may use."""
-    return path.stem, frozenset({model_arg, path.name, str(path)})
+def model_id(path: Path, alias: str | None = None) -> str:
+    """The id /v1/models shows: ``alias``, else the file's stem. Requests may name any model:
+    this one answers."""
+    return alias or path.stem
 
 
 def _setup_request_log(handler: logging.Handler | None = None) -> None:
@@ -146,18 +163,19 @@ def serve(cfg: ServeConfig) -> int:
         print(f"deimos: error: {e} (--listen)", file=sys.stderr, flush=True)
         return 2
     try:
-        llm = LLM(cfg.model, n_ctx=cfg.n_ctx, device=cfg.device)
+        llm = LLM(cfg.model, n_ctx=cfg.n_ctx, device=cfg.device, **cfg.engine_options())
         metrics = Metrics(memory_sizes(llm))
         worker = EngineWorker(llm, metrics, max_queue=cfg.max_queue)
-        model_id, aliases = model_names(cfg.model, Path(llm.path))
-        server = Server(llm, worker, metrics, model_id, aliases,
-                        Defaults(cfg.sampling, cfg.max_tokens), cfg.api_key,
-                        shutdown=Shutdown(cfg.grace_s))
+        name = model_id(Path(llm.path), cfg.alias)
+        server = Server(llm, worker, metrics, name, Defaults(cfg.sampling, cfg.max_tokens),
+                        cfg.api_key, shutdown=Shutdown(cfg.grace_s))
         app = create_app(server)
-        dash = _dashboard(metrics, model_id) if cfg.tui and sys.stdout.isatty() else None
+        dash = _dashboard(metrics, name) if cfg.tui and sys.stdout.isatty() else None
         _setup_request_log(dash.log_handler() if dash is not None else None)
         worker.start()
-        banner = (f"deimos: serving {model_id} (context {llm.n_ctx}) on "
+        ecfg = llm.engine.cfg
+        banner = (f"deimos: serving {name} (context {llm.n_ctx}, {ecfg.max_seqs} sequences at "
+                  f"once, KV pool {llm.engine.blocks.usable * ecfg.block_size} tokens) on "
                   f"http://{_url_host(cfg.host)}:{sock.getsockname()[1]}/v1")
         try:
             DrainingServer(app, server.shutdown, banner, cfg.grace_s).run(sockets=[sock])
