@@ -325,7 +325,7 @@ def _metrics(server: ServerProcess) -> dict[str, float]:
 
 
 def test_alias_any_model_id_and_503_with_retry_after_when_the_queue_is_full(tiny, tmp_path):
-    server = ServerProcess(tiny, "--device", "cpu", "-c", "2048", "--alias", "tiny-alias",
+    server = ServerProcess(tiny, "--device", "cpu", "-c", "8192", "--alias", "tiny-alias",
                            "--max-seqs", "1", "--max-queue", "1", log_dir=tmp_path)
     try:
         status, models = server.request("GET", "/v1/models")
@@ -335,11 +335,11 @@ def test_alias_any_model_id_and_503_with_retry_after_when_the_queue_is_full(tiny
                                                          "max_tokens": 2})
         assert status == 200 and r["model"] == "tiny-alias"
 
-        # A holds the one running slot (a long stream: ~50 s here); B waits for it in the
-        # engine: the queue is full
+        # A holds the one running slot (a long stream: 8000 tokens, 10 s or more here); B
+        # waits for it in the engine: the queue is full
         a = server.connect(timeout=120)
         a.request("POST", COMPLETIONS, body=json.dumps({
-            "model": "x", "prompt": "Once", "max_tokens": 2000, "ignore_eos": True,
+            "model": "x", "prompt": "Once", "max_tokens": 8000, "ignore_eos": True,
             "stream": True}), headers={"Content-Type": "application/json"})
         assert a.getresponse().status == 200
         b: dict = {}
