@@ -84,9 +84,10 @@ def test_gemm_q_formats(t: GGMLType, m: int, shape: tuple[int, int]) -> None:
 
 
 # tiles other than the default: narrow and wide rows, every block_m, split-K by 2 (whole
-# and part steps), 3 (uneven runs) and 4, several stages
+# and part steps), 3 (uneven runs) and 4, several stages. (16, 128, 64, 8, 4 stages) needs
+# 352 KB of shared memory on Triton 3.6 (the H200, 2026-12-01): 2 stages here.
 TILES = [GemmQConfig(16, 16, 16, 4, 3), GemmQConfig(32, 32, 32, 4, 2, 2), GemmQConfig(64, 64, 8, 4, 3, 2),
-         GemmQConfig(16, 128, 64, 8, 4, 3), GemmQConfig(64, 16, 32, 2, 1, 4)]
+         GemmQConfig(16, 128, 64, 8, 2, 3), GemmQConfig(64, 16, 32, 2, 1, 4)]
 
 
 @pytest.mark.parametrize("cfg", TILES, ids=lambda c: "m{}_n{}_j{}_w{}_s{}_k{}".format(*c))

@@ -101,10 +101,12 @@ class DeviceRows:
         self.loaded = True
 
     def run(self, logits: torch.Tensor) -> torch.Tensor:
-        """The batch's sampling on ``logits`` [rows, V] (captured in a decode graph)."""
-        sample_rows(logits[: self.n_rows], self.rows, self.ids, self.flags, self.scratch)
-        self._out_dev[: self.n_rows].copy_(self.ids)
-        self._out_dev[self.n_rows :].copy_(self.flags)
+        """The batch's sampling on ``logits`` [n, V], n <= rows (a decode graph: n = rows)."""
+        n = min(logits.shape[0], self.n_rows)
+        rows = SamplingRows(*(t[:n] for t in self.rows)) if n < self.n_rows else self.rows
+        sample_rows(logits[:n], rows, self.ids[:n], self.flags[:n], self.scratch)
+        self._out_dev[:n].copy_(self.ids[:n])
+        self._out_dev[self.n_rows : self.n_rows + n].copy_(self.flags[:n])
         return self.ids
 
     def fetch(self) -> int:

@@ -151,6 +151,8 @@ class ModelRunner:
                 n = len(x.tokens)
                 graph = next((g for m, g in sorted(self.prefill_graphs.items()) if m >= n), None)
         if graph is not None:
+            if not graph.captured:
+                graph.capture()  # before the inputs are loaded: capture fills them itself
             if graph.decode and self.decode_before is not None:
                 self.decode_before(graph.n_seqs, x.wanting)
             logits = self._replay(graph, x)

@@ -42,7 +42,7 @@ class BatchSampler:
             self._device_rows = DeviceRows
 
         self._graph_state: dict[int, object] = {}  # decode bucket -> its static sampling state
-        self._eager_state: dict[int, object] = {}  # rows -> the eager steps' sampling state
+        self._eager = None  # the eager steps' sampling state (made at the first)
 
     # ---- graph capture and replay -------------------------------------------------------
 
@@ -77,9 +77,9 @@ class BatchSampler:
         if state is not None and result.ticket is not None:
             device_ids, flags, us = state.read(result.ticket, n)
         elif self._device_rows is not None and n and not all(map(_host_only, wanting)):
-            eager = self._eager_state.get(n)
-            if eager is None:
-                eager = self._eager_state[n] = self._device_rows(n, self.n_vocab, self.device)
+            eager = self._eager  # one state for every eager step: up to max_rows rows
+            if eager is None or eager.n_rows < n:
+                eager = self._eager = self._device_rows(max(n, self.max_rows), self.n_vocab, self.device)
             eager.load(wanting)
             eager.run(logits[:n])
             device_ids, flags, us = eager.read(eager.fetch(), n)

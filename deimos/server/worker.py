@@ -134,7 +134,6 @@ class EngineWorker:
         self.max_queue = max_queue
         self._inbox: queue.Queue[Job | None] = queue.Queue()
         self._active: dict[int, _Active] = {}
-        self._waiting = 0  # jobs admitted to the engine but not running yet (read by submit)
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="deimos-engine", daemon=True)
 
@@ -148,7 +147,9 @@ class EngineWorker:
 
     @property
     def queued(self) -> int:
-        return self._inbox.qsize() + self._waiting
+        """Jobs not running yet: in the inbox, or admitted and waiting in the engine's queue
+        (read from other threads: a snapshot)."""
+        return self._inbox.qsize() + len(self.engine.scheduler.waiting)
 
     def submit(self, job: Job) -> None:
         if self.queued >= self.max_queue:
@@ -223,7 +224,6 @@ class EngineWorker:
 
     def _report(self) -> None:
         st = self.engine.stats()
-        self._waiting = st.waiting
         self.metrics.set_queued(self.queued)
         set_engine = getattr(self.metrics, "set_engine", None)
         if set_engine is not None:
