@@ -27,7 +27,7 @@ sweep)
 engine)
   synth llama-8b $M8 Q4_K_M llama-bpe
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv
-  python3 bench/engine_batch.py $M8 -c 1,16,64 -p 512 -n 128 2>&1 | tee "$OUT/engine.txt" | tail -12 ;;
+  python3 bench/engine_batch.py $M8 -c ${ELEVELS:-1,16,64} -p 512 -n 128 2>&1 | tee "$OUT/engine.txt" | tail -12 ;;
 serve)
   synth llama-8b $M8 Q4_K_M llama-bpe
   python3 -m deimos serve $M8 --listen 127.0.0.1:8090 --no-tui -c 1024 > "$OUT/deimos-serve.log" 2>&1 &
