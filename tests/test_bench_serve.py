@@ -165,7 +165,8 @@ def test_requests_refused_with_503_are_counted(tiny, tmp_path, capsys) -> None:
 
 class RawServer:
     """An HTTP server on loopback that answers every POST with a stream it cuts after one
-    event ("cut") or never answers at all ("hang")."""
+    event ("cut"), never answers at all ("hang"), or a whole stream whose text holds raw
+    Unicode line separators (U+2028, U+0085: JSON need not escape them) ("unicode")."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -190,13 +191,19 @@ class RawServer:
         await reader.readexactly(length)
         if self.mode == "hang":
             await asyncio.sleep(60)
-        event = json.dumps({"id": "x", "choices": [{"index": 0, "text": "hi"}]}).encode()
+        text = "a\u2028b\x85c" if self.mode == "unicode" else "hi"
+        event = json.dumps({"id": "x", "choices": [{"index": 0, "text": text}]},
+                           ensure_ascii=False).encode()
         chunk = b"data: " + event + b"\n\n"
+        if self.mode == "unicode":
+            usage = json.dumps({"id": "x", "choices": [], "usage": {"completion_tokens": 1,
+                                                                    "prompt_tokens": 16}})
+            chunk += b"data: " + usage.encode() + b"\n\ndata: [DONE]\n\n"
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                      b"Transfer-Encoding: chunked\r\n\r\n" + f"{len(chunk):x}\r\n".encode()
-                     + chunk + b"\r\n")
+                     + chunk + b"\r\n" + (b"0\r\n\r\n" if self.mode == "unicode" else b""))
         await writer.drain()
-        writer.close()  # no terminating chunk: the body is incomplete
+        writer.close()  # "cut": no terminating chunk, the body is incomplete
 
     async def _shutdown(self) -> None:
         self.server.close()
@@ -229,6 +236,20 @@ def test_broken_streams_and_hung_servers_are_failures(tmp_path, capsys, mode, er
     assert lv["output_tps"] == 0 and lv["ttft"]["n"] == 0
     assert "prompts not calibrated" in report["calibration"]["note"]
     assert "| 2 | 0 | 3 |" in out
+
+
+def test_raw_unicode_line_separators_do_not_cut_an_event(tmp_path, capsys) -> None:
+    raw = RawServer("unicode")
+    try:
+        code, report, out, err = _bench(
+            capsys, tmp_path, "--url", f"http://127.0.0.1:{raw.port}", "--model", "m",
+            "--concurrency", "2", "--requests", "3", "--warmup", "1", "--max-tokens", "4",
+            "--prompt-tokens", "16", "--completions")
+    finally:
+        raw.close()
+    assert code == 0, err
+    (lv,) = report["levels"]
+    assert (lv["ok"], lv["failed"]) == (3, 0), lv["errors"]
 
 
 def test_broken_url(tmp_path, capsys) -> None:
