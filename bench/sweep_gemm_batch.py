@@ -153,33 +153,16 @@ def precompile(plan: list[tuple], jobs: int) -> None:
 
 def time_calls(fns: list, cuda: bool, reps: int = 5) -> float:
     """Seconds a call: a CUDA graph of calls cycling through ``fns`` (one a weight copy), the
-    median of ``reps`` replays; on the CPU (interpreter) one pass, wall clock."""
-    import torch
-
+    median of ``reps`` replays (deimos.quant.triton.bench.time_graph); on the CPU
+    (interpreter) one pass, wall clock."""
     if not cuda:
         t0 = time.perf_counter()
         for f in fns:
             f()
         return (time.perf_counter() - t0) / len(fns)
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    calls = max(8, len(fns))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+    from deimos.quant.triton.bench import time_graph
+
+    return time_graph(fns, calls=8, reps=reps)
 
 
 def _gemv_rows(gemv_q8, w, qxs: list, out) -> None:

@@ -428,14 +428,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
                       llama_args=args.llama_args, llama_reps=args.llama_reps)
     report = run_bench(cfg)
     Console(stderr=args.json == "-").print(render(report))
-    if args.json:
-        text = json.dumps(report.to_json(), indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+    _write_json(report.to_json(), args.json)
     return 0
+
+
+def _write_json(doc: dict, dest: str | None) -> None:
+    """``--json FILE`` (``-``: stdout)."""
+    if not dest:
+        return
+    text = json.dumps(doc, indent=2)
+    if dest == "-":
+        print(text)
+    else:
+        with open(dest, "w") as f:
+            f.write(text + "\n")
 
 
 def _levels(text: str) -> tuple[int, ...]:
@@ -470,13 +476,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, requests=args.requests, warmup=args.warmup,
         endpoint=args.endpoint, sampling=sampling, seed=args.seed, timeout_s=args.timeout)
     report = run_serve_bench(cfg, progress=_say)
-    if args.json:
-        text = json.dumps(report.to_json(), indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+    _write_json(report.to_json(), args.json)
     print(markdown(report), file=sys.stderr if args.json == "-" else sys.stdout)
     return 0
 

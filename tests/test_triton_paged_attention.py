@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from kernel_device import DEVICE  # noqa: I001  (first: sets TRITON_INTERPRET)
+from kernel_checks import close as _close  # noqa: E402
+from kernel_checks import rand as _rand  # noqa: E402
 
 from deimos.kernels import norm as ref_norm  # noqa: E402
 from deimos.kernels import rope as ref_rope  # noqa: E402
@@ -36,22 +38,6 @@ NAN = float("nan")
 F16 = torch.float16
 
 
-def _rand(*shape: int, seed: int, dtype: torch.dtype = torch.float32, scale: float = 1.0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
-
-
-def _close(label: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
-    """Relative RMS error ||ref - out|| / ||ref|| < tol; every element finite."""
-    out = out.detach().double().cpu()
-    ref = ref.detach().double().cpu()
-    assert out.shape == ref.shape, f"{label}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    bad = int((~torch.isfinite(out)).sum())
-    assert bad == 0, f"{label}: {bad} elements not finite (unwritten or read outside the keys)"
-    diff = out - ref
-    rel = (diff.norm() / ref.norm().clamp_min(1e-30)).item()
-    print(f"{label}: rel rms {rel:.2e}, max |diff| {diff.abs().max().item():.2e}")
-    assert rel < tol, f"{label}: relative RMS error {rel:.2e} >= {tol}"
 
 
 def _poison(like: torch.Tensor) -> torch.Tensor:

@@ -21,13 +21,18 @@ ROOF_GBS = 4300.0  # H200 device-to-device copy, measured
 
 
 def time_graph(fn, calls: int = 50, reps: int = 20) -> float:
-    """Seconds per call: a CUDA graph of ``calls`` launches, median of ``reps`` replays."""
-    fn()
+    """Seconds per call: a CUDA graph of ``calls`` launches, median of ``reps`` replays.
+    ``fn``: a callable, or a list of them the graph cycles through (e.g. one per weight copy,
+    so that the weights come from memory rather than L2; at least one call of each)."""
+    fns = list(fn) if isinstance(fn, (list, tuple)) else [fn]
+    calls = max(calls, len(fns))
+    for f in fns:
+        f()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fns[i % len(fns)]()
     graph.replay()
     torch.cuda.synchronize()
     times = []
