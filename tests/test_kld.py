@@ -242,7 +242,7 @@ def test_quant_kld_equals_direct_computation(tiny_pair):
 
     from deimos.eval.cli import load, quant_kld, tokenize
     from deimos.eval.perplexity import plan_windows, window_input, window_targets
-        from deimos.runtime.kv_cache import KVCache
+    from deimos.runtime.kv_cache import KVCache
 
     a, b = tiny_pair
     text = str(data_file("texts/alice29.txt"))
