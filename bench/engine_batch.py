@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from deimos.engine import LLM  # noqa: E402
-from deimos.engine.request import Request  # noqa: E402
-from deimos.kernels.sampling import SamplingParams  # noqa: E402
+from deimos.engine import LLM
+from deimos.engine.request import Request
+from deimos.kernels.sampling import SamplingParams
 
 
 def run(llm: LLM, c: int, p: int, n: int, sampling: SamplingParams, seed: int) -> dict:
@@ -68,7 +68,7 @@ def main() -> int:
             r["sampling"] = name
             rows.append(r)
             print(r, flush=True)
-    print(f"\n| sampling | concurrency | output tok/s | wall s | mean TTFT s |\n|---|---|---|---|---|")
+    print("\n| sampling | concurrency | output tok/s | wall s | mean TTFT s |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['sampling']} | {r['c']} | {r['tok_s']:.0f} | {r['wall_s']:.2f} | {r['ttft_mean_s']:.3f} |")
     return 0

@@ -4,7 +4,6 @@ relative-RMS comparison with a reference (fla's assert_close). Import after kern
 from __future__ import annotations
 
 import torch
-
 from kernel_device import DEVICE
 
 

@@ -9,7 +9,7 @@ import pytest
 from deimos.engine.block_manager import BlockManager, OutOfBlocks, chain_key
 from deimos.engine.request import Request
 from deimos.engine.scheduler import Scheduler, SchedulerConfig
-from deimos.engine.sequence import Sequence, SeqStatus
+from deimos.engine.sequence import SeqStatus, Sequence
 from deimos.kernels.sampling import SamplingParams
 
 BS = 4

@@ -11,7 +11,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from testdata import llama_cpp_path, model_path
 
 from deimos.engine import LLM

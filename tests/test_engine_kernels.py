@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_device import DEVICE, INTERPRETED
+from testdata import llama_cpp_path
 
-from kernel_device import DEVICE, INTERPRETED  # noqa: I001  (first: sets TRITON_INTERPRET)
-
-from testdata import llama_cpp_path  # noqa: E402
-
-from deimos.engine.engine import Engine, EngineConfig  # noqa: E402
-from deimos.engine.request import Request  # noqa: E402
-from deimos.gguf import GGUFFile  # noqa: E402
-from deimos.kernels.sampling import SamplingParams  # noqa: E402
-from deimos.models import ARCHITECTURES, load_model  # noqa: E402
-from deimos.models.weights import WeightSource  # noqa: E402
-from deimos.synth import write_model  # noqa: E402
+from deimos.engine.engine import Engine, EngineConfig
+from deimos.engine.request import Request
+from deimos.gguf import GGUFFile
+from deimos.kernels.sampling import SamplingParams
+from deimos.models import ARCHITECTURES, load_model
+from deimos.models.weights import WeightSource
+from deimos.synth import write_model
 
 DONOR = "models/ggml-vocab-llama-spm.gguf"
 TIE = 0.05

@@ -14,7 +14,6 @@ buffer.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from deimos.kernels.triton.sample_batch import EXACT, HOST, SampleScratch, SamplingRows, sample_rows

@@ -28,7 +28,7 @@ from deimos.engine.request import ContextLengthError, EngineError, Request, Requ
 from deimos.engine.runner import ModelRunner
 from deimos.engine.sampling import BatchSampler
 from deimos.engine.scheduler import Scheduler, SchedulerConfig
-from deimos.engine.sequence import Sequence, SeqStatus
+from deimos.engine.sequence import SeqStatus, Sequence
 from deimos.kernels.sampling import Sampler
 from deimos.models.blocks import DecoderModel
 from deimos.runtime.kv_pool import KVPool, bytes_per_token, pool_blocks

@@ -100,7 +100,7 @@ class ModelRunner:
         self.device = model.device
         self.decode_before = decode_before
         self.decode_launched = decode_launched
-        self.last_decode = None  # (graph, inputs) of the last decode replay
+        self.last_decode = None  # the graph of the last decode replay
         self.decode_graphs: dict[int, object] = {}
         self.prefill_graphs: dict[int, object] = {}
         self.use_graphs = (cuda_graphs and self.device.type == "cuda"
@@ -158,7 +158,7 @@ class ModelRunner:
             logits = self._replay(graph, x)
             ticket = None
             if graph.decode:
-                self.last_decode = (graph, x)
+                self.last_decode = graph
                 logits = logits[: len(x.wanting)]
                 if self.decode_launched is not None:
                     ticket = self.decode_launched(graph.n_seqs)
@@ -171,8 +171,8 @@ class ModelRunner:
         """The decode step after the last one, on the same graph and rows, its tokens fed on
         the device by that step's choices: ``seqs`` are that step's rows, each with a block
         for its next position (the caller grew the tables); only the tables are copied in."""
-        graph, x = self.last_decode
-        h64, h32 = graph.host_buffers()
+        graph = self.last_decode
+        _, h32 = graph.host_buffers()
         mb, b = graph.max_blocks, graph.n_seqs
         h32[: b * mb] = 0
         for i, seq in enumerate(seqs):
@@ -187,8 +187,7 @@ class ModelRunner:
         """Whether ``result``'s graph can feed its own next step."""
         g = result.graph
         return g is not None and g.decode and g.chainable and result.ticket is not None \
-            and self.last_decode is not None \
-            and self.last_decode[0] is g
+            and self.last_decode is g
 
     def _replay(self, g, x: StepInputs) -> torch.Tensor:
         h64, h32 = g.host_buffers()

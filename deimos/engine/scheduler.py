@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from deimos.engine.block_manager import BlockManager
-from deimos.engine.sequence import Sequence, SeqStatus
+from deimos.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)
