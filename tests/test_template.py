@@ -411,7 +411,10 @@ def test_hostile_template_fails_within_budget(hostile_results, name):
 def test_probe_renders_share_one_budget():
     # the load-time probe renders up to four times; a template that spends the deadline in
     # each costs one deadline at load, not four
-    src = "{% for i in range(20000) %}{% for j in range(9) %}{{ (i * j) % 7 }}{% endfor %}{% endfor %}"
+    # under the iteration limit (2,000 x 90 + 2,000 < 200,000), over the deadline: each inner
+    # iteration does four renders (20,000 x 9 of one render each finished in 0.3 s here, idle)
+    src = ("{% for i in range(2000) %}{% for j in range(90) %}{{ (i * j) % 7 }}{{ (i + j) % 5 }}"
+           "{{ (i - j) % 3 }}{{ i * 2 + j }}{% endfor %}{% endfor %}")
     t0 = time.perf_counter()
     with pytest.raises(TemplateError, match="longer than 0.3 s"):
         ChatTemplate(src, limits=TemplateLimits(time_s=0.3))

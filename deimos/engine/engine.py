@@ -56,8 +56,8 @@ class EngineConfig:
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
-        if self.n_ctx < 2:
-            raise ValueError(f"n_ctx must be >= 2, got {self.n_ctx}")
+        if self.n_ctx < 1:  # 1: every request is refused (a prompt needs a row to generate from)
+            raise ValueError(f"n_ctx must be >= 1, got {self.n_ctx}")
         if self.block_size < 16 or self.block_size > 256 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two in 16..256, got {self.block_size}")
         if self.kv_tokens is not None and self.kv_tokens < 1:
