@@ -4,7 +4,9 @@
     params      body + prompt ids -> engine Request (sampling, limits, stops, processors)
     processors  logits processors: logit_bias, a JSON grammar constraint
     stops       stop strings on streamed text (held back until they cannot match)
-    worker      the engine thread: one request at a time, events to asyncio, cancellation
+    worker      the engine thread: every job decoded together (continuous batching), events
+                to asyncio, cancellation at the next step
+    choices     n > 1: one job per choice, their events merged
     responses   usage, logprobs formats, SSE lines
     app         routes; errors: OpenAI error objects, the one place faults are answered
     gate        the middleware every request passes: API key, body limit, drain (503, cuts),
