@@ -225,9 +225,9 @@ def _layer_jobs() -> list[Job]:
     import triton
 
     # by module path: the package re-exports functions of the same names as some modules
-    activation, decode_attention, greedy, norm, prefill_attention, rope, sampling = (
+    activation, decode_attention, greedy, norm, rope, sampling = (
         importlib.import_module("deimos.kernels.triton." + m)
-        for m in ("activation", "decode_attention", "greedy", "norm", "prefill_attention", "rope",
+        for m in ("activation", "decode_attention", "greedy", "norm", "rope",
                   "sampling")
     )
 
@@ -276,16 +276,7 @@ def _layer_jobs() -> list[Job]:
                                   [f32, f32, f32, f32, hq * d, d, hq, d, c.n_split, i32, f32, i32],
                                   BLOCK_SPLIT=triton.next_power_of_2(c.n_split), BLOCK_D=d,
                                   QUANT=quant, num_warps=4, **PDL_KW)))
-    for hq, hk, d in ((32, 8, 128), (8, 4, 256), (4, 1, 256), (9, 3, 64), (4, 2, 32)):
-        c = prefill_attention.prefill_config(d)
-        args = [f32, f16, f16, f32, hq * d, d, hk * d, d, hk * d, d, hq * d, d, 512, d, 0,
-                d**-0.5, 0, i32]
-        jobs.append(Job("prefill", f"G={hq // hk} D={d} M={c.block_m} N={c.block_n} "
-                                   f"w={c.num_warps} st={c.num_stages}",
-                        _warm(prefill_attention._prefill_kernel, args, G=hq // hk,
-                              BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-                              BLOCK_D=max(16, triton.next_power_of_2(d)), START_ON_DEVICE=True,
-                              num_warps=c.num_warps, num_stages=c.num_stages)))
+    # (the one-sequence prefill is the paged kernel's: _paged_jobs)
     v = 262144
     n_blk = triton.cdiv(v, sampling.ARGMAX_BLOCK)
     jobs.append(Job("argmax_block", f"B={sampling.ARGMAX_BLOCK}",

@@ -1,6 +1,7 @@
 """Causal flash attention for prefill with GQA and an optional sliding window (Triton):
-``prefill_attention`` (one sequence's chunk over a contiguous cache) and
-``paged_prefill_attention`` (the chunks of B sequences packed, over a paged cache; below).
+``paged_prefill_attention`` (the chunks of B sequences packed, over a paged cache; below) and
+``prefill_attention`` (one sequence's chunk over a contiguous cache: the paged kernel with the
+cache's rows as the sequence's blocks, in order).
 Oracle: deimos.kernels.attention.causal_attention with q_pos = start + arange(T),
 k_pos = arange(S); paged: paged_attention_reference, one sequence at a time.
 
@@ -69,65 +70,6 @@ from deimos.kernels.triton.decode_attention import check_block_tables, key_slots
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit
-def _prefill_kernel(
-    p_q, p_k, p_v, p_o,
-    sq_t, sq_h, sk_s, sk_h, sv_s, sv_h, so_t, so_h,
-    T, D, start, scale, window, p_start,
-    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    START_ON_DEVICE: tl.constexpr,
-):  # fmt: skip
-    if START_ON_DEVICE:  # the chunk's first position, read on the device (a CUDA graph replays it)
-        start = tl.load(p_start).to(tl.int32)
-    i_m = tl.program_id(0)
-    i_kv = tl.program_id(1)
-    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o_t = o_r // G
-    o_h = i_kv * G + o_r % G
-    m_r = o_t < T
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < D
-    q_pos = start + o_t
-    m_qd = m_r[:, None] & m_d[None, :]
-    p_qb = p_q + o_t[:, None].to(tl.int64) * sq_t + o_h[:, None] * sq_h + o_d[None, :]
-    b_q = tl.load(p_qb, mask=m_qd, other=0.0).to(p_k.dtype.element_ty)
-
-    # keys of the tile: [lo, hi) with hi past the last row's position
-    t_first = (i_m * BLOCK_M) // G
-    t_last = tl.minimum((i_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
-    hi = start + t_last + 1
-    lo = 0
-    if window > 0:
-        lo = tl.maximum(0, start + t_first - window + 1)
-        lo = lo - lo % BLOCK_N
-
-    qk_scale = scale * LOG2E
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    o_n = tl.arange(0, BLOCK_N)
-    for s0 in range(lo, hi, BLOCK_N):
-        o_s = s0 + o_n
-        m_s = o_s < hi
-        m_kd = m_s[:, None] & m_d[None, :]
-        o_s64 = o_s.to(tl.int64)
-        p_kb = p_k + o_s64[:, None] * sk_s + i_kv * sk_h + o_d[None, :]
-        p_vb = p_v + o_s64[:, None] * sv_s + i_kv * sv_h + o_d[None, :]
-        b_k = tl.load(p_kb, mask=m_kd, other=0.0)
-        b_v = tl.load(p_vb, mask=m_kd, other=0.0)
-        qk = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.float32) * qk_scale  # [M, N]
-        delta = q_pos[:, None] - o_s[None, :]
-        ok = (delta >= 0) & m_s[None, :]
-        if window > 0:
-            ok = ok & (delta < window)
-        qk = tl.where(ok, qk, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(qk, b_v, m_i, l_i, acc)
-    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only
-    out = acc / l_i[:, None]
-    p_ob = p_o + o_t[:, None].to(tl.int64) * so_t + o_h[:, None] * so_h + o_d[None, :]
-    tl.store(p_ob, out.to(p_o.dtype.element_ty), mask=m_qd)
-
-
 class PrefillConfig(NamedTuple):
     block_m: int
     block_n: int
@@ -183,18 +125,15 @@ def prefill_attention(
         )
     if n_t == 0:
         return out
-    g = hq // hkv
-    cfg = prefill_config(d)
-    _prefill_kernel[(triton.cdiv(n_t * g, cfg.block_m), hkv)](
-        q, k, v, out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1),
-        n_t, d, 0 if on_device else start, scale, window, start if on_device else q,
-        G=g, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, START_ON_DEVICE=on_device,
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    return out
+    # one sequence whose blocks are the cache's rows in order: the paged kernel with a
+    # table 0, 1, 2, ... of the largest power-of-two blocks (at most 256) that divide S
+    bs = min(s & -s, 256)
+    i32 = dict(dtype=torch.int32, device=q.device)
+    table = torch.arange(s // bs, **i32).view(1, -1)
+    q_start = start.reshape(-1)[:1].to(torch.int32) if on_device else torch.tensor([start], **i32)
+    cu = torch.tensor([0, n_t], **i32)
+    tiles = prefill_tile_map([n_t], hq, hkv, d, q.device)
+    return paged_prefill_attention(q, k, v, table, cu, q_start, tiles, bs, scale, window, out)
 
 
 # ---- paged varlen prefill ---------------------------------------------------------------------
