@@ -225,9 +225,9 @@ def _layer_jobs() -> list[Job]:
     import triton
 
     # by module path: the package re-exports functions of the same names as some modules
-    activation, decode_attention, greedy, norm, rope, sampling = (
+    activation, decode_attention, norm, rope, sampling = (
         importlib.import_module("deimos.kernels.triton." + m)
-        for m in ("activation", "decode_attention", "greedy", "norm", "rope",
+        for m in ("activation", "decode_attention", "norm", "rope",
                   "sampling")
     )
 
@@ -285,11 +285,6 @@ def _layer_jobs() -> list[Job]:
     jobs.append(Job("argmax_final", f"B={triton.next_power_of_2(n_blk)}",
                     _warm(sampling._argmax_final_kernel, [f32, i32, i64, n_blk],
                           BLOCK=triton.next_power_of_2(n_blk), num_warps=4)))
-    for vocab in (49152, 128256, 151936, 262144):
-        n_prog = greedy.GreedyState.programs(vocab)[1]
-        jobs.append(Job("greedy_next", f"V={vocab} P={n_prog} B={greedy.BLOCK}",
-                        _warm(greedy._greedy_kernel, [f32, vocab, 4096, f32, i32, i32, i32, i64, i64],
-                              N_PROG=n_prog, BLOCK=greedy.BLOCK, num_warps=4)))
     for k_pad in (64, 256):
         jobs.append(Job("topk_block", f"B={sampling.TOPK_BLOCK} K={k_pad}",
                         _warm(sampling._topk_block_kernel, [f32, i64, v, v, 64],

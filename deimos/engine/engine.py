@@ -181,8 +181,6 @@ class Engine:
         """One step: the tokens chosen (an empty list while a step is only launched: on a GPU
         a decode step whose batch does not change is launched before the one before it is
         read, its tokens fed on the device, so the GPU never waits for the host)."""
-        for seq in [s for s in self.scheduler.running + list(self.scheduler.waiting) if s.cancelled]:
-            self.cancel(seq)
         if self._inflight is not None:
             return self._continue()
         plan = self.scheduler.schedule()

@@ -81,7 +81,6 @@ class Scheduler:
         self.blocks.free(seq.table)
         seq.n_computed = 0
         seq.n_sealed = 0
-        seq.preemptions += 1
         seq.status = SeqStatus.WAITING
         self.running.remove(seq)
         self.waiting.appendleft(seq)

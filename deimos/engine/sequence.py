@@ -10,7 +10,6 @@ admission recomputes (mostly from the prefix cache) and carries on from the same
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from deimos.engine.request import Request
@@ -32,9 +31,6 @@ class Sequence:
     n_computed: int = 0  # tokens whose keys and values are in the cache
     n_sealed: int = 0  # leading full blocks registered in the prefix cache
     admitted: bool = False  # admitted once (the prompt's cache hits are counted then)
-    preemptions: int = 0
-    arrival: float = field(default_factory=time.monotonic)
-    cancelled: bool = False  # set by the owner (a client went away): finished at the next step
 
     @property
     def n_prompt(self) -> int:

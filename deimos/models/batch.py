@@ -44,10 +44,6 @@ class SeqLayout:
     def n_seqs(self) -> int:
         return len(self.q_lens)
 
-    @property
-    def n_prefill_tokens(self) -> int:
-        return sum(self.q_lens[self.n_decode:])
-
 
 @dataclass
 class Batch:
@@ -71,7 +67,3 @@ class Batch:
         if any(n != 1 for n in self.seqs.q_lens[: self.seqs.n_decode]):
             raise ValueError("Batch: every decode sequence has exactly one token")
 
-
-def slots_for(table: list[int], start: int, n: int, block_size: int) -> list[int]:
-    """Cache rows of positions start .. start + n - 1 of a sequence with block ``table``."""
-    return [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]

@@ -34,13 +34,6 @@ DECODE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
-def decode_bucket(n: int, max_seqs: int) -> int:
-    for b in DECODE_BUCKETS:
-        if b >= n:
-            return min(b, max(max_seqs, n))
-    return n
-
-
 class StepGraph:
     """A step of ``n_seqs`` sequences and ``n_tokens`` tokens: decode (every sequence one
     token, ``n_seqs == n_tokens``) or one prefill chunk (``n_seqs == 1``).

@@ -68,6 +68,17 @@ _BIG = tl.constexpr(1 << 30)
 
 
 @triton.jit
+def _penalty_entries(p_ids, p_cnt, i_b, L, l0, V, BLOCK_L: tl.constexpr):
+    """Entries l0 .. l0 + BLOCK_L of row i_b's penalty window: (offsets, ids, counts, the mask
+    of the entries in use)."""
+    o_l = l0 + tl.arange(0, BLOCK_L)
+    m_l = o_l < L
+    b_id = tl.load(p_ids + i_b * L + o_l, mask=m_l, other=0)
+    b_c = tl.load(p_cnt + i_b * L + o_l, mask=m_l, other=0)
+    return o_l, b_id, b_c, m_l & (b_c > 0) & (b_id >= 0) & (b_id < V)
+
+
+@triton.jit
 def _penalize_kernel(p_x, stride_x, V, p_ids, p_cnt, p_saved, L, p_rep, p_freq, p_pres,
                      BLOCK_L: tl.constexpr):  # fmt: skip
     i_b = tl.program_id(0).to(tl.int64)
@@ -75,11 +86,7 @@ def _penalize_kernel(p_x, stride_x, V, p_ids, p_cnt, p_saved, L, p_rep, p_freq, 
     freq = tl.load(p_freq + i_b)
     pres = tl.load(p_pres + i_b)
     for l0 in range(0, L, BLOCK_L):
-        o_l = l0 + tl.arange(0, BLOCK_L)
-        m_l = o_l < L
-        b_id = tl.load(p_ids + i_b * L + o_l, mask=m_l, other=0)
-        b_c = tl.load(p_cnt + i_b * L + o_l, mask=m_l, other=0)
-        m_p = m_l & (b_c > 0) & (b_id >= 0) & (b_id < V)
+        o_l, b_id, b_c, m_p = _penalty_entries(p_ids, p_cnt, i_b, L, l0, V, BLOCK_L)
         p_row = p_x + i_b * stride_x + b_id
         b_x = tl.load(p_row, mask=m_p, other=0.0)
         tl.store(p_saved + i_b * L + o_l, b_x, mask=m_p)
@@ -91,11 +98,7 @@ def _penalize_kernel(p_x, stride_x, V, p_ids, p_cnt, p_saved, L, p_rep, p_freq, 
 @triton.jit
 def _restore(p_x, stride_x, V, p_ids, p_cnt, p_saved, L, i_b, BLOCK_L: tl.constexpr):
     for l0 in range(0, L, BLOCK_L):
-        o_l = l0 + tl.arange(0, BLOCK_L)
-        m_l = o_l < L
-        b_id = tl.load(p_ids + i_b * L + o_l, mask=m_l, other=0)
-        b_c = tl.load(p_cnt + i_b * L + o_l, mask=m_l, other=0)
-        m_p = m_l & (b_c > 0) & (b_id >= 0) & (b_id < V)
+        o_l, b_id, _, m_p = _penalty_entries(p_ids, p_cnt, i_b, L, l0, V, BLOCK_L)
         b_x = tl.load(p_saved + i_b * L + o_l, mask=m_p, other=0.0)
         tl.store(p_x + i_b * stride_x + b_id, b_x, mask=m_p)
 
