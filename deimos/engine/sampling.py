@@ -111,6 +111,6 @@ class BatchSampler:
             for proc in req.logits_processors:
                 processed = proc(req.output_ids, processed)
         try:
-            return req.sampler.sample(processed) if u is None else req.sampler.sample(processed, u=u)
+            return req.sampler.sample(processed, u=u)
         except ValueError as e:  # the request's sampling was checked: the logits are at fault
             raise EngineError(f"cannot sample from the model's logits: {e}") from e
