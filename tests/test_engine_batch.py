@@ -174,3 +174,24 @@ def test_bad_requests_fail_alone(tiny):
     while eng.has_work:
         eng.step()
     assert len(ok.request.output_ids) == 5
+
+
+def test_the_chain_check_reads_every_sequence_on_the_cpu(tiny):
+    """The GPU's chaining decision (Engine._chain_ok) runs on the CPU too: a decode step of
+    chainable requests may chain, one with a logits processor or about to end may not."""
+    from deimos.engine.runner import StepResult
+
+    llm = LLM(tiny, n_ctx=256)
+    eng = llm.engine
+    seqs = [eng.add(_req([1, 2, 3, 4 + i], 8)) for i in range(3)]
+    while any(s.n_computed < len(s.tokens) - 1 or not s.request.output_ids for s in seqs):
+        eng.step()
+    assert eng._chain_ok(StepResult(None, seqs))
+    seqs[1].request.logits_processors = [lambda ids, x: x]
+    assert not eng._chain_ok(StepResult(None, seqs))
+    seqs[1].request.logits_processors = ()
+    seqs[2].request.max_tokens = len(seqs[2].request.output_ids) + 1
+    assert not eng._chain_ok(StepResult(None, seqs))
+    for s in seqs:
+        eng.cancel(s)
+    assert eng.blocks.n_used == 0

@@ -224,7 +224,7 @@ class Engine:
         for seq in rows:
             req = seq.request
             p = req.sampling
-            if (seq.finished or seq.cancelled or req.logits_processors or req.top_logprobs is not None
+            if (seq.finished or req.logits_processors or req.top_logprobs is not None
                     or p.penalties_enabled or not (p.greedy or 1 <= p.top_k <= 256)
                     or len(req.output_ids) + 1 >= req.max_tokens
                     or len(seq.tokens) >= self.cfg.n_ctx):  # fmt: skip
