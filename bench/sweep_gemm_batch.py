@@ -205,7 +205,7 @@ def sweep(args) -> None:
     device = "cuda" if cuda else "cpu"
     types = [GGMLType[s] for s in args.types.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
-    shapes = TINY if args.tiny else LLAMA_8B + QWEN3_06B
+    shapes = TINY if args.tiny else (LLAMA_8B if args.shapes == "8b" else LLAMA_8B + QWEN3_06B)
     tiles = TILES[:3] if args.tiny else TILES
     if args.quick:
         shapes = shapes[::2]
@@ -231,7 +231,7 @@ def sweep(args) -> None:
     packed_cache: dict = {}
     t_start = time.perf_counter()
     print(f"\n{'type':5} {'N x K':>13} {'M':>2}  {'best tile (m, n, j, warps, stages, split)':<40} "
-          f"{'us':>7} {'GB/s':>5} {'roof':>4} | {'rule us':>7} | {'gemv_q8':>7} | {'pair':>7} | vs gemv, pair")
+          f"{'us':>7} {'GB/s':>5} {'roof':>4} | {'rule us':>7} | {'gemv_q8':>7} | {'pair':>7} | {'f16':>7} | vs gemv, pair")
     for t in types:
         for n, k in shapes:
             w = random_weight(t, n, k, device, packed_cache)
@@ -276,7 +276,12 @@ def sweep(args) -> None:
                 xm = xp[:m]
                 t_pair = time_calls([lambda c=c, xm=xm, w16=w16, y16=y16: matmul_f16(
                     xm, dequantize_fp16(c, out=w16, permuted=True), out=y16) for c in copies], cuda)
-                baseline[key] = (t_gemv, t_pair)
+                w16s = [w16] + [w16.clone() for _ in range(min(7, math.ceil(ROTATE_BYTES / (2 * n * k)) - 1))] \
+                    if cuda else [w16]
+                t_f16 = time_calls([lambda w16=w16c, xm=xm, y16=y16: matmul_f16(xm, w16, out=y16)
+                                    for w16c in w16s], cuda)
+                del w16s
+                baseline[key] = (t_gemv, t_pair, t_f16)
                 if not results[key]:
                     print(f"{t.name:5} {n:>6}x{k:<6} {m:>2}  no tile ran: " + "; ".join(notes))
                     continue
@@ -286,7 +291,7 @@ def sweep(args) -> None:
                 tr = results[key].get("rule", float("nan"))
                 print(f"{t.name:5} {n:>6}x{k:<6} {m:>2}  {fields_of[(key, label)]!s:<40} {tb * 1e6:7.1f} "
                       f"{gbs:5.0f} {gbs / ROOF_GBS:4.0%} | {tr * 1e6:7.1f} | {t_gemv * 1e6:7.1f} | "
-                      f"{t_pair * 1e6:7.1f} | {t_gemv / tb:4.1f}x {t_pair / tb:4.1f}x", flush=True)
+                      f"{t_pair * 1e6:7.1f} | {t_f16 * 1e6:7.1f} | {t_gemv / tb:4.1f}x {t_pair / tb:4.1f}x", flush=True)
                 for note in notes:
                     print("      " + note)
             del copies, w16, w32
@@ -299,7 +304,7 @@ def sweep(args) -> None:
 def summarize(results: dict, baseline: dict, types: list, rows: list) -> None:
     """Totals per (format, M) over the shapes, and the single candidate that is best over
     them all (least geometric-mean slowdown against each shape's best tile)."""
-    print(f"\n{'type':5} {'M':>2} | {'best':>8} {'rule':>8} {'gemv_q8':>8} {'pair':>8} (us, sum over shapes) | "
+    print(f"\n{'type':5} {'M':>2} | {'best':>8} {'rule':>8} {'gemv_q8':>8} {'pair':>8} {'f16':>8} (us, sum over shapes) | "
           "rule/best  gemv/best  pair/best | one tile for all shapes (geo-mean slowdown, worst)")
     for t in types:
         for m in rows:
@@ -310,12 +315,13 @@ def summarize(results: dict, baseline: dict, types: list, rows: list) -> None:
             rule = sum(results[key].get("rule", float("nan")) for key in keys)
             gemv = sum(baseline[key][0] for key in keys)
             pair = sum(baseline[key][1] for key in keys)
+            f16 = sum(baseline[key][2] for key in keys)
             labels = set.intersection(*(set(results[key]) for key in keys))
             slow = {lb: [results[key][lb] / min(results[key].values()) for key in keys] for lb in labels}
             pick = min(slow, key=lambda lb: sum(math.log(s) for s in slow[lb])) if slow else None
             one = (f"{pick} ({math.exp(sum(math.log(s) for s in slow[pick]) / len(keys)):.2f}x, "
                    f"{max(slow[pick]):.2f}x)" if pick else "-")
-            print(f"{t.name:5} {m:>2} | {best * 1e6:8.1f} {rule * 1e6:8.1f} {gemv * 1e6:8.1f} {pair * 1e6:8.1f} | "
+            print(f"{t.name:5} {m:>2} | {best * 1e6:8.1f} {rule * 1e6:8.1f} {gemv * 1e6:8.1f} {pair * 1e6:8.1f} {f16 * 1e6:8.1f} | "
                   f"{rule / best:9.2f} {gemv / best:10.2f} {pair / best:10.2f} | {one}")
     print("\nsuggested rule: per (format, M) the one-tile column above where it is within ~5% of each "
           "shape's best; else the per-shape best tiles above, keyed by n / block_n programs and K")
@@ -326,6 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="activation rows M to sweep")
     ap.add_argument("--quick", action="store_true", help="every other shape")
+    ap.add_argument("--shapes", default="all", choices=("all", "8b"), help="8b: llama 8B's matrices only")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (runs under the interpreter)")
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
                     help="processes that compile the kernels first (1: compile in the sweep)")

