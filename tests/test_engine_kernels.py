@@ -103,7 +103,7 @@ def test_graphs_device_sampling_and_chains_on_the_gpu(files):
         assert d.output_ids == h.output_ids
     # one stream alone chains its decode steps: more steps than host round trips
     solo = Request(prompts[2], 64, GREEDY)  # 33 tokens: one prefill chunk alone, a graph
-    _run(ker, solo)
+    _run(ker, [solo])
     assert ker.steps > chained_before
     assert sum(g.replays for g in runner.prefill_graphs.values()) > 0
 

@@ -71,7 +71,8 @@ class _StubDriver:
 
 def _jobs() -> list[Job]:
     """Every (kernel, constexpr config) the wrappers launch on a GPU."""
-    return _q8_jobs() + _gemm_q_jobs() + _layer_jobs() + _paged_jobs() + _sample_batch_jobs()
+    return (_q8_jobs() + _gemm_q_jobs() + _layer_jobs() + _paged_jobs() + _sample_batch_jobs()
+            + _moe_jobs())
 
 
 def _q8_jobs() -> list[Job]:
@@ -394,6 +395,101 @@ def _sample_batch_jobs() -> list[Job]:
         jobs.append(Job("sb_row", f"V={v} K={sb.WINDOW} CH={sb.RANK_CHUNK} NB={nb_pad} w=4",
                         _warm(sb._row_kernel, args, K=sb.WINDOW, CH=sb.RANK_CHUNK, NB_PAD=nb_pad,
                               BLOCK_L=sb.PEN_BLOCK, num_warps=4, **sb.NO_FUSION)))
+    return jobs
+
+
+def _moe_jobs() -> list[Job]:
+    """The routed experts (kernels.triton.moe_route, quant.triton.moe_gemv / moe_gemm) at the
+    configs their launch rules pick for qwen3moe 30B-A3B (n_embd 2048, n_ff_exp 768, E 128,
+    k 8) at T = 1, 16, 64, 512 (and 2048, the default batch-token budget): the router and the
+    combine; the decode GEMV per format on gate (768 x 2048), the fused gate/up (1536 x 2048)
+    and down (2048 x 768, pair rows); moe_align's three passes; the grouped GEMM per format at
+    each block_m the rule gives, x permuted or in element order, and each tile's masked variant."""
+    import importlib
+
+    import torch
+    import triton
+    from triton.runtime.jit import MockTensor
+
+    from deimos.gguf.constants import GGMLType
+    from deimos.quant.triton.dequant_gemv import FMT_ID, scale16, weight_arrays, words_per_group
+    from deimos.quant.triton.layout import KERNEL_TYPE
+
+    route = importlib.import_module("deimos.kernels.triton.moe_route")
+    q = importlib.import_module("deimos.quant.triton.gemv_q8")
+    mg = importlib.import_module("deimos.quant.triton.moe_gemm")
+    mv = importlib.import_module("deimos.quant.triton.moe_gemv")
+    f16, f32, i32 = torch.float16, torch.float32, torch.int32
+    d_model, n_ff, n_exp, top_k = 2048, 768, 128, 8
+    tokens = (1, 16, 64, 512, 2048)
+    jobs = []
+    for e, k in ((n_exp, top_k), (512, 16)):
+        for renorm in (False, True):
+            jobs.append(Job("moe_route", f"E={e} k={k} renorm={int(renorm)}",
+                            _warm(route._route_kernel, [f32, f32, i32, e, e], TOP_K=k,
+                                  K_PAD=triton.next_power_of_2(k), BLOCK_E=triton.next_power_of_2(e),
+                                  RENORM=renorm, num_warps=1 if e <= 128 else 4, **PDL_KW)))
+    for dt in (f32, f16):
+        for add in (False, True):
+            jobs.append(Job("moe_combine", f"D={d_model} k={top_k} out={str(dt)[6:]} add={int(add)}",
+                            _warm(route._combine_kernel, [f32, f32, f32, dt, d_model], TOP_K=top_k,
+                                  BLOCK_D=route.COMBINE_BLOCK, HAS_ADD=add, num_warps=4, **PDL_KW)))
+    gemv_shapes = ((n_ff, d_model, False), (2 * n_ff, d_model, False), (d_model, n_ff, True))
+    for t in [*FMT_ID, GGMLType.IQ4_XS, GGMLType.IQ2_XS]:
+        kt = KERNEL_TYPE.get(t, t)
+        for n, k, pair in gemv_shapes:
+            sample = _packed_sample(t, k)
+            arrays = weight_arrays(sample)
+            cfg = q.q8_config(kt, n, k, 1)
+            even = k // 32 % cfg.block_s == 0
+            args = [MockTensor(a.dtype) for a in arrays]
+            args += [MockTensor(i32), MockTensor(f32), MockTensor(i32), MockTensor(f32),
+                     MockTensor(i32), MockTensor(i32), n, k, n_exp, top_k]
+            args += [a.stride(0) for a in arrays]
+            jobs.append(Job("moe_gemv_" + t.name, f"{n}x{k} pair={int(pair)} " + _describe(cfg)
+                            + f" xb={int(cfg.xb)} even={int(even)}",
+                            _warm_args(mv._moe_gemv_kernel, args, FMT=FMT_ID[kt], BLOCK_N=cfg.block_n,
+                                       BLOCK_S=cfg.block_s, ASM=True, XB=cfg.xb, EVEN=even,
+                                       SCALE16=scale16(sample), PAIR_ROWS=pair,
+                                       num_warps=cfg.num_warps, **PDL_KW)))
+    block_ms = sorted({mg.moe_block_m(t * top_k, n_exp) for t in tokens})
+    for t in tokens:
+        p = t * top_k
+        bm = mg.moe_block_m(p, n_exp)
+        nc = triton.cdiv(p, mg.ALIGN_CHUNK)
+        cfg = f"P={p} E={n_exp} M={bm}"
+        jobs.append(Job("moe_align_count", cfg,
+                        _warm(mg._align_count_kernel, [i32, i32, p, n_exp], CHUNK=mg.ALIGN_CHUNK,
+                              E_BLOCK=64, num_warps=4, **PDL_KW)))
+        jobs.append(Job("moe_align_scan", cfg + f" NC={mg.scan_blocks(nc, bm)['NC_PAD']}",
+                        _warm(mg._align_scan_kernel, [i32] * 5 + [nc, n_exp, mg.max_tiles(p, n_exp, bm)],
+                              BLOCK_M=bm, **mg.scan_blocks(nc, bm), num_warps=4, **PDL_KW)))
+        jobs.append(Job("moe_align_scatter", cfg,
+                        _warm(mg._align_scatter_kernel, [i32, i32, i32, p, n_exp],
+                              CHUNK=mg.ALIGN_CHUNK, num_warps=4, **PDL_KW)))
+    gemm_shapes = ((n_ff, d_model, False), (2 * n_ff, d_model, False), (d_model, n_ff, True))
+    for t in [*FMT_ID, GGMLType.IQ4_XS, GGMLType.IQ2_XS]:
+        kt = KERNEL_TYPE.get(t, t)
+        wpg = words_per_group(kt)
+        launches = set()
+        for n, k, pair in gemm_shapes:
+            for bm in block_ms:
+                c = mg.moe_gemm_config(kt, n, k, bm)
+                for perm in (True, False):
+                    launches.add((bm, c, pair, perm, k // 32 % (c.block_j // wpg) == 0, k))
+                launches.add((bm, c, pair, True, False, k))  # masked K steps
+        for bm, c, pair, perm, even, k in sorted(launches):
+            sample = _packed_sample(t, k)
+            args = [MockTensor(f16)] + [MockTensor(a.dtype) for a in weight_arrays(sample)]
+            args += [MockTensor(f32), MockTensor(i32), MockTensor(i32), MockTensor(i32), d_model, k,
+                     top_k, k]
+            jobs.append(Job("moe_gemm_" + t.name,
+                            f"M={bm} N={c.block_n} J={c.block_j} w={c.num_warps} st={c.num_stages} "
+                            f"K={k} pair={int(pair)} perm={int(perm)} even={int(even)}",
+                            _warm_args(mg._moe_gemm_kernel, args, FMT=FMT_ID[kt], BLOCK_M=bm,
+                                       BLOCK_N=c.block_n, BLOCK_J=c.block_j, PAIR_ROWS=pair,
+                                       X_PERMUTED=perm, EVEN=even, SCALE16=scale16(sample),
+                                       num_warps=c.num_warps, num_stages=c.num_stages, **PDL_KW)))
     return jobs
 
 

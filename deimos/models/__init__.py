@@ -9,13 +9,15 @@ from deimos.models.blocks import DecoderModel
 from deimos.models.config import ConfigError, ModelConfig
 from deimos.models.gemma3 import Gemma3Model
 from deimos.models.llama import LlamaModel
-from deimos.models.weights import MemoryBudgetError, WeightError, WeightSource
+from deimos.models.qwen3moe import Qwen3MoeModel
+from deimos.models.weights import EXPERT_CACHE_BYTES, MemoryBudgetError, WeightError, WeightSource
 
 ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "llama": LlamaModel,
     "qwen2": LlamaModel,
     "qwen3": LlamaModel,
     "gemma3": Gemma3Model,
+    "qwen3moe": Qwen3MoeModel,
 }
 
 
@@ -29,8 +31,11 @@ def load_model(file: GGUFFile, device: str = "cpu") -> DecoderModel:
 def _check_cpu_memory(file: GGUFFile) -> None:
     """The CPU reference holds every weight as float32: refuse, before the first one, a file
     whose weights cannot fit (a sparse file of consistent but huge shapes would otherwise
-    load layer after layer until the system kills the process)."""
-    need = 4 * sum(t.n_elements for t in file.tensors.values())
+    load layer after layer until the system kills the process). Routed experts (3-D tensors)
+    are dequantized as tokens reach them, into a cache of at most EXPERT_CACHE_BYTES."""
+    dense = sum(t.n_elements for t in file.tensors.values() if len(t.dims) < 3)
+    experts = sum(t.n_elements for t in file.tensors.values() if len(t.dims) >= 3)
+    need = 4 * dense + min(4 * experts, EXPERT_CACHE_BYTES)
     free = _available_memory()
     if free is not None and need > free:
         raise MemoryBudgetError(

@@ -25,13 +25,15 @@ class ConfigError(ValueError):
     """A model file's metadata is missing a key, has a wrong value, or names an unsupported model."""
 
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
+_MOE_ARCHITECTURES = ("qwen3moe",)  # every layer's MLP is routed experts
 
 # Rotary embedding variants: "norm" rotates adjacent pairs (x0,x1),(x2,x3)...;
 # "neox" rotates the two halves (x_i, x_{i+d/2}).
-_ROPE_TYPE = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox"}
+_ROPE_TYPE = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox", "qwen3moe": "neox"}
 
 MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS: it asserts 0 < block_count <= this
+MAX_EXPERTS = 1024  # llama.cpp's LLAMA_MAX_EXPERTS: it asserts expert_count <= this
 _U32_MAX = 2**32 - 1  # llama.cpp reads the counts and sizes into uint32
 _F32_MAX = float(np.finfo(np.float32).max)
 _LAYER_RE = re.compile(r"blk\.(\d+)\.")
@@ -63,6 +65,15 @@ class ModelConfig:
     swa_layers: tuple[bool, ...] = ()  # per layer: uses the sliding window
     rope_base_swa: float = 10000.0  # rope base of the sliding-window layers
     final_logit_softcap: float = 0.0
+    # mixture of experts (qwen3moe); n_expert 0: a dense gated MLP of n_ff
+    n_expert: int = 0  # routed experts per layer
+    n_expert_used: int = 0  # experts each token goes to (top-k of the router's softmax)
+    n_ff_exp: int = 0  # hidden width of one expert's gated MLP
+    expert_weights_norm: bool = False  # the k chosen weights rescaled to sum 1
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
 
     @property
     def n_gqa(self) -> int:
@@ -210,6 +221,11 @@ class _Reader:
         if not 0.0 < rope_scale <= _F32_MAX:  # the rotation runs in float32
             raise self.fail("rope.scaling.factor", f"{factor!r} gives no usable position scale")
 
+        moe = arch in _MOE_ARCHITECTURES
+        if moe:  # its feed_forward_length is metadata only (llama.cpp: optional)
+            n_ff = self.per_layer("feed_forward_length", n_layer, 0, lo=0)
+        else:
+            n_ff = self.per_layer("feed_forward_length", n_layer)
         common = dict(
             arch=arch,
             n_vocab=n_vocab,
@@ -219,7 +235,7 @@ class _Reader:
             n_head_kv=n_head_kv,
             head_dim=head_dim,
             head_dim_v=head_dim_v,
-            n_ff=self.per_layer("feed_forward_length", n_layer),
+            n_ff=n_ff,
             rms_eps=self.float("attention.layer_norm_rms_epsilon", positive=True),
             context_length=self.int("context_length", 4096),
             rope_type=_ROPE_TYPE[arch],
@@ -230,8 +246,10 @@ class _Reader:
             activation="silu",
             final_logit_softcap=self.float("final_logit_softcapping", 0.0, lo=0.0),
         )
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             common["qk_norm"] = True
+        if moe:
+            common.update(self._experts(n_layer, n_ff))
         if arch == "gemma3":
             common.update(self._sliding_window(n_layer))
             # gemma3 27B scales by the model width per head; the others by the head size
@@ -247,6 +265,29 @@ class _Reader:
                 attn_scale=1.0 / math.sqrt(width),
             )
         return ModelConfig(**common)
+
+    def _experts(self, n_layer: int, n_ff: int) -> dict[str, Any]:
+        a = self.arch
+        n_expert = self.int("expert_count", hi=MAX_EXPERTS)
+        n_used = self.per_layer("expert_used_count", n_layer)
+        if n_used > n_expert:
+            raise ConfigError(f"{self.source}: metadata key '{a}.expert_used_count' {n_used} is greater "
+                              f"than '{a}.expert_count' {n_expert}")
+        groups = self.int("expert_group_count", 0, lo=0)
+        if groups > 1:  # llama.cpp would pick groups of experts first (DeepSeek V3's routing)
+            raise self.fail("expert_group_count", f"is {groups}: grouped expert selection is not "
+                                                  "supported")
+        # llama.cpp's fallback when the key is absent: feed_forward_length / expert_used_count
+        n_ff_exp = self.per_layer("expert_feed_forward_length", n_layer, n_ff // n_used)
+        if n_ff_exp == 0:
+            raise ConfigError(f"{self.source}: metadata key '{a}.expert_feed_forward_length' is missing "
+                              f"and '{a}.feed_forward_length' {n_ff} / '{a}.expert_used_count' "
+                              f"{n_used} gives no expert width")
+        # qwen3moe renormalizes the top-k weights: llama.cpp's graph passes norm_w = true and
+        # reads neither '<arch>.expert_weights_norm' nor '<arch>.expert_weights_scale' (so a
+        # file's value of either changes nothing there, and nothing here)
+        return dict(n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp,
+                    expert_weights_norm=True)
 
     def _vocab_size(self) -> int:
         # as llama.cpp: the tokenizer's token count; '<arch>.vocab_size' only without tokens
@@ -339,6 +380,10 @@ def _check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], md: Mapping[str
     q_rows, k_rows = (cfg.n_head * cfg.head_dim, q), (cfg.n_head_kv * cfg.head_dim, k)
     v_rows, o_cols = (cfg.n_head_kv * cfg.head_dim_v, v), (cfg.n_head * cfg.head_dim_v, o)
     ffn = (cfg.n_ff, ff)
+    experts = (cfg.n_expert, f"'{a}.expert_count' {cfg.n_expert}")
+    ffn_exp = (cfg.n_ff_exp, f"'{a}.expert_feed_forward_length' {cfg.n_ff_exp}"
+               if f"{a}.expert_feed_forward_length" in md else
+               f"feed_forward_length / expert_used_count = {cfg.n_ff_exp}")
     for i in range(cfg.n_layer):  # n_layer matches the blk.N tensors present
         p = f"blk.{i}."
         for n in norms:
@@ -352,6 +397,12 @@ def _check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], md: Mapping[str
         if cfg.qk_norm:
             expect(f"{p}attn_q_norm.weight", ((cfg.head_dim, hd),))
             expect(f"{p}attn_k_norm.weight", ((cfg.head_dim, hd),))
+        if cfg.is_moe:  # the router, then each projection of every expert as one 3-D tensor
+            expect(f"{p}ffn_gate_inp.weight", (width, experts))
+            expect(f"{p}ffn_gate_exps.weight", (width, ffn_exp, experts))
+            expect(f"{p}ffn_up_exps.weight", (width, ffn_exp, experts))
+            expect(f"{p}ffn_down_exps.weight", (ffn_exp, width, experts))
+            continue
         expect(f"{p}ffn_gate.weight", (width, ffn))
         expect(f"{p}ffn_up.weight", (width, ffn))
         expect(f"{p}ffn_down.weight", (ffn, width))

@@ -21,6 +21,7 @@ from deimos.kernels.norm import add_rms_norm, rms_norm
 from deimos.kernels.rope import apply_rope, rope_cos_sin
 from deimos.models.batch import Batch
 from deimos.models.config import ModelConfig
+from deimos.models.moe import moe_reference
 
 
 @dataclass
@@ -42,6 +43,10 @@ class Ops(Protocol):
         sequence's queries attending over its own cached keys."""
         ...
     def gated_act(self, gate, up, activation: str) -> torch.Tensor: ...
+    def moe(self, x: torch.Tensor, block) -> torch.Tensor:
+        """Routed experts: x [T, D] -> [T, D] through ``block`` (deimos.models.moe.MoE: its
+        router, expert weights, k, normalization and activation); moe_reference is the oracle."""
+        ...
 
 
 class ReferenceOps:
@@ -98,3 +103,6 @@ class ReferenceOps:
 
     def gated_act(self, gate, up, activation):
         return gated_act(gate, up, activation)
+
+    def moe(self, x, block):
+        return moe_reference(x, block)

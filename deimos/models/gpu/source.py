@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,6 +28,19 @@ from deimos.quant.triton import PACKED_TYPES, PackedWeight, pack
 
 CHUNK_ELEMENTS = 1 << 23  # weights per packing job: rows are independent, so a big matrix
 # (an 8B model's 525M-weight output) is packed by many threads at once
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """One projection of every routed expert of a layer (a GGUF 3-D tensor, numpy shape
+    [n_expert, n, k]) as one packed matrix of ``n_expert * n`` rows of ``k``: expert e is
+    rows ``e * n .. e * n + n - 1`` of ``weight`` (deimos.quant.triton.layout)."""
+
+    weight: PackedWeight
+    n_expert: int
+    n: int  # rows (outputs) of one expert
+    k: int  # inputs
+    name: str
 
 
 class GpuWeights:
@@ -131,6 +145,36 @@ class GpuWeights:
             parts.append(LinearPart(group, lo, lo + p.n, b, info.name))
             lo += p.n
         return parts
+
+    def experts(self, info: TensorInfo) -> PackedExperts:
+        """A 3-D expert tensor packed on the device. GGUF stores expert after expert, each
+        row-major, so the bytes viewed as [n_expert * n, row_bytes] are the stacked rows;
+        packed in row chunks on CPU threads, as the matrices are."""
+        if len(info.shape) != 3:
+            raise ValueError(f"{self.file.path}: tensor '{info.name}' has shape {tuple(info.shape)}, "
+                             "expected the 3-D [n_expert, n, k] of routed experts")
+        if info.ggml_type not in PACKED_TYPES:
+            have = ", ".join(t.name for t in PACKED_TYPES)
+            raise ValueError(f"{self.file.path}: tensor '{info.name}' is {info.ggml_type.name}: "
+                             f"routed experts have a GPU layout only in {have}")
+        n_expert, n, k = info.shape
+        rows = np.asarray(self.file.tensor_bytes(info.name)).reshape(n_expert * n, -1)
+        step = max(1, CHUNK_ELEMENTS // k)
+
+        def work(a: int) -> PackedWeight:
+            return pack(rows[a:a + step], info.ggml_type, info.name).to(self.device)
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as ex:
+            parts = list(ex.map(work, range(0, n_expert * n, step)))
+        first = parts[0]
+        weight = first if len(parts) == 1 else PackedWeight(
+            first.ggml_type, n_expert * n, first.k,
+            {key: torch.cat([p.tensors[key] for p in parts]) for key in first.tensors})
+        if weight.ggml_type != info.ggml_type:
+            t, kt = info.ggml_type.name, weight.ggml_type.name
+            self.notices.once(f"as:{t}", f"{t} ({info.name} and any later {t} tensor) runs in {kt}'s "
+                              "GPU layout: the same values", logging.INFO)
+        return PackedExperts(weight, n_expert, n, k, info.name)
 
     def embedding(self, info: TensorInfo) -> QuantEmbedding | DenseEmbedding:
         packed = self._packed(info)
