@@ -286,8 +286,8 @@ class _Reader:
         # qwen3moe renormalizes the top-k weights: llama.cpp's graph passes norm_w = true and
         # reads neither '<arch>.expert_weights_norm' nor '<arch>.expert_weights_scale' (so a
         # file's value of either changes nothing there, and nothing here)
-        return dict(n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp,
-                    expert_weights_norm=True)
+        return {"n_expert": n_expert, "n_expert_used": n_used, "n_ff_exp": n_ff_exp,
+                "expert_weights_norm": True}
 
     def _vocab_size(self) -> int:
         # as llama.cpp: the tokenizer's token count; '<arch>.vocab_size' only without tokens
