@@ -1,0 +1,401 @@
+"""Routed experts computed on the CPU: the decode misses of the GPU expert cache.
+
+A layer's experts stay in their GGUF bytes, read zero-copy from the memory-mapped file
+(``GGUFFile.tensor_bytes``): ``gate``, ``up`` numpy ``[E, n_ff, n_embd]`` and ``down``
+``[E, n_embd, n_ff]``. A miss is (token row, expert, weight); for each token
+
+    out[t] = sum over its misses (t, e, w), in the order given, of
+             w * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t]))
+
+Two backends (``CpuExperts(backend=...)``), chosen by measurement (bench/cpu_experts.py):
+
+- ``"ggml"``: ggml's own CPU kernels (the ``ggml-python`` package: ctypes over libggml-cpu, the
+  library llama.cpp's CPU backend is) run ``ggml_mul_mat_id`` on the 3-D tensors as they are
+  in the file, every thread of the machine, the GIL released while they run. ggml multiplies a
+  quantized weight by 8-bit activation blocks (Q8_K for the k- and IQ formats, Q8_0 for the
+  32-element ones): what llama.cpp computes, about 1-2% relative error against float32
+  products on Gaussian activations. So activations go in as ``planes`` (default 2) blocks
+  quantized here: plane 1 = q8(x), plane 2 = q8(x - plane 1), the products summed, the same
+  trick as the GPU decode GEMV's two int8 planes (deimos.quant.triton.gemv_q8): about 2e-5
+  relative error, for ~20-40% more time than one plane (which equals llama.cpp's arithmetic).
+  Each row is scaled by a power of two (exact) so that Q8_0's float16 scales stay normal.
+- ``"exact"``: deimos.quant's bit-exact decode of each expert touched (kept, float32, in an
+  LRU cache of ``cache_bytes``), float32 torch matmuls. Any format; 20-40 ms to decode a
+  30B-A3B-sized expert on one core, so a cold miss is ~100x slower than ggml's.
+
+``"auto"`` is ggml where it is installed and the layer's formats have an 8-bit activation
+type, else exact. torch's own quantized CPU matmuls were measured and not used: int4pack
+(``_weight_int4pack_mm_for_cpu``) needs a repack into 32-groups with bf16 scales and bf16
+activations (Q4_K not exact, Q6_K not representable), int8pack (``_weight_int8pack_mm``) has
+one scale per output row (Q8_0's per-32 scales would be requantized).
+
+One caller at a time per ``CpuExperts`` (its buffers are reused); run it in a thread of its
+own to overlap the GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deimos.gguf import GGUFFile
+from deimos.gguf.constants import GGML_BLOCK, GGMLType
+from deimos.quant import dequantize
+
+EXACT_CACHE_BYTES = 2 << 30  # the exact backend's decoded experts (float32), all layers
+BACKENDS = ("auto", "ggml", "exact")
+
+
+@dataclass(frozen=True)
+class ExpertMatrix:
+    """One projection of every expert of a layer: ``raw`` uint8 ``[E, n_out, row_bytes]``, the
+    GGUF bytes (numpy shape [E, n_out, n_in] in ``ggml_type``; ggml ne = [n_in, n_out, E])."""
+
+    raw: np.ndarray
+    ggml_type: GGMLType
+    n_out: int
+    n_in: int
+    name: str = "?"
+
+    def __post_init__(self) -> None:
+        bs, ts = GGML_BLOCK[GGMLType(self.ggml_type)]
+        if self.n_in % bs:
+            raise ValueError(f"{self.name}: rows of {self.n_in} are not whole {bs}-element blocks")
+        r = self.raw
+        if r.dtype != np.uint8 or r.ndim != 3 or r.shape[1:] != (self.n_out, self.n_in // bs * ts):
+            raise ValueError(f"{self.name}: want uint8 [E, {self.n_out}, {self.n_in // bs * ts}], "
+                             f"got {r.dtype} {r.shape}")
+        if not r.flags.c_contiguous:
+            raise ValueError(f"{self.name}: raw bytes must be contiguous")
+
+    @property
+    def n_expert(self) -> int:
+        return self.raw.shape[0]
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile, name: str) -> ExpertMatrix:
+        info = f.tensors.get(name)
+        if info is None or len(info.shape) != 3:
+            raise ValueError(f"{f.path}: no 3-D tensor {name!r}")
+        e, n_out, n_in = info.shape
+        raw = f.tensor_bytes(name).reshape(e, n_out, -1)
+        return cls(raw, info.ggml_type, n_out, n_in, name)
+
+
+@dataclass(frozen=True)
+class LayerExperts:
+    """A layer's routed experts: gate, up ``[E, F, D]``, down ``[E, D, F]``."""
+
+    gate: ExpertMatrix
+    up: ExpertMatrix
+    down: ExpertMatrix
+
+    def __post_init__(self) -> None:
+        g, u, d = self.gate, self.up, self.down
+        e, f, dim = g.n_expert, g.n_out, g.n_in
+        if (u.n_expert, u.n_out, u.n_in) != (e, f, dim) or (d.n_expert, d.n_out, d.n_in) != (e, dim, f):
+            raise ValueError(f"experts of {g.name}: gate {(e, f, dim)}, up {(u.n_expert, u.n_out, u.n_in)}, "
+                             f"down {(d.n_expert, d.n_out, d.n_in)} disagree")
+
+    @property
+    def n_expert(self) -> int:
+        return self.gate.n_expert
+
+    @property
+    def n_embd(self) -> int:
+        return self.gate.n_in
+
+    @property
+    def n_ff(self) -> int:
+        return self.gate.n_out
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile, layer: int) -> LayerExperts:
+        p = f"blk.{layer}.ffn_"
+        return cls(*(ExpertMatrix.from_gguf(f, f"{p}{w}_exps.weight") for w in ("gate", "up", "down")))
+
+
+def moe_misses_reference(x: torch.Tensor, layer: LayerExperts, rows, experts, weights) -> torch.Tensor:
+    """The oracle, float64: deimos.quant's decode of each expert, products and sums in float64.
+    x [T, D] -> [T, D] float64."""
+    x = x.to(torch.float64)
+    out = torch.zeros_like(x)
+    for r, e, w in zip(np.asarray(rows).tolist(), np.asarray(experts).tolist(), np.asarray(weights).tolist()):
+        m = [torch.from_numpy(dequantize(t.raw[e], t.ggml_type, (t.n_out, t.n_in))).double()
+             for t in (layer.gate, layer.up, layer.down)]
+        g, u = m[0] @ x[r], m[1] @ x[r]
+        out[r] += w * (m[2] @ (torch.nn.functional.silu(g) * u))
+    return out
+
+
+class CpuExperts:
+    """``experts(layer, x, rows, experts, weights)``: the misses' sum for every token.
+
+    - ``layers``: every MoE layer's ``LayerExperts`` (index = the layer number used in calls);
+    - ``backend``: "auto", "ggml" or "exact" (module docstring); ``planes``: ggml's activation
+      planes (1 = llama.cpp's arithmetic, 2 = near float32); ``n_threads``: ggml's threads
+      (default: every CPU this process may run on); ``cache_bytes``: the exact backend's cache.
+    """
+
+    def __init__(self, layers: Sequence[LayerExperts], *, backend: str = "auto", planes: int = 2,
+                 n_threads: int | None = None, cache_bytes: int = EXACT_CACHE_BYTES):
+        if backend not in BACKENDS:
+            raise ValueError(f"CpuExperts: backend must be one of {BACKENDS}, got {backend!r}")
+        if planes not in (1, 2, 3):
+            raise ValueError(f"CpuExperts: planes must be 1, 2 or 3, got {planes}")
+        self.layers = list(layers)
+        self.planes = planes
+        self.n_threads = n_threads or len(os.sched_getaffinity(0))
+        self._cache = _DecodedCache(cache_bytes)
+        ggml = _ggml_module() if backend != "exact" else None
+        if backend == "ggml" and ggml is None:
+            raise ValueError("CpuExperts: backend 'ggml' needs the ggml-python package")
+        self._ggml: list[_GgmlLayer | None] = []
+        for i, lay in enumerate(self.layers):
+            fit = ggml is not None and all(_act_type(ggml, m.ggml_type) is not None
+                                           for m in (lay.gate, lay.up, lay.down))
+            if backend == "ggml" and not fit:
+                raise ValueError(f"CpuExperts: layer {i}'s formats have no 8-bit activation type in ggml")
+            self._ggml.append(_GgmlLayer(ggml, lay, planes, self.n_threads) if fit else None)
+
+    def backend(self, layer: int) -> str:
+        return "ggml" if self._ggml[layer] is not None else "exact"
+
+    def __call__(self, layer: int, x: torch.Tensor, rows, experts, weights,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """x float32 [T, D] (CPU); rows, experts int [M], weights float [M] (numpy, lists or CPU
+        tensors). Returns float32 [T, D]: ``out`` with the misses added when given, else zeros
+        plus the misses. Misses are added to their row in the order given."""
+        lay = self.layers[layer]
+        if x.dtype != torch.float32 or x.ndim != 2 or x.shape[1] != lay.n_embd or x.device.type != "cpu":
+            raise ValueError(f"CpuExperts: want x float32 [T, {lay.n_embd}] on the CPU, got "
+                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        experts = np.asarray(experts, dtype=np.int64).reshape(-1)
+        weights = np.asarray(weights, dtype=np.float32).reshape(-1)
+        if not rows.size == experts.size == weights.size:
+            raise ValueError(f"CpuExperts: {rows.size} rows, {experts.size} experts, {weights.size} weights")
+        if rows.size and (rows.min() < 0 or rows.max() >= x.shape[0]):
+            raise ValueError(f"CpuExperts: a row outside [0, {x.shape[0]})")
+        if experts.size and (experts.min() < 0 or experts.max() >= lay.n_expert):
+            raise ValueError(f"CpuExperts: an expert outside [0, {lay.n_expert})")
+        if out is None:
+            out = torch.zeros_like(x)
+        elif out.shape != x.shape or out.dtype != torch.float32:
+            raise ValueError(f"CpuExperts: out must be float32 {tuple(x.shape)}")
+        if not rows.size:
+            return out
+        xm = x.numpy()[rows]  # [M, D]
+        g = self._ggml[layer]
+        y = g(xm, experts) if g is not None else self._exact(layer, xm, experts)
+        out.index_add_(0, torch.from_numpy(rows), torch.from_numpy(y * weights[:, None]))
+        return out
+
+    def _exact(self, layer: int, xm: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        lay = self.layers[layer]
+        x = torch.from_numpy(xm)
+        y = torch.empty_like(x)
+        for e in np.unique(experts).tolist():
+            sel = torch.from_numpy(np.flatnonzero(experts == e))
+            wg, wu, wd = (self._cache.get((layer, i, e), m) for i, m in enumerate((lay.gate, lay.up, lay.down)))
+            h = x[sel]
+            y[sel] = (torch.nn.functional.silu(h @ wg.T) * (h @ wu.T)) @ wd.T
+        return y.numpy()
+
+
+class _DecodedCache:
+    """Decoded float32 experts keyed by (layer, projection, expert), least recently used out
+    past ``budget`` bytes."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.nbytes = 0
+        self._entries: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()
+
+    def get(self, key: tuple[int, int, int], m: ExpertMatrix) -> torch.Tensor:
+        w = self._entries.get(key)
+        if w is not None:
+            self._entries.move_to_end(key)
+            return w
+        w = torch.from_numpy(dequantize(m.raw[key[2]], m.ggml_type, (m.n_out, m.n_in), m.name))
+        size = w.numel() * 4
+        while self._entries and self.nbytes + size > self.budget:
+            self.nbytes -= self._entries.popitem(last=False)[1].numel() * 4
+        if size <= self.budget:
+            self._entries[key] = w
+            self.nbytes += size
+        return w
+
+
+# ---- ggml ---------------------------------------------------------------------------------------
+
+_Q8_K, _Q8_0 = 15, 8  # ggml's activation block types (GGMLType.Q8_K, Q8_0)
+# Q8_K: float32 d | int8 qs[256] | int16 bsums[16] (sums of 16 codes, for the k-quants' mins)
+_Q8K_DTYPE = np.dtype([("d", "<f4"), ("qs", "i1", 256), ("bsums", "<i2", 16)])
+_Q8_0_DTYPE = np.dtype([("d", "<f2"), ("qs", "i1", 32)])  # float16 d | int8 qs[32]
+_GGML: list = []
+
+
+def _ggml_module():
+    """The ggml-python module, initialized once; None when it is not installed."""
+    if not _GGML:
+        try:
+            import ggml
+        except ImportError:
+            _GGML.append(None)
+        else:
+            ggml.ggml_cpu_init()
+            _GGML.append(ggml)
+    return _GGML[0]
+
+
+def _act_type(ggml, t: GGMLType) -> int | None:
+    """The activation block type ggml dots ``t`` with, when it is one quantized here."""
+    try:
+        traits = ggml.ggml_get_type_traits_cpu(int(t)).contents
+    except (ValueError, OSError):
+        return None
+    if not traits.vec_dot:
+        return None
+    return traits.vec_dot_type if traits.vec_dot_type in (_Q8_K, _Q8_0) else None
+
+
+def quantize_planes(x: np.ndarray, act_type: int, planes: int) -> np.ndarray:
+    """float32 [R, K] -> activation blocks [R, planes, K / block] (structured: Q8_K or Q8_0):
+    plane 1 = q8(x), plane i + 1 = q8(x - planes 1..i). One plane is ggml's own quantization of x
+    (quantize_row_q8_K_ref; the x86 quantize_row_q8_0: d = amax / 127, codes rint(x * 127 / amax))."""
+    n = 256 if act_type == _Q8_K else 32
+    r, k = x.shape
+    xb = x.reshape(r, k // n, n).astype(np.float32, copy=True)
+    out = np.empty((r, planes, k // n), dtype=_Q8K_DTYPE if act_type == _Q8_K else _Q8_0_DTYPE)
+    for p in range(planes):
+        ax = np.abs(xb)
+        amax = ax.max(-1)
+        nz = amax > 0
+        with np.errstate(divide="ignore"):
+            if act_type == _Q8_K:  # iscale = -127 / (the signed value of largest magnitude, first)
+                mx = np.take_along_axis(xb, ax.argmax(-1)[..., None], -1)[..., 0]
+                iscale = np.where(nz, np.float32(-127) / mx, np.float32(0))
+                q = np.minimum(np.rint(iscale[..., None] * xb), 127).astype(np.int8)
+                d = np.where(nz, np.float32(1) / iscale, np.float32(0))
+                out["bsums"][:, p] = q.reshape(r, k // n, 16, 16).sum(-1, dtype=np.int16)
+            else:
+                iscale = np.where(nz, np.float32(127) / amax, np.float32(0))
+                q = np.rint(xb * iscale[..., None]).astype(np.int8)
+                d = (amax / np.float32(127)).astype(np.float16)
+        out["d"][:, p] = d
+        out["qs"][:, p] = q
+        xb -= d.astype(np.float32)[..., None] * q.astype(np.float32)
+    return out
+
+
+def _pow2_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [R, K] scaled by a power of two per row (exact) so each row's largest |x| is in
+    [64, 128): Q8_0's float16 scales then stay normal. Returns (scaled x, exponents to undo)."""
+    _, e = np.frexp(np.abs(x).max(-1))
+    shift = (7 - e).astype(np.int32)
+    return np.ldexp(x, shift[:, None]), shift
+
+
+class _GgmlLayer:
+    """One layer's graphs: stage 1 (gate and up on the activation planes of x), stage 2 (down on
+    the planes of silu(g) * u), kept per miss count M."""
+
+    def __init__(self, ggml, lay: LayerExperts, planes: int, n_threads: int):
+        self.g, self.lay, self.planes, self.n_threads = ggml, lay, planes, n_threads
+        self.act = {i: _act_type(ggml, m.ggml_type) for i, m in enumerate((lay.gate, lay.up, lay.down))}
+        self._plans: OrderedDict[int, _GgmlPlan] = OrderedDict()
+
+    def __call__(self, xm: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        m = xm.shape[0]
+        plan = self._plans.get(m)
+        if plan is None:
+            plan = self._plans[m] = _GgmlPlan(self, m)
+            if len(self._plans) > 64:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(m)
+        return plan.run(xm, experts)
+
+
+class _GgmlPlan:
+    """The two graphs of one layer for M misses, every tensor bound to a numpy buffer."""
+
+    def __init__(self, layer: _GgmlLayer, m: int):
+        g, lay, p = layer.g, layer.lay, layer.planes
+        self.layer = layer
+        d, f = lay.n_embd, lay.n_ff
+        size = 64 * g.ggml_tensor_overhead() + 2 * g.ggml_graph_overhead_custom(16, False)
+        self.ctx = g.ggml_init(g.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
+        self._keep: list[np.ndarray] = []
+        self.ids_buf = np.empty((m, p), np.int32)
+        self.ids = self._bind(g.ggml_new_tensor_2d(self.ctx, g.GGML_TYPE_I32, p, m), self.ids_buf)
+        w = [self._weight(t) for t in (lay.gate, lay.up, lay.down)]
+        # stage 1: one activation tensor per activation type of gate / up
+        self.x_in: dict[int, tuple] = {}
+        for i in (0, 1):
+            a = layer.act[i]
+            if a not in self.x_in:
+                buf = np.empty((m, p, d // (256 if a == _Q8_K else 32)),
+                               dtype=_Q8K_DTYPE if a == _Q8_K else _Q8_0_DTYPE)
+                self.x_in[a] = (self._bind(g.ggml_new_tensor_3d(self.ctx, a, d, p, m), buf), buf)
+        self.gu = [np.empty((m, p, f), np.float32) for _ in range(2)]
+        outs = [self._bind(g.ggml_mul_mat_id(self.ctx, w[i], self.x_in[layer.act[i]][0], self.ids),
+                           self.gu[i]) for i in (0, 1)]
+        self.graph1, self.plan1 = self._graph(outs)
+        a = layer.act[2]
+        self.h_in = np.empty((m, p, f // (256 if a == _Q8_K else 32)), dtype=_Q8K_DTYPE if a == _Q8_K else _Q8_0_DTYPE)
+        h = self._bind(g.ggml_new_tensor_3d(self.ctx, a, f, p, m), self.h_in)
+        self.y = np.empty((m, p, d), np.float32)
+        self.graph2, self.plan2 = self._graph([self._bind(g.ggml_mul_mat_id(self.ctx, w[2], h, self.ids), self.y)])
+
+    def _bind(self, t, arr: np.ndarray):
+        if self.layer.g.ggml_nbytes(t) != arr.nbytes:
+            raise AssertionError(f"ggml tensor of {self.layer.g.ggml_nbytes(t)} bytes bound to {arr.nbytes}")
+        self._keep.append(arr)
+        t.contents.data = arr.ctypes.data
+        return t
+
+    def _weight(self, m: ExpertMatrix):
+        t = self.layer.g.ggml_new_tensor_3d(self.ctx, int(m.ggml_type), m.n_in, m.n_out, m.n_expert)
+        return self._bind(t, m.raw)
+
+    def _graph(self, outs: list):
+        g = self.layer.g
+        graph = g.ggml_new_graph_custom(self.ctx, 16, False)
+        for o in outs:
+            g.ggml_build_forward_expand(graph, o)
+        plan = g.ggml_graph_plan(graph, self.layer.n_threads, None)
+        work = np.empty(max(plan.work_size, 1), np.uint8)
+        self._keep.append(work)
+        plan.work_data = ctypes.cast(work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
+        return graph, plan
+
+    def _compute(self, graph, plan) -> None:
+        if self.layer.g.ggml_graph_compute(graph, ctypes.pointer(plan)) != 0:
+            raise RuntimeError("ggml_graph_compute failed")
+
+    def run(self, xm: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        p = self.layer.planes
+        self.ids_buf[:] = experts[:, None]
+        xs, sx = _pow2_rows(xm)
+        for a, (_, buf) in self.x_in.items():
+            buf[:] = quantize_planes(xs, a, p)
+        self._compute(self.graph1, self.plan1)
+        gate, up = (np.ldexp(t.sum(1, dtype=np.float32), -sx[:, None]) for t in self.gu)
+        with np.errstate(over="ignore"):
+            h = (gate / (np.float32(1) + np.exp(-gate))) * up  # silu(g) * u, float32
+        hs, sh = _pow2_rows(h)
+        self.h_in[:] = quantize_planes(hs, self.layer.act[2], p)
+        self._compute(self.graph2, self.plan2)
+        return np.ldexp(self.y.sum(1, dtype=np.float32), -sh[:, None])
+
+    def __del__(self) -> None:
+        if getattr(self, "ctx", None) is not None:
+            self.layer.g.ggml_free(self.ctx)
