@@ -64,10 +64,13 @@ def main() -> int:
     ap.add_argument("-n", "--gen", type=int, default=128)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--greedy", action="store_true")
+    ap.add_argument("--dense-weights", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--stagger", type=int, default=0,
                     help="submit the requests this many steps apart (a serving load), not at once")
     args = ap.parse_args()
-    llm = LLM(args.model, n_ctx=args.ctx, device="cuda", max_seqs=max(64, args.concurrency))
+    llm = LLM(args.model, n_ctx=args.ctx, device="cuda", max_seqs=max(64, args.concurrency),
+              dense_weights=args.dense_weights)
+    print(f"dense weights: {llm.dense}", flush=True)
     eng = llm.engine
     sp = SamplingParams(temperature=0) if args.greedy else SamplingParams(seed=1)
     g = torch.Generator().manual_seed(7)
@@ -77,25 +80,26 @@ def main() -> int:
         return [Request(torch.randint(0, v, (args.prompt,), generator=g).tolist(), args.gen, sp)
                 for _ in range(c)]
 
-    for r in batch(2):  # warm-up
-        eng.add(r)
-    while eng.has_work:
-        eng.step()
+    def drive(reqs):
+        pending = list(reqs)
+        steps = 0
+        while pending or eng.has_work:
+            if pending and (args.stagger == 0 or steps % args.stagger == 0):
+                take = len(pending) if args.stagger == 0 else 1
+                for r in pending[:take]:
+                    eng.add(r)
+                pending = pending[take:]
+            for out in eng.step():
+                if out.error is not None:
+                    raise out.error
+            steps += 1
+
+    drive(batch(args.concurrency))  # warm-up: the same load once (every kernel of its shapes compiled)
     clock = StepClock(eng.runner)
     reqs = batch(args.concurrency)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    pending = list(reqs)
-    steps = 0
-    while pending or eng.has_work:
-        if pending and (args.stagger == 0 or steps % args.stagger == 0):
-            for r in (pending if args.stagger == 0 else pending[:1]):
-                eng.add(r)
-            pending = [] if args.stagger == 0 else pending[1:]
-        for out in eng.step():
-            if out.error is not None:
-                raise out.error
-        steps += 1
+    drive(reqs)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     tokens = sum(len(r.output_ids) for r in reqs)

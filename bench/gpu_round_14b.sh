@@ -21,5 +21,18 @@ steps)
   for c in ${SLEVELS:-1 16 64}; do
     python3 bench/engine_steps.py $M8 -c $c ${SARGS:-} 2>&1 | grep -v Warning | tee -a "$OUT/steps.txt" | tail -9
   done; idle ;;
-*) echo "usage: $0 tests|sweep|steps" >&2; exit 2 ;;
+serve)
+  synth llama-8b $M8 Q4_K_M llama-bpe; idle
+  python3 -m deimos serve $M8 --listen 127.0.0.1:8090 --no-tui -c 1024 ${DARGS:-} > "$OUT/deimos-serve.log" 2>&1 &
+  D=$!
+  for i in $(seq 300); do curl -sf 127.0.0.1:8090/health > /dev/null && break; sleep 1; done
+  python3 -m deimos bench serve --url http://127.0.0.1:8090 --concurrency ${LEVELS:-1,4,16,64} \
+    --prompt-tokens 512 --max-tokens 128 --json "$OUT/serve-deimos.json" 2>&1 | tail -8
+  kill -INT $D; wait $D; idle ;;
+soak)
+  synth llama-8b $M8 Q4_K_M llama-bpe; idle
+  python3 tools/soak_server.py --model $M8 --ctx 1024 --requests ${SOAK_N:-1000} --clients 32 --warmup 40 \
+    --max-new 96 --words 400 --max-growth-mb 512 --server-args "--device cuda" 2>&1 | tee "$OUT/soak.txt" | tail -5
+  idle ;;
+*) echo "usage: $0 tests|sweep|steps|serve|soak" >&2; exit 2 ;;
 esac

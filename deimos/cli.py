@@ -112,6 +112,10 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                         "16..256; default: the engine's)")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="do not reuse the KV blocks of earlier prompts' shared prefixes")
+    g.add_argument("--dense-weights", choices=("auto", "on", "off"), default=None,
+                   help="fp16 copies of the quantized weights beside their packed bytes, for "
+                        "batched decode and prefill (GPU; 2 bytes a weight; default auto: when "
+                        "they fit in half the free memory)")
 
 
 def engine_options(args: argparse.Namespace, device: str) -> dict[str, object]:
@@ -124,6 +128,8 @@ def engine_options(args: argparse.Namespace, device: str) -> dict[str, object]:
     from deimos.engine.engine import EngineConfig
 
     trial = dict(opts)
+    if getattr(args, "dense_weights", None) is not None:  # the model's placement, not the engine's
+        opts["dense_weights"] = args.dense_weights
     if device == "cpu":
         trial.setdefault("max_seqs", CPU_MAX_SEQS)
     try:

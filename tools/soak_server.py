@@ -3,9 +3,13 @@ completions, streamed or not, some abandoned mid-stream) from a few concurrent c
 the server's resident memory sampled after a warm-up and at the end.
 
     python tools/soak_server.py [--requests 300] [--clients 3] [--max-growth-mb 64]
+    python tools/soak_server.py --model F.gguf --ctx 1024 --requests 1000 --clients 32 \
+        --max-new 96 --words 400 --server-args "--device cuda"      # the GPU soak
 
 Exit status 0 when every request got its expected answer (200, or a 400 for the deliberately
-too-long prompts), the server is alive, and RSS grew less than --max-growth-mb.
+too-long prompts), the server is alive, RSS grew less than --max-growth-mb, every KV block is
+free again at the end (/metrics), and, on a GPU, the server process's GPU memory (nvidia-smi)
+after the warm-up and at the end differs by less than --max-gpu-growth (a fraction).
 """
 
 from __future__ import annotations
@@ -37,11 +41,44 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
+def gpu_mb(pid: int) -> float | None:
+    """GPU memory of ``pid`` (nvidia-smi), None without a GPU."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0] == str(pid):
+            return float(parts[1])
+    return None
+
+
+def kv_blocks_used(server: ServerProcess) -> float | None:
+    conn = server.connect()
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    for line in text.splitlines():
+        if line.startswith("deimos_kv_blocks_used "):
+            return float(line.split()[1])
+    return None
+
+
+# the longest random prompt (words) and answer (tokens): the CPU soak's small ones by default
+LIMITS = {"words": 80, "max_new": 4}
+
+
 def one(server: ServerProcess, rng: random.Random, ctx: int) -> str:
     """One random request; returns an outcome label ('ok ...' or 'BAD ...')."""
-    n_words = rng.choice([1, 3, 10, 30, 80]) if rng.random() > 0.03 else ctx * 2
+    sizes = [w for w in (1, 3, 10, 30, 80, 200, 400, 800) if w <= LIMITS["words"]]
+    n_words = rng.choice(sizes) if rng.random() > 0.03 else ctx * 2
     text = " ".join(rng.choice(WORDS) for _ in range(n_words))
-    body: dict = {"model": "SmolLM2-135M-Instruct.Q4_1", "max_tokens": rng.randint(1, 4),
+    body: dict = {"model": "any-id", "max_tokens": rng.randint(1, LIMITS["max_new"]),
                   "temperature": rng.choice([0, 0.7, 1.0]), "seed": rng.randrange(1000)}
     chat = rng.random() < 0.5
     if chat:
@@ -59,7 +96,7 @@ def one(server: ServerProcess, rng: random.Random, ctx: int) -> str:
     too_long = n_words >= ctx
     if rng.random() < 0.4 and not too_long:
         body["stream"] = True
-        body["max_tokens"] = rng.randint(1, 12)
+        body["max_tokens"] = rng.randint(1, 3 * LIMITS["max_new"])
         abandon = rng.random() < 0.3
         conn = server.connect()
         conn.request("POST", path, body=json.dumps(body),
@@ -100,17 +137,23 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--max-growth-mb", type=float, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--words", type=int, default=80, help="longest random prompt, in words")
+    ap.add_argument("--max-new", type=int, default=4, help="most tokens a non-streamed answer asks")
+    ap.add_argument("--max-gpu-growth", type=float, default=0.02)
+    ap.add_argument("--server-args", default="", help="more `deimos serve` flags (e.g. --device cuda)")
     args = ap.parse_args()
+    LIMITS.update(words=args.words, max_new=args.max_new)
 
     with tempfile.TemporaryDirectory() as tmp:
         server = ServerProcess(Path(args.model), "-c", str(args.ctx), "--max-queue", "256",
-                               log_dir=Path(tmp))
+                               *args.server_args.split(), log_dir=Path(tmp), startup_s=600)
         try:
             rng = random.Random(args.seed)
             outcomes: Counter[str] = Counter()
             for _ in range(args.warmup):
                 outcomes[one(server, rng, args.ctx)] += 1
             rss0 = rss_mb(server.proc.pid)
+            gpu0 = gpu_mb(server.proc.pid)
             t0 = time.monotonic()
             lock = threading.Lock()
             left = [args.requests]
@@ -133,14 +176,18 @@ def main() -> int:
                        for i in range(args.clients)]
             for t in threads:
                 t.start()
-            samples = []
+            samples, gpu_samples = [], []
             while any(t.is_alive() for t in threads):
                 samples.append(rss_mb(server.proc.pid))
+                if gpu0 is not None:
+                    gpu_samples.append(gpu_mb(server.proc.pid) or 0.0)
                 time.sleep(2)
             for t in threads:
                 t.join()
             time.sleep(1)
             rss1 = rss_mb(server.proc.pid)
+            gpu1 = gpu_mb(server.proc.pid)
+            used = kv_blocks_used(server)
             alive = server.request("GET", "/health")[0] == 200
             dt = time.monotonic() - t0
             bad = sum(v for k, v in outcomes.items() if k.startswith("BAD"))
@@ -149,8 +196,15 @@ def main() -> int:
                   f"clients in {dt:.0f} s; outcomes {dict(sorted(outcomes.items()))}")
             print(f"soak: RSS after warm-up {rss0:.1f} MB, at the end {rss1:.1f} MB "
                   f"(growth {growth:+.1f} MB; min/max during {min(samples or [rss1]):.1f}/"
-                  f"{max(samples or [rss1]):.1f} MB); alive: {alive}")
-            return 0 if alive and bad == 0 and growth < args.max_growth_mb else 1
+                  f"{max(samples or [rss1]):.1f} MB); alive: {alive}; KV blocks used at the end: {used}")
+            gpu_ok = True
+            if gpu0 is not None and gpu1 is not None:
+                gpu_ok = abs(gpu1 - gpu0) <= args.max_gpu_growth * gpu0
+                print(f"soak: GPU memory after warm-up {gpu0:.0f} MiB, at the end {gpu1:.0f} MiB "
+                      f"({(gpu1 - gpu0) / gpu0:+.2%}; min/max during {min(gpu_samples or [gpu1]):.0f}/"
+                      f"{max(gpu_samples or [gpu1]):.0f} MiB)")
+            return 0 if (alive and bad == 0 and growth < args.max_growth_mb and used == 0
+                         and gpu_ok) else 1
         finally:
             server.close()
 

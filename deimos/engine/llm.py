@@ -80,13 +80,17 @@ class Completion:
 
 class LLM:
     def __init__(self, model: str | Path, *, n_ctx: int | None = None, device: str = "cpu",
-                 progress=None, **engine: Any):
+                 progress=None, dense_weights: str = "auto", **engine: Any):
         """``model``: a GGUF path or the short name of a known model (pulled if needed).
         ``progress(label)``: called at each loading stage (the CLI's progress bar).
         ``n_ctx``: the most tokens one sequence holds; past the model's trained context it is
         allowed, with a warning. ``engine``: EngineConfig's other fields (max_seqs,
-        max_batch_tokens, block_size, kv_tokens, kv_gib, prefix_cache, cuda_graphs)."""
+        max_batch_tokens, block_size, kv_tokens, kv_gib, prefix_cache, cuda_graphs).
+        ``dense_weights``: auto, on or off: fp16 copies of the quantized linears beside their
+        packed bytes for batched steps (deimos.models.gpu.placement; GPU only)."""
         check_device(device)
+        if dense_weights not in ("auto", "on", "off"):
+            raise ValueError(f"dense_weights must be auto, on or off, got {dense_weights!r}")
         if device != "cpu":
             use_kernel_cache()
         self.path = resolve(model)
@@ -109,6 +113,10 @@ class LLM:
                         self.config.context_length, self.config.context_length)
         if device == "cpu":
             engine.setdefault("max_seqs", 32)
+        else:  # before the KV pool takes its share of the free memory
+            from deimos.models.gpu.placement import place_dense
+
+            self.dense = place_dense(self.model, dense_weights)
         self.engine = Engine(self.model, EngineConfig(n_ctx=n_ctx, **engine))
         self.engine.warm(progress)  # CUDA graphs (and every kernel) before the first request
 

@@ -44,11 +44,12 @@ class ServeConfig:
     kv_gib: float | None = None
     block_size: int | None = None
     prefix_cache: bool = True
+    dense_weights: str | None = None  # auto, on, off (None: LLM's default, auto)
 
     def engine_options(self) -> dict[str, object]:
         """The keyword arguments of ``LLM(**...)`` that this config sets."""
         out: dict[str, object] = {k: getattr(self, k) for k in (
-            "max_seqs", "max_batch_tokens", "kv_tokens", "kv_gib", "block_size")
+            "max_seqs", "max_batch_tokens", "kv_tokens", "kv_gib", "block_size", "dense_weights")
             if getattr(self, k) is not None}
         if not self.prefix_cache:
             out["prefix_cache"] = False

@@ -1,13 +1,16 @@
 """Kernel-backed Linear and Embedding: the weights stay in their GGUF bytes (packed) on the device.
 
-- ``QuantLinear`` (formats with a GEMV kernel): decode (T == 1) runs the integer-activation
-  GEMV (gemv_q8: x turned once into two int8 planes, ``QuantizedX``, shared by every
-  projection that reads the same activation; weight codes times x codes by dp4a); a decode
-  batch (2 <= T <= 64 rows, one per sequence) the batched GEMM that reads each packed weight
-  once (gemm_q: a weight tile decoded in registers feeding the tensor cores, x in fp16 with its
-  columns in the weight's word order); longer steps (prefill) dequantize the weight to a
-  transient fp16 matrix (``dequantize_fp16``, streaming near the copy rate) and multiply on the
-  tensor cores (``matmul_f16``).
+- ``QuantLinear`` (formats with a GEMV kernel): decode (T <= 4 rows, one per sequence) runs
+  the integer-activation GEMV (gemv_q8: x turned once into two int8 planes, ``QuantizedX``,
+  shared by every projection that reads the same activation; weight codes times x codes by
+  dp4a; the weight read once a row); a decode batch of 5 <= T <= 64 rows the batched GEMM that
+  reads each packed weight once (gemm_q: a weight tile decoded in registers feeding the
+  tensor cores, x in fp16 with its columns in the weight's word order); longer steps (prefill)
+  dequantize the weight to a transient fp16 matrix (``dequantize_fp16``, streaming near the
+  copy rate) and multiply on the tensor cores (``matmul_f16``). A linear given a resident fp16
+  copy (``dense``: the placement's choice, deimos.models.gpu.placement) multiplies every step
+  of T >= 3 rows on it (``matmul_f16``: twice gemm_q's speed on the H200, no dequantization
+  at prefill) for the memory of two bytes a weight.
 - ``DenseLinear``: float weights (and formats without a kernel), an fp16 matrix from load:
   ``gemv_f16`` for decode, ``matmul_f16`` for T > 1.
 - ``QuantEmbedding`` / ``DenseEmbedding``: gather the token rows, dequantize only those.
@@ -82,6 +85,14 @@ class InputCache:
         return p
 
 
+# Row counts by the H200 sweep (bench/sweep_gemm_batch.py, 2026-12-01, llama 8B's Q4_K and Q6_K
+# matrices, sums over the five): gemv_q8 once a row beats gemm_q up to 4 rows (Q4_K 315 / 605
+# us at 2 / 4 rows against 765), matmul_f16 on a resident fp16 copy beats both from 3 rows
+# (~400 us from 2 to 16 rows, 476 at 64)
+GEMV_ROWS = 4
+DENSE_ROWS = 3
+
+
 def _check_input(x: torch.Tensor, k: int, name: str) -> None:
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"{name}: input must be [T, {k}], got {tuple(x.shape)}")
@@ -105,6 +116,7 @@ class QuantLinear:
         self.notices = notices
         self._cols: torch.Tensor | None = None
         self._words = words_per_group(packed.ggml_type)
+        self.dense: torch.Tensor | None = None  # fp16 [n, k], columns permuted (placement.py)
 
     def _columns(self) -> torch.Tensor:
         if self._cols is None:
@@ -121,9 +133,12 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.packed.k, self.name)
-        if x.shape[0] == 1:
+        t = x.shape[0]
+        if t == 1 or (t <= GEMV_ROWS and (self.dense is None or t < DENSE_ROWS)):
             y = gemv_q8(self.packed, self.inputs.quantized(x))
-        elif x.shape[0] <= GEMM_ROWS:
+        elif self.dense is not None:
+            y = matmul_f16(self.inputs.permuted(x, self._words, self._columns()), self.dense)
+        elif t <= GEMM_ROWS:
             y = gemm_q(self.packed, self.inputs.permuted(x, self._words, self._columns()))
         else:
             w16 = dequantize_fp16(self.packed, permuted=True)

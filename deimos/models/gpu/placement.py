@@ -1,0 +1,101 @@
+"""Which form each quantized linear keeps on the device, decided after loading, from free memory.
+
+Every quantized linear keeps its packed GGUF bytes (the decode GEMV reads them). A linear may
+also get a resident fp16 copy (``QuantLinear.dense``): batched decode steps of 3 or more rows
+and every prefill then multiply on it with the tensor cores, with no dequantization in the step
+(H200, llama 8B Q4_K_M: the linears of a 16-row decode step ~9.5 ms on the packed bytes, ~4.9
+on the copies; BENCHMARKS.md). It costs two bytes a weight (8B: ~16 GB beside ~4.9 GB of
+packed weights), taken from what the KV pool would otherwise get.
+
+``mode``: "off" never; "on" every linear (a clear error when the card cannot hold them);
+"auto" (the default) only when all the copies fit in ``AUTO_FRACTION`` of the memory free
+after loading, less a reserve: a 141 GB card serving an 8B model gets them, a 24 GB card keeps
+its memory for the KV cache. All or none in "auto", so that a step's speed does not depend on
+which layers happened to fit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from deimos.models.gpu.dequant import dequantize_fp16
+from deimos.models.gpu.linear import LinearGroup, LinearPart, QuantLinear
+
+log = logging.getLogger("deimos")
+
+MODES = ("auto", "on", "off")
+AUTO_FRACTION = 0.5  # of the memory free after loading (the rest: KV pool, activations)
+RESERVE_BYTES = 4 * 2**30  # kept free in any case (the step's activations, graph pools)
+
+
+@dataclass(frozen=True)
+class DensePlan:
+    linears: int  # quantized linears of the model
+    dense: int  # those given an fp16 copy
+    bytes: int  # the copies' bytes
+    reason: str
+
+
+def quant_linears(model) -> list[QuantLinear]:
+    """Every QuantLinear a model calls (a group's shared matrix once), in model order."""
+    seen: dict[int, QuantLinear] = {}
+
+    def visit(obj, depth: int) -> None:
+        if depth > 6 or obj is None or isinstance(obj, (torch.Tensor, str, int, float, bool)):
+            return
+        if isinstance(obj, QuantLinear):
+            seen.setdefault(id(obj), obj)
+            return
+        if isinstance(obj, LinearPart):
+            visit(obj.group, depth + 1)
+            return
+        if isinstance(obj, LinearGroup):
+            visit(obj.linear, depth + 1)
+            return
+        if isinstance(obj, (list, tuple)):
+            for o in obj:
+                visit(o, depth + 1)
+            return
+        for v in getattr(obj, "__dict__", {}).values():
+            visit(v, depth + 1)
+
+    visit(getattr(model, "layers", []), 0)
+    visit(getattr(model, "lm_head", None), 0)
+    return list(seen.values())
+
+
+def dense_bytes(lin: QuantLinear) -> int:
+    return lin.packed.n * lin.packed.k * 2
+
+
+def place_dense(model, mode: str = "auto", free_bytes: int | None = None) -> DensePlan:
+    """Give the model's quantized linears their fp16 copies per ``mode`` (module docstring).
+    ``free_bytes``: the device's free memory (default: asked of the driver)."""
+    if mode not in MODES:
+        raise ValueError(f"dense weights must be one of {', '.join(MODES)}, got {mode!r}")
+    lins = quant_linears(model)
+    need = sum(dense_bytes(lin) for lin in lins)
+    if not lins or mode == "off":
+        return DensePlan(len(lins), 0, 0, "off" if lins else "no quantized linears")
+    device = lins[0].packed.device
+    if device.type != "cuda" and mode == "auto":
+        return DensePlan(len(lins), 0, 0, "auto: not on a GPU")
+    if free_bytes is None and device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+    if mode == "auto":
+        room = AUTO_FRACTION * max(0, (free_bytes or 0) - RESERVE_BYTES)
+        if need > room:
+            reason = (f"auto: fp16 copies ({need / 2**30:.1f} GiB) exceed half the free memory "
+                      f"({(free_bytes or 0) / 2**30:.1f} GiB) less {RESERVE_BYTES / 2**30:.0f} GiB")
+            return DensePlan(len(lins), 0, 0, reason)
+    elif free_bytes is not None and need > free_bytes - RESERVE_BYTES:
+        raise ValueError(f"--dense-weights on: the fp16 copies need {need / 2**30:.1f} GiB, the device "
+                         f"has {free_bytes / 2**30:.1f} GiB free (less a {RESERVE_BYTES / 2**30:.0f} GiB "
+                         "reserve); use auto or off")
+    for lin in lins:
+        lin.dense = dequantize_fp16(lin.packed, permuted=True)
+    log.info("dense weights: fp16 copies of %d quantized linears, %.1f GiB", len(lins), need / 2**30)
+    return DensePlan(len(lins), len(lins), need, mode)
