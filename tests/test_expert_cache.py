@@ -1,0 +1,277 @@
+"""The expert cache's bookkeeping (deimos.runtime.expert_cache) on CPU tensors: slot contents
+against the host copy they came from, the published table against the host mirror, victims,
+resize/compaction, and the policies' hit rates on synthetic routing traces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deimos.gguf.constants import GGMLType
+from deimos.quant import get_format
+from deimos.quant.triton.layout import pack
+from deimos.runtime.expert_cache import (
+    DEFAULT_POLICY,
+    POLICIES,
+    ExpertCache,
+    HostExperts,
+    LayerCache,
+)
+
+E = 7
+
+
+def host_experts(n_expert: int = E, seed: int = 0, n_ff: int = 3, n_embd: int = 256) -> HostExperts:
+    """gate/up Q4_K [E * n_ff, n_embd] and down Q6_K [E * n_embd, n_ff * ...] packed as the GPU
+    layout stacks them (layout.pack of the 3-D tensor's bytes)."""
+    rng = np.random.default_rng(seed)
+
+    def stack(t: GGMLType, n_out: int, n_in: int):
+        f = get_format(t)
+        raw = f.random_blocks(n_expert * n_out * n_in // f.block_size, rng)
+        return pack(raw.reshape(n_expert * n_out, -1), t)
+
+    return HostExperts({"gate": stack(GGMLType.Q4_K, n_ff, n_embd), "up": stack(GGMLType.Q4_K, n_ff, n_embd),
+                        "down": stack(GGMLType.Q6_K, 5, 256)}, n_expert)
+
+
+def check_consistent(cache: LayerCache) -> None:
+    """The device table equals the mirror; every resident's slot holds its host rows; slots are
+    below n_slots and used once."""
+    assert torch.equal(cache.slot_of, torch.from_numpy(cache.slot_of_host))
+    slots = cache.slot_of_host[cache.slot_of_host >= 0]
+    assert len(set(slots.tolist())) == slots.size and (slots < cache.n_slots).all()
+    for e in cache.resident:
+        got = cache.slot_arrays(int(cache.slot_of_host[e]))
+        want = cache.host.expert(int(e))
+        for p in want:
+            for a in want[p]:
+                assert torch.equal(got[p][a], want[p][a]), (int(e), p, a)
+
+
+def test_promote_copies_then_publishes_on_poll():
+    cache = LayerCache(host_experts(), 3, "cpu", policy="lru", slots_per_chunk=2)
+    table = cache.slot_of.data_ptr()
+    cache.record(np.array([4, 0]))
+    assert cache.misses == 2 and cache.hits == 0
+    assert cache.promote(4) and cache.promote(0)
+    assert not cache.promote(4)  # on its way already
+    assert (cache.slot_of == -1).all()  # nothing visible before poll
+    assert cache.poll() == 2
+    check_consistent(cache)
+    assert cache.slot_of_host[4] >= 0 and cache.slot_of_host[0] >= 0
+    cache.record(np.array([[4, 0], [4, 6]]))
+    assert (cache.hits, cache.misses) == (3, 3)
+    assert cache.slot_of.data_ptr() == table  # the table is updated in place
+
+
+def test_slot_weight_is_the_experts_packed_rows():
+    host = host_experts()
+    cache = LayerCache(host, 2, "cpu")
+    cache.promote(E - 1)
+    cache.poll()
+    w = cache.slot_weight(int(cache.slot_of_host[E - 1]), "down")
+    assert (w.n, w.k, w.ggml_type) == (5, 256, GGMLType.Q6_K)
+    for a, t in w.tensors.items():
+        assert torch.equal(t, host.arrays["down"][a][E - 1])
+
+
+def test_lru_victim_is_the_least_recently_used():
+    cache = LayerCache(host_experts(), 2, "cpu", policy="lru")
+    for e in (1, 2):
+        cache.record(np.array([e]))
+        cache.promote(e)
+    cache.poll()
+    cache.record(np.array([1]))  # 2 is now the least recently used
+    cache.record(np.array([5]))
+    assert cache.promote(5)
+    cache.poll()
+    assert cache.slot_of_host[2] == -1 and cache.slot_of_host[1] >= 0 and cache.slot_of_host[5] >= 0
+    check_consistent(cache)
+
+
+def test_lfu_victim_is_the_least_used_and_hybrid_keeps_the_last_steps_experts():
+    for policy in ("lfu", "hybrid"):
+        cache = LayerCache(host_experts(), 2, "cpu", policy=policy)
+        cache.record(np.array([1, 1, 1, 2]))
+        assert cache.promote(1) and cache.promote(2)
+        cache.poll()
+        cache.record(np.array([2, 3]))  # 2 used this step, but 1 used more
+        assert cache.promote(3)
+        cache.poll()
+        if policy == "lfu":  # the least used (2) goes
+            assert cache.slot_of_host[2] == -1 and cache.slot_of_host[1] >= 0
+        else:  # 2 was used in the latest step: 1 goes
+            assert cache.slot_of_host[1] == -1 and cache.slot_of_host[2] >= 0
+        assert cache.slot_of_host[3] >= 0
+        check_consistent(cache)
+
+
+def test_resize_keeps_the_most_valuable_compacts_and_frees_chunks():
+    cache = LayerCache(host_experts(), E, "cpu", policy="lfu", slots_per_chunk=2)
+    assert len(cache._chunks) == 4 and cache.nbytes == 4 * cache.chunk_nbytes
+    for e in range(E):  # expert e used e + 1 times: value grows with e
+        cache.record(np.full(e + 1, e))
+    for e in (0, 6, 2, 5, 1, 4, 3):
+        assert cache.promote(e)
+    cache.poll()
+    check_consistent(cache)
+    ptrs = cache.chunk_ptrs[("gate", "qw")]
+    table_ptr = ptrs.data_ptr()
+    cache.resize(3)
+    assert cache.n_slots == 3 and len(cache._chunks) == 2 and cache.nbytes == 2 * cache.chunk_nbytes
+    assert sorted(cache.resident.tolist()) == [4, 5, 6]
+    check_consistent(cache)
+    assert (ptrs[2:] == 0).all() and (ptrs[:2] != 0).all() and ptrs.data_ptr() == table_ptr
+    assert ptrs[0].item() == cache._chunk_views[0][("gate", "qw")].data_ptr()
+    cache.resize(0)
+    assert cache.nbytes == 0 and cache.resident.size == 0 and not cache.promote(1)
+    check_consistent(cache)
+    cache.resize(5)  # grows back: new chunks, empty slots filled by promotions
+    assert len(cache._chunks) == 3 and cache.n_slots == 5
+    for e in (1, 2, 3, 4, 5):
+        assert cache.promote(e)
+    cache.poll()
+    check_consistent(cache)
+    assert ptrs[2].item() == cache._chunk_views[2][("gate", "qw")].data_ptr()
+
+
+def test_resize_waits_for_pending_copies():
+    cache = LayerCache(host_experts(), 4, "cpu")
+    cache.promote(3)
+    cache.resize(2)
+    assert cache.slot_of_host[3] >= 0 and not cache.pending
+    check_consistent(cache)
+
+
+def test_every_layer_and_stats():
+    hosts = [host_experts(seed=i) for i in range(3)]
+    cache = ExpertCache(hosts, 2, "cpu", slots_per_chunk=2)
+    assert cache.slot_nbytes * 2 == cache.nbytes
+    cache.record(1, np.array([0, 1]))
+    cache.promote(1, 0)
+    cache.poll()
+    cache.record(1, np.array([0, 1]))
+    s = cache.stats()
+    assert (s["slots"], s["hits"], s["misses"], s["promotions"]) == (2, 1, 3, 1)
+    assert s["hit_rate"] == pytest.approx(0.25)
+    cache.resize(0)
+    assert cache.nbytes == 0
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="policy"):
+        LayerCache(host_experts(), 2, "cpu", policy="fifo")
+    cache = LayerCache(host_experts(), 2, "cpu")
+    with pytest.raises(ValueError, match="outside"):
+        cache.record(np.array([E]))
+    with pytest.raises(ValueError, match="outside"):
+        cache.promote(-1)
+    with pytest.raises(ValueError, match="rows"):
+        HostExperts({"gate": pack(np.zeros((5, 34), np.uint8), GGMLType.Q8_0)}, 2)
+
+
+# ---- hit rates on routing traces ----------------------------------------------------------------
+
+
+def routing_trace(steps: int, batch: int, *, n_expert: int = 128, k: int = 8, zipf: float = 1.0,
+                  reuse: float = 0.5, drift_every: int = 200, drift: float = 0.25, seed: int = 0) -> list[np.ndarray]:
+    """Per step [batch, k] distinct expert ids per token: popularity Zipf(``zipf``) over a
+    permutation of the experts; each of a sequence's previous experts kept with probability
+    ``reuse`` (temporal locality), the rest drawn by popularity; every ``drift_every`` steps a
+    ``drift`` share of the ranks swap places (the topic moves)."""
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(n_expert)
+    p_rank = 1.0 / np.arange(1, n_expert + 1) ** zipf
+    p_rank /= p_rank.sum()
+    prev = [rng.choice(n_expert, k, replace=False, p=p_rank[np.argsort(perm)]) for _ in range(batch)]
+    out = []
+    for step in range(steps):
+        if step and step % drift_every == 0:
+            idx = rng.choice(n_expert, int(drift * n_expert), replace=False)
+            perm[idx] = perm[rng.permutation(idx)]
+        p = p_rank[np.argsort(perm)]  # p[e]: expert e's popularity
+        rows = []
+        for b in range(batch):
+            kept = prev[b][rng.random(k) < reuse]
+            q = p.copy()
+            q[kept] = 0
+            fresh = rng.choice(n_expert, k - kept.size, replace=False, p=q / q.sum())
+            prev[b] = np.concatenate([kept, fresh])
+            rows.append(prev[b])
+        out.append(np.stack(rows))
+    return out
+
+
+def hits_misses(trace: list[np.ndarray], n_slots: int, policy: str, max_promote: int | None,
+                warmup: int = 100) -> tuple[int, int]:
+    """Run the real LayerCache over a trace: each step record(ids), then promote the step's
+    misses (at most ``max_promote`` a step, the most used first: PCIe's budget), poll."""
+    cache = LayerCache(_tiny_host(), n_slots, "cpu", policy=policy, slots_per_chunk=8)
+    for i, ids in enumerate(trace):
+        if i == warmup:
+            cache.hits = cache.misses = 0
+        cache.record(ids)
+        missed = ids.reshape(-1)[cache.slot_of_host[ids.reshape(-1)] < 0]
+        if missed.size:
+            uniq, counts = np.unique(missed, return_counts=True)
+            for e in uniq[np.argsort(-counts, kind="stable")][:max_promote]:
+                cache.promote(int(e))
+        cache.poll()
+    return cache.hits, cache.misses
+
+
+def hit_rate(trace: list[np.ndarray], n_slots: int, policy: str, max_promote: int | None) -> float:
+    hits, misses = hits_misses(trace, n_slots, policy, max_promote)
+    return hits / (hits + misses)
+
+
+_TINY: list[HostExperts] = []
+
+
+def _tiny_host() -> HostExperts:
+    """128 experts of one Q8_0 row each: the bookkeeping runs for real, the copies are tiny."""
+    if not _TINY:
+        f = get_format(GGMLType.Q8_0)
+        raw = f.random_blocks(128, np.random.default_rng(0))
+        _TINY.append(HostExperts({"w": pack(raw.reshape(128, -1), GGMLType.Q8_0)}, 128, pin=False))
+    return _TINY[0]
+
+
+TRACES = {  # name: (batch, zipf, reuse)
+    "b1 zipf0.8 reuse0.3": (1, 0.8, 0.3),
+    "b1 zipf1.1 reuse0.5": (1, 1.1, 0.5),
+    "b8 zipf0.8 reuse0.3": (8, 0.8, 0.3),
+    "b8 zipf1.1 reuse0.5": (8, 1.1, 0.5),
+}
+
+
+def test_policy_hit_rates(capsys):
+    """The default policy measures best (within 0.5 points) on every trace and cache size, with
+    unlimited promotions and with 2 a step. Prints the table (docs: expert_cache.py)."""
+    rows = []
+    worst_gap = 0.0
+    for name, (batch, zipf, reuse) in TRACES.items():
+        trace = routing_trace(600, batch, zipf=zipf, reuse=reuse, seed=batch)
+        for n_slots in (32, 64):
+            for max_promote in (None, 2):
+                rates = {p: hit_rate(trace, n_slots, p, max_promote) for p in POLICIES}
+                rows.append((name, n_slots, max_promote, rates))
+                worst_gap = max(worst_gap, max(rates.values()) - rates[DEFAULT_POLICY])
+    with capsys.disabled():
+        print(f"\n{'trace':22} {'slots':>5} {'promote':>7} " + " ".join(f"{p:>7}" for p in POLICIES))
+        for name, n_slots, mp, rates in rows:
+            print(f"{name:22} {n_slots:5d} {mp or 'all':>7} " + " ".join(f"{rates[p]:7.3f}" for p in POLICIES))
+    assert worst_gap < 0.005, f"the default {DEFAULT_POLICY!r} trails another policy by {worst_gap:.3f}"
+
+
+def test_hit_rate_sanity():
+    trace = routing_trace(200, 1, seed=5)
+    first_seen = sum(np.isin(ids, np.concatenate(trace[:i]), invert=True).sum()
+                     for i, ids in enumerate(trace) if i >= 100)
+    # every expert fits: after the warm-up a miss is an expert's first use
+    assert hits_misses(trace, 128, "lru", None) == (100 * 8 - first_seen, first_seen)
+    assert hit_rate(trace, 0, "lru", None) == 0.0
+    small, large = (hit_rate(trace, n, DEFAULT_POLICY, None) for n in (16, 64))
+    assert 0 < small < large < 1
