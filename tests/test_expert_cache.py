@@ -1,6 +1,7 @@
 """The expert cache's bookkeeping (deimos.runtime.expert_cache) on CPU tensors: slot contents
 against the host copy they came from, the published table against the host mirror, victims,
-resize/compaction, and the policies' hit rates on synthetic routing traces."""
+resize/compaction, and the policies' hit rates on synthetic routing traces. Its sizing
+(deimos.runtime.gpu_memory) with a test-owned clock and free-memory value: no GPU."""
 
 from __future__ import annotations
 
@@ -17,6 +18,14 @@ from deimos.runtime.expert_cache import (
     ExpertCache,
     HostExperts,
     LayerCache,
+)
+from deimos.runtime.gpu_memory import (
+    BAND_MIN,
+    FreeMemory,
+    SlotSizer,
+    headroom,
+    nvml_reader,
+    visible_device,
 )
 
 E = 7
@@ -275,3 +284,124 @@ def test_hit_rate_sanity():
     assert hit_rate(trace, 0, "lru", None) == 0.0
     small, large = (hit_rate(trace, n, DEFAULT_POLICY, None) for n in (16, 64))
     assert 0 < small < large < 1
+
+
+# ---- free memory and the sizing rule (deimos.runtime.gpu_memory) --------------------------------
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+class Card:
+    """A card of ``total`` bytes whose free bytes the test sets; ``read`` is the reader."""
+
+    def __init__(self, total: int, free: int):
+        self.total, self.free, self.now = total, free, 0.0
+
+    def read(self) -> tuple[int, int]:
+        return self.free, self.total
+
+    def clock(self) -> float:
+        return self.now
+
+
+def test_free_memory_rereads_at_most_every_interval():
+    card = Card(8 * GiB, 3 * GiB)
+    mem = FreeMemory(card.read, card.clock, interval=0.1)
+    assert (mem.free(), mem.total, mem.reads) == (3 * GiB, 8 * GiB, 1)
+    card.free = 1 * GiB
+    card.now = 0.05
+    assert mem.free() == 3 * GiB and mem.reads == 1  # within 100 ms: the last value
+    card.now = 0.1
+    assert mem.free() == 1 * GiB and mem.reads == 2
+    card.now = 0.15
+    mem.free()
+    assert mem.reads == 2
+
+
+@pytest.mark.parametrize("total,step,want", [
+    (8 * GiB, 0, 512 * MiB),  # 5% = 410 MiB: the floor
+    (24 * GiB, 100 * MiB, 100 * MiB + int(0.05 * 24 * GiB)),
+    (141 * 10**9, 0, 2 * GiB),  # H200: the cap
+], ids=["8GiB", "24GiB", "H200"])
+def test_headroom(total, step, want):
+    assert headroom(total, step) == want
+
+
+def sizer(card: Card, slot_bytes: int = 100 * MiB, chunk_slots: int = 4, max_slots: int = 128):
+    return SlotSizer(FreeMemory(card.read, card.clock), slot_bytes, max_slots, chunk_slots=chunk_slots)
+
+
+def test_shrinks_at_once_below_the_headroom_to_leave_headroom_and_band():
+    card = Card(8 * GiB, 2 * GiB)
+    s = sizer(card)  # headroom 512 MiB, band 400 MiB (a chunk of 4 x 100 MiB)
+    assert s.target(32) == 32  # 2 GiB free: above headroom + band, and growth waits
+    card.free, card.now = 300 * MiB, 0.2  # someone took memory
+    n = s.target(32)
+    # free after the shrink = 300 MiB + (32 - n) * 100 MiB >= headroom + band, in whole chunks
+    assert n % 4 == 0 and n < 32
+    assert 300 * MiB + (32 - n) * 100 * MiB >= s.headroom + s.band
+    assert 300 * MiB + (32 - n - 4) * 100 * MiB < s.headroom + s.band  # not a chunk more
+    assert n == 24
+
+
+def test_grows_only_after_free_memory_stays_high():
+    card = Card(8 * GiB, 4 * GiB)
+    s = sizer(card)
+    assert s.target(8) == 8  # could grow; the clock starts
+    card.now = 0.5
+    assert s.target(8) == 8
+    card.now, card.free = 0.7, 600 * MiB  # a dip between headroom and headroom + band: hold, timer reset
+    assert s.target(8) == 8
+    card.now, card.free = 0.9, 4 * GiB
+    assert s.target(8) == 8
+    card.now = 1.85
+    assert s.target(8) == 8  # 0.95 s above: not yet
+    card.now = 1.95
+    n = s.target(8)
+    assert n == 8 + (4 * GiB - s.headroom - s.band) // (400 * MiB) * 4
+    card.free -= (n - 8) * 100 * MiB  # the new slots took their memory
+    card.now = 2.1
+    assert s.target(n) == n  # nothing more fits: stays
+
+
+def test_small_changes_do_not_resize():
+    card = Card(8 * GiB, 1 * GiB)  # between headroom (512 MiB) and headroom + band + a chunk
+    s = sizer(card)
+    for i in range(30):
+        card.now = 0.11 * i
+        card.free = 1 * GiB + (i % 3 - 1) * 50 * MiB
+        assert s.target(20) == 20
+
+
+def test_caps_at_max_slots_and_zero():
+    card = Card(80 * GiB, 70 * GiB)
+    s = sizer(card, max_slots=30)
+    s.target(0)
+    card.now = 2.0
+    assert s.target(0) == 30
+    card.free, card.now = 0, 2.2
+    # free 0: keep what leaves headroom (2 GiB cap) + band (400 MiB) free once the rest is given back
+    assert s.target(30) == 4
+    assert s.target(0) == 0
+
+
+def test_band_and_bad_input():
+    assert sizer(Card(8 * GiB, 0), slot_bytes=MiB, chunk_slots=2).band == BAND_MIN
+    with pytest.raises(ValueError, match="slot_bytes"):
+        SlotSizer(FreeMemory(Card(GiB, GiB).read), 0, 8)
+
+
+def test_visible_devices():
+    assert visible_device(1, None) == 1
+    assert visible_device(0, "3,1") == 3 and visible_device(1, "3, 1") == 1
+    assert visible_device(0, "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6") == "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"
+    with pytest.raises(ValueError, match="no device 2"):
+        visible_device(2, "0,1")
+
+
+def test_nvml_reader_on_this_machine():
+    """No GPU here: None (the caller then uses torch_reader); on a GPU machine a real reader."""
+    read = nvml_reader(0)
+    if read is not None:
+        free, total = read()
+        assert 0 <= free <= total
