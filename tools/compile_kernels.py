@@ -401,10 +401,10 @@ def _sample_batch_jobs() -> list[Job]:
 def _moe_jobs() -> list[Job]:
     """The routed experts (kernels.triton.moe_route, quant.triton.moe_gemv / moe_gemm) at the
     configs their launch rules pick for qwen3moe 30B-A3B (n_embd 2048, n_ff_exp 768, E 128,
-    k 8) at T = 1, 16, 64, 512 (and 2048, the default batch-token budget): the router and the
+    k 8) at T = 1, 16, 64, 512 (and 2048, the default batch-token budget: block_m 64): the router and the
     combine; the decode GEMV per format on gate (768 x 2048), the fused gate/up (1536 x 2048)
     and down (2048 x 768, pair rows); moe_align's three passes; the grouped GEMM per format at
-    each block_m the rule gives, x permuted or in element order, and each tile's masked variant."""
+    each block_m the rule gives (x orders and masked variants below)."""
     import importlib
 
     import torch
@@ -471,13 +471,17 @@ def _moe_jobs() -> list[Job]:
     for t in [*FMT_ID, GGMLType.IQ4_XS, GGMLType.IQ2_XS]:
         kt = KERNEL_TYPE.get(t, t)
         wpg = words_per_group(kt)
+        # x permuted for gate/up (the InputCache's copy), in element order for down (gated_act's
+        # fp16 output as it is); both orders for both at Q4_K and Q6_K; masked K steps per tile.
+        # (K is not specialized on: 768 and 2048 are both multiples of 16)
         launches = set()
         for n, k, pair in gemm_shapes:
             for bm in block_ms:
                 c = mg.moe_gemm_config(kt, n, k, bm)
                 for perm in (True, False):
-                    launches.add((bm, c, pair, perm, k // 32 % (c.block_j // wpg) == 0, k))
-                launches.add((bm, c, pair, True, False, k))  # masked K steps
+                    if perm != pair or t in (GGMLType.Q4_K, GGMLType.Q6_K):
+                        launches.add((bm, c, pair, perm, k // 32 % (c.block_j // wpg) == 0, k))
+                launches.add((bm, c, pair, not pair, False, k))
         for bm, c, pair, perm, even, k in sorted(launches):
             sample = _packed_sample(t, k)
             args = [MockTensor(f16)] + [MockTensor(a.dtype) for a in weight_arrays(sample)]

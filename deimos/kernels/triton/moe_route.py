@@ -1,0 +1,156 @@
+"""The two ends of a mixture-of-experts layer on the device (Triton): the router (softmax over
+the experts, top-k, renormalization) and the combine (the k expert outputs of each token summed
+with their weights). Oracles: deimos.kernels.moe (``moe_route_reference``,
+``moe_combine_reference``).
+
+``moe_route``: one program a token, the row's E <= 512 logits in registers; k <= 16 rounds of
+(max, lowest id holding it, masked out), so equal logits go lowest id first, as a stable sort.
+The selection compares logits, not probabilities (the same order, without the rounding of
+exp). Nothing goes back to the host: ids and weights stay on the device for the expert kernels
+(a decode step stays one CUDA graph).
+
+``moe_combine``: out[t] = sum_j w[t, j] y[t k + j] (+ add[t]) in a fixed order (j = 0..k-1,
+deterministic), stored as float32 or fp16. The weights are applied here rather than in the
+down projection's kernels: those store each pair's row as gemv_q8 / the grouped GEMM compute
+it (one program a pair: a fused sum would need atomics into a zeroed output, an extra launch
+and a run-to-run varying order), and this pass also takes the rows the CPU computed for
+experts not on the device (``add``). It moves T k D floats once: 64 KB a token at D = 2048,
+k = 8.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
+
+MAX_EXPERTS = 512
+MAX_TOP_K = 16
+_BIG_ID = tl.constexpr(2147483647)
+
+
+@triton.jit
+def _route_kernel(p_logits, p_w, p_ids, E, stride_t, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                  BLOCK_E: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
+    """Token i_t: softmax over its E logits, the TOP_K largest (ties: lowest id), weights
+    renormalized over them when RENORM."""
+    pdl_start(PDL)
+    i_t = tl.program_id(0).to(tl.int64)
+    o_e = tl.arange(0, BLOCK_E)
+    m_e = o_e < E
+    b_l = tl.load(p_logits + i_t * stride_t + o_e, mask=m_e, other=float("-inf")).to(tl.float32)
+    mx = tl.max(b_l, axis=0)
+    total = tl.sum(tl.where(m_e, tl.exp(b_l - mx), 0.0), axis=0)
+    o_k = tl.arange(0, K_PAD)
+    b_w = tl.zeros([K_PAD], dtype=tl.float32)
+    b_i = tl.zeros([K_PAD], dtype=tl.int32)
+    m_left = m_e  # experts not chosen yet
+    for j in tl.static_range(TOP_K):
+        v = tl.max(tl.where(m_left, b_l, float("-inf")), axis=0)
+        idx = tl.min(tl.where(m_left & (b_l == v), o_e, _BIG_ID), axis=0)
+        b_w = tl.where(o_k == j, tl.exp(v - mx), b_w)
+        b_i = tl.where(o_k == j, idx, b_i)
+        m_left = m_left & (o_e != idx)
+    if RENORM:
+        b_w = b_w / tl.sum(b_w, axis=0)
+    else:
+        b_w = b_w / total
+    m_k = o_k < TOP_K
+    tl.store(p_w + i_t * TOP_K + o_k, b_w, mask=m_k)
+    tl.store(p_ids + i_t * TOP_K + o_k, b_i, mask=m_k)
+
+
+def moe_route(logits: torch.Tensor, k: int, renorm: bool,
+              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router: logits float32 ``[T, E]`` (rows may be strided, unit column stride; E <=
+    512) -> (weights float32 ``[T, k]``, ids int32 ``[T, k]``), in descending order of logit
+    (equal logits: lower expert id first). weights = softmax(logits) of the k chosen,
+    divided by their sum when ``renorm`` (qwen3moe's norm_topk_prob). ``out``: optional
+    (weights, ids) buffers of those shapes and dtypes, contiguous, written in full."""
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"moe_route: logits must be float32 [T, E], got {logits.dtype} "
+                         f"{tuple(logits.shape)}")  # fmt: skip
+    t, e = logits.shape
+    if not 1 <= e <= MAX_EXPERTS:
+        raise ValueError(f"moe_route: E = {e} experts not in 1..{MAX_EXPERTS}")
+    if not (isinstance(k, int) and 1 <= k <= min(e, MAX_TOP_K)):
+        raise ValueError(f"moe_route: k = {k} not in 1..min(E = {e}, {MAX_TOP_K})")
+    if logits.stride(1) != 1 and e > 1:
+        raise ValueError("moe_route: logits need unit column stride")
+    if out is None:
+        out = (torch.empty((t, k), dtype=torch.float32, device=logits.device),
+               torch.empty((t, k), dtype=torch.int32, device=logits.device))  # fmt: skip
+    weights, ids = out
+    for name, buf, dt in (("weights", weights, torch.float32), ("ids", ids, torch.int32)):
+        if buf.shape != (t, k) or buf.dtype != dt or not buf.is_contiguous() or buf.device != logits.device:
+            raise ValueError(f"moe_route: out {name} must be contiguous {dt} [{t}, {k}] on "
+                             f"{logits.device}, got {buf.dtype} {tuple(buf.shape)}")  # fmt: skip
+    if t:
+        _route_kernel[(t,)](
+            logits, weights, ids, e, logits.stride(0), TOP_K=k, K_PAD=triton.next_power_of_2(k),
+            BLOCK_E=max(16, triton.next_power_of_2(e)), RENORM=bool(renorm),
+            num_warps=1 if e <= 128 else 4, **launch_options(pdl_on(logits.device)),
+        )  # fmt: skip
+    return weights, ids
+
+
+@triton.jit
+def _combine_kernel(p_y, p_w, p_add, p_out, D, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                    HAS_ADD: tl.constexpr, PDL: tl.constexpr = False):
+    """Token i_t, columns i_d BLOCK_D ..: sum_j w[t, j] y[t TOP_K + j] (+ add[t])."""
+    pdl_start(PDL)
+    i_t = tl.program_id(0).to(tl.int64)
+    o_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        w = tl.load(p_w + i_t * TOP_K + j)
+        acc += w * tl.load(p_y + (i_t * TOP_K + j) * D + o_d, mask=m_d, other=0.0)
+    if HAS_ADD:
+        acc += tl.load(p_add + i_t * D + o_d, mask=m_d, other=0.0)
+    tl.store(p_out + i_t * D + o_d, acc.to(p_out.dtype.element_ty), mask=m_d)
+
+
+COMBINE_BLOCK = 1024
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None = None,
+                out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The experts' outputs summed per token with the router's weights.
+
+    y: float32 ``[T * k, D]`` (pair p = t k + j: token t's choice j; rows of experts not on the
+    device are 0), weights: float32 ``[T, k]``, add: optional float32 ``[T, D]`` added (the
+    pairs the CPU computed, already weighted; or a residual). Returns ``out`` (``dtype``:
+    float32 or float16, contiguous ``[T, D]``; new unless given), computed in float32."""
+    if weights.dim() != 2 or weights.dtype != torch.float32 or not weights.is_contiguous():
+        raise ValueError(f"moe_combine: weights must be contiguous float32 [T, k], got "
+                         f"{weights.dtype} {tuple(weights.shape)}")  # fmt: skip
+    t, k = weights.shape
+    if y.dim() != 2 or y.shape[0] != t * k or y.dtype != torch.float32 or not y.is_contiguous():
+        raise ValueError(f"moe_combine: y must be contiguous float32 [{t * k}, D] (T * k rows), "
+                         f"got {y.dtype} {tuple(y.shape)}")  # fmt: skip
+    if not 1 <= k <= MAX_TOP_K:
+        raise ValueError(f"moe_combine: k = {k} not in 1..{MAX_TOP_K}")
+    d = y.shape[1]
+    if add is not None and (add.shape != (t, d) or add.dtype != torch.float32 or not add.is_contiguous()):
+        raise ValueError(f"moe_combine: add must be contiguous float32 [{t}, {d}], got {add.dtype} "
+                         f"{tuple(add.shape)}")  # fmt: skip
+    if out is None:
+        if dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"moe_combine: dtype must be float32 or float16, got {dtype}")
+        out = torch.empty((t, d), dtype=dtype, device=y.device)
+    elif out.shape != (t, d) or out.dtype not in (torch.float32, torch.float16) or not out.is_contiguous():
+        raise ValueError(f"moe_combine: out must be contiguous float32/float16 [{t}, {d}], got "
+                         f"{out.dtype} {tuple(out.shape)}")  # fmt: skip
+    for name, a in (("weights", weights), ("add", add), ("out", out)):
+        if a is not None and a.device != y.device:
+            raise ValueError(f"moe_combine: {name} is on {a.device}, y on {y.device}")
+    if t and d:
+        block = min(COMBINE_BLOCK, max(16, triton.next_power_of_2(d)))
+        _combine_kernel[(t, triton.cdiv(d, block))](
+            y, weights, add if add is not None else y, out, d, TOP_K=k, BLOCK_D=block,
+            HAS_ADD=add is not None, num_warps=4, **launch_options(pdl_on(y.device)),
+        )  # fmt: skip
+    return out

@@ -1,0 +1,142 @@
+"""Decode GEMVs of a mixture-of-experts layer's routed experts: every (token, chosen expert)
+pair's product in ONE launch per projection, the expert ids read on the device (no host sync:
+a decode step stays one CUDA graph).
+
+Weights: one packed stack (layout.PackedWeight) of S * n rows: S slots (every expert, or a
+cache of slots), slot s = rows s n .. s n + n - 1 (n any row count: the gate/up pair may be one
+slot of 2 n_ff rows). ``slot_of[e]`` (int32, device) is expert e's slot, -1 when the expert is
+not on the device: that pair's row is written as 0 (the CPU computes it; the caller adds it).
+
+Program (i_n, i_p): rows i_n BLOCK_N .. of pair i_p = t k + j, expert ids[t, j]. It finds the
+slot and runs gemv_q8's kernel body itself (``_gemv_q8_kernel`` called as a device function:
+the same dp4a dot, tiles and launch rule, nothing copied) on pointers moved to the slot's rows
+and to the activation row the pair reads: x row t (``x_rows="token"``: gate/up, every pair of
+a token reads its normed hidden state) or row p (``"pair"``: down, each pair reads its own
+gated activation). gemv_q8's program offsets x and y by its second program id, here the pair:
+y row p as wanted, and x moved back by p - t rows in token mode. An expert id outside [0, E)
+counts as not on the device (its row is 0): nothing is read out of bounds.
+
+Oracle: deimos.kernels.moe.moe_experts_reference on the dequantized stack
+(naive.dequantize_packed) and the dequantized activation (gemv_q8.quantize_x_reference).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deimos.quant.triton.dequant_gemv import FMT_ID, gemv_grid, gemv_out, scale16, weight_arrays
+from deimos.quant.triton.gemv_q8 import (
+    _INTERPRETED,
+    INTERPRETER_TILE,
+    Q8Config,
+    QuantizedX,
+    _gemv_q8_kernel,
+    q8_config,
+)
+from deimos.quant.triton.layout import PackedWeight
+from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
+
+X_ROWS = ("token", "pair")  # the activation row of pair p = t k + j: t (gate/up) or p (down)
+
+
+@triton.jit
+def _moe_gemv_kernel(
+    p_qw, p_qh, p_s, p_d, p_m,  # the stack's arrays (unused ones get any pointer)
+    p_xq, p_xd, p_xs, p_y, p_ids, p_slot,
+    N, K, E, TOP_K, r_qw, r_qh, r_s, r_d, r_m,  # r_*: each array's elements a row
+    FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ASM: tl.constexpr,
+    XB: tl.constexpr, EVEN: tl.constexpr, SCALE16: tl.constexpr, PAIR_ROWS: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Rows i_n BLOCK_N .. of pair i_p's output: W_slot(ids[i_p]) x_row, or 0 when the expert
+    has no slot. PAIR_ROWS: x row i_p, else i_p // TOP_K."""
+    pdl_start(PDL)
+    i_n = tl.program_id(0)
+    i_p = tl.program_id(1)
+    e = tl.load(p_ids + i_p)
+    known = (e >= 0) & (e < E)
+    slot = tl.load(p_slot + tl.where(known, e, 0))
+    slot = tl.where(known, slot, -1)
+    if slot < 0:
+        o_y = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(p_y + i_p.to(tl.int64) * N + o_y, tl.zeros([BLOCK_N], dtype=tl.float32), mask=o_y < N)
+    else:
+        r0 = slot.to(tl.int64) * N  # the slot's first row
+        if PAIR_ROWS:
+            dx = i_p * 0
+        else:
+            dx = i_p // TOP_K - i_p  # gemv_q8 adds i_p rows: x row i_p // TOP_K
+        _gemv_q8_kernel(p_qw + r0 * r_qw, p_qh + r0 * r_qh, p_s + r0 * r_s, p_d + r0 * r_d,
+                        p_m + r0 * r_m, p_xq + dx * (K // 2), p_xd + dx * (K // 32),
+                        p_xs + dx * (K // 16), p_y, N, K, FMT=FMT, BLOCK_N=BLOCK_N,
+                        BLOCK_S=BLOCK_S, ASM=ASM, XB=XB, EVEN=EVEN, PDL=False, SCALE16=SCALE16)
+
+
+def moe_gemv_config(w_stack: PackedWeight, n: int) -> Q8Config:
+    """The tile: gemv_q8's launch rule for one slot's ``[n, k]`` matrix (not yet measured on
+    MoE shapes; the interpreter's tile for a stack on the CPU)."""
+    if w_stack.device.type == "cpu":
+        return INTERPRETER_TILE
+    return q8_config(w_stack.ggml_type, n, w_stack.k, 1)
+
+
+def check_expert_inputs(w_stack: PackedWeight, n: int, slot_of: torch.Tensor, x_rows: str,
+                        who: str, ids: torch.Tensor | None = None) -> None:
+    """The expert kernels' shared checks: a stack of whole slots of n rows in a format with a
+    kernel, slot_of contiguous int32 ``[E]`` (and ids contiguous int32 ``[T, k]``) on the
+    stack's device, x_rows one of ``X_ROWS``."""
+    if w_stack.ggml_type not in FMT_ID:
+        raise ValueError(f"{who}: no kernel for {w_stack.ggml_type.name}")
+    if not (isinstance(n, int) and n > 0 and w_stack.n % n == 0):
+        raise ValueError(f"{who}: the stack's {w_stack.n} rows are not whole slots of n = {n} rows")
+    if x_rows not in X_ROWS:
+        raise ValueError(f"{who}: x_rows must be one of {X_ROWS}, got {x_rows!r}")
+    for name, t, dims in (("ids", ids, 2), ("slot_of", slot_of, 1)):
+        if t is None:
+            continue
+        if t.dtype != torch.int32 or t.dim() != dims or not t.is_contiguous():
+            raise ValueError(f"{who}: {name} must be contiguous int32 with {dims} dimension(s), got "
+                             f"{t.dtype} {tuple(t.shape)}")  # fmt: skip
+        if t.device != w_stack.device:
+            raise ValueError(f"{who}: {name} is on {t.device}, the weights on {w_stack.device}")
+    if slot_of.numel() == 0:
+        raise ValueError(f"{who}: slot_of is empty (no experts)")
+
+
+def moe_gemv(w_stack: PackedWeight, n: int, qx: QuantizedX, ids: torch.Tensor,
+             slot_of: torch.Tensor, x_rows: str, out: torch.Tensor | None = None,
+             cfg: Q8Config | None = None) -> torch.Tensor:
+    """The chosen experts' GEMVs: out[p] = W_slot(ids[p]) x_row(p), float32 ``[T * k, n]``.
+
+    w_stack: packed ``[S * n, K]`` (slot s = rows s n ..). qx: the activation from
+    gemv_q8.quantize_x (or a norm / gated_act kernel's ``quantized`` output): ``[T, K]`` for
+    ``x_rows="token"`` (pair t k + j reads row t), ``[T * k, K]`` for ``"pair"`` (pair p reads
+    row p). ids: int32 ``[T, k]`` expert ids (device). slot_of: int32 ``[E]``, each expert's
+    slot or -1 (its pairs' rows are 0; an id outside [0, E) too). ``out``: optional
+    contiguous float32 ``[T * k, n]``, written in full. ``cfg``: gemv_q8's tile (default
+    ``moe_gemv_config``)."""
+    check_expert_inputs(w_stack, n, slot_of, x_rows, "moe_gemv", ids)
+    t, k = ids.shape
+    rows, kx = qx.shape
+    want = t if x_rows == "token" else t * k
+    if kx != w_stack.k or rows != want:
+        raise ValueError(f"moe_gemv: x must be [{want}, {w_stack.k}] ({x_rows} rows), got "
+                         f"[{rows}, {kx}]")  # fmt: skip
+    if qx.xq.device != w_stack.device:
+        raise ValueError(f"moe_gemv: x is on {qx.xq.device}, the weights on {w_stack.device}")
+    out = gemv_out(out, t * k, n, w_stack.device, "moe_gemv")
+    if t * k == 0:
+        return out
+    cfg = cfg or moe_gemv_config(w_stack, n)
+    arrays = weight_arrays(w_stack)
+    _moe_gemv_kernel[gemv_grid(n, t * k, cfg.block_n)](
+        *arrays, qx.xq, qx.xd, qx.xs, out, ids, slot_of,
+        n, w_stack.k, slot_of.numel(), k, *(a.stride(0) for a in arrays),
+        FMT=FMT_ID[w_stack.ggml_type], BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
+        ASM=not _INTERPRETED, XB=cfg.xb, EVEN=(w_stack.k // 32) % cfg.block_s == 0,
+        SCALE16=scale16(w_stack), PAIR_ROWS=x_rows == "pair", num_warps=cfg.num_warps,
+        **launch_options(pdl_on(out.device)),
+    )  # fmt: skip
+    return out

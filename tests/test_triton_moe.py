@@ -1,0 +1,484 @@
+"""The routed-expert kernels (kernels.triton.moe_route, quant.triton.moe_gemv / moe_gemm)
+against their torch oracles in float64 (deimos.kernels.moe).
+
+Oracles: ``moe_route_reference`` (float64 softmax, a stable sort: equal ids exactly, weights
+to float32 rounding); ``moe_experts_reference`` on the stack decoded by
+``naive.dequantize_packed`` (bit exact against deimos.quant) times, for the GEMV, the
+dequantized integer activation (``quantize_x_reference``: equal up to float32 rounding, as
+gemv_q8's test) and, for the grouped GEMM, the fp16 x (fp16 rounding of the decoded weights:
+< 1e-3; against the fp16-rounded weights' product < 1e-5, which pins the decode);
+``moe_align_reference`` entry for entry; ``moe_combine_reference``. Outputs are poisoned
+first (NaN, or 7777 in the integer tile maps). Without CUDA the kernels run in Triton's
+interpreter on tiny shapes with its big tiles.
+
+Routing cases: 7 experts in 5 slots, ``SLOT_OF`` a permuted table with two experts off the
+device (their rows must be exactly 0); ids holding expert 0, the last expert, and the last
+expert chosen by every token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from kernel_checks import close  # imports kernel_device, which sets TRITON_INTERPRET: first
+from kernel_device import DEVICE
+
+from deimos.gguf.constants import GGMLType
+from deimos.kernels.moe import (
+    moe_align_reference,
+    moe_combine_reference,
+    moe_experts_reference,
+    moe_max_tiles,
+    moe_route_reference,
+)
+from deimos.kernels.triton.activation import gated_act
+from deimos.kernels.triton.moe_route import moe_combine, moe_route
+from deimos.models.gpu.dequant import permuted_columns
+from deimos.quant import get_format
+from deimos.quant.triton.dequant_gemv import FMT_ID
+from deimos.quant.triton.gemv_q8 import empty_quantized, quantize_x, quantize_x_reference
+from deimos.quant.triton.layout import PackedWeight, pack
+from deimos.quant.triton.moe_gemm import (
+    MoeGemmConfig,
+    empty_tiles,
+    max_tiles,
+    moe_align,
+    moe_block_m,
+    moe_gemm,
+    moe_gemm_config,
+)
+from deimos.quant.triton.moe_gemv import moe_gemv
+from deimos.quant.triton.naive import dequantize_packed
+
+# every kernel format, and formats packed in another's layout (Q3_K as Q6_K; Q8_0's layout
+# with f16 scales (TQ2_0), f32 per 32 (IQ4_XS, MXFP4), f32 per 16 (IQ2_XS: SCALE16))
+FORMATS = [*FMT_ID, GGMLType.Q3_K, GGMLType.IQ4_XS, GGMLType.IQ2_XS, GGMLType.TQ2_0, GGMLType.MXFP4]
+SOME = [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.IQ2_XS]
+E = 7
+SLOTS = 5
+SLOT_OF = [3, -1, 0, 4, -1, 1, 2]  # expert -> slot; experts 1 and 4 not on the device
+SENTINEL = 7777
+
+
+def _stack(t: GGMLType, n: int, k: int, seed: int, slots: int = SLOTS) -> PackedWeight:
+    fmt = get_format(t)
+    rows = slots * n
+    blocks = fmt.random_blocks(rows * k // fmt.block_size, np.random.default_rng(seed)).reshape(rows, -1)
+    return pack(blocks, t).to(DEVICE)
+
+
+def _ids(t: int, k: int, seed: int, n_expert: int = E) -> torch.Tensor:
+    """int32 [t, k]: distinct experts a token; column 0 is the last expert for every token,
+    token 0 also picks expert 0."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(t):
+        rest = torch.randperm(n_expert - 1, generator=g)[: k - 1].tolist()
+        if i == 0 and k > 1 and 0 not in rest:
+            rest[0] = 0
+        rows.append([n_expert - 1, *rest])
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def _slot_of() -> torch.Tensor:
+    return torch.tensor(SLOT_OF, dtype=torch.int32, device=DEVICE)
+
+
+def _missing_rows(ids: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([SLOT_OF[e] < 0 for e in ids.reshape(-1).tolist()])
+
+
+# ---- router ---------------------------------------------------------------------------------
+
+
+def _logits(t: int, e: int, seed: int) -> torch.Tensor:
+    """Random logits on a coarse grid (many equal values: ties), row 1 all equal, row 2 with
+    its maximum at the last expert, row 3 at expert 0."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.round(torch.randn(t, e, generator=g) * 4) / 2
+    x[1] = 0.25
+    x[2, -1] = 50.0
+    x[3, 0] = 50.0
+    return x
+
+
+@pytest.mark.parametrize("renorm", [False, True], ids=["softmax", "renorm"])
+@pytest.mark.parametrize("e,k", [(7, 3), (60, 1), (128, 8), (512, 16)], ids=lambda v: str(v))
+def test_moe_route(e: int, k: int, renorm: bool) -> None:
+    t = 37
+    logits = _logits(t, e, seed=e + k)
+    w_out = torch.full((t, k), float("nan"), device=DEVICE)
+    i_out = torch.full((t, k), SENTINEL, dtype=torch.int32, device=DEVICE)
+    weights, ids = moe_route(logits.to(DEVICE), k, renorm, out=(w_out, i_out))
+    assert weights is w_out and ids is i_out
+    ref_w, ref_i = moe_route_reference(logits, k, renorm)
+    assert torch.equal(ids.cpu().long(), ref_i), "ids differ from the stable sort's"
+    assert ids[1].tolist() == list(range(k)), "all-equal logits: lowest ids first"
+    assert ids[2, 0] == e - 1 and ids[3, 0] == 0
+    close(f"route E={e} k={k} renorm={renorm}", weights, ref_w, 1e-6)
+    if renorm:
+        assert torch.allclose(weights.sum(dim=1).cpu().double(), torch.ones(t, dtype=torch.float64), atol=1e-6)
+
+
+def test_moe_route_strided_rows() -> None:
+    """Logits as a column slice of a wider matrix (the router's output beside others)."""
+    wide = _logits(5, 40, seed=3)
+    weights, ids = moe_route(wide.to(DEVICE)[:, 8:], 4, True)
+    ref_w, ref_i = moe_route_reference(wide[:, 8:], 4, True)
+    assert torch.equal(ids.cpu().long(), ref_i)
+    close("route strided", weights, ref_w, 1e-6)
+
+
+def test_moe_route_bad_input() -> None:
+    x = torch.zeros(3, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="float32"):
+        moe_route(x.half(), 2, True)
+    with pytest.raises(ValueError, match="k = 9"):
+        moe_route(x, 9, True)
+    with pytest.raises(ValueError, match="k = 0"):
+        moe_route(x, 0, True)
+    with pytest.raises(ValueError, match="E = 513"):
+        moe_route(torch.zeros(1, 513, device=DEVICE), 2, True)
+    with pytest.raises(ValueError, match="unit column stride"):
+        moe_route(torch.zeros(8, 3, device=DEVICE).T, 2, True)
+    with pytest.raises(ValueError, match="out ids"):
+        moe_route(x, 2, True, out=(torch.empty(3, 2, device=DEVICE), torch.empty(3, 2, device=DEVICE)))
+
+
+# ---- decode GEMV ----------------------------------------------------------------------------
+
+
+def _gemv_case(t: GGMLType, x_rows: str, n: int, k: int, n_tok: int, top_k: int, seed: int):
+    w = _stack(t, n, k, seed)
+    ids = _ids(n_tok, top_k, seed)
+    rows = n_tok if x_rows == "token" else n_tok * top_k
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1))
+    return w, ids, x
+
+
+def _check_gemv(w: PackedWeight, n: int, x: torch.Tensor, ids: torch.Tensor, x_rows: str, what: str):
+    qx = _quantized(x)
+    out = torch.full((ids.numel(), n), float("nan"), device=DEVICE)
+    y = moe_gemv(w, n, qx, ids.to(DEVICE), _slot_of(), x_rows, out=out)
+    assert y is out
+    ref = moe_experts_reference(dequantize_packed(w), n, quantize_x_reference(x), ids,
+                                _slot_of(), x_rows)  # fmt: skip
+    miss = _missing_rows(ids)
+    assert miss.any() and (~miss).any()
+    assert torch.equal(y.cpu()[miss], torch.zeros(int(miss.sum()), n)), f"{what}: rows of experts off the device"
+    close(what, y, ref, 1e-5)
+    return y
+
+
+def _quantized(x: torch.Tensor):
+    """quantize_x (at most 8 rows a call) over any number of rows."""
+    parts = [quantize_x(x[i : i + 8].to(DEVICE)) for i in range(0, x.shape[0], 8)]
+    return type(parts[0])(*(torch.cat([p[j] for p in parts]) for j in range(3)))
+
+
+@pytest.mark.parametrize("x_rows", ["token", "pair"])
+@pytest.mark.parametrize("t", FORMATS, ids=lambda t: t.name)
+def test_moe_gemv_formats(t: GGMLType, x_rows: str) -> None:
+    """Odd rows a slot (37), 3 tokens x 3 experts; token rows (gate/up) or pair rows (down)."""
+    n, k = 37, 512
+    w, ids, x = _gemv_case(t, x_rows, n, k, 3, 3, seed=11)
+    _check_gemv(w, n, x, ids, x_rows, f"gemv {t.name} {x_rows}")
+
+
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q8_0], ids=lambda t: t.name)
+def test_moe_gemv_batch(t: GGMLType) -> None:
+    """Batched decode through the GEMV: 5 tokens x 4 experts (20 pairs, pair rows past
+    quantize_x's 8), K = 256 in a part step of the interpreter's tile."""
+    n, k = 70, 256
+    w, ids, x = _gemv_case(t, "pair", n, k, 5, 4, seed=2)
+    _check_gemv(w, n, x, ids, "pair", f"gemv {t.name} 5x4")
+
+
+def _interleave(a: PackedWeight, b: PackedWeight, slots: int) -> PackedWeight:
+    """Two stacks of the same format -> one of 2n rows a slot (a's n rows, then b's)."""
+    def cat(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x.reshape(slots, -1, x.shape[1]), y.reshape(slots, -1, y.shape[1])],
+                         dim=1).reshape(-1, x.shape[1])  # fmt: skip
+
+    return PackedWeight(a.ggml_type, a.n + b.n, a.k, {name: cat(a.tensors[name], b.tensors[name])
+                                                      for name in a.tensors})
+
+
+def test_moe_gemv_gate_up_one_stack() -> None:
+    """gate and up as one stack of 2 n_ff rows a slot: the two halves of one launch equal two
+    launches on their own stacks."""
+    n_ff, k = 24, 256
+    gate = _stack(GGMLType.Q4_K, n_ff, k, seed=1)
+    up = _stack(GGMLType.Q4_K, n_ff, k, seed=2)
+    gu = _interleave(gate, up, SLOTS)
+    ids = _ids(3, 2, seed=4).to(DEVICE)
+    qx = quantize_x(torch.randn(3, k, generator=torch.Generator().manual_seed(5)).to(DEVICE))
+    y = moe_gemv(gu, 2 * n_ff, qx, ids, _slot_of(), "token")
+    assert torch.equal(y[:, :n_ff], moe_gemv(gate, n_ff, qx, ids, _slot_of(), "token"))
+    assert torch.equal(y[:, n_ff:], moe_gemv(up, n_ff, qx, ids, _slot_of(), "token"))
+
+
+def test_moe_gemv_ids_out_of_range() -> None:
+    """An id outside [0, E) reads nothing and gives a zero row."""
+    n, k = 16, 256
+    w = _stack(GGMLType.Q8_0, n, k, seed=3)
+    ids = torch.tensor([[0, E], [-1, 6]], dtype=torch.int32, device=DEVICE)
+    qx = quantize_x(torch.randn(2, k, generator=torch.Generator().manual_seed(1)).to(DEVICE))
+    y = moe_gemv(w, n, qx, ids, _slot_of(), "token", out=torch.full((4, n), float("nan"), device=DEVICE))
+    assert torch.equal(y[1].cpu(), torch.zeros(n)) and torch.equal(y[2].cpu(), torch.zeros(n))
+    assert y[0].abs().sum() > 0 and y[3].abs().sum() > 0
+
+
+def test_moe_gemv_bad_input() -> None:
+    n, k = 16, 256
+    w = _stack(GGMLType.Q4_K, n, k, seed=0)
+    ids = _ids(2, 2, seed=0).to(DEVICE)
+    qx = quantize_x(torch.zeros(2, k, device=DEVICE))
+    slot_of = _slot_of()
+    with pytest.raises(ValueError, match="whole slots of n = 15"):
+        moe_gemv(w, 15, qx, ids, slot_of, "token")
+    with pytest.raises(ValueError, match="x_rows must be"):
+        moe_gemv(w, n, qx, ids, slot_of, "row")
+    with pytest.raises(ValueError, match=r"x must be \[4, 256\] \(pair rows\)"):
+        moe_gemv(w, n, qx, ids, slot_of, "pair")
+    with pytest.raises(ValueError, match="ids must be contiguous int32"):
+        moe_gemv(w, n, qx, ids.long(), slot_of, "token")
+    with pytest.raises(ValueError, match="slot_of must be contiguous int32"):
+        moe_gemv(w, n, qx, ids, slot_of[None], "token")
+    with pytest.raises(ValueError, match="slot_of is empty"):
+        moe_gemv(w, n, qx, ids, slot_of[:0], "token")
+    with pytest.raises(ValueError, match="out must be"):
+        moe_gemv(w, n, qx, ids, slot_of, "token", out=torch.empty(4, n + 1, device=DEVICE))
+    f16 = PackedWeight(GGMLType.F16, 8, k, {"qw": torch.zeros(8, 128, dtype=torch.int32)})
+    with pytest.raises(ValueError, match="no kernel for F16"):
+        moe_gemv(f16, 8, qx, ids, slot_of, "token")
+
+
+# ---- grouping -------------------------------------------------------------------------------
+
+
+def _poisoned_tiles(t: int, k: int, n_expert: int, block_m: int):
+    out = empty_tiles(t, k, n_expert, block_m, DEVICE)
+    for a in out[:3]:
+        a.fill_(SENTINEL)
+    return out
+
+
+# (T, k, E, block_m): one tile; odd T with several tiles of the expert every token picks;
+# 1204 pairs (10 chunks of the count/scatter passes) over 130 experts (3 expert blocks of the
+# scan, E not a power of two); every expert once (the tile bound is tight); 64-row tiles
+ALIGN_CASES = [(3, 3, 7, 16), (37, 2, 5, 16), (301, 4, 130, 32), (130, 1, 130, 16), (45, 3, 9, 64)]
+
+
+@pytest.mark.parametrize("case", ALIGN_CASES, ids=lambda c: "t{}_k{}_e{}_m{}".format(*c))
+def test_moe_align(case: tuple[int, int, int, int]) -> None:
+    t, k, n_expert, block_m = case
+    if t == n_expert and k == 1:
+        ids = torch.randperm(t, generator=torch.Generator().manual_seed(0)).int()[:, None]
+    else:
+        ids = _ids(t, k, seed=t, n_expert=n_expert)
+    out = moe_align(ids.to(DEVICE), n_expert, block_m, out=_poisoned_tiles(t, k, n_expert, block_m))
+    order, tile_expert, n_tiles = moe_align_reference(ids, n_expert, block_m)
+    assert out.max_tiles == moe_max_tiles(t * k, n_expert, block_m) == max_tiles(t * k, n_expert, block_m)
+    assert int(out.n_tiles.item()) == n_tiles <= out.max_tiles
+    assert torch.equal(out.tile_expert.cpu(), tile_expert)
+    assert torch.equal(out.order.cpu(), order)
+    if t == n_expert and k == 1:
+        assert n_tiles == out.max_tiles
+
+
+def test_moe_align_ids_out_of_range() -> None:
+    """Ids outside [0, E) are left out of every tile (the tiles of the others unchanged)."""
+    ids = torch.tensor([[0, 6], [7, 2], [-1, 6]], dtype=torch.int32)
+    out = moe_align(ids.to(DEVICE), E, 16, out=_poisoned_tiles(3, 2, E, 16))
+    order, tile_expert, n_tiles = moe_align_reference(ids, E, 16)
+    assert int(out.n_tiles.item()) == n_tiles == 3
+    assert torch.equal(out.order.cpu(), order) and torch.equal(out.tile_expert.cpu(), tile_expert)
+    assert sorted(v for v in order.tolist() if v >= 0) == [0, 1, 3, 5]
+
+
+def test_moe_align_bad_input() -> None:
+    ids = _ids(3, 2, seed=0).to(DEVICE)
+    with pytest.raises(ValueError, match="ids must be contiguous int32"):
+        moe_align(ids.long(), E, 16)
+    with pytest.raises(ValueError, match="block_m = 24"):
+        moe_align(ids, E, 24)
+    with pytest.raises(ValueError, match="block_m = 128"):
+        moe_align(ids, E, 128)
+    with pytest.raises(ValueError, match="n_expert = 0"):
+        moe_align(ids, 0, 16)
+    with pytest.raises(ValueError, match="out must be empty_tiles"):
+        moe_align(ids, E, 16, out=empty_tiles(3, 2, E, 32, DEVICE))
+
+
+def test_moe_block_m_rule() -> None:
+    """qwen3moe 30B-A3B (E 128, k 8): decode batches in 16-row tiles, prefill in 32/64."""
+    assert [moe_block_m(t * 8, 128) for t in (1, 16, 64, 256, 512, 2048)] == [16, 16, 16, 16, 32, 64]
+
+
+# ---- grouped GEMM ---------------------------------------------------------------------------
+
+
+def _check_gemm(w: PackedWeight, n: int, x: torch.Tensor, ids: torch.Tensor, x_rows: str,
+                permuted: bool, block_m: int, cfg: MoeGemmConfig | None, what: str) -> torch.Tensor:
+    tiles = moe_align(ids.to(DEVICE), E, block_m)
+    xk = x[:, permuted_columns(w).cpu()].contiguous() if permuted else x
+    out = torch.full((ids.numel(), n), float("nan"), device=DEVICE)
+    y = moe_gemm(xk.to(DEVICE), w, n, tiles, _slot_of(), x_rows, x_permuted=permuted, out=out, cfg=cfg)
+    assert y is out
+    wd = dequantize_packed(w)
+    miss = _missing_rows(ids)
+    assert torch.equal(y.cpu()[miss], torch.zeros(int(miss.sum()), n)), f"{what}: rows of experts off the device"
+    close(what, y, moe_experts_reference(wd, n, x, ids, _slot_of(), x_rows), 1e-3)
+    ref16 = moe_experts_reference(wd.half(), n, x, ids, _slot_of(), x_rows)  # what the tensor cores multiply
+    close(what + " (fp16 weights)", y, ref16, 1e-5)
+    return y
+
+
+@pytest.mark.parametrize("t", FORMATS, ids=lambda t: t.name)
+def test_moe_gemm_formats(t: GGMLType) -> None:
+    """Every format: 19 tokens x 3 experts (the last expert in 2 tiles of 16), token rows,
+    x permuted."""
+    n, k = 37, 512
+    w = _stack(t, n, k, seed=21)
+    ids = _ids(19, 3, seed=21)
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(22)).half()
+    _check_gemm(w, n, x, ids, "token", True, 16, None, f"gemm {t.name}")
+
+
+@pytest.mark.parametrize("permuted", [True, False], ids=["permuted", "elements"])
+@pytest.mark.parametrize("t", SOME, ids=lambda t: t.name)
+def test_moe_gemm_pair_rows(t: GGMLType, permuted: bool) -> None:
+    """Pair rows (down) with x in the words' or the elements' column order, 32-row tiles."""
+    n, k = 45, 256
+    w = _stack(t, n, k, seed=31)
+    ids = _ids(7, 3, seed=31)
+    x = torch.randn(21, k, generator=torch.Generator().manual_seed(32)).half()
+    _check_gemm(w, n, x, ids, "pair", permuted, 32, None, f"gemm {t.name} pair permuted={permuted}")
+
+
+# tiles other than the interpreter's: several K steps (EVEN), a part step (K = 800 / 96: 25 and
+# 3 groups of legacy formats), the GPU rule's tiles for 16 and 64 rows
+TILES = [MoeGemmConfig(16, 8, 4, 2), MoeGemmConfig(32, 16, 4, 3)]
+
+
+@pytest.mark.parametrize("cfg", TILES, ids=lambda c: "n{}_j{}_w{}_s{}".format(*c))
+@pytest.mark.parametrize("t,k", [(GGMLType.Q4_K, 512), (GGMLType.Q8_0, 800), (GGMLType.Q5_0, 96)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_moe_gemm_tiles(t: GGMLType, k: int, cfg: MoeGemmConfig) -> None:
+    n = 33
+    w = _stack(t, n, k, seed=k)
+    ids = _ids(5, 2, seed=k)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(k + 1)).half()
+    _check_gemm(w, n, x, ids, "token", False, 16, cfg, f"gemm {t.name} k={k} {cfg}")
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize("t", [GGMLType.Q6_K, GGMLType.Q2_K], ids=lambda t: t.name)
+def test_moe_gemm_rule_tiles(t: GGMLType, block_m: int) -> None:
+    """The GPU rule's tile for each tile height, on a small stack."""
+    n, k = 70, 256
+    cfg = moe_gemm_config(t, 2048, 768, block_m)
+    w = _stack(t, n, k, seed=block_m)
+    ids = _ids(9, 2, seed=block_m)
+    x = torch.randn(18, k, generator=torch.Generator().manual_seed(3)).half()
+    _check_gemm(w, n, x, ids, "pair", True, block_m, cfg, f"gemm {t.name} m={block_m} {cfg}")
+
+
+def test_moe_gemm_bad_input() -> None:
+    n, k = 16, 256
+    w = _stack(GGMLType.Q4_K, n, k, seed=0)
+    ids = _ids(3, 2, seed=0).to(DEVICE)
+    tiles = moe_align(ids, E, 16)
+    x = torch.zeros(3, k, dtype=torch.float16, device=DEVICE)
+    slot_of = _slot_of()
+    with pytest.raises(ValueError, match=r"x must be float16 \[3, 256\]"):
+        moe_gemm(x.float(), w, n, tiles, slot_of, "token")
+    with pytest.raises(ValueError, match=r"x must be float16 \[6, 256\] \(pair rows\)"):
+        moe_gemm(x, w, n, tiles, slot_of, "pair")
+    with pytest.raises(ValueError, match="unit column stride"):
+        moe_gemm(torch.zeros(k, 3, dtype=torch.float16, device=DEVICE).T, w, n, tiles, slot_of, "token")
+    with pytest.raises(ValueError, match="whole slots"):
+        moe_gemm(x, w, 17, tiles, slot_of, "token")
+    with pytest.raises(ValueError, match="bad tile"):
+        moe_gemm(x, w, n, tiles, slot_of, "token", cfg=MoeGemmConfig(24, 16, 4, 2))
+    with pytest.raises(ValueError, match="bad tile"):
+        moe_gemm(x, w, n, tiles, slot_of, "token", cfg=MoeGemmConfig(16, 2, 4, 2))
+    with pytest.raises(ValueError, match="out must be"):
+        moe_gemm(x, w, n, tiles, slot_of, "token", out=torch.empty(6, n, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match="slot_of has 6 experts, the tiles were made for 7"):
+        moe_gemm(x, w, n, tiles, slot_of[:6], "token")
+
+
+# ---- combine and a whole layer --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("add", [False, True], ids=["plain", "add"])
+def test_moe_combine(add: bool, dtype: torch.dtype) -> None:
+    t, k, d = 5, 8, 1100  # d past one block of 1024
+    g = torch.Generator().manual_seed(7)
+    y = torch.randn(t * k, d, generator=g)
+    weights = torch.rand(t, k, generator=g)
+    extra = torch.randn(t, d, generator=g) if add else None
+    out = torch.full((t, d), float("nan"), dtype=dtype, device=DEVICE)
+    got = moe_combine(y.to(DEVICE), weights.to(DEVICE), None if extra is None else extra.to(DEVICE), out=out)
+    assert got is out
+    close(f"combine add={add} {dtype}", got, moe_combine_reference(y, weights, extra),
+          1e-6 if dtype == torch.float32 else 1e-3)  # fmt: skip
+
+
+def test_moe_combine_bad_input() -> None:
+    y = torch.zeros(6, 8, device=DEVICE)
+    w = torch.zeros(3, 2, device=DEVICE)
+    with pytest.raises(ValueError, match=r"y must be contiguous float32 \[6, D\]"):
+        moe_combine(y[:4], w)
+    with pytest.raises(ValueError, match="weights must be"):
+        moe_combine(y, w.double())
+    with pytest.raises(ValueError, match="add must be"):
+        moe_combine(y, w, add=torch.zeros(3, 9, device=DEVICE))
+    with pytest.raises(ValueError, match="dtype must be"):
+        moe_combine(y, w, dtype=torch.bfloat16)
+
+
+def _layer_reference(x, gate, up, down, n_ff, weights, ids):
+    """The routed experts of a qwen3moe layer in float64 (dense dequantized weights)."""
+    g = moe_experts_reference(dequantize_packed(gate), n_ff, x, ids, _slot_of(), "token")
+    u = moe_experts_reference(dequantize_packed(up), n_ff, x, ids, _slot_of(), "token")
+    a = torch.nn.functional.silu(g) * u
+    y = moe_experts_reference(dequantize_packed(down), down.n // SLOTS, a, ids, _slot_of(), "pair")
+    return moe_combine_reference(y, weights)
+
+
+@pytest.mark.parametrize("path", ["decode", "grouped"])
+def test_moe_layer(path: str) -> None:
+    """router -> gate/up (one stack) -> SwiGLU -> down -> combine, wired as a model step does:
+    the decode path on integer activations (gated_act writes the down GEMV's QuantizedX), the
+    grouped path with one tile map for both GEMMs and x in element order. Against the float64
+    layer on the same routing."""
+    t, k, d, n_ff = 3, 2, 256, 256
+    gate, up = _stack(GGMLType.Q4_K, n_ff, d, seed=1), _stack(GGMLType.Q4_K, n_ff, d, seed=2)
+    down = _stack(GGMLType.Q6_K, d, n_ff, seed=3)
+    gu = _interleave(gate, up, SLOTS)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(t, d, generator=g)
+    logits = torch.randn(t, E, generator=g)
+    logits[0, 1] = 9.0  # token 0 picks expert 1 (off the device: its part is the CPU's)
+    weights, ids = moe_route(logits.to(DEVICE), k, True)
+    slot_of = _slot_of()
+    if path == "decode":
+        h = moe_gemv(gu, 2 * n_ff, quantize_x(x.to(DEVICE)), ids, slot_of, "token")
+        qa = empty_quantized(t * k, n_ff, DEVICE)
+        gated_act(h[:, :n_ff], h[:, n_ff:], "silu", quantized=qa)
+        y = moe_gemv(down, d, qa, ids, slot_of, "pair")
+    else:
+        tiles = moe_align(ids, E, 16)
+        h = moe_gemm(x.half().to(DEVICE), gu, 2 * n_ff, tiles, slot_of, "token", x_permuted=False)
+        a = gated_act(h[:, :n_ff], h[:, n_ff:], "silu", out=torch.empty(t * k, n_ff, dtype=torch.float16,
+                                                                        device=DEVICE))  # fmt: skip
+        y = moe_gemm(a, down, d, tiles, slot_of, "pair", x_permuted=False)
+    out = moe_combine(y, weights)
+    assert ids[0, 0] == 1
+    ref = _layer_reference(x, gate, up, down, n_ff, weights.cpu().double(), ids.cpu())
+    close(f"layer {path}", out, ref, 2e-3 if path == "grouped" else 1e-4)
