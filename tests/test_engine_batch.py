@@ -195,3 +195,16 @@ def test_the_chain_check_reads_every_sequence_on_the_cpu(tiny):
     for s in seqs:
         eng.cancel(s)
     assert eng.blocks.n_used == 0
+
+
+def test_the_profile_step_is_a_valid_largest_step(tiny):
+    """The load-time profile step (ModelRunner.profile_inputs: max_seqs - 1 decode rows and a
+    chunk filling the token budget, on the scratch block) runs on the reference and gives
+    finite logits for every row; the pool's blocks stay free."""
+    llm = LLM(tiny, n_ctx=96, max_seqs=8, max_batch_tokens=128)
+    runner = llm.engine.runner
+    x = runner.profile_inputs(128)
+    assert x.q_lens == [1] * 7 + [96, 25]  # chunks of at most a context fill the budget
+    logits = runner._eager(x)
+    assert logits.shape == (9, llm.config.n_vocab) and bool(logits.isfinite().all())
+    assert llm.engine.blocks.n_used == 0

@@ -58,15 +58,26 @@ def gpu_mb(pid: int) -> float | None:
     return None
 
 
-def kv_blocks_used(server: ServerProcess) -> float | None:
+def metrics(server: ServerProcess) -> dict[str, float]:
+    """The server's unlabelled gauges and its memory by kind (``memory.KIND``)."""
     conn = server.connect()
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
     conn.close()
+    out = {}
     for line in text.splitlines():
-        if line.startswith("deimos_kv_blocks_used "):
-            return float(line.split()[1])
-    return None
+        if line.startswith("deimos_memory_bytes{kind=\""):
+            kind = line.split('"')[1]
+            out["memory." + kind] = float(line.split()[-1])
+        elif line.startswith("deimos_") and " " in line and "{" not in line:
+            name, value = line.split()[:2]
+            out[name[len("deimos_"):]] = float(value)
+    return out
+
+
+def gib(m: dict[str, float], kind: str) -> str:
+    v = m.get("memory." + kind)
+    return "-" if v is None else f"{v / 2**30:.2f}"
 
 
 # the longest random prompt (words) and answer (tokens): the CPU soak's small ones by default
@@ -154,6 +165,7 @@ def main() -> int:
                 outcomes[one(server, rng, args.ctx)] += 1
             rss0 = rss_mb(server.proc.pid)
             gpu0 = gpu_mb(server.proc.pid)
+            m0 = metrics(server)
             t0 = time.monotonic()
             lock = threading.Lock()
             left = [args.requests]
@@ -187,7 +199,8 @@ def main() -> int:
             time.sleep(1)
             rss1 = rss_mb(server.proc.pid)
             gpu1 = gpu_mb(server.proc.pid)
-            used = kv_blocks_used(server)
+            m1 = metrics(server)
+            used = m1.get("kv_blocks_used")
             alive = server.request("GET", "/health")[0] == 200
             dt = time.monotonic() - t0
             bad = sum(v for k, v in outcomes.items() if k.startswith("BAD"))
@@ -197,6 +210,9 @@ def main() -> int:
             print(f"soak: RSS after warm-up {rss0:.1f} MB, at the end {rss1:.1f} MB "
                   f"(growth {growth:+.1f} MB; min/max during {min(samples or [rss1]):.1f}/"
                   f"{max(samples or [rss1]):.1f} MB); alive: {alive}; KV blocks used at the end: {used}")
+            print(f"soak: torch GPU memory allocated / reserved GiB: after warm-up {gib(m0, 'gpu_allocated')}"
+                  f" / {gib(m0, 'gpu_reserved')}, at the end {gib(m1, 'gpu_allocated')} / "
+                  f"{gib(m1, 'gpu_reserved')}")
             gpu_ok = True
             if gpu0 is not None and gpu1 is not None:
                 gpu_ok = abs(gpu1 - gpu0) <= args.max_gpu_growth * gpu0

@@ -134,7 +134,13 @@ class Engine:
         return self.cfg.n_ctx
 
     def warm(self, progress=None) -> None:
+        """Capture the graphs, then one eager step of the largest shape (its activations'
+        memory reserved now, not while serving)."""
         self.runner.warm(progress)
+        peak = self.runner.profile(self.cfg.max_batch_tokens)
+        if peak:
+            log.info("the largest eager step (%d tokens) peaks at %.2f GiB of activations",
+                     self.cfg.max_batch_tokens, peak / 2**30)
 
     # ---- requests ----------------------------------------------------------------------
 

@@ -132,6 +132,37 @@ class ModelRunner:
                     progress(f"{label} {n}")
                 g.capture()
 
+    @torch.inference_mode()
+    def profile(self, max_batch_tokens: int) -> int:
+        """One eager step of the largest shape the scheduler makes (``max_seqs - 1`` decode rows
+        beside a prompt chunk filling the token budget, every row's logits), on the scratch
+        block: the step's peak memory is reserved by the caching allocator now, at load, so
+        that serving does not grow it later (what vLLM's profile run measures). Returns the
+        peak bytes allocated during the step (0 off a GPU)."""
+        if self.device.type != "cuda":
+            return 0
+        x = self.profile_inputs(max_batch_tokens)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        self._eager(x)
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - base
+
+    def profile_inputs(self, max_batch_tokens: int) -> StepInputs:
+        """The profile step: decode rows at position 0 and prompt chunks of at most a context
+        each filling the rest of the budget, all on block 0."""
+        n_dec = max(0, min(self.max_seqs - 1, max_batch_tokens - 1))
+        left = max(1, max_batch_tokens - n_dec)
+        chunks = [min(left - i, self.n_ctx) for i in range(0, left, self.n_ctx)]
+        pos = [np.zeros(n_dec, np.int64)] + [np.arange(c, dtype=np.int64) for c in chunks]
+        positions = np.concatenate(pos)
+        ends = np.cumsum([1] * n_dec + chunks) - 1
+        b = n_dec + len(chunks)
+        return StepInputs(np.zeros(len(positions), np.int64), positions, positions % self.block_size,
+                          np.zeros((b, self.max_blocks), np.int32), [1] * n_dec + chunks, [0] * b,
+                          n_dec, ends.astype(np.int64), [])
+
     def decode_graph_for(self, n: int):
         for b in sorted(self.decode_graphs):
             if b >= n:

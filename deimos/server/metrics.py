@@ -135,9 +135,15 @@ class Metrics:
     # ---- readers ---------------------------------------------------------------------
 
     def memory(self) -> dict[str, int]:
-        """Bytes by kind: the static sizes given at start plus the process's resident set."""
+        """Bytes by kind: the static sizes given at start plus the process's resident set and,
+        once CUDA is in use, torch's allocated and reserved (cached) GPU memory."""
         out = dict(self._memory)
         out["process_rss"] = _rss_bytes()
+        import torch
+
+        if torch.cuda.is_initialized():
+            out["gpu_allocated"] = torch.cuda.memory_allocated()
+            out["gpu_reserved"] = torch.cuda.memory_reserved()
         return out
 
     def recent_speeds(self) -> tuple[float, float]:
