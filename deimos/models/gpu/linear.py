@@ -116,7 +116,7 @@ class QuantLinear:
         self.notices = notices
         self._cols: torch.Tensor | None = None
         self._words = words_per_group(packed.ggml_type)
-        self.dense: torch.Tensor | None = None  # fp16 [n, k], columns permuted (placement.py)
+        self.dense: torch.Tensor | None = None  # fp16 [n, k] in element order (placement.py)
 
     def _columns(self) -> torch.Tensor:
         if self._cols is None:
@@ -137,7 +137,7 @@ class QuantLinear:
         if t == 1 or (t <= GEMV_ROWS and (self.dense is None or t < DENSE_ROWS)):
             y = gemv_q8(self.packed, self.inputs.quantized(x))
         elif self.dense is not None:
-            y = matmul_f16(self.inputs.permuted(x, self._words, self._columns()), self.dense)
+            y = matmul_f16(self.inputs.half(x), self.dense)
         elif t <= GEMM_ROWS:
             y = gemm_q(self.packed, self.inputs.permuted(x, self._words, self._columns()))
         else:

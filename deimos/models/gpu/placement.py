@@ -96,6 +96,6 @@ def place_dense(model, mode: str = "auto", free_bytes: int | None = None) -> Den
                          f"has {free_bytes / 2**30:.1f} GiB free (less a {RESERVE_BYTES / 2**30:.0f} GiB "
                          "reserve); use auto or off")
     for lin in lins:
-        lin.dense = dequantize_fp16(lin.packed, permuted=True)
+        lin.dense = dequantize_fp16(lin.packed)  # element order: x needs no column permutation
     log.info("dense weights: fp16 copies of %d quantized linears, %.1f GiB", len(lins), need / 2**30)
     return DensePlan(len(lins), len(lins), need, mode)
