@@ -24,6 +24,7 @@ from deimos.kernels.triton.rope import apply_rope, rope_inv_freq
 from deimos.models.batch import Batch
 from deimos.models.config import ModelConfig
 from deimos.models.gpu.linear import InputCache
+from deimos.models.gpu.moe_ops import ResidentSlots, moe_step
 from deimos.models.ops import StepState
 from deimos.quant.triton.gemv_q8 import empty_quantized
 
@@ -40,6 +41,7 @@ class TritonOps:
         bases = sorted({cfg.layer_rope_base(i) for i in range(cfg.n_layer)})
         self.inv_freq = {b: rope_inv_freq(cfg.rope_dim, b, cfg.rope_scale, freq_factors, device)
                          for b in bases}  # fmt: skip
+        self.slots = ResidentSlots()
 
     def begin(self, batch: Batch) -> StepState:
         # int32 positions: what the rope and decode-attention kernels read
@@ -114,3 +116,8 @@ class TritonOps:
         if qx is not None:
             self.inputs.put(y, qx)
         return y
+
+    def moe(self, x, block):
+        """The routed experts of ``block`` (deimos.models.gpu.moe_ops), all on the device."""
+        qx = self.inputs.quantized(x) if self.inputs is not None and x.shape[0] == 1 else None
+        return moe_step(x, block, self.slots(block.n_expert, x.device), quantized=qx)
