@@ -65,10 +65,11 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--greedy", action="store_true")
     ap.add_argument("--dense-weights", default="auto", choices=("auto", "on", "off"))
+    ap.add_argument("--max-seqs", type=int, default=None, help="the engine's (default: max(64, C))")
     ap.add_argument("--stagger", type=int, default=0,
                     help="submit the requests this many steps apart (a serving load), not at once")
     args = ap.parse_args()
-    llm = LLM(args.model, n_ctx=args.ctx, device="cuda", max_seqs=max(64, args.concurrency),
+    llm = LLM(args.model, n_ctx=args.ctx, device="cuda", max_seqs=args.max_seqs or max(64, args.concurrency),
               dense_weights=args.dense_weights)
     print(f"dense weights: {llm.dense}", flush=True)
     eng = llm.engine

@@ -34,5 +34,11 @@ soak)
   python3 tools/soak_server.py --model $M8 --ctx 1024 --requests ${SOAK_N:-1000} --clients 32 --warmup 40 \
     --max-new 96 --words 400 --max-growth-mb 512 --server-args "--device cuda" 2>&1 | tee "$OUT/soak.txt" | tail -5
   idle ;;
+moe)
+  M30=/tmp/m/qwen3moe-30b-Q4_K_M.gguf
+  synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2; idle; ls -la $M30
+  for c in ${MLEVELS:-1}; do
+    python3 bench/engine_steps.py $M30 -c $c --max-seqs $c ${MARGS:-} 2>&1 | grep -v Warning | tee -a "$OUT/moe.txt" | tail -8
+  done; idle ;;
 *) echo "usage: $0 tests|sweep|steps|serve|soak" >&2; exit 2 ;;
 esac
