@@ -75,6 +75,20 @@ def test_promote_copies_then_publishes_on_poll():
     assert cache.slot_of.data_ptr() == table  # the table is updated in place
 
 
+def test_promote_many_evicts_in_order_and_publishes_the_evictions():
+    cache = LayerCache(host_experts(), 2, "cpu", policy="lru")
+    cache.record(np.array([0]))
+    cache.record(np.array([1]))
+    assert cache.promote_many([0, 1, 0]) == [0, 1]
+    cache.poll()
+    cache.record(np.array([5, 6]))
+    assert cache.promote_many([5, 6]) == [5, 6]  # victims 0 then 1 (least recent first)
+    assert (cache.slot_of == -1).all()  # the evictions are published, the copies not yet
+    cache.poll()
+    assert sorted(cache.resident.tolist()) == [5, 6]
+    check_consistent(cache)
+
+
 def test_slot_weight_is_the_experts_packed_rows():
     host = host_experts()
     cache = LayerCache(host, 2, "cpu")

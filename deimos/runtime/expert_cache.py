@@ -281,36 +281,52 @@ class LayerCache:
     # -- promotion --------------------------------------------------------------------------------
 
     def promote(self, expert: int, stream: torch.cuda.Stream | None = None) -> bool:
-        """Start copying ``expert`` into a slot: a free one, else the policy's victim (if the
-        policy admits the expert). False when it is resident or on its way already, there are
-        no slots, or the policy declined."""
+        """Start copying ``expert`` into a slot: a free one, else the policy's victim. False
+        when it is resident or on its way already, or there are no slots."""
+        return bool(self.promote_many([expert], stream))
+
+    def promote_many(self, experts: Sequence[int], stream: torch.cuda.Stream | None = None) -> list[int]:
+        """``promote`` for several experts (in order) with one publication of their victims'
+        evictions; returns the experts whose copies started."""
+        claimed: list[tuple[int, int]] = []
+        evicted = False
+        for e in experts:
+            got = self._claim(int(e), claimed)
+            if got is not None:
+                claimed.append((int(e), got[0]))
+                evicted |= got[1]
+        if evicted:  # the victims' -1 reach the device before their slots are overwritten
+            self._publish()
+        if claimed and stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        for e, slot in claimed:
+            self.pending[slot] = (e, copy_expert(self.host, e, self.slot_arrays(slot), stream))
+            self.promotions += 1
+        return [e for e, _ in claimed]
+
+    def _claim(self, expert: int, claimed: list[tuple[int, int]]) -> tuple[int, bool] | None:
+        """(slot, whether a victim was evicted) for ``expert``, or None; ``claimed``: (expert,
+        slot) pairs taken by this call already."""
         if not 0 <= expert < self.n_expert:
             raise ValueError(f"expert cache: expert {expert} outside [0, {self.n_expert})")
-        if self.slot_of_host[expert] >= 0 or any(e == expert for e, _ in self.pending.values()):
-            return False
-        used = self.expert_in[: self.n_slots]
-        free = np.flatnonzero(used < 0)
-        free = free[~np.isin(free, list(self.pending))]
+        busy = [*self.pending.values(), *claimed]
+        if self.slot_of_host[expert] >= 0 or any(e == expert for e, _ in busy):
+            return None
+        free = np.flatnonzero(self.expert_in[: self.n_slots] < 0)
+        free = free[~np.isin(free, [*self.pending, *(s for _, s in claimed)])]
         if free.size:
-            slot = int(free[0])
-        else:
-            victims = self.resident
-            if not victims.size:
-                return False
-            victim = int(victims[np.argmin(self.policy.value()[victims])])
-            if not self.policy.admit(expert, victim):
-                self.declined += 1
-                return False
-            slot = int(self.slot_of_host[victim])
-            self.slot_of_host[victim] = -1
-            self.expert_in[slot] = -1
-            self._publish()
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        ev = copy_expert(self.host, expert, self.slot_arrays(slot), stream)
-        self.pending[slot] = (expert, ev)
-        self.promotions += 1
-        return True
+            return int(free[0]), False
+        victims = self.resident
+        if not victims.size:
+            return None
+        victim = int(victims[np.argmin(self.policy.value()[victims])])
+        if not self.policy.admit(expert, victim):
+            self.declined += 1
+            return None
+        slot = int(self.slot_of_host[victim])
+        self.slot_of_host[victim] = -1
+        self.expert_in[slot] = -1
+        return slot, True
 
     def poll(self, wait: bool = False) -> int:
         """Publish every finished copy (all of them with ``wait``): their slots become visible
@@ -388,7 +404,7 @@ class _Publisher:
     through a ring of pinned buffers, each reused only after its last copy has run (so the
     host never waits for the step in flight); elsewhere a plain copy."""
 
-    RING = 4
+    RING = 16
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -452,6 +468,9 @@ class ExpertCache:
 
     def promote(self, layer: int, expert: int, stream: torch.cuda.Stream | None = None) -> bool:
         return self.layers[layer].promote(expert, stream)
+
+    def promote_many(self, layer: int, experts: Sequence[int], stream: torch.cuda.Stream | None = None) -> list[int]:
+        return self.layers[layer].promote_many(experts, stream)
 
     def poll(self, wait: bool = False) -> int:
         return sum(lay.poll(wait) for lay in self.layers)
