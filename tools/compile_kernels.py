@@ -71,8 +71,8 @@ class _StubDriver:
 
 def _jobs() -> list[Job]:
     """Every (kernel, constexpr config) the wrappers launch on a GPU."""
-    return (_q8_jobs() + _gemm_q_jobs() + _layer_jobs() + _paged_jobs() + _sample_batch_jobs()
-            + _moe_jobs())
+    return (_q8_jobs() + _rows_jobs() + _gemm_q_jobs() + _layer_jobs() + _paged_jobs()
+            + _sample_batch_jobs() + _moe_jobs())
 
 
 def _q8_jobs() -> list[Job]:
@@ -151,6 +151,44 @@ def _q8_jobs() -> list[Job]:
         jobs.append(Job("quantize_x", f"x={dt} G={q.QUANT_BLOCK_G}",
                         _warm_args(q._quantize_x_kernel, args, BLOCK_G=q.QUANT_BLOCK_G,
                                    num_warps=4)))
+    return jobs
+
+
+def _rows_jobs() -> list[Job]:
+    """The multi-row integer-activation GEMV (quant.triton.gemv_rows) per format at the tiles
+    its rule gives for llama 8B's matrices at 2, 4 and 8 activation rows (each with the EVEN
+    flag of that launch, and each tile's masked variant)."""
+    import importlib
+
+    import torch
+    from triton.runtime.jit import MockTensor
+
+    from deimos.gguf.constants import GGMLType
+    from deimos.quant.triton.dequant_gemv import FMT_ID, scale16, weight_arrays
+    from deimos.quant.triton.layout import KERNEL_TYPE
+
+    gr = importlib.import_module("deimos.quant.triton.gemv_rows")
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+    jobs = []
+    for t in [*FMT_ID, GGMLType.IQ4_XS, GGMLType.IQ2_XS]:
+        kt = KERNEL_TYPE.get(t, t)
+        sample = _packed_sample(t, 4096)
+        launches = set()
+        for n, k in shapes:
+            for rows in (2, 4, 8):
+                cfg = gr.rows_config(kt, n, k, rows)
+                launches.add((rows, cfg, k // 32 % cfg.block_s == 0))
+                launches.add((rows, cfg, False))
+        for rows, cfg, even in sorted(launches):
+            args = [MockTensor(a.dtype) for a in weight_arrays(sample)]
+            args += [MockTensor(torch.int32), MockTensor(torch.float32), MockTensor(torch.int32),
+                     MockTensor(torch.float32), 4096, 4096]
+            jobs.append(Job("gemv_rows_" + t.name,
+                            f"R={rows} " + _describe(cfg) + f" xb={int(cfg.xb)} even={int(even)}",
+                            _warm_args(gr._gemv_rows_kernel, args, FMT=FMT_ID[kt], ROWS=rows,
+                                       BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s, ASM=True,
+                                       XB=cfg.xb, EVEN=even, SCALE16=scale16(sample),
+                                       num_warps=cfg.num_warps, **PDL_KW)))
     return jobs
 
 
@@ -401,10 +439,11 @@ def _sample_batch_jobs() -> list[Job]:
 def _moe_jobs() -> list[Job]:
     """The routed experts (kernels.triton.moe_route, quant.triton.moe_gemv / moe_gemm) at the
     configs their launch rules pick for qwen3moe 30B-A3B (n_embd 2048, n_ff_exp 768, E 128,
-    k 8) at T = 1, 16, 64, 512 (and 2048, the default batch-token budget: block_m 64): the router and the
-    combine; the decode GEMV per format on gate (768 x 2048), the fused gate/up (1536 x 2048)
-    and down (2048 x 768, pair rows); moe_align's three passes; the grouped GEMM per format at
-    each block_m the rule gives (x orders and masked variants below)."""
+    k 8) at T = 1, 16, 64, 512 (and 2048, the default batch-token budget: block_m 64): the
+    router and the combine; the decode GEMV per format on gate (768 x 2048), the fused gate/up
+    (1536 x 2048) and down (2048 x 768, pair rows), on one stack and on chunked slots;
+    moe_align's three passes; the grouped GEMM per format at each block_m the rule gives (x
+    orders, chunked and masked variants below)."""
     import importlib
 
     import torch
@@ -435,6 +474,7 @@ def _moe_jobs() -> list[Job]:
                             _warm(route._combine_kernel, [f32, f32, f32, dt, d_model], TOP_K=top_k,
                                   BLOCK_D=route.COMBINE_BLOCK, HAS_ADD=add, num_warps=4, **PDL_KW)))
     gemv_shapes = ((n_ff, d_model, False), (2 * n_ff, d_model, False), (d_model, n_ff, True))
+    i64 = torch.int64
     for t in [*FMT_ID, GGMLType.IQ4_XS, GGMLType.IQ2_XS]:
         kt = KERNEL_TYPE.get(t, t)
         for n, k, pair in gemv_shapes:
@@ -442,16 +482,19 @@ def _moe_jobs() -> list[Job]:
             arrays = weight_arrays(sample)
             cfg = q.q8_config(kt, n, k, 1)
             even = k // 32 % cfg.block_s == 0
-            args = [MockTensor(a.dtype) for a in arrays]
-            args += [MockTensor(i32), MockTensor(f32), MockTensor(i32), MockTensor(f32),
-                     MockTensor(i32), MockTensor(i32), n, k, n_exp, top_k]
-            args += [a.stride(0) for a in arrays]
-            jobs.append(Job("moe_gemv_" + t.name, f"{n}x{k} pair={int(pair)} " + _describe(cfg)
-                            + f" xb={int(cfg.xb)} even={int(even)}",
-                            _warm_args(mv._moe_gemv_kernel, args, FMT=FMT_ID[kt], BLOCK_N=cfg.block_n,
-                                       BLOCK_S=cfg.block_s, ASM=True, XB=cfg.xb, EVEN=even,
-                                       SCALE16=scale16(sample), PAIR_ROWS=pair,
-                                       num_warps=cfg.num_warps, **PDL_KW)))
+            for chunked in (False, True):  # one stack; slots in the expert cache's chunks
+                args = [MockTensor(a.dtype) for a in arrays]
+                args += [MockTensor(i64 if chunked else a.dtype) for a in arrays]
+                args += [MockTensor(i32), MockTensor(f32), MockTensor(i32), MockTensor(f32),
+                         MockTensor(i32), MockTensor(i32), n, k, n_exp, top_k]
+                args += [a.stride(0) for a in arrays] + [4 if chunked else 1]
+                jobs.append(Job("moe_gemv_" + t.name, f"{n}x{k} pair={int(pair)} " + _describe(cfg)
+                                + f" xb={int(cfg.xb)} even={int(even)} chunked={int(chunked)}",
+                                _warm_args(mv._moe_gemv_kernel, args, FMT=FMT_ID[kt],
+                                           BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s, ASM=True,
+                                           XB=cfg.xb, EVEN=even, SCALE16=scale16(sample),
+                                           PAIR_ROWS=pair, CHUNKED=chunked,
+                                           num_warps=cfg.num_warps, **PDL_KW)))
     block_ms = sorted({mg.moe_block_m(t * top_k, n_exp) for t in tokens})
     for t in tokens:
         p = t * top_k
@@ -472,28 +515,35 @@ def _moe_jobs() -> list[Job]:
         kt = KERNEL_TYPE.get(t, t)
         wpg = words_per_group(kt)
         # x permuted for gate/up (the InputCache's copy), in element order for down (gated_act's
-        # fp16 output as it is); both orders for both at Q4_K and Q6_K; masked K steps per tile.
+        # fp16 output as it is); both orders for both at Q4_K and Q6_K; masked K steps per tile;
+        # the main launches also with slots in the expert cache's chunks.
         # (K is not specialized on: 768 and 2048 are both multiples of 16)
         launches = set()
         for n, k, pair in gemm_shapes:
             for bm in block_ms:
                 c = mg.moe_gemm_config(kt, n, k, bm)
+                even = k // 32 % (c.block_j // wpg) == 0
                 for perm in (True, False):
                     if perm != pair or t in (GGMLType.Q4_K, GGMLType.Q6_K):
-                        launches.add((bm, c, pair, perm, k // 32 % (c.block_j // wpg) == 0, k))
-                launches.add((bm, c, pair, not pair, False, k))
-        for bm, c, pair, perm, even, k in sorted(launches):
+                        launches.add((bm, c, pair, perm, even, k, False))
+                launches.add((bm, c, pair, not pair, even, k, True))
+                launches.add((bm, c, pair, not pair, False, k, False))
+        for bm, c, pair, perm, even, k, chunked in sorted(launches):
             sample = _packed_sample(t, k)
-            args = [MockTensor(f16)] + [MockTensor(a.dtype) for a in weight_arrays(sample)]
+            arrays = weight_arrays(sample)
+            args = [MockTensor(f16)] + [MockTensor(a.dtype) for a in arrays]
+            args += [MockTensor(i64 if chunked else a.dtype) for a in arrays]
             args += [MockTensor(f32), MockTensor(i32), MockTensor(i32), MockTensor(i32), d_model, k,
-                     top_k, k]
+                     top_k, k] + [a.stride(0) for a in arrays] + [4 if chunked else 1]
             jobs.append(Job("moe_gemm_" + t.name,
                             f"M={bm} N={c.block_n} J={c.block_j} w={c.num_warps} st={c.num_stages} "
-                            f"K={k} pair={int(pair)} perm={int(perm)} even={int(even)}",
+                            f"K={k} pair={int(pair)} perm={int(perm)} even={int(even)} "
+                            f"chunked={int(chunked)}",
                             _warm_args(mg._moe_gemm_kernel, args, FMT=FMT_ID[kt], BLOCK_M=bm,
                                        BLOCK_N=c.block_n, BLOCK_J=c.block_j, PAIR_ROWS=pair,
                                        X_PERMUTED=perm, EVEN=even, SCALE16=scale16(sample),
-                                       num_warps=c.num_warps, num_stages=c.num_stages, **PDL_KW)))
+                                       CHUNKED=chunked, num_warps=c.num_warps,
+                                       num_stages=c.num_stages, **PDL_KW)))
     return jobs
 
 
