@@ -199,9 +199,8 @@ class CpuExperts:
             raise ValueError(f"CpuExperts: out must be float32 {tuple(x.shape)} on the CPU")
         if not rows.size:
             return out
-        xm = x.numpy()[rows]  # [M, D]
         g = self._ggml[layer]
-        y = g(xm, experts) if g is not None else self._exact(layer, xm, experts)
+        y = g(x.numpy(), rows, experts) if g is not None else self._exact(layer, x.numpy()[rows], experts)
         # numpy, one thread: a torch op here would wake its thread pool right after ggml's
         np.add.at(out.numpy(), rows, y * weights[:, None])
         return out
@@ -321,8 +320,9 @@ class _GgmlLayer:
         self.act = {i: _act_type(ggml, m.ggml_type) for i, m in enumerate((lay.gate, lay.up, lay.down))}
         self._plans: OrderedDict[int, _GgmlPlan] = OrderedDict()
 
-    def __call__(self, xm: np.ndarray, experts: np.ndarray) -> np.ndarray:
-        m = xm.shape[0]
+    def __call__(self, x: np.ndarray, rows: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        """x [T, D], the misses' rows and experts [M] -> [M, D] (unweighted)."""
+        m = rows.shape[0]
         plan = self._plans.get(m)
         if plan is None:
             plan = self._plans[m] = _GgmlPlan(self, m)
@@ -330,7 +330,7 @@ class _GgmlLayer:
                 self._plans.popitem(last=False)
         else:
             self._plans.move_to_end(m)
-        return plan.run(xm, experts)
+        return plan.run(x, rows, experts)
 
 
 class _GgmlPlan:
@@ -390,12 +390,14 @@ class _GgmlPlan:
         if self.layer.g.ggml_graph_compute(graph, ctypes.pointer(plan)) != 0:
             raise RuntimeError("ggml_graph_compute failed")
 
-    def run(self, xm: np.ndarray, experts: np.ndarray) -> np.ndarray:
+    def run(self, x: np.ndarray, rows: np.ndarray, experts: np.ndarray) -> np.ndarray:
         p = self.layer.planes
         self.ids_buf[:] = experts[:, None]
-        xs, sx = _pow2_rows(xm)
+        uniq, inv = np.unique(rows, return_inverse=True)  # a token's misses share its planes
+        xs, sx = _pow2_rows(x[uniq])
+        sx = sx[inv]
         for a, (_, buf) in self.x_in.items():
-            buf[:] = quantize_planes(xs, a, p)
+            buf[:] = quantize_planes(xs, a, p)[inv]
         self._compute(self.graph1, self.plan1)
         gate, up = (np.ldexp(t.sum(1, dtype=np.float32), -sx[:, None]) for t in self.gu)
         with np.errstate(over="ignore"):
