@@ -13,6 +13,20 @@ the float64 oracle (moe_misses_reference) on the first call. "tok/s all-CPU" is 
 decode call of 8 misses). torch's int4pack / int8pack CPU matmuls are timed on the same
 shapes (random codes; they cannot hold these formats exactly, so no error is given).
 Measures only.
+
+llama.cpp's CPU expert throughput on the same cores (/work/shared/peers: unpack
+llama-cpu-x86_64.tar.xz, run with LD_LIBRARY_PATH at it; never copy it into the repo): write
+two random qwen3moe files with the 30B-A3B widths, 6 layers, one with 8 experts used and one
+with 1 (``deimos.synth.write_model`` with ``dataclasses.replace(get_preset("qwen3moe-30b-a3b"),
+n_layer=6, n_expert_used=k)``, Q4_K_M, a small donor vocabulary such as llama.cpp's
+models/ggml-vocab-llama-spm.gguf), then ``llama-bench -m F -ngl 0 -t N -p 0 -n 32 -r 8`` on
+each, interleaved: (1/tg(k=8) - 1/tg(k=1)) / (6 layers x 7 experts) is one expert's time;
+compare 8 of them with this bench's "decode 1 tok x 8" at ``--threads N``. Measured here
+(2 shared cores, -t 1): tg 32.7 vs 56.8-64.9 tokens/s, 0.31-0.36 ms an expert, 2.5-2.9 ms a
+token's 8, against 4.2-4.5 ms of ggml compute (5.1-5.4 ms a call) for ggml-python's ggml
+0.15.3 on the file's blocks: llama.cpp repacks Q4_K at load (its CPU_REPACK buffers, which
+want float32 activations) and has a newer ggml. With -t 2 both llama.cpp and ggml-python
+collapse on these shared cores (spinning barriers; cpu_experts.default_threads).
 """
 
 from __future__ import annotations

@@ -9,25 +9,29 @@ A layer's experts stay in their GGUF bytes, read zero-copy from the memory-mappe
 
 Two backends (``CpuExperts(backend=...)``), chosen by measurement (bench/cpu_experts.py):
 
-- ``"ggml"``: ggml's own CPU kernels (the ``ggml-python`` package: ctypes over libggml-cpu, the
-  library llama.cpp's CPU backend is) run ``ggml_mul_mat_id`` on the 3-D tensors as they are
-  in the file, every thread of the machine, the GIL released while they run. ggml multiplies a
-  quantized weight by 8-bit activation blocks (Q8_K for the k- and IQ formats, Q8_0 for the
-  32-element ones): what llama.cpp computes, about 1-2% relative error against float32
-  products on Gaussian activations. So activations go in as ``planes`` (default 2) blocks
-  quantized here: plane 1 = q8(x), plane 2 = q8(x - plane 1), the products summed, the same
-  trick as the GPU decode GEMV's two int8 planes (deimos.quant.triton.gemv_q8): about 2e-5
-  relative error, for ~20-40% more time than one plane (which equals llama.cpp's arithmetic).
-  Each row is scaled by a power of two (exact) so that Q8_0's float16 scales stay normal.
+- ``"ggml"`` (the default where installed): ggml's own CPU kernels (the ``ggml-python``
+  package: ctypes over libggml-cpu, the library llama.cpp's CPU backend is) run
+  ``ggml_mul_mat_id`` on the 3-D tensors as they are in the file, the GIL released while they
+  run. ggml multiplies a quantized weight by 8-bit activation blocks (Q8_K for the k- and IQ
+  formats, Q8_0 for the 32-element ones): what llama.cpp computes, 1-2% relative error
+  against float32 products on Gaussian activations. So activations go in as ``planes``
+  (default 2) blocks quantized here: plane 1 = q8(x) (byte for byte ggml's own), plane 2 =
+  q8(x - plane 1), the products summed: the GPU decode GEMV's two-int8-plane trick
+  (deimos.quant.triton.gemv_q8); 7e-5 relative error, 3 planes 4e-7 (float32's level). Each
+  row is scaled by a power of two (exact) so that Q8_0's float16 scales stay normal.
 - ``"exact"``: deimos.quant's bit-exact decode of each expert touched (kept, float32, in an
-  LRU cache of ``cache_bytes``), float32 torch matmuls. Any format; 20-40 ms to decode a
-  30B-A3B-sized expert on one core, so a cold miss is ~100x slower than ggml's.
+  LRU cache of ``cache_bytes``), float32 torch matmuls. Any format. A cold miss decodes in
+  numpy: 20x slower than ggml; a cached one reads 7x ggml's bytes.
 
-``"auto"`` is ggml where it is installed and the layer's formats have an 8-bit activation
-type, else exact. torch's own quantized CPU matmuls were measured and not used: int4pack
-(``_weight_int4pack_mm_for_cpu``) needs a repack into 32-groups with bf16 scales and bf16
-activations (Q4_K not exact, Q6_K not representable), int8pack (``_weight_int8pack_mm``) has
-one scale per output row (Q8_0's per-32 scales would be requantized).
+Measured on this machine's shared cores, one thread, a 30B-A3B layer (E 128, n_embd 2048,
+n_ff_exp 768), one token's 8 experts from memory (best call): ggml Q4_K_M mix 5.6 ms with 1
+plane, 5.4 ms with 2, 7.6 ms with 3 (3.2-4.5 GB/s of quantized bytes); exact 13 ms warm,
+129 ms cold. torch's quantized CPU matmuls were measured and not used: int4pack
+(``_weight_int4pack_mm_for_cpu``, 2.7 ms) needs a repacked copy in 32-groups with bf16
+scales and bf16 activations (Q4_K not exact, Q6_K and Q8_0 not representable); int8pack
+(``_weight_int8pack_mm``, 5.5 ms) has one scale per output row (Q8_0's per-32 scales would be
+requantized). ``"auto"``: ggml where it is installed and the layer's formats have an 8-bit
+activation type there, else exact.
 
 One caller at a time per ``CpuExperts`` (its buffers are reused); run it in a thread of its
 own to overlap the GPU.
