@@ -80,14 +80,18 @@ class Completion:
 
 class LLM:
     def __init__(self, model: str | Path, *, n_ctx: int | None = None, device: str = "cpu",
-                 progress=None, dense_weights: str = "auto", **engine: Any):
+                 progress=None, dense_weights: str = "auto", experts: str = "auto",
+                 expert_cache_gib: float | None = None, **engine: Any):
         """``model``: a GGUF path or the short name of a known model (pulled if needed).
         ``progress(label)``: called at each loading stage (the CLI's progress bar).
         ``n_ctx``: the most tokens one sequence holds; past the model's trained context it is
         allowed, with a warning. ``engine``: EngineConfig's other fields (max_seqs,
         max_batch_tokens, block_size, kv_tokens, kv_gib, prefix_cache, cuda_graphs).
         ``dense_weights``: auto, on or off: fp16 copies of the quantized linears beside their
-        packed bytes for batched steps (deimos.models.gpu.placement; GPU only)."""
+        packed bytes for batched steps (deimos.models.gpu.placement; GPU only). ``experts``
+        (MoE files on a GPU): auto, gpu or cpu: the routed experts on the GPU, or on the host
+        with a GPU cache of slots (deimos.models.gpu.offload), sized from free memory and
+        elastic, or fixed at ``expert_cache_gib``."""
         check_device(device)
         if dense_weights not in ("auto", "on", "off"):
             raise ValueError(f"dense_weights must be auto, on or off, got {dense_weights!r}")
@@ -99,7 +103,11 @@ class LLM:
             context_size(n_ctx, 0)  # a bad value fails before the weights load
         if progress is not None:
             progress("weights")
-        self.model = load_model(self.file, device=device)
+        self.offload = None
+        if device == "cpu":
+            self.model = load_model(self.file, device=device)
+        else:
+            self.model = self._load_gpu(device, n_ctx, experts, expert_cache_gib, engine)
         self.config = self.model.config
         self.tokenizer = Tokenizer.from_gguf(self.file)
         md = self.file.metadata
@@ -116,9 +124,42 @@ class LLM:
         else:  # before the KV pool takes its share of the free memory
             from deimos.models.gpu.placement import place_dense
 
-            self.dense = place_dense(self.model, dense_weights)
+            # an offloaded model's memory is the expert cache's
+            self.dense = place_dense(self.model, "off" if self.offload is not None else dense_weights)
         self.engine = Engine(self.model, EngineConfig(n_ctx=n_ctx, **engine))
         self.engine.warm(progress)  # CUDA graphs (and every kernel) before the first request
+
+    def _load_gpu(self, device: str, n_ctx: int | None, experts: str, cache_gib: float | None,
+                  engine: dict):
+        """The model on the GPU, its routed experts placed first (deimos.models.gpu.placement):
+        on the device, or on the host behind an expert cache (deimos.models.gpu.offload)."""
+        import torch
+
+        from deimos.models.config import ModelConfig
+        from deimos.models.gpu.placement import plan_experts
+        from deimos.runtime.kv_pool import bytes_per_token
+
+        cfg = ModelConfig.from_gguf(self.file.metadata, source=str(self.file.path), tensors=self.file.tensors)
+        if not cfg.is_moe:
+            return load_model(self.file, device=device)
+        ctx = context_size(n_ctx, cfg.context_length)
+        seqs = engine.get("max_seqs", 64)
+        # what is allocated after the experts: two contexts of KV (at least), the step's activations
+        reserve = 2 * ctx * bytes_per_token(cfg, torch.float16) + 64 * engine.get("max_batch_tokens", 2048) * cfg.n_embd * 4
+        reserve = max(reserve, min(seqs, 4) * ctx * bytes_per_token(cfg, torch.float16))
+        plan = plan_experts(self.file, experts, reserve_bytes=reserve)
+        log.info("routed experts: %s", plan.reason)
+        if plan.device == "gpu":
+            return load_model(self.file, device=device)
+        from deimos.models.gpu.offload import ExpertOffload
+
+        model = load_model(self.file, device=device, expert_device="cpu")
+        self.offload = ExpertOffload(model, self.file, torch.device(device), reserve_bytes=reserve,
+                                     cache_bytes=None if cache_gib is None else int(cache_gib * 2**30))
+        model.ops.attach_offload(self.offload)
+        if engine.get("kv_tokens") is None and engine.get("kv_gib") is None:
+            engine["kv_tokens"] = 2 * ctx  # the rest of the memory is the cache's
+        return model
 
     @property
     def n_ctx(self) -> int:

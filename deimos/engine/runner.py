@@ -171,6 +171,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
+        between = getattr(self.model.ops, "between_steps", None)
+        if between is not None:  # the expert cache: finished promotions, its size
+            between()
         x = step_inputs(plan, self.block_size, self.max_blocks)
         if not len(x.logits_at) and not len(x.tokens):
             return StepResult(None, [])

@@ -21,11 +21,13 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
 }
 
 
-def load_model(file: GGUFFile, device: str = "cpu") -> DecoderModel:
+def load_model(file: GGUFFile, device: str = "cpu", expert_device: str | None = None) -> DecoderModel:
+    """The file's model on ``device``; ``expert_device``: where a MoE model's routed experts
+    go (default: the device; "cpu": host copies for deimos.models.gpu.offload)."""
     config = ModelConfig.from_gguf(file.metadata, source=str(file.path), tensors=file.tensors)
     if torch.device(device).type == "cpu":
         _check_cpu_memory(file)
-    return ARCHITECTURES[config.arch](config, WeightSource(file, device))
+    return ARCHITECTURES[config.arch](config, WeightSource(file, device, expert_device=expert_device))
 
 
 def _check_cpu_memory(file: GGUFFile) -> None:

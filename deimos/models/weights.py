@@ -144,7 +144,8 @@ class WeightSource:
     """
 
     def __init__(self, file: GGUFFile, device: str = "cpu", kernels: bool | None = None,
-                 triton_ops: bool | None = None, expert_cache_bytes: int = EXPERT_CACHE_BYTES):
+                 triton_ops: bool | None = None, expert_cache_bytes: int = EXPERT_CACHE_BYTES,
+                 expert_device: str | None = None):
         self.file = file
         self.device = device
         self.expert_cache = ExpertCache(expert_cache_bytes)  # the reference path's experts
@@ -156,7 +157,7 @@ class WeightSource:
         if self.kernels:
             from deimos.models.gpu import GpuWeights  # imports triton: only when asked for
 
-            self.gpu = GpuWeights(file, device)
+            self.gpu = GpuWeights(file, device, expert_device)
 
     def make_ops(self, cfg, freq_factors: torch.Tensor | None) -> None:
         """The model's layer ops (deimos.models.ops), matching the weights: the Triton

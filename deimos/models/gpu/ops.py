@@ -42,6 +42,7 @@ class TritonOps:
         self.inv_freq = {b: rope_inv_freq(cfg.rope_dim, b, cfg.rope_scale, freq_factors, device)
                          for b in bases}  # fmt: skip
         self.slots = ResidentSlots()
+        self.offload = None  # deimos.models.gpu.offload.ExpertOffload, for experts kept on the host
 
     def begin(self, batch: Batch) -> StepState:
         # int32 positions: what the rope and decode-attention kernels read
@@ -117,7 +118,20 @@ class TritonOps:
             self.inputs.put(y, qx)
         return y
 
+    def attach_offload(self, offload) -> None:
+        """Route every MoE block through ``offload`` (its experts on the host, a GPU cache of
+        slots): its steps synchronise the host once a layer, so no CUDA graph captures them."""
+        self.offload = offload
+        self.graph_safe = False
+
+    def between_steps(self) -> None:
+        if self.offload is not None:
+            self.offload.between_steps()
+
     def moe(self, x, block):
-        """The routed experts of ``block`` (deimos.models.gpu.moe_ops), all on the device."""
+        """The routed experts of ``block``: all on the device (deimos.models.gpu.moe_ops), or
+        through the offload's cache and the CPU."""
+        if self.offload is not None:
+            return self.offload.moe(x, block)
         qx = self.inputs.quantized(x) if self.inputs is not None and x.shape[0] == 1 else None
         return moe_step(x, block, self.slots(block.n_expert, x.device), quantized=qx)

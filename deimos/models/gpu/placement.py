@@ -99,3 +99,47 @@ def place_dense(model, mode: str = "auto", free_bytes: int | None = None) -> Den
         lin.dense = dequantize_fp16(lin.packed)  # element order: x needs no column permutation
     log.info("dense weights: fp16 copies of %d quantized linears, %.1f GiB", len(lins), need / 2**30)
     return DensePlan(len(lins), len(lins), need, mode)
+
+
+# ---- routed experts ----------------------------------------------------------------------------
+
+EXPERT_MODES = ("auto", "gpu", "cpu")
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    device: str  # where the experts' packed stacks are loaded: "gpu" or "cpu" (host copies)
+    expert_bytes: int
+    other_bytes: int
+    reason: str
+
+
+def expert_bytes(file) -> tuple[int, int]:
+    """(routed experts' bytes, every other tensor's bytes) of a GGUF file: its blocks as stored,
+    which is what the packed layouts take within a few percent."""
+    experts = sum(t.nbytes for t in file.tensors.values() if len(t.dims) >= 3)
+    return experts, sum(t.nbytes for t in file.tensors.values() if len(t.dims) < 3)
+
+
+def plan_experts(file, mode: str = "auto", free_bytes: int | None = None,
+                 reserve_bytes: int = 0) -> ExpertPlan:
+    """Where a MoE file's routed experts go, decided before loading. "auto": on the GPU when
+    every weight fits in the free memory less ``reserve_bytes`` (the KV pool's share and the
+    step's activations) and the cache's headroom (runtime.gpu_memory); else host copies with a
+    GPU cache of slots (deimos.models.gpu.offload). "gpu" / "cpu" force it."""
+    if mode not in EXPERT_MODES:
+        raise ValueError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {mode!r}")
+    e, other = expert_bytes(file)
+    if e == 0:
+        return ExpertPlan("gpu", 0, other, "no routed experts")
+    if mode != "auto":
+        return ExpertPlan(mode, e, other, mode)
+    if free_bytes is None:
+        free_bytes, _ = torch.cuda.mem_get_info()
+    from deimos.runtime.gpu_memory import headroom
+
+    room = free_bytes - reserve_bytes - headroom(free_bytes)
+    if e + other <= room:
+        return ExpertPlan("gpu", e, other, f"auto: {(e + other) / 2**30:.1f} GiB of weights fit")
+    return ExpertPlan("cpu", e, other, f"auto: {(e + other) / 2**30:.1f} GiB of weights, "
+                      f"{max(room, 0) / 2**30:.1f} GiB free for them: experts on the host, a GPU cache")

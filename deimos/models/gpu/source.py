@@ -44,9 +44,13 @@ class PackedExperts:
 
 
 class GpuWeights:
-    def __init__(self, file: GGUFFile, device: str | torch.device):
+    def __init__(self, file: GGUFFile, device: str | torch.device,
+                 expert_device: str | torch.device | None = None):
+        """``expert_device``: where the routed experts' packed stacks go (default ``device``;
+        "cpu": a host copy, for a model whose experts do not fit: deimos.models.gpu.offload)."""
         self.file = file
         self.device = torch.device(device)
+        self.expert_device = torch.device(expert_device) if expert_device is not None else self.device
         self.inputs = InputCache()  # shared by every linear of the model
         self.notices = Notices()
         self._packed_all = self._pack_all()
@@ -162,7 +166,7 @@ class GpuWeights:
         step = max(1, CHUNK_ELEMENTS // k)
 
         def work(a: int) -> PackedWeight:
-            return pack(rows[a:a + step], info.ggml_type, info.name).to(self.device)
+            return pack(rows[a:a + step], info.ggml_type, info.name).to(self.expert_device)
 
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as ex:
             parts = list(ex.map(work, range(0, n_expert * n, step)))

@@ -1,0 +1,191 @@
+"""Routed experts bigger than the card: a host copy of every expert, an elastic cache of expert
+slots on the GPU, and the cache's misses computed on the CPU while the GPU computes the hits.
+
+A MoE layer's step (``ExpertOffload.moe``):
+1. on the GPU, the router's logits and ``moe_route`` (weights, ids); the ids, weights and x are
+   copied to pinned host buffers behind an event;
+2. the hits are enqueued on the GPU: ``moe_gemv`` (one token) or ``moe_align`` + ``moe_gemm``,
+   reading the layer's slots through the cache's chunk tables and ``slot_of`` (-1: not resident,
+   its rows written as 0);
+3. the host waits for the event only (the route and the copies, not the experts), records the
+   ids with the cache's policy and computes the misses on the CPU (``runtime.cpu_experts``,
+   ggml's kernels on the GGUF blocks when ggml-python is installed) while the GPU runs step 2;
+4. the CPU's weighted sum goes back to the device and ``moe_combine`` adds it to the hits';
+5. the missed experts are promoted into the cache on a side stream (a few a layer and step:
+   the PCIe budget), published between steps.
+
+Between steps (``between_steps``) finished promotions are published and the slot count is
+re-derived from the card's free memory (NVML, at most every 100 ms: ``runtime.gpu_memory``):
+when another process takes memory the cache shrinks at once and gives whole chunks back to
+the driver; when it leaves, the cache grows after a second. ``--expert-cache-gib`` fixes the
+size instead. A step of this kind synchronises the host once a layer, so it is not captured
+in a CUDA graph (the engine runs these models eagerly).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deimos.kernels.triton.activation import gated_act
+from deimos.kernels.triton.moe_route import moe_combine, moe_route
+from deimos.quant.triton.dequant_gemv import MAX_BATCH
+from deimos.quant.triton.gemv_q8 import quantize_x
+from deimos.quant.triton.moe_gemm import moe_align, moe_block_m, moe_gemm
+from deimos.quant.triton.moe_gemv import ExpertChunks, moe_gemv
+from deimos.runtime.cpu_experts import CpuExperts, LayerExperts
+from deimos.runtime.expert_cache import ExpertCache, HostExperts
+from deimos.runtime.gpu_memory import FreeMemory, SlotSizer, nvml_reader, torch_reader
+
+log = logging.getLogger("deimos")
+
+PARTS = ("gate", "up", "down")
+PROMOTE_PER_STEP = 2  # experts a layer copies in per step (the hit-rate study's PCIe budget)
+
+
+@dataclass
+class OffloadStats:
+    cpu_experts: int = 0  # (token, expert) pairs computed on the CPU
+    tokens: int = 0  # token-layers routed
+    resizes: int = 0
+
+
+class ExpertOffload:
+    """The offload of a model whose MoE blocks hold host ``PackedExperts`` (module docstring).
+
+    ``n_slots`` or ``cache_bytes`` (``--expert-cache-gib``): a fixed size, never resized; else
+    from free memory, less ``reserve_bytes`` for what is allocated after (the KV pool), elastic.
+    ``memory``: the free-memory reader (default NVML, else torch)."""
+
+    def __init__(self, model, file, device: torch.device, *, n_slots: int | None = None,
+                 cache_bytes: int | None = None, reserve_bytes: int = 0,
+                 memory: FreeMemory | None = None, cpu: CpuExperts | None = None):
+        self.device = torch.device(device)
+        self.blocks = [layer.moe for layer in model.layers if getattr(layer, "moe", None) is not None]
+        if not self.blocks:
+            raise ValueError("expert offload: the model has no MoE layers")
+        self.index = {b.layer: i for i, b in enumerate(self.blocks)}
+        hosts = [HostExperts({p: getattr(b, p).weight for p in PARTS}, b.n_expert) for b in self.blocks]
+        self.n_expert = self.blocks[0].n_expert
+        self.cpu = cpu or CpuExperts([LayerExperts.from_gguf(file, b.layer) for b in self.blocks])
+        cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        self.memory = memory
+        if self.memory is None and cuda:
+            index = self.device.index or 0
+            self.memory = FreeMemory(nvml_reader(index) or torch_reader(index))
+        self.cache = ExpertCache(hosts, 0, self.device)
+        if cache_bytes is not None:
+            n_slots = min(self.n_expert, int(cache_bytes) // max(1, self.cache.slot_nbytes))
+        self.fixed = n_slots is not None
+        self.sizer = None
+        if self.memory is not None:
+            self.sizer = SlotSizer(self.memory, self.cache.slot_nbytes, self.n_expert,
+                                   chunk_slots=self.cache.slots_per_chunk, step_bytes=reserve_bytes)
+        if n_slots is None:
+            n_slots = 0 if self.sizer is None else self.sizer.fit(self.memory.free(), 0)
+        self.cache.resize(n_slots)
+        self.stats = OffloadStats()
+        pin = cuda
+        self._host = {}  # (rows, cols, dtype) -> pinned host buffer
+        self._pin = pin
+        log.info("expert offload: %d MoE layers, %d of %d experts a layer on the GPU (%.2f GiB), "
+                 "misses on the CPU (%s)", len(self.blocks), self.cache.n_slots, self.n_expert,
+                 self.cache.nbytes / 2**30, self.cpu.backend(0))
+
+    # ---- between steps -------------------------------------------------------------------
+
+    def between_steps(self) -> None:
+        self.cache.poll()
+        if self.fixed or self.sizer is None:
+            return
+        cur = self.cache.n_slots
+        want = self.sizer.target(cur)
+        if want != cur:
+            self.cache.resize(want)
+            self.stats.resizes += 1
+            log.info("expert cache: %d -> %d slots a layer (%.2f GiB)", cur, want, self.cache.nbytes / 2**30)
+
+    # ---- a layer's step ------------------------------------------------------------------
+
+    def _to_host(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        buf = self._host.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self._host[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self._pin)
+        buf.copy_(t, non_blocking=self._pin)
+        return buf
+
+    def _chunks(self, lay, part: str) -> ExpertChunks:
+        arrays = sorted(lay.host.arrays[part])
+        return ExpertChunks({a: lay.chunk_ptrs[(part, a)] for a in arrays}, lay.spc)
+
+    def _hits(self, x, block, lay, weights, ids) -> torch.Tensor:
+        """The resident experts' share on the GPU ([T * k, D] float32, misses' rows 0)."""
+        t, k = x.shape[0], block.n_expert_used
+        w = {p: lay.slot_weight(0, p) for p in PARTS}  # formats, K, arrays (chunk tables address)
+        c = {p: self._chunks(lay, p) for p in PARTS}
+        f = block.n_ff
+        if t == 1 and k <= MAX_BATCH:
+            qx = quantize_x(x)
+            g = moe_gemv(w["gate"], f, qx, ids, lay.slot_of, "token", chunks=c["gate"])
+            u = moe_gemv(w["up"], f, qx, ids, lay.slot_of, "token", chunks=c["up"])
+            a = gated_act(g, u, block.activation)
+            return moe_gemv(w["down"], x.shape[1], quantize_x(a), ids, lay.slot_of, "pair",
+                            chunks=c["down"])
+        tiles = moe_align(ids, block.n_expert, moe_block_m(t * k, block.n_expert))
+        x16 = x.to(torch.float16).contiguous()
+        g = moe_gemm(x16, w["gate"], f, tiles, lay.slot_of, "token", x_permuted=False, chunks=c["gate"])
+        u = moe_gemm(x16, w["up"], f, tiles, lay.slot_of, "token", x_permuted=False, chunks=c["up"])
+        a = gated_act(g, u, block.activation).to(torch.float16)
+        return moe_gemm(a, w["down"], x.shape[1], tiles, lay.slot_of, "pair", x_permuted=False,
+                        chunks=c["down"])
+
+    def moe(self, x: torch.Tensor, block) -> torch.Tensor:
+        """x float32 ``[T, D]`` -> float32 ``[T, D]``: ``block``'s routed experts."""
+        i = self.index[block.layer]
+        lay = self.cache.layers[i]
+        t, k = x.shape[0], block.n_expert_used
+        xf = x.float().contiguous()
+        logits = torch.mm(xf, block.router.t())
+        weights, ids = moe_route(logits, k, block.normalize)
+        ids_h = self._to_host(ids, "ids")
+        w_h = self._to_host(weights, "weights")
+        x_h = self._to_host(xf, "x")
+        ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        if ready is not None:
+            ready.record()
+        # the table the GPU reads is the published one: what slot_of_host says now
+        resident = lay.slot_of_host.copy()
+        if lay.n_slots and (resident >= 0).any():
+            y = self._hits(xf, block, lay, weights, ids)
+        else:
+            y = torch.zeros((t * k, x.shape[1]), dtype=torch.float32, device=x.device)
+        if ready is not None:
+            ready.synchronize()  # the route and the copies; the experts still run
+        ids_np = ids_h.numpy().astype(np.int64)
+        lay.record(ids_np)
+        miss = resident[ids_np] < 0  # [T, k]
+        rows, slots = np.nonzero(miss)
+        self.stats.tokens += t
+        add = None
+        if rows.size:
+            experts = ids_np[rows, slots]
+            part = self.cpu(i, x_h, rows, experts, w_h.numpy()[rows, slots])
+            self.stats.cpu_experts += int(rows.size)
+            add = part.to(x.device, non_blocking=self._pin) if x.device.type != "cpu" else part
+            if lay.n_slots:
+                uniq, counts = np.unique(experts, return_counts=True)
+                lay.promote_many(uniq[np.argsort(-counts, kind="stable")][:PROMOTE_PER_STEP].tolist(),
+                                 self.stream)
+        return moe_combine(y, weights, add=add)
+
+    def numbers(self) -> dict[str, float]:
+        """For /metrics and the dashboard: slots, hit rate, CPU-computed experts per token."""
+        s = self.cache.stats()
+        per_token = self.stats.cpu_experts / self.stats.tokens if self.stats.tokens else 0.0
+        return {"expert_slots": s["slots"], "expert_cache_bytes": s["bytes"],
+                "expert_hit_rate": s["hit_rate"], "cpu_experts_per_token": per_token,
+                "expert_promotions": s["promotions"], "expert_resizes": self.stats.resizes}

@@ -1,0 +1,134 @@
+"""Routed experts on the host behind a GPU cache of slots (deimos.models.gpu.offload): the cache
+never changes the answer, and it follows the card's free memory.
+
+Oracle: deimos.models.moe.moe_reference on the CPU reference model's block of the same file.
+Not gpu-marked: qwen3moe-tiny blocks with the kernels under TRITON_INTERPRET=1 (the "device"
+and the host are both the CPU there), with 0 slots (every expert on the CPU path), some slots
+and every expert resident, before and after promotions; the elastic size with a test-owned
+free-memory value and clock. gpu-marked: whole files on the GPU, greedy tokens equal with 0,
+some and all slots.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_device import DEVICE  # noqa: I001  (first: sets TRITON_INTERPRET)
+
+from testdata import llama_cpp_path  # noqa: E402
+
+from deimos.gguf import GGUFFile  # noqa: E402
+from deimos.models import ARCHITECTURES, load_model  # noqa: E402
+from deimos.models.gpu.offload import ExpertOffload  # noqa: E402
+from deimos.models.moe import moe_reference  # noqa: E402
+from deimos.models.weights import WeightSource  # noqa: E402
+from deimos.runtime.gpu_memory import FreeMemory  # noqa: E402
+from deimos.synth import write_model  # noqa: E402
+
+DONOR = "models/ggml-vocab-llama-spm.gguf"
+
+
+@pytest.fixture(scope="module")
+def moe_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("offload") / "qwen3moe-tiny-Q8_0.gguf"
+    write_model(path, "qwen3moe", "qwen3moe-tiny", "Q8_0", llama_cpp_path(DONOR), seed=13)
+    return GGUFFile(path)
+
+
+@pytest.fixture(scope="module")
+def models(moe_file):
+    ref = load_model(moe_file)
+    ker = ARCHITECTURES[ref.config.arch](ref.config, WeightSource(moe_file, DEVICE, kernels=True,
+                                                                  expert_device="cpu"))
+    return ref, ker
+
+
+def _x(t: int, d: int, seed: int) -> torch.Tensor:
+    return torch.randn(t, d, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("slots", [0, 2, 4])
+def test_the_cache_never_changes_the_answer(moe_file, models, slots):
+    ref, ker = models
+    off = ExpertOffload(ker, moe_file, torch.device(DEVICE), n_slots=slots)
+    assert off.cache.n_slots == slots
+    layer = 2
+    block, ref_block = ker.layers[layer].moe, ref.layers[layer].moe
+    for step, t in enumerate((1, 3, 1, 3)):  # promotions happen between the steps
+        x = _x(t, ref.config.n_embd, 10 * slots + step)
+        want = moe_reference(x, ref_block)
+        got = off.moe(x.to(DEVICE), block).cpu()
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 2e-2, f"{slots} slots, step {step}: relative error {rel:.2e}"
+        off.between_steps()
+    lay = off.cache.layers[off.index[layer]]
+    assert lay.hits + lay.misses == 8 * block.n_expert_used
+    if slots == 0:
+        assert lay.hits == 0 and off.stats.cpu_experts == 8 * block.n_expert_used
+    else:  # misses were promoted: later steps hit
+        assert lay.hits > 0 and len(lay.resident) > 0
+    if slots == 4:
+        assert off.stats.cpu_experts < 8 * block.n_expert_used
+
+
+def test_the_cache_follows_free_memory(moe_file, models):
+    ref, ker = models
+    state = {"free": 0, "t": 0.0}
+    total = 64 << 30
+    mem = FreeMemory(lambda: (state["free"], total), clock=lambda: state["t"])
+    off = ExpertOffload(ker, moe_file, torch.device(DEVICE), memory=mem)
+    assert off.cache.n_slots == 0  # nothing free: every expert on the CPU
+    slot = off.cache.slot_nbytes
+    state["free"] = off.sizer.headroom + off.sizer.band + 40 * slot  # room for every expert
+    state["t"] += 0.2  # past the reader's 100 ms: the new value is read
+    off.between_steps()
+    assert off.cache.n_slots == 0  # growth waits until the room has lasted a second
+    state["t"] += 0.5
+    off.between_steps()
+    assert off.cache.n_slots == 0
+    state["t"] += 0.6
+    off.between_steps()
+    assert off.cache.n_slots == 4  # E = 4: all
+    block = ker.layers[1].moe
+    x = _x(1, ref.config.n_embd, 3)
+    before = off.moe(x, block).cpu()
+    state["free"] = 0  # another process took the card
+    state["t"] += 0.2
+    off.between_steps()
+    assert off.cache.n_slots == 0 and off.cache.nbytes == 0
+    after = off.moe(x, block).cpu()
+    want = moe_reference(x, ref.layers[1].moe)
+    for got in (before, after):
+        assert ((got - want).norm() / want.norm()).item() < 2e-2
+    assert off.stats.resizes == 2
+    n = off.numbers()
+    assert n["expert_slots"] == 0 and 0 <= n["expert_hit_rate"] <= 1 and n["cpu_experts_per_token"] > 0
+
+
+TIE = 0.1  # reference top-2 logprob gap under which int8 activations may flip a token
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_tokens_with_none_some_and_all_slots(moe_file):
+    from deimos.engine import LLM
+    from deimos.engine.request import Request
+    from deimos.kernels.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0)
+    prompt = torch.randint(0, 30000, (21,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref = LLM(moe_file.path, n_ctx=128)
+    want = ref.run_many([Request(prompt, 16, greedy, top_logprobs=2)])[0]
+    got = {}
+    for gib in (0.0, 0.006, 1.0):  # no slot, about two, every expert
+        llm = LLM(moe_file.path, n_ctx=128, device="cuda", experts="cpu", expert_cache_gib=gib)
+        assert llm.offload is not None
+        got[gib] = llm.run_many([Request(prompt, 16, greedy)])[0].output_ids
+        print(gib, llm.offload.numbers(), got[gib])
+    for gib, ids in got.items():  # the reference's tokens, up to a near-tie (its margin shown)
+        for i, (a, b) in enumerate(zip(want.output_ids, ids)):
+            if a != b:
+                lp = want.token_logprobs[i]
+                gap = lp.top_logprobs[0] - lp.top_logprobs[1]
+                assert gap < TIE, f"{gib} GiB: step {i} gives {b}, the reference {a} (gap {gap:.3f})"
+                break
