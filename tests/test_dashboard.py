@@ -208,3 +208,24 @@ def test_prometheus_exposition_parses_and_registries_are_per_server():
     assert value["deimos_preemptions"] == 5
     other = {f.name: f for f in text_string_to_metric_families(Metrics().prometheus().decode())}
     assert other["deimos_requests"].samples == []
+
+
+def test_expert_cache_numbers_reach_the_dashboard_and_metrics():
+    """An offloaded MoE model's expert cache (EngineStats.experts): slots, hit rate and CPU
+    experts on the dashboard's engine panel and as /metrics gauges."""
+    from dataclasses import replace
+
+    from prometheus_client import generate_latest
+
+    experts = {"expert_slots": 24, "expert_cache_bytes": 3 * 2**30, "expert_hit_rate": 0.625,
+               "cpu_experts_per_token": 2.5, "expert_promotions": 130, "expert_resizes": 2}
+    m = filled_metrics()
+    m.set_engine(replace(STATS, experts=experts))
+    text = text_of(Dashboard(m))
+    for needle in ("24 slots a layer", "3.0 GiB", "62.5% hit", "2.50 on the CPU"):
+        assert needle in text, f"{needle!r} not in\n{text}"
+    out = generate_latest(m.registry).decode()
+    got = {ln.split()[0]: float(ln.split()[1]) for ln in out.splitlines()
+           if ln.startswith("deimos_") and "{" not in ln}
+    for name, value in experts.items():
+        assert got.get(f"deimos_{name}") == float(value), name

@@ -87,6 +87,7 @@ class EngineStats:
     prefix_hit_tokens: int
     prefix_query_tokens: int
     preemptions: int
+    experts: dict | None = None  # the expert cache's numbers (an offloaded MoE model), else None
 
 
 def _make_pool(model: DecoderModel, cfg: EngineConfig) -> KVPool:
@@ -177,9 +178,10 @@ class Engine:
 
     def stats(self) -> EngineStats:
         b = self.blocks
+        numbers = getattr(self.model.ops, "numbers", None)
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), b.n_used,
                            b.n_free, b.n_cached, b.block_size, b.hit_tokens, b.query_tokens,
-                           self.scheduler.preemptions)
+                           self.scheduler.preemptions, numbers() if numbers is not None else None)
 
     # ---- the step ----------------------------------------------------------------------
 

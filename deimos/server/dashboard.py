@@ -278,6 +278,12 @@ class Dashboard:
         t.add_row("prefix cache", f"{e['prefix_hit_rate'] * 100:.1f}% hit",
                   f"{e['prefix_hit_tokens']:,} of {e['prefix_query_tokens']:,} tokens")
         t.add_row("preemptions", f"{e['preemptions']:,}", "")
+        x = e.get("experts")
+        if x:  # an offloaded MoE model's expert cache
+            t.add_row("expert cache", f"{x['expert_slots']:.0f} slots a layer",
+                      f"{x['expert_cache_bytes'] / 2**30:.1f} GiB")
+            t.add_row("", f"{x['expert_hit_rate'] * 100:.1f}% hit",
+                      f"{x['cpu_experts_per_token']:.2f} on the CPU a token-layer")
         return Panel(t, title="engine")
 
     def _active(self, snap: dict[str, Any]) -> Panel:

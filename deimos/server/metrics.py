@@ -260,6 +260,8 @@ class _Collector(Collector):
                 counter("preemptions", "sequences preempted (KV blocks dropped, recomputed "
                         "later) for want of KV blocks", e["preemptions"]),
             ]
+            for name, value in sorted((e["experts"] or {}).items()):  # an offloaded MoE model
+                families.append(gauge(name, EXPERT_HELP.get(name, name.replace("_", " ")), value))
         families += [
             gauge("prefill_tokens_per_second", "recent mean prefill speed", pre_tps),
             gauge("decode_tokens_per_second", "recent mean decode speed", dec_tps),
@@ -271,6 +273,16 @@ class _Collector(Collector):
         yield from families
 
 
+EXPERT_HELP = {
+    "expert_slots": "GPU expert cache slots a MoE layer",
+    "expert_cache_bytes": "GPU memory of the expert cache",
+    "expert_hit_rate": "routed experts found in the GPU cache over experts routed",
+    "cpu_experts_per_token": "routed experts computed on the CPU per token and layer",
+    "expert_promotions": "experts copied into the GPU cache",
+    "expert_resizes": "times the expert cache changed size (free GPU memory)",
+}
+
+
 def engine_numbers(st: EngineStats) -> dict[str, float]:
     """The engine's stats as plain numbers, with the prefix cache's hit rate."""
     q = st.prefix_query_tokens
@@ -278,7 +290,7 @@ def engine_numbers(st: EngineStats) -> dict[str, float]:
             "kv_blocks_free": st.kv_blocks_free, "kv_blocks_cached": st.kv_blocks_cached,
             "block_size": st.block_size, "prefix_hit_tokens": st.prefix_hit_tokens,
             "prefix_query_tokens": q, "prefix_hit_rate": st.prefix_hit_tokens / q if q else 0.0,
-            "preemptions": st.preemptions}
+            "preemptions": st.preemptions, "experts": dict(st.experts) if st.experts else None}
 
 
 def _rss_bytes() -> int:

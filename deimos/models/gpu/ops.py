@@ -124,6 +124,10 @@ class TritonOps:
         self.offload = offload
         self.graph_safe = False
 
+    def numbers(self) -> dict | None:
+        """The expert cache's numbers for /metrics and the dashboard (None: no offload)."""
+        return self.offload.numbers() if self.offload is not None else None
+
     def between_steps(self) -> None:
         if self.offload is not None:
             self.offload.between_steps()
