@@ -112,6 +112,13 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                         "16..256; default: the engine's)")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="do not reuse the KV blocks of earlier prompts' shared prefixes")
+    g.add_argument("--experts", choices=("auto", "gpu", "cpu"), default=None,
+                   help="MoE models on a GPU: where the routed experts live (default auto: on the "
+                        "GPU when the model fits, else on the host with an elastic GPU cache of "
+                        "experts and the misses computed on the CPU)")
+    g.add_argument("--expert-cache-gib", type=_checked(float, Bound(lo=0)), default=None,
+                   metavar="X", help="a fixed GPU expert cache of X GiB (default: sized from free "
+                   "GPU memory, shrinking and growing as other programs take and give memory)")
     g.add_argument("--dense-weights", choices=("auto", "on", "off"), default=None,
                    help="fp16 copies of the quantized weights beside their packed bytes, for "
                         "batched decode and prefill (GPU; 2 bytes a weight; default auto: when "
@@ -128,8 +135,9 @@ def engine_options(args: argparse.Namespace, device: str) -> dict[str, object]:
     from deimos.engine.engine import EngineConfig
 
     trial = dict(opts)
-    if getattr(args, "dense_weights", None) is not None:  # the model's placement, not the engine's
-        opts["dense_weights"] = args.dense_weights
+    for key in ("dense_weights", "experts", "expert_cache_gib"):  # the model's placement
+        if getattr(args, key, None) is not None:
+            opts[key] = getattr(args, key)
     if device == "cpu":
         trial.setdefault("max_seqs", CPU_MAX_SEQS)
     try:

@@ -45,11 +45,14 @@ class ServeConfig:
     block_size: int | None = None
     prefix_cache: bool = True
     dense_weights: str | None = None  # auto, on, off (None: LLM's default, auto)
+    experts: str | None = None  # auto, gpu, cpu (MoE models; None: auto)
+    expert_cache_gib: float | None = None  # a fixed expert cache (None: elastic, from free memory)
 
     def engine_options(self) -> dict[str, object]:
         """The keyword arguments of ``LLM(**...)`` that this config sets."""
         out: dict[str, object] = {k: getattr(self, k) for k in (
-            "max_seqs", "max_batch_tokens", "kv_tokens", "kv_gib", "block_size", "dense_weights")
+            "max_seqs", "max_batch_tokens", "kv_tokens", "kv_gib", "block_size", "dense_weights",
+            "experts", "expert_cache_gib")
             if getattr(self, k) is not None}
         if not self.prefix_cache:
             out["prefix_cache"] = False
