@@ -475,6 +475,7 @@ def _moe_jobs() -> list[Job]:
                                   BLOCK_D=route.COMBINE_BLOCK, HAS_ADD=add, num_warps=4, **PDL_KW)))
     gemv_shapes = ((n_ff, d_model, False), (2 * n_ff, d_model, False), (d_model, n_ff, True))
     i64 = torch.int64
+    chunk_samples = (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)
     for t in [*FMT_ID, GGMLType.IQ4_XS, GGMLType.IQ2_XS]:
         kt = KERNEL_TYPE.get(t, t)
         for n, k, pair in gemv_shapes:
@@ -482,7 +483,9 @@ def _moe_jobs() -> list[Job]:
             arrays = weight_arrays(sample)
             cfg = q.q8_config(kt, n, k, 1)
             even = k // 32 % cfg.block_s == 0
-            for chunked in (False, True):  # one stack; slots in the expert cache's chunks
+            # one stack; slots in the expert cache's chunks (only their base addresses differ:
+            # three formats)
+            for chunked in (False, True) if t in chunk_samples else (False,):
                 args = [MockTensor(a.dtype) for a in arrays]
                 args += [MockTensor(i64 if chunked else a.dtype) for a in arrays]
                 args += [MockTensor(i32), MockTensor(f32), MockTensor(i32), MockTensor(f32),
@@ -515,19 +518,19 @@ def _moe_jobs() -> list[Job]:
         kt = KERNEL_TYPE.get(t, t)
         wpg = words_per_group(kt)
         # x permuted for gate/up (the InputCache's copy), in element order for down (gated_act's
-        # fp16 output as it is); both orders for both at Q4_K and Q6_K; masked K steps per tile;
-        # the main launches also with slots in the expert cache's chunks.
-        # (K is not specialized on: 768 and 2048 are both multiples of 16)
+        # fp16 output as it is); at three formats also the other orders, masked K steps and
+        # slots in the expert cache's chunks. (K is not specialized on: 768 and 2048 are both
+        # multiples of 16; at these sizes the steps divide K: EVEN)
         launches = set()
         for n, k, pair in gemm_shapes:
             for bm in block_ms:
                 c = mg.moe_gemm_config(kt, n, k, bm)
                 even = k // 32 % (c.block_j // wpg) == 0
-                for perm in (True, False):
-                    if perm != pair or t in (GGMLType.Q4_K, GGMLType.Q6_K):
-                        launches.add((bm, c, pair, perm, even, k, False))
-                launches.add((bm, c, pair, not pair, even, k, True))
-                launches.add((bm, c, pair, not pair, False, k, False))
+                launches.add((bm, c, pair, not pair, even, k, False))
+                if t in chunk_samples:
+                    launches.add((bm, c, pair, pair, even, k, False))
+                    launches.add((bm, c, pair, not pair, even, k, True))
+                    launches.add((bm, c, pair, not pair, False, k, False))
         for bm, c, pair, perm, even, k, chunked in sorted(launches):
             sample = _packed_sample(t, k)
             arrays = weight_arrays(sample)

@@ -20,7 +20,8 @@ Ids outside [0, E) are left out (their output rows are then not written).
 ``x_rows="token"``, p for ``"pair"``), decodes its expert's packed weight tile in registers
 with gemm_q's helpers (``group_words``, ``group_scales`` / ``q2k_scales``, ``_decode_words``:
 float32, rounded to fp16) feeding tl.dot (fp32 accumulation), and stores each pair's row of
-the output [T k, n]. A tile whose expert has no slot (slot_of -1) stores zeros.
+the output [T k, n]. A tile whose expert has no slot (slot_of -1) stores zeros. Slots may be
+stored in chunks (moe_gemv.ExpertChunks: the cache's chunk address tables, read on the device).
 
 Oracles: kernels.moe.moe_align_reference (equal entry for entry) and moe_experts_reference
 on the dequantized stack (naive.dequantize_packed).
@@ -45,12 +46,11 @@ from deimos.quant.triton.dequant_gemv import (
     pow2_at_most,
     q2k_scales,
     scale16,
-    weight_arrays,
     words_per_group,
 )
 from deimos.quant.triton.gemm_q import TILE_ELEMENTS, _decode_words
 from deimos.quant.triton.layout import KERNEL_TYPE, PackedWeight
-from deimos.quant.triton.moe_gemv import check_expert_inputs
+from deimos.quant.triton.moe_gemv import ExpertChunks, check_expert_inputs, slot_arrays, slot_base
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 
 ALIGN_CHUNK = 128  # pairs a program of the count and scatter passes
@@ -233,11 +233,11 @@ def moe_align(ids: torch.Tensor, n_expert: int, block_m: int, out: MoeTiles | No
 
 @triton.jit(do_not_specialize=["TOP_K", "stride_xm"])
 def _moe_gemm_kernel(
-    p_x, p_qw, p_qh, p_s, p_d, p_m, p_y, p_order, p_tile_e, p_slot,
-    N, K, TOP_K, stride_xm,
+    p_x, p_qw, p_qh, p_s, p_d, p_m, t_qw, t_qh, t_s, t_d, t_m, p_y, p_order, p_tile_e, p_slot,
+    N, K, TOP_K, stride_xm, r_qw, r_qh, r_s, r_d, r_m, SPC,
     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
     PAIR_ROWS: tl.constexpr, X_PERMUTED: tl.constexpr, EVEN: tl.constexpr,
-    SCALE16: tl.constexpr = False, PDL: tl.constexpr = False,
+    SCALE16: tl.constexpr = False, CHUNKED: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (i_t, i_n): the pairs of tile i_t (its expert's slot) times rows i_n BLOCK_N ..
     of that slot. X_PERMUTED: x's columns are in the packed words' order (gemm_q's contract),
@@ -263,8 +263,14 @@ def _moe_gemm_kernel(
             tl.store(p_out, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), mask=m_out)
         else:
             S_TOTAL = K // 32
-            # the slot's rows; rows past N clamped (loaded, never stored)
-            o_n = slot.to(tl.int64) * N + tl.minimum(o_y, N - 1)
+            # the slot's arrays (slot_base: one stack or a chunk), its rows past N clamped
+            # (loaded, never stored)
+            p_qw = slot_base(p_qw, t_qw, slot, N, r_qw, SPC, CHUNKED)
+            p_qh = slot_base(p_qh, t_qh, slot, N, r_qh, SPC, CHUNKED)
+            p_s = slot_base(p_s, t_s, slot, N, r_s, SPC, CHUNKED)
+            p_d = slot_base(p_d, t_d, slot, N, r_d, SPC, CHUNKED)
+            p_m = slot_base(p_m, t_m, slot, N, r_m, SPC, CHUNKED)
+            o_n = tl.minimum(o_y, N - 1).to(tl.int64)
             m_n = o_n >= 0  # all true: the shape the loop's masks broadcast from
             if PAIR_ROWS:
                 row = pair
@@ -346,7 +352,7 @@ def _check_config(cfg: MoeGemmConfig, wpg: int) -> None:
 
 def moe_gemm(x: torch.Tensor, w_stack: PackedWeight, n: int, tiles: MoeTiles, slot_of: torch.Tensor,
              x_rows: str, x_permuted: bool = True, out: torch.Tensor | None = None,
-             cfg: MoeGemmConfig | None = None) -> torch.Tensor:
+             cfg: MoeGemmConfig | None = None, chunks: ExpertChunks | None = None) -> torch.Tensor:
     """The chosen experts' products for many tokens: out[p] = W_slot(ids[p]) x_row(p), float32
     ``[T * k, n]``, one launch over the tile map of ``moe_align``.
 
@@ -354,7 +360,8 @@ def moe_gemm(x: torch.Tensor, w_stack: PackedWeight, n: int, tiles: MoeTiles, sl
     (``"pair"``: pair p reads row p), unit column stride; its columns in the stack's packed
     words' order (``x_permuted``, gemm_q's contract: x[:, dequant.permuted_columns(w)]) or in
     element order (``x_permuted=False``: the kernel gathers them, no permuted copy).
-    w_stack: packed ``[S * n, K]`` (slot s = rows s n ..). tiles: ``moe_align`` of the step's
+    w_stack: packed ``[S * n, K]`` (slot s = rows s n ..; with ``chunks``, slots stored in
+    chunks, only its format, K and arrays are used: moe_gemv). tiles: ``moe_align`` of the step's
     ids. slot_of: int32 ``[E]``, each expert's slot or -1 (its rows are 0). ``out``: optional
     contiguous float32 ``[T * k, n]``; every pair's row with an id in [0, E) is written.
     ``cfg``: the tile (default ``moe_gemm_config``; ``INTERPRETER_TILE`` for a stack on the
@@ -384,12 +391,14 @@ def moe_gemm(x: torch.Tensor, w_stack: PackedWeight, n: int, tiles: MoeTiles, sl
     n_blocks = triton.cdiv(n, cfg.block_n)
     if n_blocks > 65535:
         raise ValueError(f"moe_gemm: {n} rows a slot do not fit a CUDA grid")
+    arrays, tables, widths, spc, chunked = slot_arrays(w_stack, chunks, "moe_gemm")
     _moe_gemm_kernel[(tiles.max_tiles, n_blocks)](
-        x, *weight_arrays(w_stack), out, tiles.order, tiles.tile_expert, slot_of,
-        n, w_stack.k, k, x.stride(0),
+        x, *arrays, *tables, out, tiles.order, tiles.tile_expert, slot_of,
+        n, w_stack.k, k, x.stride(0), *widths, spc,
         FMT=FMT_ID[w_stack.ggml_type], BLOCK_M=tiles.block_m, BLOCK_N=cfg.block_n,
         BLOCK_J=cfg.block_j, PAIR_ROWS=x_rows == "pair", X_PERMUTED=bool(x_permuted),
         EVEN=(w_stack.k // 32) % (cfg.block_j // wpg) == 0, SCALE16=scale16(w_stack),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl_on(out.device)),
+        CHUNKED=chunked, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_options(pdl_on(out.device)),
     )  # fmt: skip
     return out

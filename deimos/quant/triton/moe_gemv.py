@@ -7,6 +7,12 @@ cache of slots), slot s = rows s n .. s n + n - 1 (n any row count: the gate/up 
 slot of 2 n_ff rows). ``slot_of[e]`` (int32, device) is expert e's slot, -1 when the expert is
 not on the device: that pair's row is written as 0 (the CPU computes it; the caller adds it).
 
+Slots in chunks (runtime.expert_cache.LayerCache, which frees whole chunks when the card's
+memory shrinks): ``ExpertChunks`` gives, per array, an int64 device table of each chunk's base
+address; slot s is row block s % spc of chunk s // spc. The kernels read the table on the
+device (it is updated in place, so a captured graph follows the cache) and ``w_stack`` then
+only says the format, K and each array's dtype and row width.
+
 Program (i_n, i_p): rows i_n BLOCK_N .. of pair i_p = t k + j, expert ids[t, j]. It finds the
 slot and runs gemv_q8's kernel body itself (``_gemv_q8_kernel`` called as a device function:
 the same dp4a dot, tiles and launch rule, nothing copied) on pointers moved to the slot's rows
@@ -21,6 +27,8 @@ Oracle: deimos.kernels.moe.moe_experts_reference on the dequantized stack
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -41,14 +49,36 @@ from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 X_ROWS = ("token", "pair")  # the activation row of pair p = t k + j: t (gate/up) or p (down)
 
 
+class ExpertChunks(NamedTuple):
+    """Slots stored in chunks: ``tables[a]`` (int64 ``[max_chunks]`` on the device) holds the
+    base address of array ``a``'s view in each chunk (runtime.expert_cache's
+    ``chunk_ptrs[(part, a)]``), every array of the part's PackedWeight named; slot s is rows
+    (s % slots_per_chunk) n .. of chunk s // slots_per_chunk."""
+
+    tables: dict[str, torch.Tensor]
+    slots_per_chunk: int
+
+
+@triton.jit
+def slot_base(p_a, t_a, slot, N, r_a, SPC, CHUNKED: tl.constexpr):
+    """Pointer to the first row of ``slot`` (N rows a slot, ``r_a`` elements a row) in array
+    ``a``: p_a's rows (one stack), or chunk slot // SPC of the address table ``t_a``."""
+    if CHUNKED:
+        base = tl.load(t_a + slot // SPC).to(p_a.dtype)
+        return base + ((slot % SPC).to(tl.int64) * N) * r_a
+    else:
+        return p_a + (slot.to(tl.int64) * N) * r_a
+
+
 @triton.jit
 def _moe_gemv_kernel(
     p_qw, p_qh, p_s, p_d, p_m,  # the stack's arrays (unused ones get any pointer)
+    t_qw, t_qh, t_s, t_d, t_m,  # CHUNKED: their chunk address tables
     p_xq, p_xd, p_xs, p_y, p_ids, p_slot,
-    N, K, E, TOP_K, r_qw, r_qh, r_s, r_d, r_m,  # r_*: each array's elements a row
+    N, K, E, TOP_K, r_qw, r_qh, r_s, r_d, r_m, SPC,  # r_*: each array's elements a row
     FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ASM: tl.constexpr,
     XB: tl.constexpr, EVEN: tl.constexpr, SCALE16: tl.constexpr, PAIR_ROWS: tl.constexpr,
-    PDL: tl.constexpr = False,
+    CHUNKED: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Rows i_n BLOCK_N .. of pair i_p's output: W_slot(ids[i_p]) x_row, or 0 when the expert
     has no slot. PAIR_ROWS: x row i_p, else i_p // TOP_K."""
@@ -63,15 +93,18 @@ def _moe_gemv_kernel(
         o_y = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(p_y + i_p.to(tl.int64) * N + o_y, tl.zeros([BLOCK_N], dtype=tl.float32), mask=o_y < N)
     else:
-        r0 = slot.to(tl.int64) * N  # the slot's first row
         if PAIR_ROWS:
             dx = i_p * 0
         else:
             dx = i_p // TOP_K - i_p  # gemv_q8 adds i_p rows: x row i_p // TOP_K
-        _gemv_q8_kernel(p_qw + r0 * r_qw, p_qh + r0 * r_qh, p_s + r0 * r_s, p_d + r0 * r_d,
-                        p_m + r0 * r_m, p_xq + dx * (K // 2), p_xd + dx * (K // 32),
-                        p_xs + dx * (K // 16), p_y, N, K, FMT=FMT, BLOCK_N=BLOCK_N,
-                        BLOCK_S=BLOCK_S, ASM=ASM, XB=XB, EVEN=EVEN, PDL=False, SCALE16=SCALE16)
+        _gemv_q8_kernel(slot_base(p_qw, t_qw, slot, N, r_qw, SPC, CHUNKED),
+                        slot_base(p_qh, t_qh, slot, N, r_qh, SPC, CHUNKED),
+                        slot_base(p_s, t_s, slot, N, r_s, SPC, CHUNKED),
+                        slot_base(p_d, t_d, slot, N, r_d, SPC, CHUNKED),
+                        slot_base(p_m, t_m, slot, N, r_m, SPC, CHUNKED),
+                        p_xq + dx * (K // 2), p_xd + dx * (K // 32), p_xs + dx * (K // 16), p_y,
+                        N, K, FMT=FMT, BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S, ASM=ASM, XB=XB,
+                        EVEN=EVEN, PDL=False, SCALE16=SCALE16)
 
 
 def moe_gemv_config(w_stack: PackedWeight, n: int) -> Q8Config:
@@ -80,6 +113,27 @@ def moe_gemv_config(w_stack: PackedWeight, n: int) -> Q8Config:
     if w_stack.device.type == "cpu":
         return INTERPRETER_TILE
     return q8_config(w_stack.ggml_type, n, w_stack.k, 1)
+
+
+def slot_arrays(w_stack: PackedWeight, chunks: ExpertChunks | None, who: str) -> tuple:
+    """The kernels' weight arguments: (the 5 arrays, their 5 chunk tables (the arrays again when
+    not chunked: never read), the 5 row widths, slots a chunk, CHUNKED)."""
+    arrays = weight_arrays(w_stack)
+    widths = tuple(a.stride(0) for a in arrays)
+    if chunks is None:
+        return arrays, arrays, widths, 1, False
+    t = chunks.tables
+    if set(t) != set(w_stack.tensors):
+        raise ValueError(f"{who}: chunk tables for {sorted(t)}, the weight has {sorted(w_stack.tensors)}")
+    for name, tab in t.items():
+        if tab.dtype != torch.int64 or tab.dim() != 1 or not tab.is_contiguous() or tab.device != w_stack.device:
+            raise ValueError(f"{who}: chunk table {name!r} must be contiguous int64 [chunks] on "
+                             f"{w_stack.device}, got {tab.dtype} {tuple(tab.shape)}")  # fmt: skip
+    if not (isinstance(chunks.slots_per_chunk, int) and chunks.slots_per_chunk >= 1):
+        raise ValueError(f"{who}: slots_per_chunk must be >= 1, got {chunks.slots_per_chunk}")
+    qw = t["qw"]
+    tables = (qw, t.get("qh", qw), t.get("meta", t.get("sc", qw)), t.get("d", qw), t.get("m", qw))
+    return arrays, tables, widths, chunks.slots_per_chunk, True
 
 
 def check_expert_inputs(w_stack: PackedWeight, n: int, slot_of: torch.Tensor, x_rows: str,
@@ -91,6 +145,8 @@ def check_expert_inputs(w_stack: PackedWeight, n: int, slot_of: torch.Tensor, x_
         raise ValueError(f"{who}: no kernel for {w_stack.ggml_type.name}")
     if not (isinstance(n, int) and n > 0 and w_stack.n % n == 0):
         raise ValueError(f"{who}: the stack's {w_stack.n} rows are not whole slots of n = {n} rows")
+    if any(t.dim() < 2 or not t.is_contiguous() for t in w_stack.tensors.values()):
+        raise ValueError(f"{who}: the stack's arrays must be contiguous [rows, ...] tensors")
     if x_rows not in X_ROWS:
         raise ValueError(f"{who}: x_rows must be one of {X_ROWS}, got {x_rows!r}")
     for name, t, dims in (("ids", ids, 2), ("slot_of", slot_of, 1)):
@@ -107,10 +163,12 @@ def check_expert_inputs(w_stack: PackedWeight, n: int, slot_of: torch.Tensor, x_
 
 def moe_gemv(w_stack: PackedWeight, n: int, qx: QuantizedX, ids: torch.Tensor,
              slot_of: torch.Tensor, x_rows: str, out: torch.Tensor | None = None,
-             cfg: Q8Config | None = None) -> torch.Tensor:
+             cfg: Q8Config | None = None, chunks: ExpertChunks | None = None) -> torch.Tensor:
     """The chosen experts' GEMVs: out[p] = W_slot(ids[p]) x_row(p), float32 ``[T * k, n]``.
 
-    w_stack: packed ``[S * n, K]`` (slot s = rows s n ..). qx: the activation from
+    w_stack: packed ``[S * n, K]`` (slot s = rows s n ..); with ``chunks`` (slots stored in
+    chunks, ``ExpertChunks``) only its format, K and arrays' dtypes and row widths are used
+    (any number of rows, e.g. one slot's weight). qx: the activation from
     gemv_q8.quantize_x (or a norm / gated_act kernel's ``quantized`` output): ``[T, K]`` for
     ``x_rows="token"`` (pair t k + j reads row t), ``[T * k, K]`` for ``"pair"`` (pair p reads
     row p). ids: int32 ``[T, k]`` expert ids (device). slot_of: int32 ``[E]``, each expert's
@@ -130,13 +188,13 @@ def moe_gemv(w_stack: PackedWeight, n: int, qx: QuantizedX, ids: torch.Tensor,
     if t * k == 0:
         return out
     cfg = cfg or moe_gemv_config(w_stack, n)
-    arrays = weight_arrays(w_stack)
+    arrays, tables, widths, spc, chunked = slot_arrays(w_stack, chunks, "moe_gemv")
     _moe_gemv_kernel[gemv_grid(n, t * k, cfg.block_n)](
-        *arrays, qx.xq, qx.xd, qx.xs, out, ids, slot_of,
-        n, w_stack.k, slot_of.numel(), k, *(a.stride(0) for a in arrays),
+        *arrays, *tables, qx.xq, qx.xd, qx.xs, out, ids, slot_of,
+        n, w_stack.k, slot_of.numel(), k, *widths, spc,
         FMT=FMT_ID[w_stack.ggml_type], BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
         ASM=not _INTERPRETED, XB=cfg.xb, EVEN=(w_stack.k // 32) % cfg.block_s == 0,
-        SCALE16=scale16(w_stack), PAIR_ROWS=x_rows == "pair", num_warps=cfg.num_warps,
-        **launch_options(pdl_on(out.device)),
+        SCALE16=scale16(w_stack), PAIR_ROWS=x_rows == "pair", CHUNKED=chunked,
+        num_warps=cfg.num_warps, **launch_options(pdl_on(out.device)),
     )  # fmt: skip
     return out
