@@ -66,12 +66,18 @@ def main() -> int:
     ap.add_argument("--greedy", action="store_true")
     ap.add_argument("--dense-weights", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--max-seqs", type=int, default=None, help="the engine's (default: max(64, C))")
+    ap.add_argument("--experts", default="auto", choices=("auto", "gpu", "cpu"))
+    ap.add_argument("--expert-cache-gib", type=float, default=None)
     ap.add_argument("--stagger", type=int, default=0,
                     help="submit the requests this many steps apart (a serving load), not at once")
     args = ap.parse_args()
     llm = LLM(args.model, n_ctx=args.ctx, device="cuda", max_seqs=args.max_seqs or max(64, args.concurrency),
-              dense_weights=args.dense_weights)
+              dense_weights=args.dense_weights, experts=args.experts,
+              expert_cache_gib=args.expert_cache_gib)
     print(f"dense weights: {llm.dense}", flush=True)
+    if llm.offload is not None:
+        print(f"expert offload: {llm.offload.cache.n_slots} slots a layer, "
+              f"{llm.offload.cache.nbytes / 2**30:.2f} GiB, CPU backend {llm.offload.cpu.backend(0)}", flush=True)
     eng = llm.engine
     sp = SamplingParams(temperature=0) if args.greedy else SamplingParams(seed=1)
     g = torch.Generator().manual_seed(7)
@@ -115,6 +121,8 @@ def main() -> int:
     print(f"C={args.concurrency} P={args.prompt} N={args.gen} {'greedy' if args.greedy else 'default'}: "
           f"{tokens} tokens in {wall:.3f} s = {tokens / wall:.0f} tok/s; GPU busy {gpu:.3f} s "
           f"({gpu / wall:.0%}), {len(clock.records)} launches")
+    if llm.offload is not None:
+        print(f"expert cache after the run: {llm.offload.numbers()}")
     print("| step kind | count | rows | GPU s | GPU ms a step | host launch ms a step |\n|---|---:|---:|---:|---:|---:|")
     for kind, (n, rows, gs, hs) in sorted(per.items()):
         print(f"| {kind} | {n} | {rows} | {gs:.3f} | {gs / n * 1e3:.2f} | {hs / n * 1e3:.2f} |")
