@@ -92,12 +92,12 @@ def test_the_cache_follows_free_memory(moe_file, models):
     assert off.cache.n_slots == 4  # E = 4: all
     block = ker.layers[1].moe
     x = _x(1, ref.config.n_embd, 3)
-    before = off.moe(x, block).cpu()
+    before = off.moe(x.to(DEVICE), block).cpu()
     state["free"] = 0  # another process took the card
     state["t"] += 0.2
     off.between_steps()
     assert off.cache.n_slots == 0 and off.cache.nbytes == 0
-    after = off.moe(x, block).cpu()
+    after = off.moe(x.to(DEVICE), block).cpu()
     want = moe_reference(x, ref.layers[1].moe)
     for got in (before, after):
         assert ((got - want).norm() / want.norm()).item() < 2e-2
