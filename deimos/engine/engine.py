@@ -138,6 +138,11 @@ class Engine:
         """Capture the graphs, then one eager step of the largest shape (its activations'
         memory reserved now, not while serving)."""
         self.runner.warm(progress)
+        if getattr(self.model.ops, "offload", None) is not None:
+            # experts on the host: a step of the largest shape would route it through the CPU
+            # (minutes on a 30B model) and fill the expert cache's statistics with its misses;
+            # that cache follows free memory instead (deimos.models.gpu.offload)
+            return
         peak = self.runner.profile(self.cfg.max_batch_tokens)
         if peak:
             log.info("the largest eager step (%d tokens) peaks at %.2f GiB of activations",
