@@ -72,6 +72,21 @@ def test_the_cache_never_changes_the_answer(moe_file, models, slots):
         assert off.stats.cpu_experts < 8 * block.n_expert_used
 
 
+@pytest.mark.parametrize("slots", [0, 2])
+def test_a_long_step_streams_its_misses_to_the_device(moe_file, models, slots):
+    """A prompt chunk (STREAM_TOKENS or more tokens): the missed experts are copied to the
+    device for the step and computed there, none on the CPU, the same answer."""
+    from deimos.models.gpu.offload import STREAM_TOKENS
+
+    ref, ker = models
+    off = ExpertOffload(ker, moe_file, torch.device(DEVICE), n_slots=slots)
+    x = _x(STREAM_TOKENS + 3, ref.config.n_embd, 7)
+    want = moe_reference(x, ref.layers[0].moe)
+    got = off.moe(x.to(DEVICE), ker.layers[0].moe).cpu()
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
+    assert off.stats.cpu_experts == 0 and off.stats.streamed_experts > 0
+
+
 def test_the_cache_follows_free_memory(moe_file, models):
     ref, ker = models
     state = {"free": 0, "t": 0.0}

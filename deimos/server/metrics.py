@@ -280,6 +280,7 @@ EXPERT_HELP = {
     "cpu_experts_per_token": "routed experts computed on the CPU per token and layer",
     "expert_promotions": "experts copied into the GPU cache",
     "expert_resizes": "times the expert cache changed size (free GPU memory)",
+    "streamed_experts": "experts copied to the GPU for one prompt chunk (not cached)",
 }
 
 

@@ -13,6 +13,9 @@ A MoE layer's step (``ExpertOffload.moe``):
 4. the CPU's weighted sum goes back to the device and ``moe_combine`` adds it to the hits';
 5. the missed experts are promoted into the cache on a side stream (a few a layer and step:
    the PCIe budget), published between steps.
+From ``STREAM_TOKENS`` tokens a step (prompt chunks) the misses are not computed on the CPU:
+the layer's missed experts are copied to a staging stack on the GPU for the step and computed
+there by the same grouped GEMM (its slot table maps the missed experts to the staged ones).
 
 Between steps (``between_steps``) finished promotions are published and the slot count is
 re-derived from the card's free memory (NVML, at most every 100 ms: ``runtime.gpu_memory``):
@@ -34,6 +37,7 @@ from deimos.kernels.triton.activation import gated_act
 from deimos.kernels.triton.moe_route import moe_combine, moe_route
 from deimos.quant.triton.dequant_gemv import MAX_BATCH
 from deimos.quant.triton.gemv_q8 import quantize_x
+from deimos.quant.triton.layout import PackedWeight
 from deimos.quant.triton.moe_gemm import moe_align, moe_block_m, moe_gemm
 from deimos.quant.triton.moe_gemv import ExpertChunks, moe_gemv
 from deimos.runtime.cpu_experts import CpuExperts, LayerExperts
@@ -44,11 +48,16 @@ log = logging.getLogger("deimos")
 
 PARTS = ("gate", "up", "down")
 PROMOTE_PER_STEP = 2  # experts a layer copies in per step (the hit-rate study's PCIe budget)
+# from this many tokens a step (prefill), a layer's missed experts are streamed to the GPU for the
+# step (host-to-device copies, then the grouped GEMM) instead of computed on the CPU: a prompt
+# chunk routes to most experts of a layer, each for many tokens (GPU work, not CPU work)
+STREAM_TOKENS = 16
 
 
 @dataclass
 class OffloadStats:
     cpu_experts: int = 0  # (token, expert) pairs computed on the CPU
+    streamed_experts: int = 0  # experts copied to the GPU for one long step
     tokens: int = 0  # token-layers routed
     resizes: int = 0
 
@@ -143,6 +152,36 @@ class ExpertOffload:
         return moe_gemm(a, w["down"], x.shape[1], tiles, lay.slot_of, "pair", x_permuted=False,
                         chunks=c["down"])
 
+    def _streamed(self, x, block, lay, ids, missed: np.ndarray) -> torch.Tensor:
+        """The ``missed`` experts' share of a long step, on the GPU: their packed rows copied
+        from the host copy into a staging stack for this step (expert missed[j] = slot j of a
+        table of its own), then the grouped GEMM as for the hits. [T * k, D] float32, rows of
+        the other experts 0."""
+        host = lay.host
+        dev = x.device
+        stacks = {}
+        for p in PARTS:
+            t_, kk = host.parts[p]
+            r = host.rows[p]
+            arrays = {}
+            for a, src in host.arrays[p].items():  # [E, r, ...] on the host (pinned on CUDA)
+                dst = torch.empty((missed.size * r, *src.shape[2:]), dtype=src.dtype, device=dev)
+                for j, e in enumerate(missed.tolist()):
+                    dst[j * r:(j + 1) * r].copy_(src[e], non_blocking=self._pin)
+                arrays[a] = dst
+            stacks[p] = PackedWeight(t_, missed.size * r, kk, arrays)
+        table = torch.full((lay.n_expert,), -1, dtype=torch.int32)
+        table[torch.from_numpy(missed)] = torch.arange(missed.size, dtype=torch.int32)
+        table = table.to(dev)
+        t, k = x.shape[0], block.n_expert_used
+        tiles = moe_align(ids, block.n_expert, moe_block_m(t * k, block.n_expert))
+        x16 = x.to(torch.float16).contiguous()
+        f = block.n_ff
+        g = moe_gemm(x16, stacks["gate"], f, tiles, table, "token", x_permuted=False)
+        u = moe_gemm(x16, stacks["up"], f, tiles, table, "token", x_permuted=False)
+        a = gated_act(g, u, block.activation).to(torch.float16)
+        return moe_gemm(a, stacks["down"], x.shape[1], tiles, table, "pair", x_permuted=False)
+
     def moe(self, x: torch.Tensor, block) -> torch.Tensor:
         """x float32 ``[T, D]`` -> float32 ``[T, D]``: ``block``'s routed experts."""
         i = self.index[block.layer]
@@ -171,7 +210,11 @@ class ExpertOffload:
         rows, slots = np.nonzero(miss)
         self.stats.tokens += t
         add = None
-        if rows.size:
+        if rows.size and t >= STREAM_TOKENS:
+            experts = ids_np[rows, slots]
+            y = y + self._streamed(xf, block, lay, ids, np.unique(experts))
+            self.stats.streamed_experts += int(np.unique(experts).size)
+        elif rows.size:
             experts = ids_np[rows, slots]
             part = self.cpu(i, x_h, rows, experts, w_h.numpy()[rows, slots])
             self.stats.cpu_experts += int(rows.size)
@@ -188,4 +231,5 @@ class ExpertOffload:
         per_token = self.stats.cpu_experts / self.stats.tokens if self.stats.tokens else 0.0
         return {"expert_slots": s["slots"], "expert_cache_bytes": s["bytes"],
                 "expert_hit_rate": s["hit_rate"], "cpu_experts_per_token": per_token,
-                "expert_promotions": s["promotions"], "expert_resizes": self.stats.resizes}
+                "expert_promotions": s["promotions"], "expert_resizes": self.stats.resizes,
+                "streamed_experts": self.stats.streamed_experts}
