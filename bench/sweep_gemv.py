@@ -10,7 +10,8 @@ rule's. Ends with the per-token GEMV time under the rule and under the best tile
 only; needs a CUDA GPU.
 
 ``--rows R`` (2..8; several allowed; 1 is the sweep above): the multi-row GEMV (gemv_rows,
-its rule ``rows_config`` and other tiles) on R activation rows, beside gemv_q8 on the same R
+its rule ``rows_config``, the other tiles, and the prefetch variant of the rule's tile and of
+the four fastest) on R activation rows, beside gemv_q8 on the same R
 rows (a program per row) and gemv_q8 on one row; whether the rule's row r equals gemv_q8 on
 row r alone bit for bit (same tile, and gemv_q8's own rule: max difference); per step of R
 rows the time of each.
@@ -28,7 +29,7 @@ from deimos.models import load_model
 from deimos.models.gpu import LinearGroup, QuantLinear
 from deimos.quant.triton.bench import ROOF_GBS, time_graph
 from deimos.quant.triton.gemv_q8 import Q8Config, QuantizedX, gemv_q8, q8_config, quantize_x
-from deimos.quant.triton.gemv_rows import gemv_rows, rows_config
+from deimos.quant.triton.gemv_rows import RowsConfig, gemv_rows, rows_config
 
 
 def decode_linears(model) -> list[QuantLinear]:
@@ -102,16 +103,24 @@ def sweep_rows(calls: Counter, shapes: list, rows: int, quick: bool, best_rules:
         rule = rows_config(t, n, k, rows)
         ref = gemv_rows(w, qx, cfg=rule).clone()
         rows_alone = [QuantizedX(*(a[r : r + 1] for a in qx)) for r in range(rows)]
-        same = all(torch.equal(ref[r], gemv_q8(w, x1, cfg=rule)[0]) for r, x1 in enumerate(rows_alone))
+        tile = Q8Config(*rule[:4])
+        same = all(torch.equal(ref[r], gemv_q8(w, x1, cfg=tile)[0]) for r, x1 in enumerate(rows_alone))
         diff = max((ref[r] - gemv_q8(w, x1)[0]).abs().max().item() for r, x1 in enumerate(rows_alone))
         times = {}
-        for cfg in candidates(rule, k, quick):
+
+        def run(cfg: RowsConfig, w=w, qx=qx, out=out, ref=ref, times=times) -> None:
             y = gemv_rows(w, qx, out=out, cfg=cfg)
             err = ((y - ref).norm() / ref.norm()).item()
             if not err < 1e-5:
                 print(f"  {cfg}: WRONG (rel {err:.1e})")
-                continue
-            times[cfg] = time_graph(lambda cfg=cfg, w=w, qx=qx, out=out: gemv_rows(w, qx, out=out, cfg=cfg))
+                return
+            times[cfg] = time_graph(lambda: gemv_rows(w, qx, out=out, cfg=cfg))
+
+        for cfg in dict.fromkeys(RowsConfig(*c) for c in candidates(rule, k, quick)):
+            run(cfg)
+        # the next step's weights loaded ahead: the rule's tile and the four fastest
+        for cfg in dict.fromkeys([rule, *sorted(times, key=times.get)[:4]]):
+            run(cfg._replace(prefetch=True))
         best = min(times, key=times.get)
         t_one = time_graph(lambda w=w, one=one, out1=out1: gemv_q8(w, one, out=out1))
         t_q8 = time_graph(lambda w=w, qx=qx, out=out: gemv_q8(w, qx, out=out))

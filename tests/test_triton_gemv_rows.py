@@ -25,7 +25,7 @@ from deimos.quant.triton.gemv_q8 import (
     quantize_x,
     quantize_x_reference,
 )
-from deimos.quant.triton.gemv_rows import gemv_rows, rows_config
+from deimos.quant.triton.gemv_rows import RowsConfig, gemv_rows, rows_config
 from deimos.quant.triton.layout import KERNEL_TYPE
 from deimos.quant.triton.naive import gemv_ref
 
@@ -44,7 +44,7 @@ def _row(qx: QuantizedX, r: int) -> QuantizedX:
     return QuantizedX(*(a[r : r + 1] for a in qx))
 
 
-def _check(t: GGMLType, n: int, k: int, rows: int, seed: int, cfg: Q8Config | None = None) -> None:
+def _check(t: GGMLType, n: int, k: int, rows: int, seed: int, cfg: RowsConfig | Q8Config | None = None) -> None:
     blocks = _blocks(t, n, k, seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = (torch.randn(rows, k, generator=g) * torch.linspace(0.1, 3, k)).to(torch.float16)
@@ -54,8 +54,9 @@ def _check(t: GGMLType, n: int, k: int, rows: int, seed: int, cfg: Q8Config | No
     y = gemv_rows(w, qx, out=out, cfg=cfg)
     assert y is out
     assert torch.isfinite(out).all(), "outputs left unwritten"
+    one = None if cfg is None else Q8Config(*cfg[:4])  # the same tile (prefetch: loads only)
     for r in range(rows):
-        alone = gemv_q8(w, _row(qx, r), cfg=cfg)[0]
+        alone = gemv_q8(w, _row(qx, r), cfg=one)[0]
         diff = (y[r] - alone).abs().max().item()
         assert torch.equal(y[r], alone), f"{t.name} row {r}: differs from gemv_q8 alone by up to {diff:.3e}"
     rel = _rel(y, gemv_ref(blocks, t, quantize_x_reference(x)))
@@ -68,16 +69,20 @@ def test_gemv_rows_every_format(t: GGMLType) -> None:
 
 
 # formats with their own code paths: nibble + min (Q4_K), fifth bit (Q5_0), high bits and two
-# scales a group (Q6_K), bytes (Q8_0), a scale per 16 (IQ2_XS), crumbs (Q2_K); (6, 1024): the
-# steps divide the groups (unmasked EVEN loads), rows past N clamped
+# scales a group (Q6_K), bytes (Q8_0), a scale per 16 (IQ2_XS), crumbs (Q2_K); whole tiles
+# (6 x 1024): the steps divide the groups (unmasked EVEN loads), rows past N clamped
 ROW_TYPES = [GGMLType.Q4_K, GGMLType.Q5_0, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.IQ2_XS, GGMLType.Q2_K]
 
 
-@pytest.mark.parametrize("shape", [(37, 1280), (6, 1024)], ids=lambda s: "n{}_k{}".format(*s))
 @pytest.mark.parametrize("rows", [2, 3, 5, 8], ids=lambda r: f"r{r}")
 @pytest.mark.parametrize("t", ROW_TYPES, ids=lambda t: t.name)
-def test_gemv_rows_row_counts(t: GGMLType, rows: int, shape: tuple[int, int]) -> None:
-    _check(t, *shape, rows, seed=rows + shape[0])
+def test_gemv_rows_row_counts(t: GGMLType, rows: int) -> None:
+    _check(t, 37, 1280, rows, seed=rows)
+
+
+@pytest.mark.parametrize("t", ROW_TYPES, ids=lambda t: t.name)
+def test_gemv_rows_whole_tiles(t: GGMLType) -> None:
+    _check(t, 6, 1024, 5, seed=6)
 
 
 # the rule's kinds of tile (rows in registers with x broadcast, 1-2 groups a thread) and rows
@@ -86,9 +91,24 @@ TILES = [Q8Config(4, 32, 1, True), Q8Config(2, 64, 2, True), Q8Config(4, 32, 4, 
 
 
 @pytest.mark.parametrize("cfg", TILES, ids=lambda c: f"n{c.block_n}_s{c.block_s}_w{c.num_warps}_xb{int(c.xb)}")
-@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q2_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0], ids=lambda t: t.name)
 def test_gemv_rows_tiles(t: GGMLType, cfg: Q8Config) -> None:
     _check(t, 9, 1280, 2, seed=5, cfg=cfg)
+
+
+# the next step's words loaded ahead (PREFETCH), with and without the high-bit array; the
+# prefetch past the last group masked both when the steps divide the groups (6 x 1024, EVEN)
+# and when they do not (9 x 1280); rows on warps once
+PREFETCH_CASES = [(t, RowsConfig(4, 32, 1, True, True))
+                  for t in (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q2_K)]
+PREFETCH_CASES.append((GGMLType.Q4_K, RowsConfig(2, 32, 4, False, True)))
+
+
+@pytest.mark.parametrize("shape", [(9, 1280), (6, 1024)], ids=lambda s: "n{}_k{}".format(*s))
+@pytest.mark.parametrize("case", PREFETCH_CASES,
+                         ids=lambda c: f"{c[0].name}_n{c[1].block_n}_w{c[1].num_warps}_xb{int(c[1].xb)}")
+def test_gemv_rows_prefetch(case: tuple[GGMLType, RowsConfig], shape: tuple[int, int]) -> None:
+    _check(case[0], *shape, 3, seed=9, cfg=case[1])
 
 
 def test_gemv_rows_one_row_is_gemv_q8() -> None:
@@ -153,7 +173,7 @@ def test_gemv_rows_gpu(t: GGMLType, shape: tuple[int, int]) -> None:
         assert _rel(y, gemv_ref(blocks, t, quantize_x_reference(x))) < 1e-5
         rule_diff = 0.0
         for r in range(rows):
-            assert torch.equal(y[r], gemv_q8(w, _row(qx, r), cfg=cfg)[0]), f"row {r} vs gemv_q8 at {cfg}"
+            assert torch.equal(y[r], gemv_q8(w, _row(qx, r), cfg=Q8Config(*cfg[:4]))[0]), f"row {r} vs gemv_q8 at {cfg}"
             rule_diff = max(rule_diff, (y[r] - gemv_q8(w, _row(qx, r))[0]).abs().max().item())
         t_rows = time_graph(lambda qx=qx, out=out: gemv_rows(w, qx, out=out))
         t_q8 = time_graph(lambda qx=qx, out=out: gemv_q8(w, qx, out=out))

@@ -157,7 +157,8 @@ def _q8_jobs() -> list[Job]:
 def _rows_jobs() -> list[Job]:
     """The multi-row integer-activation GEMV (quant.triton.gemv_rows) per format at the tiles
     its rule gives for llama 8B's matrices at 2, 4 and 8 activation rows (each with the EVEN
-    flag of that launch, and each tile's masked variant)."""
+    flag of that launch, each tile's masked variant, and its prefetch variant, which
+    bench/sweep_gemv.py --rows times)."""
     import importlib
 
     import torch
@@ -177,17 +178,21 @@ def _rows_jobs() -> list[Job]:
         for n, k in shapes:
             for rows in (2, 4, 8):
                 cfg = gr.rows_config(kt, n, k, rows)
-                launches.add((rows, cfg, k // 32 % cfg.block_s == 0))
+                even = k // 32 % cfg.block_s == 0
+                launches.add((rows, cfg, even))
                 launches.add((rows, cfg, False))
+                launches.add((rows, cfg._replace(prefetch=True), even))  # the sweep's variant
         for rows, cfg, even in sorted(launches):
             args = [MockTensor(a.dtype) for a in weight_arrays(sample)]
             args += [MockTensor(torch.int32), MockTensor(torch.float32), MockTensor(torch.int32),
                      MockTensor(torch.float32), 4096, 4096]
             jobs.append(Job("gemv_rows_" + t.name,
-                            f"R={rows} " + _describe(cfg) + f" xb={int(cfg.xb)} even={int(even)}",
+                            f"R={rows} " + _describe(cfg)
+                            + f" xb={int(cfg.xb)} even={int(even)} pf={int(cfg.prefetch)}",
                             _warm_args(gr._gemv_rows_kernel, args, FMT=FMT_ID[kt], ROWS=rows,
                                        BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s, ASM=True,
                                        XB=cfg.xb, EVEN=even, SCALE16=scale16(sample),
+                                       PREFETCH=cfg.prefetch,
                                        num_warps=cfg.num_warps, **PDL_KW)))
     return jobs
 

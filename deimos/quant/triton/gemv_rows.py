@@ -22,6 +22,8 @@ row by row.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -154,12 +156,15 @@ def _gemv_rows_kernel(
     N, K,
     FMT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
     ASM: tl.constexpr, XB: tl.constexpr = False, EVEN: tl.constexpr = False,
-    PDL: tl.constexpr = False, SCALE16: tl.constexpr = False,
+    PDL: tl.constexpr = False, SCALE16: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """Rows i_n BLOCK_N .. of all ROWS outputs. Tiles, EVEN, XB, SCALE16 as gemv_q8's kernel
-    (rows past N clamped to row N - 1 for loading, never stored)."""
+    (rows past N clamped to row N - 1 for loading, never stored). PREFETCH: the next step's
+    weight words are loaded before this step's dots (twice the weight bytes in flight a warp,
+    for the occupancy that R rows' registers cost; the prefetch past the last group masked)."""
     pdl_start(PDL)
     W: tl.constexpr = 8 if FMT == Q8_0 else (2 if FMT == Q2_K else 4)  # weight words per group
+    HAS_H: tl.constexpr = FMT == Q6_K or FMT == Q5_K or FMT == Q5_0 or FMT == Q5_1
     i_n = tl.program_id(0)
     S_TOTAL = K // 32
     MASKED: tl.constexpr = not EVEN
@@ -179,18 +184,30 @@ def _gemv_rows_kernel(
     acc5 = acc0
     acc6 = acc0
     acc7 = acc0
+    if PREFETCH:
+        n_w, n_h, _ = group_words(p_qw, p_qh, o_n, m_n, o_s, o_s < S_TOTAL, S_TOTAL, FMT, MASKED)
     for s0 in range(0, S_TOTAL, BLOCK_S):
         u = s0 + o_s
         m_s = u < S_TOTAL
         m_ns = m_n[:, None] & m_s[None, :]
         # the decode, once for every row: words, codes, scales
-        b_w, b_h, m_w = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT, MASKED)
+        if PREFETCH:
+            b_w = n_w
+            b_h = b_w
+            if HAS_H:
+                b_h = n_h
+            u_n = u + BLOCK_S
+            n_w, n_h_next, _ = group_words(p_qw, p_qh, o_n, m_n, u_n, u_n < S_TOTAL, S_TOTAL, FMT, True)
+            if HAS_H:
+                n_h = n_h_next
+        else:
+            b_w, b_h, _ = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT, MASKED)
         if XB:
             o_x = u[None, :, None] * 16 + o_w[None, None, :]
             m_x = m_s[None, :, None] & (o_w < W)[None, None, :]
         else:
             o_x = u[None, :, None] * 16 + o_w[None, None, :] + (o_n * 0)[:, None, None]
-            m_x = m_w
+            m_x = (m_n[:, None] & m_s[None, :])[:, :, None] & (o_w < W)[None, None, :]
         zero = tl.zeros([BLOCK_N, BLOCK_S, W], dtype=tl.int32)
         c0, c1, c2, c3, c4, c5, c6, c7 = b_w, b_w, b_w, b_w, b_w, b_w, b_w, b_w
         if FMT == Q8_0:
@@ -271,7 +288,19 @@ def _gemv_rows_kernel(
         tl.store(p_y + 7 * N + o_y, tl.sum(acc7, axis=1), mask=m_y)
 
 
-def rows_config(ggml_type: GGMLType, n: int, k: int, rows: int) -> Q8Config:
+class RowsConfig(NamedTuple):
+    """A launch of gemv_rows: gemv_q8's tile (``Q8Config``: block_n rows a program, block_s
+    groups a step, num_warps, xb) and ``prefetch`` (the kernel's PREFETCH). A plain Q8Config
+    is accepted as the same tile without prefetch."""
+
+    block_n: int
+    block_s: int
+    num_warps: int
+    xb: bool = False
+    prefetch: bool = False
+
+
+def rows_config(ggml_type: GGMLType, n: int, k: int, rows: int) -> RowsConfig:
     """The launch rule (not yet measured: bench/sweep_gemv.py --rows R sets it on the H200).
     From gemv_q8's rule for one row, keeping its groups a step (``block_s``: the order of each
     row's group sums, so that a row's result can equal gemv_q8's) and its rows a program:
@@ -280,20 +309,23 @@ def rows_config(ggml_type: GGMLType, n: int, k: int, rows: int) -> Q8Config:
     - Rows on warps (the nibble formats, Q6_K; no x broadcast) become the same rows in
       registers, threads along the groups (``num_warps = block_s / 32``): with rows on warps
       every warp loads each activation row's x for its weight row, 64 bytes of x per 18 of
-      Q4_K weights per row from L1, R times a step (an L1 bound near 350 us for llama 8B at
-      8 rows); in registers a thread's x words serve its block_n weight rows.
-    Registers (sm_90): a Q4_K thread of (4, 32, 1, xb) holds 4 rows x 4 words of codes (x2:
-    parities), 16 x words of the row being dotted, 4 sums a row: ~32 accumulators at 8 rows;
-    Q8_0's (2, 128, 1, xb) holds 2 x 4 groups x 8 words and 64 x words a row.
+      Q4_K weights per row from L1, R times a step (estimated: an L1 bound near 350 us for
+      llama 8B's matrices at 8 rows); in registers a thread's x words serve its block_n rows.
+    Registers (sm_90, tools/compile_kernels.py): Q4_K (4, 32, 1, xb) 116-126 at 2 rows, 128-158
+    at 4, 219-224 at 8; Q6_K (4, 64, 2, xb) 128-168 / 168-204 / 255; Q8_0 (2, 32, 1, xb) 64-168;
+    Q8_0 (2, 128, 1, xb) and Q2_K from 4 rows at 255; no spills. ptxas hoists every row's x
+    loads (16 words a row and group): at 8 rows a 1-warp program holds 9 of an SM's 64 warps,
+    about half the weight bytes in flight of gemv_q8's one-row tiles; ``prefetch`` (off until
+    measured) doubles them for ~16-32 more registers.
     """
     base = q8_config(ggml_type, n, k, 1)
     if base.xb or base.block_s < 32:
-        return base
-    return Q8Config(base.block_n, base.block_s, min(base.block_s // 32, 8), True)
+        return RowsConfig(*base)
+    return RowsConfig(base.block_n, base.block_s, min(base.block_s // 32, 8), True)
 
 
 def gemv_rows(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
-              cfg: Q8Config | None = None) -> torch.Tensor:
+              cfg: RowsConfig | Q8Config | None = None) -> torch.Tensor:
     """y = W x for a packed quantized W ``[n, k]`` and R = 1..8 activation rows from
     ``quantize_x`` (``x.xq`` int32 ``[R, k/2]``, ``x.xd`` float32 ``[R, k/32]``, ``x.xs`` int32
     ``[R, k/16]``, contiguous): float32 ``[R, n]`` (``out`` if given: contiguous float32
@@ -322,7 +354,7 @@ def gemv_rows(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
         *weight_arrays(w), x.xq, x.xd, x.xs, out,
         w.n, k, FMT=FMT_ID[w.ggml_type], ROWS=rows, BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
         ASM=not _INTERPRETED, XB=cfg.xb, EVEN=(k // 32) % cfg.block_s == 0, SCALE16=scale16(w),
-        num_warps=cfg.num_warps,
+        PREFETCH=bool(getattr(cfg, "prefetch", False)), num_warps=cfg.num_warps,
         **launch_options(pdl_on(out.device)),
     )  # fmt: skip
     return out
