@@ -571,21 +571,14 @@ def _resources(cubin: bytes) -> tuple[str, str]:
     return (reg.group(1) if reg else "?", local.group(1) if local else "?")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
-    args = ap.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        print("compile_kernels: unset TRITON_INTERPRET (the interpreter compiles nothing)")
-        return 2
-
-    import triton
+def _compile_share(index: int, of: int, verbose: bool) -> list[Row]:
+    """Compile jobs index, index + of, ... of the job list (in a worker process, or all of it)."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 
     driver.set_active(_StubDriver(GPUTarget("cuda", TARGET_ARCH, 32)))
     rows = []
-    for job in _jobs():
+    for job in _jobs()[index::of]:
         t0 = time.perf_counter()
         try:
             kernel = job.run()
@@ -596,11 +589,38 @@ def main(argv: list[str] | None = None) -> int:
             err = "" if ok else f"needs {shared} bytes of shared memory > {H200_SHARED_PER_BLOCK}"
             rows.append(Row(job.name, job.config, ok, regs, spills, shared, seconds, err))
         except Exception as e:  # noqa: BLE001 - every failure is reported in the table
-            if args.verbose:
+            if verbose:
                 traceback.print_exc()
             msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             seconds = time.perf_counter() - t0
             rows.append(Row(job.name, job.config, False, "-", "-", 0, seconds, msg))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
+    ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+                    help="worker processes (default: the CPUs this process may use)")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("compile_kernels: unset TRITON_INTERPRET (the interpreter compiles nothing)")
+        return 2
+
+    import triton
+
+    jobs = max(1, args.jobs)
+    if jobs == 1:
+        rows = _compile_share(0, 1, args.verbose)
+    else:  # worker processes, each with every job list and its share of it (spawned: fresh JIT state)
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
+            parts = list(ex.map(_compile_share, range(jobs), [jobs] * jobs, [args.verbose] * jobs))
+        rows = [None] * sum(len(p) for p in parts)
+        for i, part in enumerate(parts):
+            rows[i::jobs] = part
 
     print(f"triton {triton.__version__}, target sm_{TARGET_ARCH}")
     head = f"{'kernel':<15} {'config':<34} {'regs':>5} {'spill':>6} {'shared':>7} {'time s':>7}"
