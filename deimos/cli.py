@@ -434,14 +434,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     use_kernel_cache()
     from deimos.bench import BenchConfig, run_bench
-    from deimos.bench.table import render
+    from deimos.bench.run import render_report
 
-    cfg = BenchConfig(model=str(_resolve(args.model)), n_prompt=args.n_prompt,
-                      n_gen=args.n_gen, rounds=args.repetitions, device=_device(args),
-                      roof=args.roof, vs_llama=args.vs_llama, seed=args.seed,
-                      llama_args=args.llama_args, llama_reps=args.llama_reps)
+    try:
+        cfg = BenchConfig(model=str(_resolve(args.model)), n_prompt=args.n_prompt,
+                          n_gen=args.n_gen, rounds=args.repetitions, device=_device(args),
+                          roof=args.roof, vs_llama=args.vs_llama, seed=args.seed,
+                          llama_args=args.llama_args, llama_reps=args.llama_reps,
+                          gpu_mem=args.gpu_mem, squeeze=args.squeeze, release=args.release,
+                          squeeze_requests=args.squeeze_requests)
+    except ValueError as e:
+        print(f"deimos: {e}", file=sys.stderr)
+        return 2
     report = run_bench(cfg)
-    Console(stderr=args.json == "-").print(render(report))
+    console = Console(stderr=args.json == "-")
+    for part in render_report(report):
+        console.print(part)
     _write_json(report.to_json(), args.json)
     return 0
 
@@ -654,6 +662,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "its best known flags for one GPU)")
     p.add_argument("--llama-reps", type=positive, default=None,
                    help="llama-bench's repetitions (default: max(-r, 5))")
+    p.add_argument("--gpu-mem", type=_checked(float, Bound(lo=0, lo_open=True)), default=None,
+                   metavar="GIB",
+                   help="leave the engine (and llama-bench) GIB of the card: a helper process "
+                        "holds the rest of its free memory from before the load to the end")
+    p.add_argument("--squeeze", action="store_true",
+                   help="instead of the rounds: a replay of requests of -n tokens; before "
+                        "request 4 another process takes 2 GiB, rewritten every 250 ms "
+                        "(decode before/after, the expert cache's slots)")
+    p.add_argument("--release", action="store_true",
+                   help="with --squeeze: the 2 GiB are given back mid-run (the cache regrows)")
+    p.add_argument("--squeeze-requests", type=positive, default=8, metavar="N",
+                   help="requests of the --squeeze replay (default 8)")
     p.add_argument("--json", default=None, metavar="FILE",
                    help="also write the report as JSON ('-': stdout, the table then on stderr)")
     p.add_argument("--seed", type=int, default=0)

@@ -129,6 +129,8 @@ def _hold(args: argparse.Namespace, done: threading.Event) -> int:
             continue
         pieces.append(p)
         held += want
+    if done.is_set() or (args.take is not None and held < int(args.take * GIB) // ALIGN * ALIGN):
+        full = False  # told to go, or out of time, before it held it all
     print(f"ready held={held} free_before={free_before} free_after={dev.free()} "
           f"full={int(full)}", flush=True)
     rewrites = 0

@@ -29,6 +29,7 @@ import torch
 
 from deimos.bench.contention import ContentionCheck, Nvml
 from deimos.bench.llama import llama_args, run_llama_bench
+from deimos.bench.memhold import MemHold
 from deimos.bench.roof import copy_rate
 from deimos.bench.stats import BenchReport, EngineResult, RoundTimes, Spread, summarize
 from deimos.engine.engine import Engine, EngineConfig
@@ -55,6 +56,10 @@ class BenchConfig:
     seed: int = 0
     llama_args: str | None = None  # llama-bench's flags; None: DEFAULT_LLAMA_ARGS (-ngl 99 -fa 1)
     llama_reps: int | None = None  # llama-bench's -r; None: max(rounds, 5)
+    gpu_mem: float | None = None  # GiB the engine (and llama-bench) may see: a helper holds the rest
+    squeeze: bool = False  # MoE: the squeeze replay (deimos.bench.squeeze) instead of the rounds
+    release: bool = False  # squeeze: the helper gives its memory back mid-run
+    squeeze_requests: int = 8
 
     def __post_init__(self) -> None:
         for name in ("n_prompt", "n_gen", "rounds"):
@@ -65,6 +70,19 @@ class BenchConfig:
         if self.llama_reps is not None and self.llama_reps <= 0:
             raise ValueError(f"bench: llama_reps must be positive, got {self.llama_reps}")
         llama_args(self.llama_args)  # a flag deimos sets itself fails here, before any load
+        if self.gpu_mem is not None and self.gpu_mem <= 0:
+            raise ValueError(f"bench: --gpu-mem must be positive, got {self.gpu_mem}")
+        if self.gpu_mem is not None and torch.device(self.device).type != "cuda":
+            raise ValueError("bench: --gpu-mem needs a CUDA device")
+        if self.release and not self.squeeze:
+            raise ValueError("bench: --release is a variant of --squeeze")
+        if self.squeeze and self.vs_llama:
+            raise ValueError("bench: --squeeze does not run llama.cpp (run --vs-llama on its own "
+                             "for the -ncmoe search under the same --gpu-mem)")
+        if self.squeeze:
+            from deimos.bench.squeeze import SqueezePlan
+
+            SqueezePlan.of(self.squeeze_requests, self.release)  # too few requests fail here
 
     @property
     def reps_llama(self) -> int:
@@ -87,12 +105,15 @@ def _sync(device: torch.device) -> None:
 
 
 def time_round(engine: Engine, n_prompt: int, n_gen: int, device: torch.device,
-               rng: torch.Generator) -> RoundTimes:
+               rng: torch.Generator,
+               between: Callable[[str], None] | None = None) -> RoundTimes:
     """Prefill ``n_prompt`` random tokens into an empty cache (a request of one output token,
     in the engine's steps of at most 512 tokens), then a greedy request of one random token
     that makes ``n_gen`` tokens (``n_gen`` forward steps, stop tokens ignored), through the
     engine's own paths (its graphs and the device sampling on CUDA): what a user's request
-    runs. The prefix cache is off (every round computes its whole prompt)."""
+    runs. The prefix cache is off (every round computes its whole prompt). ``between(phase)``
+    is called after each phase ("prefill", "decode"), outside the timed spans (the MoE bench
+    reads the expert cache's counters there)."""
     n_vocab = engine.model.config.n_vocab
     tokens = torch.randint(0, n_vocab, (n_prompt,), generator=rng).tolist()
     greedy = SamplingParams(temperature=0.0)
@@ -112,12 +133,16 @@ def time_round(engine: Engine, n_prompt: int, n_gen: int, device: torch.device,
     run(Request(tokens, 1, greedy))
     _sync(device)
     t1 = time.perf_counter()
+    if between is not None:
+        between("prefill")
     req = Request([int(torch.randint(0, n_vocab, (1,), generator=rng))], n_gen, greedy)
     _sync(device)
     t2 = time.perf_counter()
     made = run(req)
     _sync(device)
     t3 = time.perf_counter()
+    if between is not None:
+        between("decode")
     if made != n_gen:
         raise RuntimeError(f"bench: the decode round made {made} tokens, not {n_gen}")
     return RoundTimes(t1 - t0, t3 - t2, n_prompt, n_gen)
@@ -146,11 +171,13 @@ def _watcher(nvml: Nvml, seen: set[int]) -> Callable[[], None]:
     return watch
 
 
-def _llama_alone(cfg: BenchConfig, path, nvml: Nvml | None) -> tuple[EngineResult | None, int,
-                                                                      list[str]]:
+def _llama_alone(cfg: BenchConfig, path, nvml: Nvml | None, args: list[str] | None = None,
+                 ignore: frozenset[int] = frozenset()) -> tuple[EngineResult | None, int,
+                                                                list[str], str]:
     """llama-bench in one run of its own, before this process touches the GPU: (its result or
-    None, runs refused, notes)."""
-    args = llama_args(cfg.llama_args)
+    None, runs refused, notes, its error text if it failed). ``args``: its flags (default
+    --llama-args); ``ignore``: GPU processes that are the bench's own (the --gpu-mem helper)."""
+    args = llama_args(cfg.llama_args) if args is None else args
     reps = cfg.reps_llama
     refused = 0
     notes: list[str] = []
@@ -159,7 +186,7 @@ def _llama_alone(cfg: BenchConfig, path, nvml: Nvml | None) -> tuple[EngineResul
         if attempt:
             time.sleep(5.0)
         if nvml is not None:
-            busy = [p.pid for p in nvml.processes() if p.pid != mine]
+            busy = [p.pid for p in nvml.processes() if p.pid != mine and p.pid not in ignore]
             if busy:
                 log.warning("bench: llama.cpp run refused: other GPU processes %s",
                             ", ".join(map(str, busy)))
@@ -174,8 +201,8 @@ def _llama_alone(cfg: BenchConfig, path, nvml: Nvml | None) -> tuple[EngineResul
             # our rounds still count; the report says why llama.cpp has none
             log.error("bench: llama-bench: %s", e)
             notes.append(f"llama-bench failed: {str(e)[:300]}")
-            return None, refused, notes
-        others = intruders(seen, run.pid)
+            return None, refused, notes, str(e)
+        others = intruders(seen - ignore, run.pid)
         if others:
             log.warning("bench: llama.cpp run refused: other GPU processes %s appeared while it "
                         "ran", ", ".join(map(str, sorted(others))))
@@ -185,13 +212,42 @@ def _llama_alone(cfg: BenchConfig, path, nvml: Nvml | None) -> tuple[EngineResul
                 else "its own warm-up run per test")
         method = (f"llama-bench {run.build}, one run alone before Deimos loaded: {warm}, "
                   f"{reps} repetitions, flags {' '.join(args) or '(none)'}")
-        return EngineResult("llama.cpp", prefill, decode, method), refused, notes
+        return EngineResult("llama.cpp", prefill, decode, method), refused, notes, ""
     notes.append(f"llama-bench: no run without another GPU process in {LLAMA_ATTEMPTS} tries")
-    return None, refused, notes
+    return None, refused, notes, ""
+
+
+def render_report(report) -> list:
+    """The rich renderables of ``run_bench``'s report (a BenchReport or a MoeBenchReport)."""
+    from deimos.bench.moe import MoeBenchReport, render_moe
+    from deimos.bench.table import render
+
+    return render_moe(report) if isinstance(report, MoeBenchReport) else [render(report)]
+
+
+def hold_memory(cfg: BenchConfig, nvml: Nvml | None) -> tuple[MemHold | None, frozenset[int]]:
+    """--gpu-mem: the helper process holding all but ``gpu_mem`` GiB of the card's free memory,
+    started and holding (None without --gpu-mem), and its PIDs as NVML shows them (a container
+    shows host PIDs: then the processes that appeared while it started)."""
+    if cfg.gpu_mem is None:
+        return None, frozenset()
+    before = {p.pid for p in nvml.processes()} if nvml is not None else set()
+    hold = MemHold(leave_gib=cfg.gpu_mem, device=cfg.device).start()
+    try:
+        held = hold.wait_ready()
+        log.info("bench: --gpu-mem %g: a helper (pid %d) holds %.2f GiB, %.2f GiB left free",
+                 cfg.gpu_mem, hold.pid, held.held / 2**30, held.free_after / 2**30)
+        now = {p.pid for p in nvml.processes()} if nvml is not None else set()
+    except BaseException:
+        hold.close()
+        raise
+    return hold, frozenset({hold.pid} if hold.pid in now else now - before)
 
 
 def run_bench(cfg: BenchConfig) -> BenchReport:
-    from deimos.models import load_model
+    """The rounds (and llama-bench beside them): a dense file loaded directly; a MoE file, or
+    --squeeze, through deimos.LLM (deimos.bench.moe_run), which returns a MoeBenchReport. With
+    --gpu-mem the memory helper runs from before anything loads to the end, whatever happens."""
     from deimos.registry import resolve
 
     on_gpu = torch.device(cfg.device).type == "cuda"
@@ -201,11 +257,29 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     before = nvml.processes() if nvml is not None else []
     path = resolve(cfg.model)
     file = GGUFFile(path)
+    from deimos.bench.moe import is_moe
+
+    hold, ours = hold_memory(cfg, nvml)
+    try:
+        if is_moe(file) or cfg.squeeze:
+            from deimos.bench.moe_run import run_moe_bench
+
+            return run_moe_bench(cfg, path, file, nvml, before, hold, ours)
+        return _run_dense(cfg, path, file, nvml, before, ours)
+    finally:
+        if hold is not None:
+            hold.close()
+
+
+def _run_dense(cfg: BenchConfig, path, file: GGUFFile, nvml: Nvml | None, before: list,
+               ours: frozenset[int]) -> BenchReport:
+    from deimos.models import load_model
+
     theirs: EngineResult | None = None
     refused = 0
     notes: list[str] = []
     if cfg.vs_llama:
-        theirs, refused, notes = _llama_alone(cfg, path, nvml)
+        theirs, refused, notes, _ = _llama_alone(cfg, path, nvml, ignore=ours)
     device = torch.device(cfg.device)
     model = load_model(file, device=cfg.device)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -219,6 +293,7 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     else:
         roof, roof_note = copy_rate(device), f"copy rate measured on this {device.type.upper()}"
     check = ContentionCheck.from_snapshots(before, nvml.processes() if nvml else [], os.getpid())
+    check = ContentionCheck(check.own | ours)
 
     def idle(what: str) -> bool:
         if nvml is None:

@@ -1,0 +1,214 @@
+"""The MoE bench's run (deimos.bench.moe says what it measures): llama.cpp's -ncmoe runs first,
+alone, under the same memory helper (deimos.bench.ncmoe); then deimos.LLM with its defaults,
+its warm-up round, and either the rounds (the expert cache's counters read between phases) or
+the squeeze replay (deimos.bench.squeeze)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict
+
+import torch
+
+from deimos.bench.contention import ContentionCheck, Nvml
+from deimos.bench.llama import llama_args
+from deimos.bench.memhold import MemHold
+from deimos.bench.moe import (
+    MemorySeen,
+    MoeBenchReport,
+    active_weight_bytes,
+    add_phase,
+    phase_numbers,
+    snapshot,
+)
+from deimos.bench.ncmoe import (
+    NcmoeSearch,
+    NcmoeTry,
+    expert_bytes_by_layer,
+    failure_reason,
+    first_guess,
+    has_ncmoe,
+)
+from deimos.bench.roof import copy_rate
+from deimos.bench.run import (
+    WARMUP_GEN,
+    BenchConfig,
+    _llama_alone,
+    time_round,
+    weight_bytes_per_token,
+)
+from deimos.bench.squeeze import SqueezePlan, drive
+from deimos.bench.stats import BenchReport, EngineResult, RoundTimes, summarize
+from deimos.engine.request import Request
+from deimos.kernels.sampling import SamplingParams
+from deimos.models.config import ModelConfig
+
+log = logging.getLogger("deimos")
+
+SQUEEZE_WARM_PROMPT = 16  # the squeeze's warm-up prompt (its requests have one token)
+
+
+def _free_now(device: torch.device) -> tuple[int | None, int | None]:
+    """(free, total) of the card through NVML (every process), else the CUDA runtime."""
+    if device.type != "cuda":
+        return None, None
+    from deimos.runtime.gpu_memory import nvml_reader, torch_reader
+
+    index = device.index or 0
+    return (nvml_reader(index) or torch_reader(index))()
+
+
+def search_llama(cfg: BenchConfig, path, file, n_layer: int, nvml: Nvml | None,
+                 ours: frozenset[int], free: int | None
+                 ) -> tuple[EngineResult | None, int, list[str], NcmoeSearch | None]:
+    """llama.cpp's best -ncmoe (or the one --llama-args gives): (the best run as the report's
+    llama.cpp engine, runs refused, notes, the search)."""
+    args = llama_args(cfg.llama_args)
+    if has_ncmoe(args):
+        res, refused, notes, _ = _llama_alone(cfg, path, nvml, args, ours)
+        return res, refused, notes + ["-ncmoe from --llama-args: no search"], None
+    experts = expert_bytes_by_layer(file.tensors, n_layer)
+    search = NcmoeSearch(n_layer, first_guess(file.file_size, experts, free))
+    refused = 0
+    notes: list[str] = []
+    results: dict[int, EngineResult] = {}
+    while (n := search.next()) is not None:
+        log.info("bench: llama-bench -ncmoe %d", n)
+        res, r, _, error = _llama_alone(cfg, path, nvml, [*args, "-ncmoe", str(n)], ours)
+        refused += r
+        if res is None and not error:  # refused (other GPU processes), not failed: stop here
+            notes.append(f"-ncmoe search stopped at {n}: llama-bench refused (another GPU process)")
+            break
+        if res is None:
+            search.record(NcmoeTry(n, error=failure_reason(error)))
+        else:
+            results[n] = res
+            search.record(NcmoeTry(n, res.prefill, res.decode))
+    best = search.best()
+    if best is None:
+        notes.append(f"llama.cpp: no -ncmoe fit ({search.summary() or 'none run'})")
+        return None, refused, notes, search
+    top = results[best.n]
+    method = f"{top.method} -ncmoe {best.n}: the best of {len(search.tried)} tried ({search.summary()})"
+    fastest_pp = search.best_prefill()
+    if fastest_pp is not None and fastest_pp.n != best.n:
+        notes.append(f"llama.cpp's fastest prefill was at -ncmoe {fastest_pp.n} "
+                     f"({fastest_pp.prefill.mean:.1f} t/s); the table's is the best decode's")
+    return EngineResult("llama.cpp", top.prefill, top.decode, method), refused, notes, search
+
+
+def run_moe_bench(cfg: BenchConfig, path, file, nvml: Nvml | None, before: list,
+                  hold: MemHold | None, ours: frozenset[int]) -> MoeBenchReport:
+    from deimos.engine.llm import LLM
+
+    mcfg = ModelConfig.from_gguf(file.metadata, source=str(path), tensors=file.tensors)
+    device = torch.device(cfg.device)
+    held = hold.held if hold is not None else None
+    free, total = _free_now(device)
+    theirs, refused, notes, search = None, 0, [], None
+    if cfg.vs_llama:
+        theirs, refused, notes, search = search_llama(cfg, path, file, mcfg.n_layer, nvml, ours,
+                                                      free)
+    free_at_load, total = _free_now(device)
+    n_ctx = (SQUEEZE_WARM_PROMPT if cfg.squeeze else cfg.n_prompt) + cfg.n_gen + 1
+    llm = LLM(path, device=cfg.device, n_ctx=n_ctx, max_seqs=1, max_batch_tokens=512,
+              prefix_cache=False)
+    free_after_load, _ = _free_now(device)
+    off = llm.offload
+    placement = (f"on the {device.type.upper()}" if off is None else
+                 f"offloaded ({off.cache.n_slots} of {off.n_expert} slots a layer at load)")
+    memory = MemorySeen(cfg.gpu_mem, total, held.held if held else None,
+                        held.free_before if held else None, free_at_load, free_after_load)
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(cfg.seed)
+    time_round(engine, SQUEEZE_WARM_PROMPT if cfg.squeeze else cfg.n_prompt, WARMUP_GEN, device,
+               gen)
+    check = ContentionCheck.from_snapshots(before, nvml.processes() if nvml else [], os.getpid())
+    check = ContentionCheck(check.own | ours)
+    others = check.others(nvml.processes()) if nvml is not None else []
+    report = MoeBenchReport(path.name, placement, memory, notes=notes)
+    if search is not None:
+        report.ncmoe = [asdict(t) for t in search.tried]
+        best = search.best()
+        report.ncmoe_best = best.n if best else None
+    if cfg.squeeze:
+        if others:
+            report.notes.append("other GPU processes before the replay: "
+                                + ", ".join(str(p.pid) for p in others))
+        if off is None:
+            report.notes.append(f"every routed expert is {placement} (no expert cache): the "
+                                "helper's memory comes out of free memory only; give --gpu-mem "
+                                "to squeeze the cache")
+        report.squeeze = _squeeze(cfg, llm, device, gen)
+        return report
+
+    phases: dict[str, dict[str, float]] = {}
+    mark = [snapshot(off)]
+
+    def between(phase: str) -> None:
+        now = snapshot(off)
+        phases[phase] = add_phase(phases.get(phase, {}), phase_numbers(mark[0], now))
+        mark[0] = now
+
+    rounds: list[RoundTimes] = []
+    for r in range(cfg.rounds):
+        busy = check.others(nvml.processes()) if nvml is not None else []
+        if busy:
+            log.warning("bench: deimos round refused: other GPU processes %s",
+                        ", ".join(str(p.pid) for p in busy))
+            refused += 1
+            continue
+        mark[0] = snapshot(off)
+        rounds.append(time_round(engine, cfg.n_prompt, cfg.n_gen, device, gen, between))
+        log.info("bench: round %d deimos: pp %.1f t/s, tg %.1f t/s", r, rounds[-1].prefill_tps,
+                 rounds[-1].decode_tps)
+    report.experts = {k: v for k, v in phases.items() if v}  # none without an expert cache
+    roof, roof_note = ((cfg.roof, "--roof") if cfg.roof is not None else
+                       (copy_rate(device), f"copy rate measured on this {device.type.upper()}"))
+    lim = f" with --gpu-mem {cfg.gpu_mem:g}" if cfg.gpu_mem else ""
+    method = (f"deimos.LLM defaults (experts {placement}){lim}, CUDA graphs captured, 1 warm-up "
+              f"round (pp{cfg.n_prompt} + tg{WARMUP_GEN}) not reported, then {len(rounds)} rounds"
+              + (f" of {cfg.rounds}" if len(rounds) != cfg.rounds else "")
+              + (", after llama.cpp's runs" if cfg.vs_llama else ""))
+    engines = [summarize("deimos", rounds, method)]
+    if theirs is not None:
+        engines.append(theirs)
+    dense = weight_bytes_per_token(file, cfg.device)
+    report.base = BenchReport(
+        model=path.name, device=str(device), n_prompt=cfg.n_prompt, n_gen=cfg.n_gen,
+        rounds=cfg.rounds, weight_bytes=active_weight_bytes(file, dense, mcfg.n_layer), roof=roof,
+        engines=engines, refused=refused, notes=[], roof_source=roof_note,
+        contention=("checked" if nvml.available else f"not checked: {nvml.error}") if nvml
+        else "not applicable (CPU)")
+    return report
+
+
+def _squeeze(cfg: BenchConfig, llm, device: torch.device, gen: torch.Generator):
+    plan = SqueezePlan.of(cfg.squeeze_requests, cfg.release)
+    engine = llm.engine
+    n_vocab = llm.config.n_vocab
+    greedy = SamplingParams(temperature=0.0)
+    off = llm.offload
+
+    def run_request(i: int, after_step) -> int:
+        tok = int(torch.randint(0, n_vocab, (1,), generator=gen))
+        seq = engine.add(Request([tok], cfg.n_gen, greedy))
+        made = 0
+        while not seq.finished:
+            for out in engine.step():
+                if out.error is not None:
+                    raise out.error
+                made += out.seq is seq
+            after_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return made
+
+    def slots() -> int | None:
+        return None if off is None else off.cache.n_slots
+
+    def make_hold() -> MemHold:
+        return MemHold(take_gib=plan.take_gib, rewrite_ms=plan.rewrite_ms, device=str(device))
+
+    return drive(plan, run_request, slots, make_hold)
