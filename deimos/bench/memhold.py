@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Self
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -250,7 +250,7 @@ class MemHold:
         env["PYTHONPATH"] = os.pathsep.join(x for x in (root, env.get("PYTHONPATH", "")) if x)
         self.started_at = time.monotonic()
         # stderr in a file: torch's warnings could fill a pipe nobody reads
-        self._err = tempfile.TemporaryFile()
+        self._err = tempfile.TemporaryFile()  # noqa: SIM115 - closed with the helper
         self.proc = subprocess.Popen(self.command(), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._err, env=env)
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -316,10 +316,13 @@ class MemHold:
             self._reader.join(timeout)
         if proc.stdout is not None:
             proc.stdout.close()
+        if self._err is not None:
+            self._err.close()
+            self._err = None
         self.returncode = proc.returncode
         return self.rewrites
 
-    def __enter__(self) -> MemHold:
+    def __enter__(self) -> Self:
         return self.start() if self.proc is None else self
 
     def __exit__(self, *exc) -> None:

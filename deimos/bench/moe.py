@@ -142,7 +142,8 @@ def render_moe(r: MoeBenchReport) -> list:
     m = r.memory
     limit = f"--gpu-mem {m.limit_gib:g}: a helper holds {_gib(m.held)}" if m.limit_gib else \
         "the whole card"
-    mem = Table(title=f"{r.model}: routed experts {r.placement}; {limit}")
+    out.append(f"{r.model}: routed experts {r.placement}; {limit}")
+    mem = Table()
     for col in ("memory", "GiB"):
         mem.add_column(col, justify="left" if col == "memory" else "right")
     for name, v in (("card", m.total), ("free before the helper", m.free_before_hold),
@@ -152,8 +153,6 @@ def render_moe(r: MoeBenchReport) -> list:
             mem.add_row(name, f"{v / GIB:.2f}")
     if mem.row_count:
         out.append(mem)
-    else:
-        out.append(f"{r.model}: routed experts {r.placement}")
     if r.experts:
         t = Table(title="expert cache over the timed rounds (per layer; rates of the phase)")
         for col in ("phase", "slots", "GiB", "hit rate", "CPU experts/token", "streamed",
