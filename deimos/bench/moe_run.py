@@ -59,6 +59,25 @@ def _free_now(device: torch.device) -> tuple[int | None, int | None]:
     return (nvml_reader(index) or torch_reader(index))()
 
 
+def _free_untouched(device: torch.device) -> int | None:
+    """Free bytes of the card through NVML alone: this process must not create its CUDA
+    context before llama-bench has run (it would take the context's memory from llama.cpp)."""
+    if device.type != "cuda":
+        return None
+    try:
+        import pynvml
+
+        from deimos.runtime.gpu_memory import visible_device
+
+        pynvml.nvmlInit()
+        which = visible_device(device.index or 0, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        h = (pynvml.nvmlDeviceGetHandleByUUID(which) if isinstance(which, str)
+             else pynvml.nvmlDeviceGetHandleByIndex(which))
+        return int(pynvml.nvmlDeviceGetMemoryInfo(h).free)
+    except Exception:  # noqa: BLE001 - no pynvml or driver: the search starts at 0
+        return None
+
+
 def search_llama(cfg: BenchConfig, path, file, n_layer: int, nvml: Nvml | None,
                  ours: frozenset[int], free: int | None
                  ) -> tuple[EngineResult | None, int, list[str], NcmoeSearch | None]:
@@ -105,7 +124,8 @@ def run_moe_bench(cfg: BenchConfig, path, file, nvml: Nvml | None, before: list,
     mcfg = ModelConfig.from_gguf(file.metadata, source=str(path), tensors=file.tensors)
     device = torch.device(cfg.device)
     held = hold.held if hold is not None else None
-    free, total = _free_now(device)
+    # the free memory llama-bench will see: the helper's reading once it held the rest
+    free = held.free_after if held is not None else _free_untouched(device)
     theirs, refused, notes, search = None, 0, [], None
     if cfg.vs_llama:
         theirs, refused, notes, search = search_llama(cfg, path, file, mcfg.n_layer, nvml, ours,

@@ -15,6 +15,11 @@ through the engine (deimos.engine.Engine), so on CUDA they replay its graphs (ca
 round, deimos.runtime.graph); the timed prefill includes the host copy of its tokens. Times are wall clock between
 device synchronizations. Decode bandwidth counts the file's weight bytes read per token
 (every matrix once; the token embedding only if it is also the output projection).
+
+A mixture-of-experts file, or ``--squeeze``, runs through ``deimos.LLM`` instead
+(deimos.bench.moe_run: the expert cache's numbers, llama.cpp's -ncmoe search, the squeeze
+replay; docs/bench-moe.md). ``--gpu-mem GiB``: a helper process (deimos.bench.memhold) holds
+all but GiB of the card from before anything loads (llama-bench included) to the end.
 """
 
 from __future__ import annotations
