@@ -48,7 +48,7 @@ from deimos.bench.squeeze import (
     drive,
 )
 from deimos.bench.stats import Spread
-from tests.testdata import LLAMA_CPP, data_file
+from testdata import LLAMA_CPP, data_file
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -149,8 +149,10 @@ def test_leave_on_the_cpu_stand_in_leaves_about_what_it_was_told() -> None:
     leave = free - 32 * MIB
     with MemHold(leave_gib=leave / GIB, device="cpu", chunk_mib=8) as h:
         held = h.wait_ready(20)
-    assert held.held % ALIGN == 0
-    assert 0 < held.held < 128 * MIB
+    assert held.held % ALIGN == 0 and held.held > 0
+    # what it left free by its own last reading (other processes move MemAvailable meanwhile,
+    # so what it had to take may differ from the 32 MiB of the test's reading)
+    assert abs(held.free_after - leave) <= 64 * MIB, held
 
 
 # ---- llama.cpp's -ncmoe search -----------------------------------------------------------------

@@ -35,6 +35,7 @@ from deimos.bench.run import (
     WARMUP_GEN,
     BenchConfig,
     _llama_alone,
+    run_to_end,
     time_round,
     weight_bytes_per_token,
 )
@@ -213,14 +214,7 @@ def _squeeze(cfg: BenchConfig, llm, device: torch.device, gen: torch.Generator):
 
     def run_request(i: int, after_step) -> int:
         tok = int(torch.randint(0, n_vocab, (1,), generator=gen))
-        seq = engine.add(Request([tok], cfg.n_gen, greedy))
-        made = 0
-        while not seq.finished:
-            for out in engine.step():
-                if out.error is not None:
-                    raise out.error
-                made += out.seq is seq
-            after_step()
+        made = run_to_end(engine, Request([tok], cfg.n_gen, greedy), after_step)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return made

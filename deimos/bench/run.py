@@ -109,6 +109,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def run_to_end(engine, req: Request, after_step=None) -> int:
+    """Step ``engine`` until ``req``'s sequence finishes (``after_step()`` after each step);
+    returns the tokens it made. An engine error for it is raised."""
+    seq = engine.add(req)
+    made = 0
+    while not seq.finished:
+        for out in engine.step():
+            if out.error is not None:
+                raise out.error
+            made += out.seq is seq
+        if after_step is not None:
+            after_step()
+    return made
+
+
 def time_round(engine: Engine, n_prompt: int, n_gen: int, device: torch.device,
                rng: torch.Generator,
                between: Callable[[str], None] | None = None) -> RoundTimes:
@@ -124,14 +139,7 @@ def time_round(engine: Engine, n_prompt: int, n_gen: int, device: torch.device,
     greedy = SamplingParams(temperature=0.0)
 
     def run(req: Request) -> int:
-        seq = engine.add(req)
-        made = 0
-        while not seq.finished:
-            for out in engine.step():
-                if out.error is not None:
-                    raise out.error
-                made += out.seq is seq
-        return made
+        return run_to_end(engine, req)
 
     _sync(device)
     t0 = time.perf_counter()

@@ -12,11 +12,13 @@ from deimos.models.weights import WeightSource
 
 
 class LlamaLayer:
-    def __init__(self, cfg: ModelConfig, i: int, w: WeightSource):
+    """``mlp``: the feed-forward block's class (GatedMLP; qwen3moe's routed experts)."""
+
+    def __init__(self, cfg: ModelConfig, i: int, w: WeightSource, mlp=GatedMLP):
         self.attn_norm = RMSNorm(w.vector(f"blk.{i}.attn_norm.weight", cfg.n_embd), cfg.rms_eps, w.ops)
         self.attn = Attention(cfg, i, w)
         self.ffn_norm = RMSNorm(w.vector(f"blk.{i}.ffn_norm.weight", cfg.n_embd), cfg.rms_eps, w.ops)
-        self.mlp = GatedMLP(cfg, i, w)
+        self.mlp = mlp(cfg, i, w)
 
     def __call__(self, hidden, residual, step):
         hidden, residual = self.attn_norm(hidden, residual)

@@ -3,25 +3,22 @@ layer (softmax router, top-k, weights renormalized; SwiGLU experts; no shared ex
 
 from __future__ import annotations
 
-from deimos.models.blocks import Attention, DecoderModel, RMSNorm
+from deimos.models.blocks import DecoderModel
+from deimos.models.llama import LlamaLayer
 from deimos.models.config import ModelConfig
 from deimos.models.moe import MoE
 from deimos.models.weights import WeightSource
 
 
-class Qwen3MoeLayer:
-    def __init__(self, cfg: ModelConfig, i: int, w: WeightSource):
-        self.attn_norm = RMSNorm(w.vector(f"blk.{i}.attn_norm.weight", cfg.n_embd), cfg.rms_eps, w.ops)
-        self.attn = Attention(cfg, i, w)
-        self.ffn_norm = RMSNorm(w.vector(f"blk.{i}.ffn_norm.weight", cfg.n_embd), cfg.rms_eps, w.ops)
-        self.moe = MoE(cfg, i, w)
+class Qwen3MoeLayer(LlamaLayer):
+    """qwen3's layer (qk-norm attention) with the routed experts as its feed-forward block."""
 
-    def __call__(self, hidden, residual, step):
-        hidden, residual = self.attn_norm(hidden, residual)
-        hidden = self.attn(hidden, step)
-        hidden, residual = self.ffn_norm(hidden, residual)
-        hidden = self.moe(hidden)
-        return hidden, residual
+    def __init__(self, cfg: ModelConfig, i: int, w: WeightSource):
+        super().__init__(cfg, i, w, mlp=MoE)
+
+    @property
+    def moe(self) -> MoE:
+        return self.mlp
 
 
 class Qwen3MoeModel(DecoderModel):
