@@ -21,7 +21,9 @@ Between steps (``between_steps``) finished promotions are published and the slot
 re-derived from the card's free memory (NVML, at most every 100 ms: ``runtime.gpu_memory``):
 when another process takes memory the cache shrinks at once and gives whole chunks back to
 the driver; when it leaves, the cache grows after a second. ``--expert-cache-gib`` fixes the
-size instead. A step of this kind synchronises the host once a layer, so it is not captured
+size instead. Memory that vanishes between the reading and the allocation never fails a step:
+a growth that cannot allocate stays at the old size, a prompt chunk whose staging stacks
+cannot be allocated has its misses computed on the CPU. A step of this kind synchronises the host once a layer, so it is not captured
 in a CUDA graph (the engine runs these models eagerly).
 """
 
@@ -113,10 +115,16 @@ class ExpertOffload:
             return
         cur = self.cache.n_slots
         want = self.sizer.target(cur)
-        if want != cur:
+        if want == cur:
+            return
+        try:
             self.cache.resize(want)
-            self.stats.resizes += 1
-            log.info("expert cache: %d -> %d slots a layer (%.2f GiB)", cur, want, self.cache.nbytes / 2**30)
+        except torch.cuda.OutOfMemoryError:  # the memory went to another process after it was read
+            log.warning("expert cache: no memory to grow to %d slots a layer: staying at %d", want, cur)
+            self.cache.resize(cur)  # drops any chunk the failed growth added
+            return
+        self.stats.resizes += 1
+        log.info("expert cache: %d -> %d slots a layer (%.2f GiB)", cur, want, self.cache.nbytes / 2**30)
 
     # ---- a layer's step ------------------------------------------------------------------
 
@@ -210,11 +218,17 @@ class ExpertOffload:
         rows, slots = np.nonzero(miss)
         self.stats.tokens += t
         add = None
+        streamed = False
         if rows.size and t >= STREAM_TOKENS:
             experts = ids_np[rows, slots]
-            y = y + self._streamed(xf, block, lay, ids, np.unique(experts))
-            self.stats.streamed_experts += int(np.unique(experts).size)
-        elif rows.size:
+            try:
+                y = y + self._streamed(xf, block, lay, ids, np.unique(experts))
+                self.stats.streamed_experts += int(np.unique(experts).size)
+                streamed = True
+            except torch.cuda.OutOfMemoryError:  # no room for the staging stacks: the CPU computes them
+                log.warning("expert offload: no GPU memory to stream %d experts: computed on the CPU",
+                            np.unique(experts).size)
+        if rows.size and not streamed:
             experts = ids_np[rows, slots]
             part = self.cpu(i, x_h, rows, experts, w_h.numpy()[rows, slots])
             self.stats.cpu_experts += int(rows.size)
