@@ -72,7 +72,7 @@ class _StubDriver:
 def _jobs() -> list[Job]:
     """Every (kernel, constexpr config) the wrappers launch on a GPU."""
     return (_q8_jobs() + _rows_jobs() + _gemm_q_jobs() + _layer_jobs() + _paged_jobs()
-            + _sample_batch_jobs() + _moe_jobs())
+            + _sample_batch_jobs() + _moe_jobs() + _gated_delta_jobs())
 
 
 def _q8_jobs() -> list[Job]:
@@ -552,6 +552,35 @@ def _moe_jobs() -> list[Job]:
                                        X_PERMUTED=perm, EVEN=even, SCALE16=scale16(sample),
                                        CHUNKED=chunked, num_warps=c.num_warps,
                                        num_stages=c.num_stages, **PDL_KW)))
+    return jobs
+
+
+def _gated_delta_jobs() -> list[Job]:
+    """The gated delta rule (kernels.triton.gated_delta_decode / gated_delta_prefill) at Qwen3.5 /
+    Qwen3-Next heads (Dk = Dv = 128; 16 key heads for 32 value heads, grouped and tiled),
+    bf16 and float32 inputs; the prefill's dots in ieee and tf32."""
+    import importlib
+
+    import torch
+
+    dec = importlib.import_module("deimos.kernels.triton.gated_delta_decode")
+    pre = importlib.import_module("deimos.kernels.triton.gated_delta_prefill")
+    f32, bf16, i32 = torch.float32, torch.bfloat16, torch.int32
+    hk, hv, d = 16, 32, 128
+    jobs = []
+    for x in (bf16, f32):
+        for tiled in (False, True):
+            bv = dec.decode_block_v(d, d)
+            jobs.append(Job("gdn_decode", f"H={hv}/{hk} D={d} BV={bv} {str(x)[6:]} tiled={int(tiled)}",
+                            _warm(dec._decode_kernel, [x, x, x, x, x, x, f32, i32, d**-0.5],
+                                  HK=hk, HV=hv, DK=d, DV=d, BLOCK_V=bv, TILED=tiled,
+                                  num_warps=4, **PDL_KW)))
+    bv, warps = pre.prefill_config(d, d)
+    for x, prec in ((bf16, "ieee"), (f32, "ieee"), (bf16, "tf32")):
+        jobs.append(Job("gdn_prefill", f"H={hv}/{hk} D={d} BV={bv} w={warps} {str(x)[6:]} {prec}",
+                        _warm(pre._prefill_kernel, [x, x, x, x, x, x, f32, i32, i32, d**-0.5],
+                              HK=hk, HV=hv, DK=d, DV=d, BT=pre.CHUNK, BLOCK_V=bv, TILED=False,
+                              PRECISION=prec, num_warps=warps)))
     return jobs
 
 
