@@ -10,6 +10,7 @@ from deimos.models.config import ConfigError, ModelConfig
 from deimos.models.gemma3 import Gemma3Model
 from deimos.models.llama import LlamaModel
 from deimos.models.qwen3moe import Qwen3MoeModel
+from deimos.models.qwen35 import Qwen35Model
 from deimos.models.weights import EXPERT_CACHE_BYTES, MemoryBudgetError, WeightError, WeightSource
 
 ARCHITECTURES: dict[str, type[DecoderModel]] = {
@@ -18,6 +19,7 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "qwen3": LlamaModel,
     "gemma3": Gemma3Model,
     "qwen3moe": Qwen3MoeModel,
+    "qwen35": Qwen35Model,
 }
 
 

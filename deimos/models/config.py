@@ -25,12 +25,14 @@ class ConfigError(ValueError):
     """A model file's metadata is missing a key, has a wrong value, or names an unsupported model."""
 
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen35")
+_HYBRID_ARCHITECTURES = ("qwen35",)  # Gated DeltaNet layers with full-attention layers between
 _MOE_ARCHITECTURES = ("qwen3moe",)  # every layer's MLP is routed experts
 
 # Rotary embedding variants: "norm" rotates adjacent pairs (x0,x1),(x2,x3)...;
 # "neox" rotates the two halves (x_i, x_{i+d/2}).
-_ROPE_TYPE = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox", "qwen3moe": "neox"}
+_ROPE_TYPE = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox", "qwen3moe": "neox",
+              "qwen35": "neox"}  # IMROPE; for text (t = h = w positions) it is neox (checked)
 
 MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS: it asserts 0 < block_count <= this
 MAX_EXPERTS = 1024  # llama.cpp's LLAMA_MAX_EXPERTS: it asserts expert_count <= this
@@ -70,6 +72,25 @@ class ModelConfig:
     n_expert_used: int = 0  # experts each token goes to (top-k of the router's softmax)
     n_ff_exp: int = 0  # hidden width of one expert's gated MLP
     expert_weights_norm: bool = False  # the k chosen weights rescaled to sum 1
+    # hybrid (qwen35): Gated DeltaNet layers; () = every layer full attention
+    recurrent_layers: tuple[bool, ...] = ()  # per layer: a Gated DeltaNet (linear attention) layer
+    ssm_conv_kernel: int = 0  # K: width of the short causal convolution ('ssm.conv_kernel')
+    ssm_head_dim: int = 0  # Dk = Dv: width of a key/value head ('ssm.state_size')
+    ssm_n_k_heads: int = 0  # Hk: q/k heads ('ssm.group_count')
+    ssm_n_v_heads: int = 0  # Hv: value heads, one state [Dv, Dk] each ('ssm.time_step_rank')
+    attn_output_gate: bool = False  # attn_q carries a sigmoid gate per head after q (qwen35)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.recurrent_layers)
+
+    def is_recurrent(self, layer: int) -> bool:
+        return bool(self.recurrent_layers) and self.recurrent_layers[layer]
+
+    @property
+    def ssm_conv_dim(self) -> int:
+        """Channels of the convolution: q, k (Hk x Dk each) and v (Hv x Dv)."""
+        return (2 * self.ssm_n_k_heads + self.ssm_n_v_heads) * self.ssm_head_dim
 
     @property
     def is_moe(self) -> bool:
@@ -250,6 +271,8 @@ class _Reader:
             common["qk_norm"] = True
         if moe:
             common.update(self._experts(n_layer, n_ff))
+        if arch in _HYBRID_ARCHITECTURES:
+            common.update(self._hybrid(n_layer, rope_dim), qk_norm=True, attn_output_gate=True)
         if arch == "gemma3":
             common.update(self._sliding_window(n_layer))
             # gemma3 27B scales by the model width per head; the others by the head size
@@ -288,6 +311,53 @@ class _Reader:
         # file's value of either changes nothing there, and nothing here)
         return {"n_expert": n_expert, "n_expert_used": n_used, "n_ff_exp": n_ff_exp,
                 "expert_weights_norm": True}
+
+    def _hybrid(self, n_layer: int, rope_dim: int) -> dict[str, Any]:
+        """qwen35's Gated DeltaNet sizes and layer pattern (llama_model_qwen35::load_arch_hparams)."""
+        a = self.arch
+        if self.int("nextn_predict_layers", 0, lo=0):
+            raise self.fail("nextn_predict_layers", "is set: MTP layers are not supported yet")
+        d_conv = self.int("ssm.conv_kernel", hi=64)
+        d_inner = self.int("ssm.inner_size")
+        d_state = self.int("ssm.state_size", hi=4096)
+        n_v = self.int("ssm.time_step_rank", hi=4096)
+        n_k = self.int("ssm.group_count", hi=4096)
+        if n_v % n_k:
+            raise ConfigError(f"{self.source}: metadata key '{a}.ssm.time_step_rank' {n_v} (value heads) "
+                              f"is not a multiple of '{a}.ssm.group_count' {n_k} (key heads)")
+        if d_inner != d_state * n_v:  # llama.cpp sizes tensors by state_size, the graph by inner/rank
+            raise ConfigError(f"{self.source}: metadata key '{a}.ssm.inner_size' {d_inner} is not "
+                              f"'{a}.ssm.state_size' {d_state} x '{a}.ssm.time_step_rank' {n_v}")
+        key = "attention.recurrent_layers"
+        pattern = self._raw(key, False)
+        if pattern is not None:
+            if not isinstance(pattern, np.ndarray) or pattern.ndim != 1 or pattern.dtype.kind not in "biu":
+                raise self.fail(key, "must be an array of per-layer flags")
+            if len(pattern) != n_layer:
+                raise self.fail(key, f"has {len(pattern)} entries, expected one per layer "
+                                     f"(block_count {n_layer})")
+            recurrent = tuple(bool(x) for x in pattern)
+        else:
+            interval = self.int("full_attention_interval", 4, hi=MAX_LAYERS)
+            recurrent = tuple((i + 1) % interval != 0 for i in range(n_layer))
+        sections = self._raw("rope.dimension_sections", False)
+        if sections is not None:
+            # IMROPE: rotated pair i takes the t/h/w position (all equal for text) when its
+            # sector i % sum(sections) falls in sections[0..2], else the e position (0 for
+            # text): the neox rotation used here needs every pair in t/h/w
+            if not isinstance(sections, np.ndarray) or sections.dtype.kind not in "iu" or len(sections) > 4:
+                raise self.fail("rope.dimension_sections", "must be an array of at most 4 integers")
+            sec = [int(x) for x in sections] + [0] * (4 - len(sections))
+            total = sum(sec)
+            for i in range(rope_dim // 2):
+                r = i % total if total else 0
+                if not ((r % 3 == 0 and r < 3 * sec[0]) or (r % 3 == 1 and r < 3 * sec[1])
+                        or (r % 3 == 2 and r < 3 * sec[2])):
+                    raise self.fail("rope.dimension_sections",
+                                    f"{sec} leave rotated pair {i} of '{a}.rope.dimension_count' "
+                                    f"{rope_dim} to the 4th (e) section: not supported")
+        return {"recurrent_layers": recurrent, "ssm_conv_kernel": d_conv, "ssm_head_dim": d_state,
+                "ssm_n_k_heads": n_k, "ssm_n_v_heads": n_v}
 
     def _vocab_size(self) -> int:
         # as llama.cpp: the tokenizer's token count; '<arch>.vocab_size' only without tokens
@@ -375,9 +445,15 @@ def _check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], md: Mapping[str
     rope = f"'{a}.rope.dimension_count' {cfg.rope_dim} / 2"
     expect("rope_freqs.weight", ((cfg.rope_dim // 2, rope),), required=False)
     norms = ["attn_norm", "ffn_norm"]
+    if cfg.is_hybrid:  # qwen35: the MLP's norm is post_attention_norm
+        norms = ["attn_norm", "post_attention_norm"]
+    if cfg.attn_output_gate:  # attn_q: q and its gate, per head
+        q = f"2 x {q}"
     if cfg.sandwich_norm:
         norms += ["post_attention_norm", "post_ffw_norm"]
     q_rows, k_rows = (cfg.n_head * cfg.head_dim, q), (cfg.n_head_kv * cfg.head_dim, k)
+    if cfg.attn_output_gate:
+        q_rows = (2 * cfg.n_head * cfg.head_dim, q)
     v_rows, o_cols = (cfg.n_head_kv * cfg.head_dim_v, v), (cfg.n_head * cfg.head_dim_v, o)
     ffn = (cfg.n_ff, ff)
     experts = (cfg.n_expert, f"'{a}.expert_count' {cfg.n_expert}")
@@ -388,6 +464,9 @@ def _check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], md: Mapping[str
         p = f"blk.{i}."
         for n in norms:
             expect(f"{p}{n}.weight", (width,))
+        if cfg.is_hybrid and _check_hybrid_layer(cfg, i, tensors, md, source, expect):
+            _expect_mlp(p, width, ffn, expect)
+            continue
         expect(f"{p}attn_q.weight", (width, q_rows))
         expect(f"{p}attn_k.weight", (width, k_rows))
         expect(f"{p}attn_v.weight", (width, v_rows))
@@ -403,6 +482,53 @@ def _check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], md: Mapping[str
             expect(f"{p}ffn_up_exps.weight", (width, ffn_exp, experts))
             expect(f"{p}ffn_down_exps.weight", (ffn_exp, width, experts))
             continue
-        expect(f"{p}ffn_gate.weight", (width, ffn))
-        expect(f"{p}ffn_up.weight", (width, ffn))
-        expect(f"{p}ffn_down.weight", (ffn, width))
+        _expect_mlp(p, width, ffn, expect)
+
+
+def _expect_mlp(p: str, width, ffn, expect) -> None:
+    expect(f"{p}ffn_gate.weight", (width, ffn))
+    expect(f"{p}ffn_up.weight", (width, ffn))
+    expect(f"{p}ffn_down.weight", (ffn, width))
+
+
+_SSM_TENSORS = ("attn_qkv.weight", "attn_gate.weight", "ssm_conv1d.weight", "ssm_dt.bias", "ssm_a",
+                "ssm_beta.weight", "ssm_alpha.weight", "ssm_norm.weight", "ssm_out.weight")
+
+
+def _check_hybrid_layer(cfg: ModelConfig, i: int, tensors: Mapping[str, Any], md: Mapping[str, Any],
+                        source: str, expect) -> bool:
+    """Layer i of a hybrid model against the layer pattern: a recurrent layer's Gated DeltaNet
+    tensors with the state sizes of the metadata (True), or a full-attention layer without
+    them (False: the caller checks its attention). Errors name the pattern's key and the tensor."""
+    a, p = cfg.arch, f"blk.{i}."
+    if f"{a}.attention.recurrent_layers" in md:
+        why = f"'{a}.attention.recurrent_layers'"
+    else:
+        why = f"'{a}.full_attention_interval' {md.get(f'{a}.full_attention_interval', 4)}"
+    if not cfg.is_recurrent(i):
+        found = [n for n in _SSM_TENSORS if p + n in tensors]
+        if found:
+            raise ConfigError(f"{source}: layer {i} is full attention by {why}, but the file has its "
+                              f"Gated DeltaNet tensor '{p}{found[0]}'")
+        return False
+    if f"{p}attn_q.weight" in tensors and f"{p}ssm_conv1d.weight" not in tensors:
+        raise ConfigError(f"{source}: layer {i} is a Gated DeltaNet layer by {why}, but the file has "
+                          f"the full-attention tensor '{p}attn_q.weight' and no '{p}ssm_conv1d.weight'")
+    width = (cfg.n_embd, f"'{a}.embedding_length' {cfg.n_embd}")
+    hd = f"'{a}.ssm.state_size' {cfg.ssm_head_dim}"
+    nk = f"'{a}.ssm.group_count' {cfg.ssm_n_k_heads}"
+    nv = f"'{a}.ssm.time_step_rank' {cfg.ssm_n_v_heads}"
+    value = (cfg.ssm_n_v_heads * cfg.ssm_head_dim, f"{nv} x {hd}")
+    heads = (cfg.ssm_n_v_heads, nv)
+    conv = (cfg.ssm_conv_dim, f"(2 x {nk} + {nv}) x {hd}")
+    expect(f"{p}attn_qkv.weight", (width, conv))
+    expect(f"{p}attn_gate.weight", (width, value))
+    expect(f"{p}ssm_conv1d.weight", ((cfg.ssm_conv_kernel, f"'{a}.ssm.conv_kernel' {cfg.ssm_conv_kernel}"),
+                                     conv))
+    expect(f"{p}ssm_dt.bias", (heads,))
+    expect(f"{p}ssm_a", (heads,))
+    expect(f"{p}ssm_beta.weight", (width, heads))
+    expect(f"{p}ssm_alpha.weight", (width, heads))
+    expect(f"{p}ssm_norm.weight", ((cfg.ssm_head_dim, hd),))
+    expect(f"{p}ssm_out.weight", (value, width))
+    return True

@@ -34,6 +34,9 @@ def tensor_specs(p: SynthPreset, n_vocab: int) -> list[TensorSpec]:
     specs = [TensorSpec("token_embd.weight", (d, n_vocab), M)]
     for i in range(p.n_layer):
         b = f"blk.{i}."
+        if p.is_hybrid:
+            specs += _hybrid_layer(p, i)
+            continue
         specs += [
             TensorSpec(b + "attn_norm.weight", (d,), N),
             TensorSpec(b + "attn_q.weight", (d, q_dim), M),
@@ -78,6 +81,44 @@ def tensor_specs(p: SynthPreset, n_vocab: int) -> list[TensorSpec]:
     return specs
 
 
+def _hybrid_layer(p: SynthPreset, i: int) -> list[TensorSpec]:
+    """A qwen35 layer (llama_model_qwen35::load_arch_tensors). The writer's kinds give the
+    F32 vectors their values: ssm_dt.bias and ssm_a as biases (N(0, 0.2^2): ssm_a is -exp(A_log)
+    in real files, negative; random signs here, finite over the short test sequences),
+    ssm_conv1d as an F32 random matrix (the router's kind), ssm_norm as a head norm (gain 1)."""
+    M, N, b = Kind.MATRIX, Kind.NORM, f"blk.{i}."
+    d = p.n_embd
+    specs = [TensorSpec(b + "attn_norm.weight", (d,), N),
+             TensorSpec(b + "post_attention_norm.weight", (d,), N)]
+    if p.is_recurrent(i):
+        hv, dh = p.ssm_n_v_heads, p.ssm_head_dim
+        value, conv = hv * dh, (2 * p.ssm_n_k_heads + hv) * dh
+        specs += [
+            TensorSpec(b + "attn_qkv.weight", (d, conv), M),
+            TensorSpec(b + "attn_gate.weight", (d, value), M),
+            TensorSpec(b + "ssm_conv1d.weight", (p.ssm_conv_kernel, conv), Kind.ROUTER),
+            TensorSpec(b + "ssm_dt.bias", (hv,), Kind.BIAS),
+            TensorSpec(b + "ssm_a", (hv,), Kind.BIAS),
+            TensorSpec(b + "ssm_beta.weight", (d, hv), M),
+            TensorSpec(b + "ssm_alpha.weight", (d, hv), M),
+            TensorSpec(b + "ssm_norm.weight", (dh,), Kind.HEAD_NORM),
+            TensorSpec(b + "ssm_out.weight", (value, d), M),
+        ]
+    else:
+        q_dim, kv_dim = p.n_head * p.head_dim, p.n_head_kv * p.head_dim
+        specs += [
+            TensorSpec(b + "attn_q.weight", (d, 2 * q_dim), M),  # q and its output gate per head
+            TensorSpec(b + "attn_k.weight", (d, kv_dim), M),
+            TensorSpec(b + "attn_v.weight", (d, kv_dim), M),
+            TensorSpec(b + "attn_output.weight", (q_dim, d), M),
+            TensorSpec(b + "attn_q_norm.weight", (p.head_dim,), Kind.HEAD_NORM),
+            TensorSpec(b + "attn_k_norm.weight", (p.head_dim,), Kind.HEAD_NORM),
+        ]
+    return specs + [TensorSpec(b + "ffn_gate.weight", (d, p.n_ff), M),
+                    TensorSpec(b + "ffn_up.weight", (d, p.n_ff), M),
+                    TensorSpec(b + "ffn_down.weight", (p.n_ff, d), M)]
+
+
 def arch_metadata(p: SynthPreset, n_vocab: int) -> list[tuple[str, str, object]]:
     """(suffix, GGUF scalar type, value) of the ``<arch>.`` keys, as HF conversion writes them."""
     kv: list[tuple[str, str, object]] = [
@@ -92,7 +133,17 @@ def arch_metadata(p: SynthPreset, n_vocab: int) -> list[tuple[str, str, object]]
     ]
     if p.arch == "llama":
         kv += [("vocab_size", "u32", n_vocab), ("rope.dimension_count", "u32", p.head_dim)]
-    if p.arch in ("qwen3", "gemma3", "qwen3moe"):
+    if p.is_hybrid:
+        kv += [("ssm.conv_kernel", "u32", p.ssm_conv_kernel),
+               ("ssm.state_size", "u32", p.ssm_head_dim),
+               ("ssm.group_count", "u32", p.ssm_n_k_heads),
+               ("ssm.time_step_rank", "u32", p.ssm_n_v_heads),
+               ("ssm.inner_size", "u32", p.ssm_n_v_heads * p.ssm_head_dim),
+               ("full_attention_interval", "u32", p.full_attention_interval),
+               ("rope.dimension_count", "u32", p.rope_dim or p.head_dim)]
+        if p.rope_sections:
+            kv.append(("rope.dimension_sections", "i32[]", list(p.rope_sections)))
+    if p.arch in ("qwen3", "gemma3", "qwen3moe", "qwen35"):
         kv += [("attention.key_length", "u32", p.head_dim),
                ("attention.value_length", "u32", p.head_dim)]
     if p.is_moe:

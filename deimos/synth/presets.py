@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen35")
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,15 @@ class SynthPreset:
     n_expert: int = 0  # qwen3moe: routed experts per layer (every layer is MoE)
     n_expert_used: int = 0  # qwen3moe: experts per token
     n_ff_exp: int = 0  # qwen3moe: hidden width of one expert (n_ff is then only metadata)
+    # qwen35 (hybrid): every full_attention_interval-th layer full attention, the others
+    # Gated DeltaNet with ssm_n_k_heads q/k heads and ssm_n_v_heads value heads of ssm_head_dim
+    full_attention_interval: int = 0
+    ssm_conv_kernel: int = 0
+    ssm_head_dim: int = 0
+    ssm_n_k_heads: int = 0
+    ssm_n_v_heads: int = 0
+    rope_dim: int = 0  # rotated dims of an attention head; 0: the whole head
+    rope_sections: tuple[int, ...] = ()  # qwen35's IMROPE sections (t, h, w, e)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -49,6 +58,21 @@ class SynthPreset:
         if moe and not (0 < self.n_expert_used <= self.n_expert and self.n_ff_exp > 0):
             raise ValueError(f"preset {self.name!r}: qwen3moe needs 0 < n_expert_used <= n_expert "
                              f"and n_ff_exp > 0")
+
+        hybrid = self.arch == "qwen35"
+        if hybrid != (self.full_attention_interval > 0):
+            raise ValueError(f"preset {self.name!r}: full_attention_interval is for qwen35 only, and needed")
+        if hybrid and not (self.ssm_conv_kernel > 1 and self.ssm_head_dim > 0 and self.ssm_n_k_heads > 0
+                           and self.ssm_n_v_heads % self.ssm_n_k_heads == 0):
+            raise ValueError(f"preset {self.name!r}: qwen35 needs ssm sizes (conv kernel > 1, value "
+                             f"heads a multiple of key heads)")
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.full_attention_interval > 0
+
+    def is_recurrent(self, layer: int) -> bool:
+        return self.is_hybrid and (layer + 1) % self.full_attention_interval != 0
 
     @property
     def is_moe(self) -> bool:
@@ -83,6 +107,13 @@ _PRESETS = [
                 n_head_kv=2, head_dim=64, rope_base=1000000.0, rms_eps=1e-6,
                 context_length=2048, tied_embeddings=False, n_expert=4, n_expert_used=2,
                 n_ff_exp=512),
+    # Hybrid: layers 0-2 Gated DeltaNet, 3 full attention (interval 4); 2 key heads, 4 value
+    # heads (so the head sharing shows); partial RoPE (16 of 32 dims) with IMROPE sections.
+    SynthPreset("qwen35-tiny", "qwen35", n_layer=4, n_embd=64, n_ff=128, n_head=4, n_head_kv=2,
+                head_dim=32, rope_base=10000000.0, rms_eps=1e-6, context_length=2048,
+                tied_embeddings=True, full_attention_interval=4, ssm_conv_kernel=4,
+                ssm_head_dim=16, ssm_n_k_heads=2, ssm_n_v_heads=4, rope_dim=16,
+                rope_sections=(3, 3, 2, 0)),
     # Real sizes.
     SynthPreset("llama-1b", "llama", n_layer=16, n_embd=2048, n_ff=8192, n_head=32, n_head_kv=8,
                 head_dim=64, rope_base=500000.0, rms_eps=1e-5, context_length=131072,
@@ -109,11 +140,25 @@ _PRESETS = [
                 n_ff_exp=768),
 ]
 
+_PRESETS += [
+    # Qwen3.5-0.8B and -4B (text decoder): head 256 with a quarter rotated, mrope [11, 11, 10].
+    SynthPreset("qwen35-0.8b", "qwen35", n_layer=24, n_embd=1024, n_ff=3584, n_head=8, n_head_kv=2,
+                head_dim=256, rope_base=10000000.0, rms_eps=1e-6, context_length=262144,
+                tied_embeddings=True, full_attention_interval=4, ssm_conv_kernel=4,
+                ssm_head_dim=128, ssm_n_k_heads=16, ssm_n_v_heads=16, rope_dim=64,
+                rope_sections=(11, 11, 10, 0)),
+    SynthPreset("qwen35-4b", "qwen35", n_layer=32, n_embd=2560, n_ff=9216, n_head=16, n_head_kv=4,
+                head_dim=256, rope_base=10000000.0, rms_eps=1e-6, context_length=262144,
+                tied_embeddings=True, full_attention_interval=4, ssm_conv_kernel=4,
+                ssm_head_dim=128, ssm_n_k_heads=16, ssm_n_v_heads=32, rope_dim=64,
+                rope_sections=(11, 11, 10, 0)),
+]
+
 PRESETS: dict[str, SynthPreset] = {p.name: p for p in _PRESETS}
 
 # Token count of the real model's vocabulary (llama-bpe, qwen2, gemma3 donors): only for the
 # sizes that ``deimos synth --list`` reports; a written file takes its donor's count.
-TYPICAL_VOCAB = {"llama": 128256, "qwen2": 151936, "qwen3": 151936, "qwen3moe": 151936,
+TYPICAL_VOCAB = {"llama": 128256, "qwen2": 151936, "qwen3": 151936, "qwen3moe": 151936, "qwen35": 248320,
                  "gemma3": 262144}
 
 

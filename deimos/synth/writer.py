@@ -53,6 +53,7 @@ BIAS_STD = 0.2
 CHUNK_ELEMENTS = 1 << 25
 
 _SCALAR = {"u32": GGUFValueType.UINT32, "f32": GGUFValueType.FLOAT32}
+_ARRAY = {"i32[]": GGUFValueType.INT32}  # qwen35's rope.dimension_sections
 
 
 def write_model(
@@ -93,7 +94,10 @@ def write_model(
         if any(t not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16) for t in types):
             w.add_quantization_version(2)
         for suffix, t, value in arch_metadata(p, n_vocab):
-            w.add_key_value(f"{arch}.{suffix}", value, _SCALAR[t])
+            if t in _ARRAY:
+                w.add_key_value(f"{arch}.{suffix}", value, GGUFValueType.ARRAY, sub_type=_ARRAY[t])
+            else:
+                w.add_key_value(f"{arch}.{suffix}", value, _SCALAR[t])
         for key, (vtype, sub, value) in tokenizer.items():
             w.add_key_value(key, value, vtype, sub_type=sub)
         for s, t in zip(specs, types):

@@ -1,0 +1,162 @@
+"""The Gated DeltaNet layer block (qwen35's linear attention) and the recurrent state it carries.
+
+As llama_model_qwen35::graph::build_layer_attn_linear (llama.cpp 11434), for x [T, D]:
+    qkv  = attn_qkv(x)          [T, (2 Hk + Hv) Dh]   -> short causal conv (ssm_conv1d, K taps,
+                                                         K - 1 carried inputs) -> SiLU
+    q, k = the first two Hk x Dh parts, each head L2-normalized (x / sqrt(sum x^2 + eps));
+           value head h reads q/k head h % Hk (ggml_repeat tiles the heads)
+    v    = the last Hv x Dh part
+    z    = attn_gate(x)         [T, Hv Dh]
+    beta = sigmoid(ssm_beta(x)) [T, Hv]
+    g    = softplus(ssm_alpha(x) + ssm_dt.bias) * ssm_a        (ssm_a = -exp(A_log))
+    o    = gated delta rule (deimos.kernels.deltanet), scale 1/sqrt(Dh), per value head a
+           state S [Dh, Dh] carried across steps
+    out  = ssm_out(rms_norm(o per head, ssm_norm) * silu(z))
+
+State: one ``RecurrentState`` per sequence, holding every recurrent layer's conv inputs and
+delta-rule state and the number of tokens it has consumed. The step finds the states through
+``batch.kv``: a ``HybridKV`` (the paged pool plus the states of the step's sequences, in the
+batch's order). The model writes them in place; a step must continue each state exactly where
+it stopped (its first position == the state's length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from deimos.kernels.deltanet import (
+    causal_conv1d,
+    gated_delta_rule_chunked,
+    gated_delta_rule_recurrent,
+)
+from deimos.kernels.norm import rms_norm
+from deimos.models.batch import Batch, PagedKV
+from deimos.models.config import ModelConfig
+from deimos.models.weights import WeightSource
+
+CHUNK = 64  # the chunked form's chunk (llama.cpp's and fla's)
+
+
+class StateError(ValueError):
+    """A step's sequences and the recurrent states handed to it disagree."""
+
+
+@dataclass
+class RecurrentState:
+    """One sequence's Gated DeltaNet state: per recurrent layer (by layer index) the last K - 1
+    conv inputs ``conv[i]`` [K - 1, conv_dim] and the delta-rule state ``ssm[i]`` [Hv, Dh, Dh]
+    (value index first), float32; ``length``: tokens consumed (the next position)."""
+
+    conv: dict[int, torch.Tensor]
+    ssm: dict[int, torch.Tensor]
+    length: int = 0
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, device: str | torch.device = "cpu",
+              dtype: torch.dtype = torch.float32) -> RecurrentState:
+        if not cfg.is_hybrid:
+            raise ValueError(f"RecurrentState: {cfg.arch} has no recurrent layers")
+        layers = [i for i in range(cfg.n_layer) if cfg.is_recurrent(i)]
+        k, dh = cfg.ssm_conv_kernel, cfg.ssm_head_dim
+        conv = {i: torch.zeros(k - 1, cfg.ssm_conv_dim, dtype=dtype, device=device) for i in layers}
+        ssm = {i: torch.zeros(cfg.ssm_n_v_heads, dh, dh, dtype=dtype, device=device) for i in layers}
+        return cls(conv, ssm, 0)
+
+    def clone(self) -> RecurrentState:
+        """A snapshot (restoring it and continuing equals an uninterrupted run)."""
+        return RecurrentState({i: t.clone() for i, t in self.conv.items()},
+                              {i: t.clone() for i, t in self.ssm.items()}, self.length)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [*self.conv.values(), *self.ssm.values()])
+
+
+@dataclass
+class HybridKV:
+    """``batch.kv`` of a hybrid model's step: the paged KV pool (its full-attention layers)
+    plus ``states[b]``, the RecurrentState of the step's sequence b."""
+
+    pool: PagedKV
+    states: list[RecurrentState] = field(default_factory=list)
+
+    @property
+    def k(self):
+        return self.pool.k
+
+    @property
+    def v(self):
+        return self.pool.v
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+
+def step_states(batch: Batch) -> list[RecurrentState]:
+    """The states of the step's sequences, checked against the batch's layout."""
+    states = getattr(batch.kv, "states", None)
+    seqs = batch.seqs
+    if states is None:
+        raise StateError("a hybrid model's step needs batch.kv = HybridKV(pool, states): one "
+                         "RecurrentState per sequence (deimos.models.deltanet)")
+    if len(states) != seqs.n_seqs:
+        raise StateError(f"the step has {seqs.n_seqs} sequences but {len(states)} recurrent states")
+    for b, (st, start) in enumerate(zip(states, seqs.q_starts)):
+        if st.length != start:
+            raise StateError(f"sequence {b} of the step starts at position {start}, its recurrent "
+                             f"state is at {st.length} (a recurrent state cannot be rewound: restore "
+                             "a snapshot taken at that position)")
+    return states
+
+
+class GatedDeltaNet:
+    """The linear-attention block of recurrent layer ``layer``: ``block(x, step)`` with x
+    [T, D] -> [T, D], advancing each sequence's state."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, w: WeightSource, chunk: int = CHUNK):
+        p = f"blk.{layer}"
+        hk, hv, dh, d = cfg.ssm_n_k_heads, cfg.ssm_n_v_heads, cfg.ssm_head_dim, cfg.n_embd
+        self.qkv = w.linear(f"{p}.attn_qkv", cfg.ssm_conv_dim, d, bias=None)
+        self.gate = w.linear(f"{p}.attn_gate", hv * dh, d, bias=None)
+        self.beta = w.linear(f"{p}.ssm_beta", hv, d, bias=None)
+        self.alpha = w.linear(f"{p}.ssm_alpha", hv, d, bias=None)
+        self.conv = w.tensor(f"{p}.ssm_conv1d.weight", (cfg.ssm_conv_dim, cfg.ssm_conv_kernel))
+        self.dt_bias = w.vector(f"{p}.ssm_dt.bias", hv)
+        self.a = w.vector(f"{p}.ssm_a", hv)
+        self.norm = w.vector(f"{p}.ssm_norm.weight", dh)
+        self.out = w.linear(f"{p}.ssm_out", d, hv * dh, bias=None)
+        self.hk, self.hv, self.dh, self.eps = hk, hv, dh, cfg.rms_eps
+        self.layer, self.chunk = layer, chunk
+
+    def __call__(self, x: torch.Tensor, batch: Batch, states: list[RecurrentState]) -> torch.Tensor:
+        n = x.shape[0]
+        hk, hv, dh = self.hk, self.hv, self.dh
+        mixed = self.qkv(x)
+        z = self.gate(x).view(n, hv, dh)
+        beta = torch.sigmoid(self.beta(x))
+        g = F.softplus(self.alpha(x) + self.dt_bias) * self.a
+        out = x.new_empty((n, hv, dh))
+        t0 = 0
+        for b, m in enumerate(batch.seqs.q_lens):  # each sequence from its own state
+            st, rows = states[b], slice(t0, t0 + m)
+            y, st.conv[self.layer] = causal_conv1d(mixed[rows], self.conv, st.conv[self.layer])
+            y = F.silu(y)
+            q = _l2_norm(y[:, : hk * dh].view(m, hk, dh), self.eps).repeat(1, hv // hk, 1)
+            k = _l2_norm(y[:, hk * dh : 2 * hk * dh].view(m, hk, dh), self.eps).repeat(1, hv // hk, 1)
+            v = y[:, 2 * hk * dh :].view(m, hv, dh)
+            rule = gated_delta_rule_recurrent if m == 1 else gated_delta_rule_chunked
+            kw = {} if m == 1 else {"chunk": self.chunk}
+            out[rows], st.ssm[self.layer] = rule(q, k, v, g[rows], beta[rows], st.ssm[self.layer],
+                                                 dh**-0.5, **kw)
+            t0 += m
+        o = rms_norm(out, self.norm, self.eps) * F.silu(z)
+        return self.out(o.reshape(n, hv * dh))
+
+
+def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """ggml's build_gdn_l2_norm: rms_norm(x, eps / n) / sqrt(n) = x / sqrt(sum x^2 + eps)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)

@@ -1,0 +1,96 @@
+"""qwen35 (Qwen3.5 dense): hybrid layers, most of them Gated DeltaNet (deimos.models.deltanet),
+every ``full_attention_interval``-th one full attention; a SwiGLU MLP in every layer.
+
+As llama_model_qwen35::graph (llama.cpp 11434):
+    h   = x + mixer(attn_norm(x))              mixer: GatedDeltaNet or GatedAttention
+    out = h + mlp(post_attention_norm(h))
+GatedAttention: attn_q gives per head [q (Dh) | gate (Dh)]; q/k head norms, partial neox RoPE
+(IMROPE with text positions, checked in the config), GQA attention, the output times
+sigmoid(gate), then attn_output.
+
+CPU reference only (the ops' attention for the full layers; the delta rule in torch). The
+recurrent state of each sequence comes with the batch (``HybridKV``); see deimos.models.deltanet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deimos.models.batch import Batch
+from deimos.models.blocks import Attention, DecoderModel, GatedMLP, RMSNorm
+from deimos.models.config import ModelConfig
+from deimos.models.deltanet import GatedDeltaNet, step_states
+from deimos.models.weights import WeightSource
+
+
+class GatedAttention(Attention):
+    """Attention whose q projection also yields a per-head output gate (sigmoid)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, w: WeightSource):
+        p = f"blk.{layer}"
+        self.cfg = cfg
+        self.q = w.linear(f"{p}.attn_q", 2 * cfg.n_head * cfg.head_dim, cfg.n_embd, bias=None)
+        self.k = w.linear(f"{p}.attn_k", cfg.n_head_kv * cfg.head_dim, cfg.n_embd, bias=None)
+        self.v = w.linear(f"{p}.attn_v", cfg.n_head_kv * cfg.head_dim_v, cfg.n_embd, bias=None)
+        self.o = w.linear(f"{p}.attn_output", cfg.n_embd, cfg.n_head * cfg.head_dim_v, bias=None)
+        self.ops = w.ops
+        self.head_norms = (w.vector(f"{p}.attn_q_norm.weight", cfg.head_dim),
+                           w.vector(f"{p}.attn_k_norm.weight", cfg.head_dim), cfg.rms_eps)
+        self.layer = layer
+        self.rope_base = cfg.layer_rope_base(layer)
+        self.window = 0
+
+    def __call__(self, x, step):
+        cfg, n = self.cfg, x.shape[0]
+        qg = self.q(x).view(n, cfg.n_head, 2, cfg.head_dim)
+        q, gate = qg[:, :, 0].contiguous(), qg[:, :, 1].reshape(n, cfg.n_head * cfg.head_dim)
+        k = self.k(x).view(n, cfg.n_head_kv, cfg.head_dim)
+        v = self.v(x).view(n, cfg.n_head_kv, cfg.head_dim_v)
+        out = self.ops.attention(q, k, v, self.layer, step, self.rope_base, cfg.attn_scale, self.window,
+                                 self.head_norms)
+        return self.o(out.reshape(n, cfg.n_head * cfg.head_dim_v) * torch.sigmoid(gate))
+
+
+class Qwen35Layer:
+    def __init__(self, cfg: ModelConfig, i: int, w: WeightSource):
+        self.attn_norm = RMSNorm(w.vector(f"blk.{i}.attn_norm.weight", cfg.n_embd), cfg.rms_eps, w.ops)
+        self.recurrent = cfg.is_recurrent(i)
+        self.mixer = GatedDeltaNet(cfg, i, w) if self.recurrent else GatedAttention(cfg, i, w)
+        self.ffn_norm = RMSNorm(w.vector(f"blk.{i}.post_attention_norm.weight", cfg.n_embd), cfg.rms_eps,
+                                w.ops)
+        self.mlp = GatedMLP(cfg, i, w)
+
+    def __call__(self, hidden, residual, step):
+        hidden, residual = self.attn_norm(hidden, residual)
+        if self.recurrent:
+            hidden = self.mixer(hidden, step.batch, step_states(step.batch))
+        else:
+            hidden = self.mixer(hidden, step)
+        hidden, residual = self.ffn_norm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen35Model(DecoderModel):
+    """A hybrid model: ``step(batch)`` needs ``batch.kv`` to be a ``HybridKV`` (the pool and one
+    RecurrentState per sequence); the states advance by the step's tokens."""
+
+    graph_safe = False  # the recurrent layers loop over the sequences on the host
+
+    def __init__(self, cfg: ModelConfig, w: WeightSource):
+        if w.gpu is not None:
+            raise NotImplementedError("qwen35 runs on the CPU reference only (no GPU kernels yet)")
+        super().__init__(cfg, w)
+        self.layers = [Qwen35Layer(cfg, i, w) for i in range(cfg.n_layer)]
+
+    def step(self, batch: Batch) -> torch.Tensor:
+        states = step_states(batch)
+        step = self.ops.begin(batch)
+        hidden = self.embed(batch.tokens)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, step)
+        at = batch.logits_at if batch.logits_at is not None else torch.tensor([hidden.shape[0] - 1])
+        hidden, _ = self.norm(hidden[at], residual[at])
+        for st, n in zip(states, batch.seqs.q_lens):
+            st.length += n
+        return self.lm_head(hidden).float()
