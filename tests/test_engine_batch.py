@@ -208,3 +208,23 @@ def test_the_profile_step_is_a_valid_largest_step(tiny):
     logits = runner._eager(x)
     assert logits.shape == (9, llm.config.n_vocab) and bool(logits.isfinite().all())
     assert llm.engine.blocks.n_used == 0
+
+
+def test_a_hybrid_model_decodes_together_as_alone(tmp_path):
+    """qwen35 (Gated DeltaNet + attention) through the engine: each sequence keeps its own
+    recurrent state (Sequence.state), so sequences decoded together give each one's tokens
+    alone; a small pool preempts and recomputes from a fresh state; no prefix cache (a cached
+    prefix would skip tokens the state never saw)."""
+    path = tmp_path / "qwen35-tiny-F32.gguf"
+    write_model(path, "qwen35", "qwen35-tiny", "F32", llama_cpp_path(DONOR), seed=2)
+    llm = LLM(path, n_ctx=128)
+    assert llm.engine.blocks.prefix_cache is False
+    prompts = [[(7 * i + j) % 200 + 1 for i in range(5 + 11 * j)] for j in range(4)]
+    alone = [llm.run_many([_req(p, 12)])[0].output_ids for p in prompts]
+    together = llm.run_many([_req(p, 12) for p in prompts])
+    assert [r.output_ids for r in together] == alone
+    small = LLM(path, n_ctx=128, kv_tokens=64, max_batch_tokens=32)
+    got = small.run_many([_req(p, 12) for p in prompts])
+    assert [r.output_ids for r in got] == alone
+    assert small.engine.scheduler.preemptions > 0
+    assert small.engine.blocks.n_used == 0

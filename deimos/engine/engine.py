@@ -119,7 +119,10 @@ class Engine:
         self.cfg = cfg
         self.n_vocab = model.config.n_vocab
         self.pool = _make_pool(model, cfg)
-        self.blocks = BlockManager(self.pool.n_blocks, cfg.block_size, cfg.prefix_cache)
+        # a hybrid model's recurrent layers cannot start from a cached prefix without a snapshot
+        # of their state there (not yet kept): no prefix cache for them
+        prefix = cfg.prefix_cache and not model.config.is_hybrid
+        self.blocks = BlockManager(self.pool.n_blocks, cfg.block_size, prefix)
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(cfg.max_seqs, cfg.max_batch_tokens))
         self.sampler = BatchSampler(self.n_vocab, model.device, cfg.max_seqs)
         self.runner = ModelRunner(model, self.pool, cfg.n_ctx, cfg.max_seqs, cfg.cuda_graphs,

@@ -24,6 +24,7 @@ from deimos.engine.scheduler import StepPlan
 from deimos.engine.sequence import Sequence
 from deimos.models.batch import Batch, SeqLayout
 from deimos.models.blocks import DecoderModel
+from deimos.models.deltanet import HybridKV, RecurrentState
 from deimos.runtime.kv_pool import KVPool
 
 
@@ -40,6 +41,7 @@ class StepInputs:
     n_decode: int
     logits_at: np.ndarray  # int64 [N]: the rows of T whose logits are wanted
     wanting: list[Sequence]  # the N sequences those rows belong to, in order
+    seqs: list[Sequence] | None = None  # the step's B sequences, in row order
 
 
 def step_inputs(plan: StepPlan, block_size: int, max_blocks: int) -> StepInputs:
@@ -71,7 +73,7 @@ def step_inputs(plan: StepPlan, block_size: int, max_blocks: int) -> StepInputs:
             wanting.append(seq)
         t += n
     return StepInputs(tokens, positions, slots, tables, q_lens, q_starts, len(plan.decode),
-                      np.asarray(at, dtype=np.int64), wanting)
+                      np.asarray(at, dtype=np.int64), wanting, [s for s, _ in seqs])
 
 
 @dataclass
@@ -247,6 +249,13 @@ class ModelRunner:
             h32[mb + 1 :] = (0, n)
         return g.replay()
 
+    def _state(self, seq: Sequence):
+        """``seq``'s recurrent state, new (zeros) when it starts from its first token (a new
+        sequence, or one preempted and recomputed)."""
+        if seq.state is None or seq.n_computed == 0:
+            seq.state = RecurrentState.zeros(self.model.config, self.device)
+        return seq.state
+
     def _eager(self, x: StepInputs) -> torch.Tensor | None:
         dev = self.device
 
@@ -259,6 +268,9 @@ class ModelRunner:
         layout = SeqLayout(x.q_lens, x.q_starts, x.n_decode, put(x.slots), put(x.tables),
                            put(np.asarray(x.q_starts, dtype=np.int32)), put(cu))
         at = x.logits_at if len(x.logits_at) else np.asarray([len(x.tokens) - 1])
-        batch = Batch(put(x.tokens), put(x.positions), self.pool, layout, put(at))
+        kv = self.pool
+        if self.model.config.is_hybrid:  # the recurrent layers' state: each sequence's own
+            kv = HybridKV(self.pool, [self._state(seq) for seq in x.seqs])
+        batch = Batch(put(x.tokens), put(x.positions), kv, layout, put(at))
         logits = self.model.step(batch)
         return logits if len(x.logits_at) else None

@@ -31,6 +31,7 @@ class Sequence:
     n_computed: int = 0  # tokens whose keys and values are in the cache
     n_sealed: int = 0  # leading full blocks registered in the prefix cache
     admitted: bool = False  # admitted once (the prompt's cache hits are counted then)
+    state: object | None = None  # a hybrid model's recurrent state (deimos.models.deltanet)
 
     @property
     def n_prompt(self) -> int:
