@@ -19,6 +19,7 @@ class Kind(Enum):
     HEAD_NORM = "head_norm"  # RMSNorm gain over one head (q/k norms), F32
     OUTPUT_NORM = "output_norm"  # final RMSNorm gain, F32, large (see writer.py)
     BIAS = "bias"  # F32
+    DECAY = "decay"  # F32, negative: a Gated DeltaNet's ssm_a = -exp(A_log), A uniform in [1, 16]
 
 
 class TensorSpec(NamedTuple):
@@ -83,8 +84,8 @@ def tensor_specs(p: SynthPreset, n_vocab: int) -> list[TensorSpec]:
 
 def _hybrid_layer(p: SynthPreset, i: int) -> list[TensorSpec]:
     """A qwen35 layer (llama_model_qwen35::load_arch_tensors). The writer's kinds give the
-    F32 vectors their values: ssm_dt.bias and ssm_a as biases (N(0, 0.2^2): ssm_a is -exp(A_log)
-    in real files, negative; random signs here, finite over the short test sequences),
+    F32 vectors their values: ssm_dt.bias as a bias (N(0, 0.2^2)), ssm_a as a decay (-A, A
+    uniform in [1, 16], as the models initialize A_log: every state decays, as in real files),
     ssm_conv1d as an F32 random matrix (the router's kind), ssm_norm as a head norm (gain 1)."""
     M, N, b = Kind.MATRIX, Kind.NORM, f"blk.{i}."
     d = p.n_embd
@@ -98,7 +99,7 @@ def _hybrid_layer(p: SynthPreset, i: int) -> list[TensorSpec]:
             TensorSpec(b + "attn_gate.weight", (d, value), M),
             TensorSpec(b + "ssm_conv1d.weight", (p.ssm_conv_kernel, conv), Kind.ROUTER),
             TensorSpec(b + "ssm_dt.bias", (hv,), Kind.BIAS),
-            TensorSpec(b + "ssm_a", (hv,), Kind.BIAS),
+            TensorSpec(b + "ssm_a", (hv,), Kind.DECAY),
             TensorSpec(b + "ssm_beta.weight", (d, hv), M),
             TensorSpec(b + "ssm_alpha.weight", (d, hv), M),
             TensorSpec(b + "ssm_norm.weight", (dh,), Kind.HEAD_NORM),

@@ -218,6 +218,8 @@ def _tensor_jobs(s: TensorSpec, t: GGMLType, seed: int) -> list:
 def _vector_bytes(kind: Kind, n: int, rng: np.random.Generator) -> np.ndarray:
     if kind is Kind.BIAS:
         v = BIAS_STD * rng.standard_normal(n, dtype=np.float32)
+    elif kind is Kind.DECAY:
+        v = -rng.uniform(1.0, 16.0, n).astype(np.float32)
     else:
         gain = {Kind.OUTPUT_NORM: OUTPUT_GAIN, Kind.NORM: NORM_GAIN, Kind.HEAD_NORM: 1.0}[kind]
         v = np.float32(gain) * (1.0 + NORM_NOISE * rng.standard_normal(n, dtype=np.float32))
