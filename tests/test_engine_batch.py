@@ -213,12 +213,10 @@ def test_the_profile_step_is_a_valid_largest_step(tiny):
 def test_a_hybrid_model_decodes_together_as_alone(tmp_path):
     """qwen35 (Gated DeltaNet + attention) through the engine: each sequence keeps its own
     recurrent state (Sequence.state), so sequences decoded together give each one's tokens
-    alone; a small pool preempts and recomputes from a fresh state; no prefix cache (a cached
-    prefix would skip tokens the state never saw)."""
+    alone; a small pool preempts and recomputes (from a fresh state or a snapshot)."""
     path = tmp_path / "qwen35-tiny-F32.gguf"
     write_model(path, "qwen35", "qwen35-tiny", "F32", llama_cpp_path(DONOR), seed=2)
     llm = LLM(path, n_ctx=128)
-    assert llm.engine.blocks.prefix_cache is False
     prompts = [[(7 * i + j) % 200 + 1 for i in range(5 + 11 * j)] for j in range(4)]
     alone = [llm.run_many([_req(p, 12)])[0].output_ids for p in prompts]
     together = llm.run_many([_req(p, 12) for p in prompts])
@@ -228,3 +226,26 @@ def test_a_hybrid_model_decodes_together_as_alone(tmp_path):
     assert [r.output_ids for r in got] == alone
     assert small.engine.scheduler.preemptions > 0
     assert small.engine.blocks.n_used == 0
+
+
+def test_a_hybrid_models_second_turn_prefills_only_its_new_tokens(tmp_path):
+    """State snapshots (issue 16): a sequence keeps its recurrent state at its latest full KV
+    block; the next turn (the first turn's tokens and answer, then new ones) restores it and
+    prefills only what follows that block: its new tokens and the first turn's last answer
+    token (never fed in turn 1) when turn 1's cache ended on a block boundary, else also the
+    cache's last partial block. The tokens equal a run without any cache."""
+    path = tmp_path / "qwen35-tiny-F32.gguf"
+    write_model(path, "qwen35", "qwen35-tiny", "F32", llama_cpp_path(DONOR), seed=2)
+    fresh = LLM(path, n_ctx=256, prefix_cache=False)
+    for n1, answer in ((21, 12), (22, 12)):  # turn 1 caches 32 tokens (2 blocks), 33
+        llm = LLM(path, n_ctx=256)
+        p1 = [(5 * i) % 300 + 2 for i in range(n1)]
+        t1 = llm.run_many([_req(p1, answer)])[0]
+        new = [(11 * i) % 300 + 3 for i in range(10)]
+        p2 = p1 + t1.output_ids + new
+        t2 = llm.run_many([_req(p2, 8)])[0]
+        prefilled = len(p2) - t2.cached_tokens
+        tail = (n1 + answer - 1) % 16  # turn 1's cached tokens past its last full block
+        assert prefilled == len(new) + 1 + tail, (n1, prefilled, t2.cached_tokens)
+        assert t2.output_ids == fresh.run_many([_req(p2, 8)])[0].output_ids
+        assert llm.engine.blocks.n_used == 0

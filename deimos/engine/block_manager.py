@@ -36,6 +36,7 @@ class OutOfBlocks(RuntimeError):
 class _Sealed:
     key: bytes
     tokens: tuple[int, ...]
+    state: object | None = None  # a hybrid model's recurrent state after this block's last token
 
 
 def chain_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
@@ -48,12 +49,17 @@ def chain_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, n_blocks: int, block_size: int, prefix_cache: bool = True) -> None:
+    def __init__(self, n_blocks: int, block_size: int, prefix_cache: bool = True,
+                 needs_state: bool = False) -> None:
+        """``needs_state``: a hybrid model's cache: a prefix is reusable only up to a block that
+        holds a snapshot of the recurrent state there (``attach_state``); a recurrent state
+        cannot start anywhere else."""
         if n_blocks < 2:
             raise ValueError(f"BlockManager: needs at least 2 blocks, got {n_blocks}")
         self.block_size = block_size
         self.n_blocks = n_blocks
         self.prefix_cache = prefix_cache
+        self.needs_state = needs_state
         self._ref = [0] * n_blocks
         self._sealed: list[_Sealed | None] = [None] * n_blocks
         self._by_key: dict[bytes, int] = {}
@@ -108,12 +114,14 @@ class BlockManager:
 
     def match(self, tokens: list[int]) -> list[int]:
         """The cached blocks that hold a leading part of ``tokens`` (at most all but its last
-        token), in order; nothing is held yet."""
+        token), in order; nothing is held yet. With ``needs_state``: up to the last of them
+        that holds a state snapshot."""
         if not self.prefix_cache:
             return []
         bs = self.block_size
         out: list[int] = []
         parent = b""
+        usable = 0
         for i in range((len(tokens) - 1) // bs):
             block = tuple(tokens[i * bs : (i + 1) * bs])
             key = chain_key(parent, block)
@@ -121,8 +129,29 @@ class BlockManager:
             if b is None or self._sealed[b] is None or self._sealed[b].tokens != block:
                 break
             out.append(b)
+            if self._sealed[b].state is not None:
+                usable = len(out)
             parent = key
-        return out
+        return out[:usable] if self.needs_state else out
+
+    def state_at(self, block: int):
+        """The recurrent state snapshot a cached block holds (None if none)."""
+        sealed = self._sealed[block]
+        return None if sealed is None else sealed.state
+
+    def attach_state(self, block: int, state, previous: int | None = None) -> int:
+        """Keep ``state`` (a snapshot after ``block``'s last token) with the sealed ``block``;
+        the snapshot ``previous`` (the same sequence's last one) is dropped: a sequence keeps
+        one, at its latest full block. Returns the block that holds it now (the cached copy
+        of ``block``'s contents when another block had them first)."""
+        if previous is not None and previous != block and self._sealed[previous] is not None:
+            self._sealed[previous].state = None
+        sealed = self._sealed[block]
+        if sealed is None:
+            raise RuntimeError(f"BlockManager: block {block} is not sealed")
+        canon = self._by_key.get(sealed.key, block)  # the block that match() finds
+        self._sealed[canon].state = state
+        return canon
 
     def can_allocate(self, tokens: list[int], n_new_tokens: int) -> bool:
         """Whether ``allocate(tokens, n_new_tokens)`` would find its blocks."""

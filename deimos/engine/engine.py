@@ -119,10 +119,11 @@ class Engine:
         self.cfg = cfg
         self.n_vocab = model.config.n_vocab
         self.pool = _make_pool(model, cfg)
-        # a hybrid model's recurrent layers cannot start from a cached prefix without a snapshot
-        # of their state there (not yet kept): no prefix cache for them
-        prefix = cfg.prefix_cache and not model.config.is_hybrid
-        self.blocks = BlockManager(self.pool.n_blocks, cfg.block_size, prefix)
+        # a hybrid model's recurrent layers can start from a cached prefix only where a snapshot
+        # of their state was kept: its cache needs one (the latest full block of each sequence)
+        self.hybrid = model.config.is_hybrid
+        self.blocks = BlockManager(self.pool.n_blocks, cfg.block_size, cfg.prefix_cache,
+                                   needs_state=self.hybrid)
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(cfg.max_seqs, cfg.max_batch_tokens))
         self.sampler = BatchSampler(self.n_vocab, model.device, cfg.max_seqs)
         self.runner = ModelRunner(model, self.pool, cfg.n_ctx, cfg.max_seqs, cfg.cuda_graphs,
@@ -280,6 +281,14 @@ class Engine:
         if not seq.finished:
             n = min(seq.n_computed, len(seq.tokens))
             seq.n_sealed = self.blocks.seal(seq.table, seq.tokens, n, seq.n_sealed)
+            st = seq.state
+            if (self.hybrid and self.blocks.prefix_cache and st is not None and seq.n_sealed
+                    and st.length == seq.n_sealed * self.blocks.block_size
+                    and seq.snap_block != seq.table[seq.n_sealed - 1]):  # fmt: skip
+                # the state stands at a block boundary: a snapshot there (the next turn of the
+                # conversation starts from it, prefilling only what follows)
+                seq.snap_block = self.blocks.attach_state(seq.table[seq.n_sealed - 1], st.clone(),
+                                                          previous=seq.snap_block)
 
     def _emit(self, seq: Sequence, token: int | None, error: BaseException | None) -> StepOutput:
         """``token`` is ``seq``'s next output: recorded, and the sequence finished on a stop
@@ -300,5 +309,6 @@ class Engine:
         elif len(req.output_ids) >= req.max_tokens or len(seq.tokens) - 1 >= self.cfg.n_ctx:
             req.finish_reason = "length"
         if req.finish_reason is not None:
+            self._seal(seq)  # its last full blocks (and a hybrid's state there) stay cached
             self.scheduler.finish(seq)
         return StepOutput(seq, token)

@@ -77,6 +77,19 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
+    def _chunk(self, start: int, remaining: int, budget: int) -> int:
+        """Tokens of a prompt to prefill now from position ``start``: all that is left within
+        the budget; for a hybrid model a chunk that crosses a block boundary ends on the last
+        one (the rest is the next step's): the recurrent state is snapshotted there, and a
+        later prompt sharing the prefix starts from it."""
+        n = min(remaining, budget)
+        if self.blocks.needs_state and self.blocks.prefix_cache:
+            bs = self.blocks.block_size
+            aligned = (start + n) // bs * bs - start
+            if 0 < aligned < n:
+                n = aligned
+        return n
+
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.blocks.free(seq.table)
         seq.n_computed = 0
@@ -113,7 +126,7 @@ class Scheduler:
         for seq in self.running:
             if id(seq) in scheduled or budget <= 0:
                 continue
-            n = min(seq.remaining, budget)
+            n = self._chunk(seq.n_computed, seq.remaining, budget)
             if self.blocks.blocks_to_grow(seq.table, seq.n_computed + n) > self.blocks.n_free:
                 continue  # waits for blocks (decodes free them as they finish)
             self.blocks.grow(seq.table, seq.n_computed + n)
@@ -124,12 +137,15 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_seqs:
             seq = self.waiting[0]
             hit = len(self.blocks.match(seq.tokens)) * self.blocks.block_size
-            n = min(len(seq.tokens) - hit, budget)
+            n = self._chunk(hit, len(seq.tokens) - hit, budget)
             if not self.blocks.can_allocate(seq.tokens, hit + n):
                 break
             seq.table, cached = self.blocks.allocate(seq.tokens, hit + n)
             seq.n_computed = cached
             seq.n_sealed = cached // self.blocks.block_size
+            if self.blocks.needs_state:  # the recurrent state from the cached prefix's snapshot
+                seq.state = self.blocks.state_at(seq.table[seq.n_sealed - 1]).clone() if cached else None
+                seq.snap_block = None
             if not seq.admitted:
                 seq.request.cached_tokens = cached
                 seq.admitted = True

@@ -32,6 +32,7 @@ class Sequence:
     n_sealed: int = 0  # leading full blocks registered in the prefix cache
     admitted: bool = False  # admitted once (the prompt's cache hits are counted then)
     state: object | None = None  # a hybrid model's recurrent state (deimos.models.deltanet)
+    snap_block: int | None = None  # the block holding this sequence's latest state snapshot
 
     @property
     def n_prompt(self) -> int:
