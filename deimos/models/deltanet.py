@@ -18,6 +18,12 @@ delta-rule state and the number of tokens it has consumed. The step finds the st
 ``batch.kv``: a ``HybridKV`` (the paged pool plus the states of the step's sequences, in the
 batch's order). The model writes them in place; a step must continue each state exactly where
 it stopped (its first position == the state's length).
+
+Two layouts of the delta-rule state: "reference" ``[Hv, Dv, Dk]`` (llama.cpp's, the CPU
+reference's) and "kernel" ``[Hv, Dk, Dv]`` (its transpose: the Triton kernels', fla's, on the
+model's device). The model converts a state handed to it in the other layout at the start of
+its step (``RecurrentState.adopt``: once, the first step after the state was made).
+On the kernel path (``WeightSource.triton_ops``) the block runs deimos.models.gpu.deltanet_ops.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from deimos.models.config import ModelConfig
 from deimos.models.weights import WeightSource
 
 CHUNK = 64  # the chunked form's chunk (llama.cpp's and fla's)
+LAYOUTS = ("reference", "kernel")
 
 
 class StateError(ValueError):
@@ -47,28 +54,49 @@ class StateError(ValueError):
 @dataclass
 class RecurrentState:
     """One sequence's Gated DeltaNet state: per recurrent layer (by layer index) the last K - 1
-    conv inputs ``conv[i]`` [K - 1, conv_dim] and the delta-rule state ``ssm[i]`` [Hv, Dh, Dh]
-    (value index first), float32; ``length``: tokens consumed (the next position)."""
+    conv inputs ``conv[i]`` [K - 1, conv_dim] and the delta-rule state ``ssm[i]``, float32:
+    [Hv, Dv, Dk] in the "reference" layout, [Hv, Dk, Dv] in the "kernel" one; ``length``:
+    tokens consumed (the next position)."""
 
     conv: dict[int, torch.Tensor]
     ssm: dict[int, torch.Tensor]
     length: int = 0
+    layout: str = "reference"
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, device: str | torch.device = "cpu",
-              dtype: torch.dtype = torch.float32) -> RecurrentState:
+              dtype: torch.dtype = torch.float32, layout: str = "reference") -> RecurrentState:
+        """A fresh state (Dk = Dv = the head size: zeros look the same in both layouts)."""
         if not cfg.is_hybrid:
             raise ValueError(f"RecurrentState: {cfg.arch} has no recurrent layers")
+        if layout not in LAYOUTS:
+            raise ValueError(f"RecurrentState: layout {layout!r} not one of {LAYOUTS}")
         layers = [i for i in range(cfg.n_layer) if cfg.is_recurrent(i)]
         k, dh = cfg.ssm_conv_kernel, cfg.ssm_head_dim
         conv = {i: torch.zeros(k - 1, cfg.ssm_conv_dim, dtype=dtype, device=device) for i in layers}
         ssm = {i: torch.zeros(cfg.ssm_n_v_heads, dh, dh, dtype=dtype, device=device) for i in layers}
-        return cls(conv, ssm, 0)
+        return cls(conv, ssm, 0, layout)
 
     def clone(self) -> RecurrentState:
-        """A snapshot (restoring it and continuing equals an uninterrupted run)."""
+        """A snapshot (restoring it and continuing equals an uninterrupted run), on the same
+        device in the same layout."""
         return RecurrentState({i: t.clone() for i, t in self.conv.items()},
-                              {i: t.clone() for i, t in self.ssm.items()}, self.length)
+                              {i: t.clone() for i, t in self.ssm.items()}, self.length, self.layout)
+
+    def adopt(self, layout: str, device: torch.device) -> None:
+        """Move the tensors to ``device`` (float32) and the delta-rule states to ``layout``, in
+        place; nothing is copied when they already are there."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"RecurrentState: layout {layout!r} not one of {LAYOUTS}")
+        flip = layout != self.layout
+        for i, t in self.ssm.items():
+            if flip or t.device != device or t.dtype != torch.float32:
+                t = t.transpose(-1, -2) if flip else t
+                self.ssm[i] = t.to(device, torch.float32).contiguous()
+        for i, t in self.conv.items():
+            if t.device != device or t.dtype != torch.float32:
+                self.conv[i] = t.to(device, torch.float32).contiguous()
+        self.layout = layout
 
     @property
     def nbytes(self) -> int:
@@ -120,10 +148,10 @@ class GatedDeltaNet:
     def __init__(self, cfg: ModelConfig, layer: int, w: WeightSource, chunk: int = CHUNK):
         p = f"blk.{layer}"
         hk, hv, dh, d = cfg.ssm_n_k_heads, cfg.ssm_n_v_heads, cfg.ssm_head_dim, cfg.n_embd
-        self.qkv = w.linear(f"{p}.attn_qkv", cfg.ssm_conv_dim, d, bias=None)
-        self.gate = w.linear(f"{p}.attn_gate", hv * dh, d, bias=None)
-        self.beta = w.linear(f"{p}.ssm_beta", hv, d, bias=None)
-        self.alpha = w.linear(f"{p}.ssm_alpha", hv, d, bias=None)
+        # the four projections of x: one launch on the kernel path where their formats agree
+        self.qkv, self.gate, self.beta, self.alpha = w.linears(
+            [(f"{p}.attn_qkv", cfg.ssm_conv_dim), (f"{p}.attn_gate", hv * dh),
+             (f"{p}.ssm_beta", hv), (f"{p}.ssm_alpha", hv)], d)  # fmt: skip
         self.conv = w.tensor(f"{p}.ssm_conv1d.weight", (cfg.ssm_conv_dim, cfg.ssm_conv_kernel))
         self.dt_bias = w.vector(f"{p}.ssm_dt.bias", hv)
         self.a = w.vector(f"{p}.ssm_a", hv)
@@ -131,8 +159,15 @@ class GatedDeltaNet:
         self.out = w.linear(f"{p}.ssm_out", d, hv * dh, bias=None)
         self.hk, self.hv, self.dh, self.eps = hk, hv, dh, cfg.rms_eps
         self.layer, self.chunk = layer, chunk
+        # the kernel path: the delta rule in Triton, states in the "kernel" layout
+        self.kernels = w.triton_ops
+        self.ops = w.ops
 
     def __call__(self, x: torch.Tensor, batch: Batch, states: list[RecurrentState]) -> torch.Tensor:
+        if self.kernels:
+            from deimos.models.gpu.deltanet_ops import gated_delta_net  # imports triton
+
+            return gated_delta_net(self, x, batch, states)
         n = x.shape[0]
         hk, hv, dh = self.hk, self.hv, self.dh
         mixed = self.qkv(x)

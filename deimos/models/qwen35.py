@@ -8,8 +8,12 @@ GatedAttention: attn_q gives per head [q (Dh) | gate (Dh)]; q/k head norms, part
 (IMROPE with text positions, checked in the config), GQA attention, the output times
 sigmoid(gate), then attn_output.
 
-CPU reference only (the ops' attention for the full layers; the delta rule in torch). The
-recurrent state of each sequence comes with the batch (``HybridKV``); see deimos.models.deltanet.
+The recurrent state of each sequence comes with the batch (``HybridKV``); see
+deimos.models.deltanet. Two paths: the CPU reference (the delta rule in torch) and the kernel
+path (``WeightSource.triton_ops``, the default on CUDA: the GPU linears, the ops' Triton
+attention, the delta rule by deimos.models.gpu.deltanet_ops), whose states are in the "kernel"
+layout on the model's device (``new_state``; a state in the other layout is converted at the
+start of the step).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 from deimos.models.batch import Batch
 from deimos.models.blocks import Attention, DecoderModel, GatedMLP, RMSNorm
 from deimos.models.config import ModelConfig
-from deimos.models.deltanet import GatedDeltaNet, step_states
+from deimos.models.deltanet import GatedDeltaNet, RecurrentState, step_states
 from deimos.models.weights import WeightSource
 
 
@@ -74,22 +78,30 @@ class Qwen35Model(DecoderModel):
     """A hybrid model: ``step(batch)`` needs ``batch.kv`` to be a ``HybridKV`` (the pool and one
     RecurrentState per sequence); the states advance by the step's tokens."""
 
-    graph_safe = False  # the recurrent layers loop over the sequences on the host
+    graph_safe = False  # the recurrent layers gather the step's states on the host
 
     def __init__(self, cfg: ModelConfig, w: WeightSource):
-        if w.gpu is not None:
-            raise NotImplementedError("qwen35 runs on the CPU reference only (no GPU kernels yet)")
         super().__init__(cfg, w)
         self.layers = [Qwen35Layer(cfg, i, w) for i in range(cfg.n_layer)]
+        self.state_layout = "kernel" if w.triton_ops else "reference"
+        self.state_device = self.norm.weight.device  # "cuda:0", as the tensors say
+
+    def new_state(self) -> RecurrentState:
+        """A fresh RecurrentState for this model: its layout, on its device."""
+        return RecurrentState.zeros(self.config, self.state_device, layout=self.state_layout)
 
     def step(self, batch: Batch) -> torch.Tensor:
         states = step_states(batch)
+        for st in states:  # a no-op unless made for the other path (RecurrentState.zeros' default)
+            st.adopt(self.state_layout, self.state_device)
         step = self.ops.begin(batch)
         hidden = self.embed(batch.tokens)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, step)
-        at = batch.logits_at if batch.logits_at is not None else torch.tensor([hidden.shape[0] - 1])
+        at = batch.logits_at
+        if at is None:
+            at = torch.tensor([hidden.shape[0] - 1], device=hidden.device)
         hidden, _ = self.norm(hidden[at], residual[at])
         for st, n in zip(states, batch.seqs.q_lens):
             st.length += n
