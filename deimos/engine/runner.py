@@ -253,7 +253,8 @@ class ModelRunner:
         """``seq``'s recurrent state, new (zeros) when it starts from its first token (a new
         sequence, or one preempted and recomputed)."""
         if seq.state is None or seq.n_computed == 0:
-            seq.state = RecurrentState.zeros(self.model.config, self.device)
+            make = getattr(self.model, "new_state", None)  # the model's layout and device
+            seq.state = make() if make is not None else RecurrentState.zeros(self.model.config, self.device)
         return seq.state
 
     def _eager(self, x: StepInputs) -> torch.Tensor | None:
