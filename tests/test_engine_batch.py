@@ -249,3 +249,16 @@ def test_a_hybrid_models_second_turn_prefills_only_its_new_tokens(tmp_path):
         assert prefilled == len(new) + 1 + tail, (n1, prefilled, t2.cached_tokens)
         assert t2.output_ids == fresh.run_many([_req(p2, 8)])[0].output_ids
         assert llm.engine.blocks.n_used == 0
+
+
+def test_a_hybrid_models_state_snapshots_are_bounded(tmp_path):
+    """Each finished sequence leaves a recurrent-state snapshot on its last full block; the
+    block manager keeps at most max_states of them (2 x max_seqs), the oldest dropped."""
+    path = tmp_path / "qwen35-tiny-F32.gguf"
+    write_model(path, "qwen35", "qwen35-tiny", "F32", llama_cpp_path(DONOR), seed=2)
+    llm = LLM(path, n_ctx=256, max_seqs=3)
+    assert llm.engine.blocks.max_states == 6
+    for j in range(12):  # distinct 40-token prompts: each leaves one snapshot
+        llm.run_many([_req([(13 * i + 7 * j) % 400 + 1 for i in range(40)], 4)])
+    assert llm.engine.blocks.n_states == 6
+    assert llm.engine.blocks.n_used == 0

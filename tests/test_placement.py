@@ -97,3 +97,22 @@ def test_on_gives_every_linear_its_copy(kernel_model):
     finally:
         for lin in lins:
             lin.dense = None
+
+
+def test_a_group_lets_go_of_its_output_once_every_part_read_it(kernel_model):
+    """A fused q/k/v or gate/up matrix computes once for its parts and then drops its output
+    (kept, every layer's would live to the end of the step: GBs at 2048 tokens)."""
+    from deimos.models.gpu.linear import LinearPart
+
+    mlp = kernel_model.layers[0].mlp
+    if not isinstance(mlp.gate, LinearPart):
+        pytest.skip("gate and up are not one group in this file")
+    group = mlp.gate.group
+    x = torch.randn(3, group.linear.packed.k, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    g = mlp.gate(x)
+    assert group._y is not None  # up has not read it yet
+    u = mlp.up(x)
+    assert group._y is None and group._x is None
+    lin = group.linear
+    full = lin(x).cpu()
+    assert torch.equal(g.cpu(), full[:, : g.shape[1]]) and torch.equal(u.cpu(), full[:, g.shape[1]:])

@@ -50,16 +50,20 @@ def chain_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
 
 class BlockManager:
     def __init__(self, n_blocks: int, block_size: int, prefix_cache: bool = True,
-                 needs_state: bool = False) -> None:
+                 needs_state: bool = False, max_states: int = 64) -> None:
         """``needs_state``: a hybrid model's cache: a prefix is reusable only up to a block that
         holds a snapshot of the recurrent state there (``attach_state``); a recurrent state
-        cannot start anywhere else."""
+        cannot start anywhere else. At most ``max_states`` snapshots are kept (the least
+        recently attached or used dropped first): a snapshot is a whole recurrent state (tens
+        of MB for a 4B model), not a block's worth."""
         if n_blocks < 2:
             raise ValueError(f"BlockManager: needs at least 2 blocks, got {n_blocks}")
         self.block_size = block_size
         self.n_blocks = n_blocks
         self.prefix_cache = prefix_cache
         self.needs_state = needs_state
+        self.max_states = max(1, max_states)
+        self._states: OrderedDict[int, None] = OrderedDict()  # blocks holding a snapshot, oldest first
         self._ref = [0] * n_blocks
         self._sealed: list[_Sealed | None] = [None] * n_blocks
         self._by_key: dict[bytes, int] = {}
@@ -102,6 +106,7 @@ class BlockManager:
             if sealed is not None and self._by_key.get(sealed.key) == b:
                 del self._by_key[sealed.key]
             self._sealed[b] = None
+            self._states.pop(b, None)
         else:
             raise OutOfBlocks("no free KV block")
         self._ref[b] = 1
@@ -135,9 +140,16 @@ class BlockManager:
         return out[:usable] if self.needs_state else out
 
     def state_at(self, block: int):
-        """The recurrent state snapshot a cached block holds (None if none)."""
+        """The recurrent state snapshot a cached block holds (None if none); a use keeps it."""
         sealed = self._sealed[block]
-        return None if sealed is None else sealed.state
+        if sealed is None or sealed.state is None:
+            return None
+        self._states.move_to_end(block, last=True)
+        return sealed.state
+
+    @property
+    def n_states(self) -> int:
+        return sum(1 for b in self._states if self._sealed[b] is not None and self._sealed[b].state is not None)
 
     def attach_state(self, block: int, state, previous: int | None = None) -> int:
         """Keep ``state`` (a snapshot after ``block``'s last token) with the sealed ``block``;
@@ -146,11 +158,18 @@ class BlockManager:
         of ``block``'s contents when another block had them first)."""
         if previous is not None and previous != block and self._sealed[previous] is not None:
             self._sealed[previous].state = None
+            self._states.pop(previous, None)
         sealed = self._sealed[block]
         if sealed is None:
             raise RuntimeError(f"BlockManager: block {block} is not sealed")
         canon = self._by_key.get(sealed.key, block)  # the block that match() finds
         self._sealed[canon].state = state
+        self._states[canon] = None
+        self._states.move_to_end(canon, last=True)
+        while len(self._states) > self.max_states:  # the oldest snapshots go
+            old, _ = self._states.popitem(last=False)
+            if self._sealed[old] is not None:
+                self._sealed[old].state = None
         return canon
 
     def can_allocate(self, tokens: list[int], n_new_tokens: int) -> bool:
@@ -217,6 +236,7 @@ class BlockManager:
                     self._lru[b] = None  # newest; of one table the shallowest is newest
                 else:
                     self._sealed[b] = None
+                    self._states.pop(b, None)
                     self._free.append(b)
         table.clear()
 

@@ -123,7 +123,7 @@ class Engine:
         # of their state was kept: its cache needs one (the latest full block of each sequence)
         self.hybrid = model.config.is_hybrid
         self.blocks = BlockManager(self.pool.n_blocks, cfg.block_size, cfg.prefix_cache,
-                                   needs_state=self.hybrid)
+                                   needs_state=self.hybrid, max_states=2 * cfg.max_seqs)
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(cfg.max_seqs, cfg.max_batch_tokens))
         self.sampler = BatchSampler(self.n_vocab, model.device, cfg.max_seqs)
         self.runner = ModelRunner(model, self.pool, cfg.n_ctx, cfg.max_seqs, cfg.cuda_graphs,

@@ -95,6 +95,14 @@ class LLM:
         check_device(device)
         if dense_weights not in ("auto", "on", "off"):
             raise ValueError(f"dense_weights must be auto, on or off, got {dense_weights!r}")
+        if experts not in ("auto", "gpu", "cpu"):
+            raise ValueError(f"experts must be auto, gpu or cpu, got {experts!r}")
+        if expert_cache_gib is not None and not expert_cache_gib >= 0:
+            raise ValueError(f"expert_cache_gib must be >= 0, got {expert_cache_gib!r}")
+        if device.startswith("cuda:"):  # the kernels, events and memory queries use the current device
+            import torch
+
+            torch.cuda.set_device(torch.device(device))
         if device != "cpu":
             use_kernel_cache()
         self.path = resolve(model)
@@ -104,6 +112,7 @@ class LLM:
         if progress is not None:
             progress("weights")
         self.offload = None
+        self.dense = None
         if device == "cpu":
             self.model = load_model(self.file, device=device)
         else:
@@ -125,8 +134,14 @@ class LLM:
             from deimos.models.gpu.placement import place_dense
 
             # an offloaded model's memory is the expert cache's
+            if self.offload is not None and dense_weights == "on":
+                log.warning("dense weights: off for a model whose experts are offloaded (its free "
+                            "memory is the expert cache's)")
             self.dense = place_dense(self.model, "off" if self.offload is not None else dense_weights)
         self.engine = Engine(self.model, EngineConfig(n_ctx=n_ctx, **engine))
+        if self.offload is not None:  # the pool exists now: the cache keeps only a step's room free
+            cfg_e = self.engine.cfg
+            self.offload.set_step_bytes(64 * cfg_e.max_batch_tokens * self.config.n_embd * 4)
         self.engine.warm(progress)  # CUDA graphs (and every kernel) before the first request
 
     def _load_gpu(self, device: str, n_ctx: int | None, experts: str, cache_gib: float | None,

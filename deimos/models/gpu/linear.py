@@ -223,15 +223,24 @@ class LinearGroup:
     of their concatenated rows: one launch computes every part's output. The output of the
     last input is kept (by identity, as ``InputCache``) for the parts to slice."""
 
-    def __init__(self, linear: QuantLinear):
+    def __init__(self, linear: QuantLinear, n_parts: int = 1):
         self.linear = linear
+        self.n_parts = n_parts
         self._x: torch.Tensor | None = None
         self._y: torch.Tensor | None = None
+        self._left = 0
 
     def output(self, x: torch.Tensor) -> torch.Tensor:
-        if x is not self._x:
-            self._x, self._y = x, self.linear(x)
-        return self._y
+        """The whole matrix's output for ``x``, computed once for its parts; let go of once
+        every part has read it (kept past the layer it would hold a layer's activations for
+        the rest of the step: 235 MB a layer for 8B's gate/up at 2048 tokens)."""
+        if x is not self._x or self._y is None:
+            self._x, self._y, self._left = x, self.linear(x), self.n_parts
+        y = self._y
+        self._left -= 1
+        if self._left <= 0:
+            self._x = self._y = None
+        return y
 
 
 class LinearPart:

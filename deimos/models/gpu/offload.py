@@ -30,7 +30,7 @@ in a CUDA graph (the engine runs these models eagerly).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -80,6 +80,12 @@ class ExpertOffload:
             raise ValueError("expert offload: the model has no MoE layers")
         self.index = {b.layer: i for i, b in enumerate(self.blocks)}
         hosts = [HostExperts({p: getattr(b, p).weight for p in PARTS}, b.n_expert) for b in self.blocks]
+        for b, h in zip(self.blocks, hosts):  # the blocks read the (pinned) host copy: one copy
+            for p in PARTS:
+                pe = getattr(b, p)
+                arrays = {a: t.view(pe.weight.n, *t.shape[2:]) for a, t in h.arrays[p].items()}
+                setattr(b, p, replace(pe, weight=PackedWeight(pe.weight.ggml_type, pe.weight.n,
+                                                              pe.weight.k, arrays)))
         self.n_expert = self.blocks[0].n_expert
         self.cpu = cpu or CpuExperts([LayerExperts.from_gguf(file, b.layer) for b in self.blocks])
         cuda = self.device.type == "cuda"
@@ -108,6 +114,12 @@ class ExpertOffload:
                  self.cache.nbytes / 2**30, self.cpu.backend(0))
 
     # ---- between steps -------------------------------------------------------------------
+
+    def set_step_bytes(self, step_bytes: int) -> None:
+        """What the sizing keeps free besides its headroom, once the KV pool is allocated
+        (before: the pool's share too, reserved when the cache was first sized)."""
+        if self.sizer is not None:
+            self.sizer.step_bytes = step_bytes
 
     def between_steps(self) -> None:
         self.cache.poll()

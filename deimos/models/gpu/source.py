@@ -143,7 +143,7 @@ class GpuWeights:
             self._packed_all.pop(info.name, None)
         fused = PackedWeight(first.ggml_type, sum(p.n for p in packs), first.k, tensors)
         name = "+".join(i.name for i in infos)
-        group = LinearGroup(QuantLinear(fused, None, name, self.inputs, self.notices))
+        group = LinearGroup(QuantLinear(fused, None, name, self.inputs, self.notices), len(infos))
         parts, lo = [], 0
         for info, p, b in zip(infos, packs, biases):
             parts.append(LinearPart(group, lo, lo + p.n, b, info.name))
