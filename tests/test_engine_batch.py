@@ -262,3 +262,18 @@ def test_a_hybrid_models_state_snapshots_are_bounded(tmp_path):
         llm.run_many([_req([(13 * i + 7 * j) % 400 + 1 for i in range(40)], 4)])
     assert llm.engine.blocks.n_states == 6
     assert llm.engine.blocks.n_used == 0
+
+
+def test_a_hybrid_models_shared_prompt_is_reused_by_later_sessions(tmp_path):
+    """Two sessions sharing a 40-token system prompt, one after the other: the second starts
+    from the first's snapshot at the prompt's last full block (32 tokens), kept although the
+    first session decoded on past it; its tokens equal an uncached run."""
+    path = tmp_path / "qwen35-tiny-F32.gguf"
+    write_model(path, "qwen35", "qwen35-tiny", "F32", llama_cpp_path(DONOR), seed=2)
+    llm = LLM(path, n_ctx=256)
+    system = [(3 * i) % 500 + 5 for i in range(40)]
+    a = llm.run_many([_req(system + [11, 12, 13], 40)])[0]  # decodes well past the prompt
+    b = llm.run_many([_req(system + [21, 22, 23, 24], 6)])[0]
+    assert a.cached_tokens == 0 and b.cached_tokens == 32
+    fresh = LLM(path, n_ctx=256, prefix_cache=False)
+    assert b.output_ids == fresh.run_many([_req(system + [21, 22, 23, 24], 6)])[0].output_ids

@@ -37,6 +37,7 @@ class _Sealed:
     key: bytes
     tokens: tuple[int, ...]
     state: object | None = None  # a hybrid model's recurrent state after this block's last token
+    state_shared: bool = False  # another sequence started from it: kept when its maker moves on
 
 
 def chain_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
@@ -145,6 +146,7 @@ class BlockManager:
         if sealed is None or sealed.state is None:
             return None
         self._states.move_to_end(block, last=True)
+        sealed.state_shared = True
         return sealed.state
 
     @property
@@ -156,13 +158,16 @@ class BlockManager:
         the snapshot ``previous`` (the same sequence's last one) is dropped: a sequence keeps
         one, at its latest full block. Returns the block that holds it now (the cached copy
         of ``block``'s contents when another block had them first)."""
-        if previous is not None and previous != block and self._sealed[previous] is not None:
-            self._sealed[previous].state = None
+        prev = self._sealed[previous] if previous is not None and previous != block else None
+        if prev is not None and not prev.state_shared:  # a snapshot others use stays (LRU-capped)
+            prev.state = None
             self._states.pop(previous, None)
         sealed = self._sealed[block]
         if sealed is None:
             raise RuntimeError(f"BlockManager: block {block} is not sealed")
         canon = self._by_key.get(sealed.key, block)  # the block that match() finds
+        if self._sealed[canon].state is not None:  # the same tokens' state is already kept
+            return canon
         self._sealed[canon].state = state
         self._states[canon] = None
         self._states.move_to_end(canon, last=True)

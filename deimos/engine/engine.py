@@ -286,9 +286,13 @@ class Engine:
                     and st.length == seq.n_sealed * self.blocks.block_size
                     and seq.snap_block != seq.table[seq.n_sealed - 1]):  # fmt: skip
                 # the state stands at a block boundary: a snapshot there (the next turn of the
-                # conversation starts from it, prefilling only what follows)
+                # conversation starts from it, prefilling only what follows). The one at the
+                # prompt's last boundary stays for others sharing the prompt (a system prompt);
+                # later ones replace each other (one per sequence)
+                prev = seq.snap_block if seq.snap_pos > seq.n_prompt else None
                 seq.snap_block = self.blocks.attach_state(seq.table[seq.n_sealed - 1], st.clone(),
-                                                          previous=seq.snap_block)
+                                                          previous=prev)
+                seq.snap_pos = st.length
 
     def _emit(self, seq: Sequence, token: int | None, error: BaseException | None) -> StepOutput:
         """``token`` is ``seq``'s next output: recorded, and the sequence finished on a stop

@@ -145,7 +145,7 @@ class Scheduler:
             seq.n_sealed = cached // self.blocks.block_size
             if self.blocks.needs_state:  # the recurrent state from the cached prefix's snapshot
                 seq.state = self.blocks.state_at(seq.table[seq.n_sealed - 1]).clone() if cached else None
-                seq.snap_block = None
+                seq.snap_block, seq.snap_pos = None, 0
             if not seq.admitted:
                 seq.request.cached_tokens = cached
                 seq.admitted = True

@@ -33,6 +33,7 @@ class Sequence:
     admitted: bool = False  # admitted once (the prompt's cache hits are counted then)
     state: object | None = None  # a hybrid model's recurrent state (deimos.models.deltanet)
     snap_block: int | None = None  # the block holding this sequence's latest state snapshot
+    snap_pos: int = 0  # the position of that snapshot (within the prompt: kept for others)
 
     @property
     def n_prompt(self) -> int:
