@@ -2,7 +2,8 @@
 
     python tools/fuzz_gguf.py --cases 2000 --seed 1 [--timeout 60] [--keep DIR]
 
-Bases: small valid models written by deimos.synth (llama, qwen2, qwen3, gemma3 tiny presets;
+Bases: small valid models written by deimos.synth (llama, qwen2, qwen3, gemma3, qwen3moe and
+qwen35 (hybrid) tiny presets;
 Q8_0, F16, Q4_0 and a Q4_K_M mix; donors cut from real vocabularies: SentencePiece with byte
 tokens, byte-level BPE with merges, chat templates) and the header of the real SmolLM2 file
 (its tensor data a sparse hole). Each case mutates a base: metadata values of the
@@ -197,6 +198,8 @@ BASES = (
     ("gemma3-gemma-q8", "gemma3-tiny", "Q8_0", GEMMA, 1000),
     ("qwen2-smol-q4", "qwen2-tiny", "Q4_0", SMOL, 800),
     ("llamak-gpt2-q4km", "llama-tiny-k", "Q4_K_M", VOCAB_GPT2, 700),
+    ("qwen3moe-spm-q8", "qwen3moe-tiny", "Q8_0", VOCAB_SPM, 600),
+    ("qwen35-spm-q8", "qwen35-tiny", "Q8_0", VOCAB_SPM, 600),
 )
 REAL = "smollm2-header"
 
