@@ -133,6 +133,35 @@ def test_real_models_equal_llama_cpp_on_their_f32_twin(real_model, monkeypatch):
     assert worst < 2e-2
 
 
+def divergence_rows(model, cases, twin: dict) -> list[tuple]:
+    """(case id, first token that differs or None, llama.cpp's top-two gap there, whether
+    llama.cpp's F32-twin run picks our token there) for each greedy case."""
+    rows = []
+    for case in cases:
+        logits = forced_logits(model, case["prompt_tokens"] + case["tokens"], len(case["prompt_tokens"]))
+        at = first_divergence(logits, case)
+        if at is None:
+            rows.append((case["id"], None, None, None))
+            continue
+        (_, a), (_, b) = case["top"][at][:2]
+        t, ours = twin[case["id"]], int(logits[at].argmax())
+        explained = t[:at] == case["tokens"][:at] and len(t) > at and t[at] == ours
+        rows.append((case["id"], at, a - b, explained))
+    return rows
+
+
+def print_divergences(rows: list[tuple], title: str, capsys) -> None:
+    with capsys.disabled():
+        print(f"\n{title}: greedy vs llama.cpp on the quantized file")
+        for cid, at, gap, explained in rows:
+            if at is None:
+                print(f"  {cid:16s} identical")
+            else:
+                why = "llama.cpp's F32 twin picks our token" if explained else "unexplained"
+                print(f"  {cid:16s} differs at token {at}: llama.cpp's top two {gap:.3f} apart; {why}")
+        print(f"  {sum(r[1] is None for r in rows)}/{len(rows)} identical")
+
+
 def test_real_models_greedy_vs_llama_cpp_quantized(real_model, capsys):
     """On the quantized file: greedy text identical to llama.cpp's, or, at the first token
     that differs, llama.cpp's top two within 0.1, or llama.cpp itself picks our token when it
@@ -141,27 +170,8 @@ def test_real_models_greedy_vs_llama_cpp_quantized(real_model, capsys):
     name, model = real_model
     ref = reference(f"{_stem(name)}.json")
     twin = {c["id"]: c["tokens"] for c in reference(f"{_stem(name)}.f32-twin.json")["cases"]}
-    rows = []
-    for case in ref["cases"]:
-        logits = forced_logits(model, case["prompt_tokens"] + case["tokens"], len(case["prompt_tokens"]))
-        at = first_divergence(logits, case)
-        if at is None:
-            rows.append((case["id"], None, None, None))
-            continue
-        (_, a), (_, b) = case["top"][at][:2]
-        ours = int(logits[at].argmax())
-        t = twin[case["id"]]
-        explained = t[:at] == case["tokens"][:at] and len(t) > at and t[at] == ours
-        rows.append((case["id"], at, a - b, explained))
-    with capsys.disabled():
-        print(f"\n{name}: greedy vs llama.cpp on the quantized file")
-        for cid, at, gap, explained in rows:
-            if at is None:
-                print(f"  {cid:16s} identical")
-            else:
-                why = "llama.cpp's F32 twin picks our token" if explained else "unexplained"
-                print(f"  {cid:16s} differs at token {at}: llama.cpp's top two {gap:.3f} apart; {why}")
-        print(f"  {sum(r[1] is None for r in rows)}/{len(rows)} identical")
+    rows = divergence_rows(model, ref["cases"], twin)
+    print_divergences(rows, name, capsys)
     assert len(rows) >= 20
     bad = [r for r in rows if r[1] is not None and not (r[2] < 0.1 or r[3])]
     assert not bad, bad

@@ -37,12 +37,7 @@ from deimos.synth import write_model
 TOLERANCE = 1e-3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("module_one_thread")  # tests/conftest.py
 
 
 def _ref() -> dict:

@@ -24,7 +24,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from test_model_vs_llama_cpp import first_divergence, forced_logits, top_errors
+from test_model_vs_llama_cpp import (
+    divergence_rows,
+    first_divergence,
+    forced_logits,
+    print_divergences,
+    top_errors,
+)
 from testdata import REPO, data_file, reference
 
 from deimos.gguf import GGUFFile
@@ -43,13 +49,7 @@ TYPES = ("Q8_0", "Q4_K_M")
 TWIN_TOLERANCE = 2e-3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: torch's thread pool only costs here (25x on a shared 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("module_one_thread")  # tests/conftest.py
 
 
 def _ref(wtype: str) -> dict:
@@ -117,25 +117,8 @@ def test_greedy_vs_llama_cpp_on_the_quantized_file(models, wtype, capsys):
     ref = _ref(wtype)
     model = models[wtype]
     twin = {c["id"]: c["tokens"] for c in ref["twin"]["greedy"]}
-    rows = []
-    for case in ref["quantized"]["greedy"]:
-        logits = forced_logits(model, case["prompt_tokens"] + case["tokens"], len(case["prompt_tokens"]))
-        at = first_divergence(logits, case)
-        if at is None:
-            rows.append((case["id"], None, None, None))
-            continue
-        (_, a), (_, b) = case["top"][at][:2]
-        t, ours = twin[case["id"]], int(logits[at].argmax())
-        explained = t[:at] == case["tokens"][:at] and len(t) > at and t[at] == ours
-        rows.append((case["id"], at, a - b, explained))
-    with capsys.disabled():
-        print(f"\nqwen3moe-tiny {wtype}: greedy vs llama.cpp on the quantized file")
-        for cid, at, gap, explained in rows:
-            if at is None:
-                print(f"  {cid:12s} identical")
-            else:
-                why = "llama.cpp's F32 twin picks our token" if explained else "unexplained"
-                print(f"  {cid:12s} differs at token {at}: llama.cpp's top two {gap:.3f} apart; {why}")
+    rows = divergence_rows(model, ref["quantized"]["greedy"], twin)
+    print_divergences(rows, f"qwen3moe-tiny {wtype}", capsys)
     bad = [r for r in rows if r[1] is not None and not (r[2] < 0.1 or r[3])]
     assert not bad, bad
 
