@@ -39,26 +39,44 @@ class ResidentSlots:
         return t
 
 
+def route(x: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router: float32 logits of x ``[T, D]``, then ``moe_route`` -> (weights, ids)."""
+    logits = torch.mm(x.float(), block.router.t())
+    return moe_route(logits, block.n_expert_used, block.normalize)
+
+
+def expert_products(x: torch.Tensor, block, ids: torch.Tensor, slot_of: torch.Tensor,
+                    stacks: dict | None = None, chunks: dict | None = None,
+                    quantized=None) -> torch.Tensor:
+    """Every (token, chosen expert) pair's SwiGLU FFN, float32 ``[T * k, D]`` (pairs whose
+    expert has no slot in ``slot_of``: rows of 0). ``stacks``: the packed weight of each part
+    ("gate", "up", "down"; default the block's own); ``chunks``: each part's ExpertChunks when
+    the slots live in the expert cache's chunks. One token: the GEMVs on integer activations
+    (``quantized``: x's, when the norm kernel made it); more: the pairs grouped by expert and
+    the grouped GEMM."""
+    t, k = x.shape[0], block.n_expert_used
+    w = stacks or {"gate": block.gate.weight, "up": block.up.weight, "down": block.down.weight}
+    c = chunks or {}
+    f, d = block.n_ff, x.shape[1]
+    if t == 1 and k <= MAX_BATCH:
+        qx = quantized if quantized is not None else quantize_x(x)
+        g = moe_gemv(w["gate"], f, qx, ids, slot_of, "token", chunks=c.get("gate"))
+        u = moe_gemv(w["up"], f, qx, ids, slot_of, "token", chunks=c.get("up"))
+        qa = empty_quantized(k, f, x.device) if f % 32 == 0 else None
+        a = gated_act(g, u, block.activation, quantized=qa)
+        return moe_gemv(w["down"], d, qa if qa is not None else quantize_x(a), ids, slot_of, "pair",
+                        chunks=c.get("down"))
+    tiles = moe_align(ids, block.n_expert, moe_block_m(t * k, block.n_expert))
+    x16 = x.to(torch.float16).contiguous()
+    g = moe_gemm(x16, w["gate"], f, tiles, slot_of, "token", x_permuted=False, chunks=c.get("gate"))
+    u = moe_gemm(x16, w["up"], f, tiles, slot_of, "token", x_permuted=False, chunks=c.get("up"))
+    a = gated_act(g, u, block.activation).to(torch.float16)
+    return moe_gemm(a, w["down"], d, tiles, slot_of, "pair", x_permuted=False, chunks=c.get("down"))
+
+
 def moe_step(x: torch.Tensor, block, slot_of: torch.Tensor, quantized=None) -> torch.Tensor:
     """x float32 ``[T, D]`` -> float32 ``[T, D]``: ``block``'s routed experts (a
     deimos.models.moe.MoE holding PackedExperts). ``quantized``: x's integer activation when
     the norm kernel made it (one token)."""
-    t, k = x.shape[0], block.n_expert_used
-    logits = torch.mm(x.float(), block.router.t())
-    weights, ids = moe_route(logits, k, block.normalize)
-    gate, up, down = block.gate, block.up, block.down
-    if t == 1 and k <= MAX_BATCH:
-        qx = quantized if quantized is not None else quantize_x(x)
-        g = moe_gemv(gate.weight, gate.n, qx, ids, slot_of, "token")
-        u = moe_gemv(up.weight, up.n, qx, ids, slot_of, "token")
-        qa = empty_quantized(k, g.shape[1], x.device) if g.shape[1] % 32 == 0 else None
-        a = gated_act(g, u, block.activation, quantized=qa)
-        y = moe_gemv(down.weight, down.n, qa if qa is not None else quantize_x(a), ids, slot_of, "pair")
-    else:
-        tiles = moe_align(ids, block.n_expert, moe_block_m(t * k, block.n_expert))
-        x16 = x.to(torch.float16).contiguous()
-        g = moe_gemm(x16, gate.weight, gate.n, tiles, slot_of, "token", x_permuted=False)
-        u = moe_gemm(x16, up.weight, up.n, tiles, slot_of, "token", x_permuted=False)
-        a = gated_act(g, u, block.activation)
-        y = moe_gemm(a.to(torch.float16), down.weight, down.n, tiles, slot_of, "pair", x_permuted=False)
-    return moe_combine(y, weights)
+    weights, ids = route(x, block)
+    return moe_combine(expert_products(x, block, ids, slot_of, quantized=quantized), weights)

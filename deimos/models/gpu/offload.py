@@ -35,13 +35,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from deimos.kernels.triton.activation import gated_act
-from deimos.kernels.triton.moe_route import moe_combine, moe_route
-from deimos.quant.triton.dequant_gemv import MAX_BATCH
-from deimos.quant.triton.gemv_q8 import quantize_x
+from deimos.kernels.triton.moe_route import moe_combine
+from deimos.models.gpu.moe_ops import expert_products, route
 from deimos.quant.triton.layout import PackedWeight
-from deimos.quant.triton.moe_gemm import moe_align, moe_block_m, moe_gemm
-from deimos.quant.triton.moe_gemv import ExpertChunks, moe_gemv
+from deimos.quant.triton.moe_gemv import ExpertChunks
 from deimos.runtime.cpu_experts import CpuExperts, LayerExperts
 from deimos.runtime.expert_cache import ExpertCache, HostExperts
 from deimos.runtime.gpu_memory import FreeMemory, SlotSizer, nvml_reader, torch_reader
@@ -151,26 +148,11 @@ class ExpertOffload:
         arrays = sorted(lay.host.arrays[part])
         return ExpertChunks({a: lay.chunk_ptrs[(part, a)] for a in arrays}, lay.spc)
 
-    def _hits(self, x, block, lay, weights, ids) -> torch.Tensor:
+    def _hits(self, x, block, lay, ids) -> torch.Tensor:
         """The resident experts' share on the GPU ([T * k, D] float32, misses' rows 0)."""
-        t, k = x.shape[0], block.n_expert_used
-        w = {p: lay.slot_weight(0, p) for p in PARTS}  # formats, K, arrays (chunk tables address)
-        c = {p: self._chunks(lay, p) for p in PARTS}
-        f = block.n_ff
-        if t == 1 and k <= MAX_BATCH:
-            qx = quantize_x(x)
-            g = moe_gemv(w["gate"], f, qx, ids, lay.slot_of, "token", chunks=c["gate"])
-            u = moe_gemv(w["up"], f, qx, ids, lay.slot_of, "token", chunks=c["up"])
-            a = gated_act(g, u, block.activation)
-            return moe_gemv(w["down"], x.shape[1], quantize_x(a), ids, lay.slot_of, "pair",
-                            chunks=c["down"])
-        tiles = moe_align(ids, block.n_expert, moe_block_m(t * k, block.n_expert))
-        x16 = x.to(torch.float16).contiguous()
-        g = moe_gemm(x16, w["gate"], f, tiles, lay.slot_of, "token", x_permuted=False, chunks=c["gate"])
-        u = moe_gemm(x16, w["up"], f, tiles, lay.slot_of, "token", x_permuted=False, chunks=c["up"])
-        a = gated_act(g, u, block.activation).to(torch.float16)
-        return moe_gemm(a, w["down"], x.shape[1], tiles, lay.slot_of, "pair", x_permuted=False,
-                        chunks=c["down"])
+        stacks = {p: lay.slot_weight(0, p) for p in PARTS}  # formats, K, arrays (chunk tables address)
+        chunks = {p: self._chunks(lay, p) for p in PARTS}
+        return expert_products(x, block, ids, lay.slot_of, stacks, chunks)
 
     def _streamed(self, x, block, lay, ids, missed: np.ndarray) -> torch.Tensor:
         """The ``missed`` experts' share of a long step, on the GPU: their packed rows copied
@@ -192,15 +174,7 @@ class ExpertOffload:
             stacks[p] = PackedWeight(t_, missed.size * r, kk, arrays)
         table = torch.full((lay.n_expert,), -1, dtype=torch.int32)
         table[torch.from_numpy(missed)] = torch.arange(missed.size, dtype=torch.int32)
-        table = table.to(dev)
-        t, k = x.shape[0], block.n_expert_used
-        tiles = moe_align(ids, block.n_expert, moe_block_m(t * k, block.n_expert))
-        x16 = x.to(torch.float16).contiguous()
-        f = block.n_ff
-        g = moe_gemm(x16, stacks["gate"], f, tiles, table, "token", x_permuted=False)
-        u = moe_gemm(x16, stacks["up"], f, tiles, table, "token", x_permuted=False)
-        a = gated_act(g, u, block.activation).to(torch.float16)
-        return moe_gemm(a, stacks["down"], x.shape[1], tiles, table, "pair", x_permuted=False)
+        return expert_products(x, block, ids, table.to(dev), stacks)
 
     def moe(self, x: torch.Tensor, block) -> torch.Tensor:
         """x float32 ``[T, D]`` -> float32 ``[T, D]``: ``block``'s routed experts."""
@@ -208,8 +182,7 @@ class ExpertOffload:
         lay = self.cache.layers[i]
         t, k = x.shape[0], block.n_expert_used
         xf = x.float().contiguous()
-        logits = torch.mm(xf, block.router.t())
-        weights, ids = moe_route(logits, k, block.normalize)
+        weights, ids = route(xf, block)
         ids_h = self._to_host(ids, "ids")
         w_h = self._to_host(weights, "weights")
         x_h = self._to_host(xf, "x")
@@ -219,7 +192,7 @@ class ExpertOffload:
         # the table the GPU reads is the published one: what slot_of_host says now
         resident = lay.slot_of_host.copy()
         if lay.n_slots and (resident >= 0).any():
-            y = self._hits(xf, block, lay, weights, ids)
+            y = self._hits(xf, block, lay, ids)
         else:
             y = torch.zeros((t * k, x.shape[1]), dtype=torch.float32, device=x.device)
         if ready is not None:
