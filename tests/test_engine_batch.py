@@ -277,3 +277,11 @@ def test_a_hybrid_models_shared_prompt_is_reused_by_later_sessions(tmp_path):
     assert a.cached_tokens == 0 and b.cached_tokens == 32
     fresh = LLM(path, n_ctx=256, prefix_cache=False)
     assert b.output_ids == fresh.run_many([_req(system + [21, 22, 23, 24], 6)])[0].output_ids
+
+
+@pytest.mark.parametrize("kw, field", [({"dense_weights": "always"}, "dense_weights"),
+                                       ({"experts": "bogus"}, "experts"),
+                                       ({"expert_cache_gib": -1.0}, "expert_cache_gib")])
+def test_placement_arguments_are_checked_before_loading(tiny, kw, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(tiny, n_ctx=64, **kw)
