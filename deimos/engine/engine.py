@@ -142,10 +142,10 @@ class Engine:
         """Capture the graphs, then one eager step of the largest shape (its activations'
         memory reserved now, not while serving)."""
         self.runner.warm(progress)
-        if getattr(self.model.ops, "offload", None) is not None:
-            # experts on the host: a step of the largest shape would route it through the CPU
-            # (minutes on a 30B model) and fill the expert cache's statistics with its misses;
-            # that cache follows free memory instead (deimos.models.gpu.offload)
+        if not self.model.graph_safe:
+            # a model whose steps read host state (an offloaded MoE: the profile would route
+            # 2048 tokens through the CPU and fill the expert cache's statistics; a hybrid: each
+            # sequence's recurrent state) gets no profile step: its memory follows other rules
             return
         peak = self.runner.profile(self.cfg.max_batch_tokens)
         if peak:

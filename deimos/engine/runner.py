@@ -106,7 +106,7 @@ class ModelRunner:
         self.decode_graphs: dict[int, object] = {}
         self.prefill_graphs: dict[int, object] = {}
         self.use_graphs = (cuda_graphs and self.device.type == "cuda"
-                           and getattr(model.ops, "graph_safe", False))  # fmt: skip
+                           and model.graph_safe)  # fmt: skip
         if self.use_graphs:
             from deimos.kernels.triton.prefill_attention import prefill_tile_map
             from deimos.runtime.graph import DECODE_BUCKETS, PREFILL_BUCKETS, StepGraph

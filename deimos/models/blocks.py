@@ -93,6 +93,12 @@ class DecoderModel:
     def device(self) -> torch.device:
         return self.norm.weight.device
 
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a step reads nothing from the host, so that a CUDA graph can capture it:
+        the ops' say (a model whose layers gather host state overrides it with False)."""
+        return getattr(self.ops, "graph_safe", False)
+
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
         """-> logits [N, n_vocab] float32 for the positions ``batch.logits_at`` (default: the
