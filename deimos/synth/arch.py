@@ -58,22 +58,7 @@ def tensor_specs(p: SynthPreset, n_vocab: int) -> list[TensorSpec]:
         specs.append(TensorSpec(b + "attn_output.weight", (q_dim, d), M))
         if p.arch == "gemma3":
             specs.append(TensorSpec(b + "post_attention_norm.weight", (d,), N))
-        if p.is_moe:
-            ff, e = p.n_ff_exp, p.n_expert
-            specs += [
-                TensorSpec(b + "ffn_norm.weight", (d,), N),
-                TensorSpec(b + "ffn_gate_inp.weight", (d, e), Kind.ROUTER),
-                TensorSpec(b + "ffn_gate_exps.weight", (d, ff, e), M),
-                TensorSpec(b + "ffn_up_exps.weight", (d, ff, e), M),
-                TensorSpec(b + "ffn_down_exps.weight", (ff, d, e), M),
-            ]
-            continue
-        specs += [
-            TensorSpec(b + "ffn_norm.weight", (d,), N),
-            TensorSpec(b + "ffn_gate.weight", (d, p.n_ff), M),
-            TensorSpec(b + "ffn_up.weight", (d, p.n_ff), M),
-            TensorSpec(b + "ffn_down.weight", (p.n_ff, d), M),
-        ]
+        specs += [TensorSpec(b + "ffn_norm.weight", (d,), N), *_ffn(p, i)]
         if p.arch == "gemma3":
             specs.append(TensorSpec(b + "post_ffw_norm.weight", (d,), N))
     specs.append(TensorSpec("output_norm.weight", (d,), Kind.OUTPUT_NORM))
@@ -82,11 +67,36 @@ def tensor_specs(p: SynthPreset, n_vocab: int) -> list[TensorSpec]:
     return specs
 
 
+def _ffn(p: SynthPreset, i: int) -> list[TensorSpec]:
+    """Layer i's feed-forward matrices: the dense MLP, or the router and the routed experts
+    (one 3-D tensor a projection) and, where the architecture has one, the shared expert and
+    its gate (a vector: F32, random like the router)."""
+    M, b, d = Kind.MATRIX, f"blk.{i}.", p.n_embd
+    if not p.is_moe:
+        return [TensorSpec(b + "ffn_gate.weight", (d, p.n_ff), M),
+                TensorSpec(b + "ffn_up.weight", (d, p.n_ff), M),
+                TensorSpec(b + "ffn_down.weight", (p.n_ff, d), M)]
+    ff, e = p.n_ff_exp, p.n_expert
+    specs = [TensorSpec(b + "ffn_gate_inp.weight", (d, e), Kind.ROUTER),
+             TensorSpec(b + "ffn_gate_exps.weight", (d, ff, e), M),
+             TensorSpec(b + "ffn_up_exps.weight", (d, ff, e), M),
+             TensorSpec(b + "ffn_down_exps.weight", (ff, d, e), M)]
+    if p.has_shared_expert:
+        fs = p.n_ff_shexp
+        specs += [TensorSpec(b + "ffn_gate_inp_shexp.weight", (d,), Kind.ROUTER),
+                  TensorSpec(b + "ffn_gate_shexp.weight", (d, fs), M),
+                  TensorSpec(b + "ffn_up_shexp.weight", (d, fs), M),
+                  TensorSpec(b + "ffn_down_shexp.weight", (fs, d), M)]
+    return specs
+
+
 def _hybrid_layer(p: SynthPreset, i: int) -> list[TensorSpec]:
-    """A qwen35 layer (llama_model_qwen35::load_arch_tensors). The writer's kinds give the
-    F32 vectors their values: ssm_dt.bias as a bias (N(0, 0.2^2)), ssm_a as a decay (-A, A
-    uniform in [1, 16], as the models initialize A_log: every state decays, as in real files),
-    ssm_conv1d as an F32 random matrix (the router's kind), ssm_norm as a head norm (gain 1)."""
+    """A qwen35 / qwen35moe / qwen3next layer (llama_model_<arch>::load_arch_tensors). The
+    writer's kinds give the F32 vectors their values: ssm_dt.bias as a bias (N(0, 0.2^2)), ssm_a
+    as a decay (-A, A uniform in [1, 16], as the models initialize A_log: every state decays, as
+    in real files), ssm_conv1d as an F32 random matrix (the router's kind), ssm_norm as a head
+    norm (gain 1). qwen3next: beta and alpha in one ssm_ba; ``p.ssm_in``: q, k, v and z
+    in one ssm_in (the older layout)."""
     M, N, b = Kind.MATRIX, Kind.NORM, f"blk.{i}."
     d = p.n_embd
     specs = [TensorSpec(b + "attn_norm.weight", (d,), N),
@@ -94,14 +104,22 @@ def _hybrid_layer(p: SynthPreset, i: int) -> list[TensorSpec]:
     if p.is_recurrent(i):
         hv, dh = p.ssm_n_v_heads, p.ssm_head_dim
         value, conv = hv * dh, (2 * p.ssm_n_k_heads + hv) * dh
+        if p.ssm_in:
+            specs.append(TensorSpec(b + "ssm_in.weight", (d, conv + value), M))
+        else:
+            specs += [TensorSpec(b + "attn_qkv.weight", (d, conv), M),
+                      TensorSpec(b + "attn_gate.weight", (d, value), M)]
         specs += [
-            TensorSpec(b + "attn_qkv.weight", (d, conv), M),
-            TensorSpec(b + "attn_gate.weight", (d, value), M),
             TensorSpec(b + "ssm_conv1d.weight", (p.ssm_conv_kernel, conv), Kind.ROUTER),
             TensorSpec(b + "ssm_dt.bias", (hv,), Kind.BIAS),
             TensorSpec(b + "ssm_a", (hv,), Kind.DECAY),
-            TensorSpec(b + "ssm_beta.weight", (d, hv), M),
-            TensorSpec(b + "ssm_alpha.weight", (d, hv), M),
+        ]
+        if p.arch == "qwen3next":
+            specs.append(TensorSpec(b + "ssm_ba.weight", (d, 2 * hv), M))
+        else:
+            specs += [TensorSpec(b + "ssm_beta.weight", (d, hv), M),
+                      TensorSpec(b + "ssm_alpha.weight", (d, hv), M)]
+        specs += [
             TensorSpec(b + "ssm_norm.weight", (dh,), Kind.HEAD_NORM),
             TensorSpec(b + "ssm_out.weight", (value, d), M),
         ]
@@ -115,9 +133,7 @@ def _hybrid_layer(p: SynthPreset, i: int) -> list[TensorSpec]:
             TensorSpec(b + "attn_q_norm.weight", (p.head_dim,), Kind.HEAD_NORM),
             TensorSpec(b + "attn_k_norm.weight", (p.head_dim,), Kind.HEAD_NORM),
         ]
-    return specs + [TensorSpec(b + "ffn_gate.weight", (d, p.n_ff), M),
-                    TensorSpec(b + "ffn_up.weight", (d, p.n_ff), M),
-                    TensorSpec(b + "ffn_down.weight", (p.n_ff, d), M)]
+    return specs + _ffn(p, i)
 
 
 def arch_metadata(p: SynthPreset, n_vocab: int) -> list[tuple[str, str, object]]:
@@ -126,7 +142,7 @@ def arch_metadata(p: SynthPreset, n_vocab: int) -> list[tuple[str, str, object]]
         ("context_length", "u32", p.context_length),
         ("embedding_length", "u32", p.n_embd),
         ("block_count", "u32", p.n_layer),
-        ("feed_forward_length", "u32", p.n_ff),
+        *([("feed_forward_length", "u32", p.n_ff)] if p.n_ff else []),
         ("attention.head_count", "u32", p.n_head),
         ("attention.head_count_kv", "u32", p.n_head_kv),
         ("attention.layer_norm_rms_epsilon", "f32", p.rms_eps),
@@ -144,12 +160,14 @@ def arch_metadata(p: SynthPreset, n_vocab: int) -> list[tuple[str, str, object]]
                ("rope.dimension_count", "u32", p.rope_dim or p.head_dim)]
         if p.rope_sections:
             kv.append(("rope.dimension_sections", "i32[]", list(p.rope_sections)))
-    if p.arch in ("qwen3", "gemma3", "qwen3moe", "qwen35"):
+    if p.arch in ("qwen3", "gemma3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next"):
         kv += [("attention.key_length", "u32", p.head_dim),
                ("attention.value_length", "u32", p.head_dim)]
     if p.is_moe:
         kv += [("expert_count", "u32", p.n_expert), ("expert_used_count", "u32", p.n_expert_used),
                ("expert_feed_forward_length", "u32", p.n_ff_exp)]
+    if p.has_shared_expert:
+        kv.append(("expert_shared_feed_forward_length", "u32", p.n_ff_shexp))
     if p.sliding_window is not None:
         kv.append(("attention.sliding_window", "u32", p.sliding_window))
     if p.swa_pattern is not None:

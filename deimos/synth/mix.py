@@ -66,10 +66,13 @@ def category(name: str) -> Cat:
         return Cat.OUTPUT
     if name == "token_embd.weight":
         return Cat.TOKEN_EMBD
-    for key, cat in (("attn_v.weight", Cat.ATTN_V), ("attn_k.weight", Cat.ATTN_K),
-                     ("attn_q.weight", Cat.ATTN_Q), ("attn_output.weight", Cat.ATTN_OUTPUT),
-                     ("ffn_up", Cat.FFN_UP), ("ffn_gate", Cat.FFN_GATE),
-                     ("ffn_down", Cat.FFN_DOWN)):
+    # attn_qkv (the hybrids' Gated DeltaNet input projection) is llama.cpp's ATTENTION_QKV, which
+    # every rule that applies here treats as attn_v (category_is_attn_v: the rule and the
+    # i_attention_wv counter; its own branch comes after the attn_v one and is never reached)
+    for key, cat in (("attn_qkv.weight", Cat.ATTN_V), ("attn_v.weight", Cat.ATTN_V),
+                     ("attn_k.weight", Cat.ATTN_K), ("attn_q.weight", Cat.ATTN_Q),
+                     ("attn_output.weight", Cat.ATTN_OUTPUT), ("ffn_up", Cat.FFN_UP),
+                     ("ffn_gate", Cat.FFN_GATE), ("ffn_down", Cat.FFN_DOWN)):
         if key in name:
             return cat
     return Cat.OTHER

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen35")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next")
+MOE_ARCHS = ("qwen3moe", "qwen35moe", "qwen3next")  # every layer routed experts
+HYBRID_ARCHS = ("qwen35", "qwen35moe", "qwen3next")  # Gated DeltaNet + full-attention layers
+SHARED_EXPERT_ARCHS = ("qwen35moe", "qwen3next")  # a sigmoid-gated shared expert beside them
 
 
 @dataclass(frozen=True)
@@ -29,10 +32,13 @@ class SynthPreset:
     sliding_window: int | None = None  # gemma3: window of the local layers
     swa_pattern: int | None = None  # gemma3: every n-th layer global; None = key absent (6)
     rope_base_swa: float | None = None  # gemma3: rope base of local layers; None = absent (1e4)
-    n_expert: int = 0  # qwen3moe: routed experts per layer (every layer is MoE)
-    n_expert_used: int = 0  # qwen3moe: experts per token
-    n_ff_exp: int = 0  # qwen3moe: hidden width of one expert (n_ff is then only metadata)
-    # qwen35 (hybrid): every full_attention_interval-th layer full attention, the others
+    n_expert: int = 0  # MOE_ARCHS: routed experts per layer (every layer is MoE)
+    n_expert_used: int = 0  # MOE_ARCHS: experts per token
+    # MOE_ARCHS: hidden width of one expert (n_ff is then only metadata; 0: no
+    # feed_forward_length key, as in Qwen3.5-MoE files)
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0  # SHARED_EXPERT_ARCHS: the shared expert's hidden width
+    # HYBRID_ARCHS: every full_attention_interval-th layer full attention, the others
     # Gated DeltaNet with ssm_n_k_heads q/k heads and ssm_n_v_heads value heads of ssm_head_dim
     full_attention_interval: int = 0
     ssm_conv_kernel: int = 0
@@ -41,6 +47,7 @@ class SynthPreset:
     ssm_n_v_heads: int = 0
     rope_dim: int = 0  # rotated dims of an attention head; 0: the whole head
     rope_sections: tuple[int, ...] = ()  # qwen35's IMROPE sections (t, h, w, e)
+    ssm_in: bool = False  # qwen3next: the older converters' fused q/k/v/z projection (ssm_in)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -52,20 +59,33 @@ class SynthPreset:
             raise ValueError(f"preset {self.name!r}: {self.arch} needs head_dim * n_head == n_embd")
         if (self.arch == "gemma3") != (self.sliding_window is not None):
             raise ValueError(f"preset {self.name!r}: sliding_window is for gemma3 only, and needed")
-        moe = self.arch == "qwen3moe"
+        moe = self.arch in MOE_ARCHS
         if moe != (self.n_expert > 0):
-            raise ValueError(f"preset {self.name!r}: n_expert > 0 is for qwen3moe only, and needed")
+            raise ValueError(f"preset {self.name!r}: n_expert > 0 is for {', '.join(MOE_ARCHS)} only, "
+                             "and needed")
         if moe and not (0 < self.n_expert_used <= self.n_expert and self.n_ff_exp > 0):
-            raise ValueError(f"preset {self.name!r}: qwen3moe needs 0 < n_expert_used <= n_expert "
+            raise ValueError(f"preset {self.name!r}: {self.arch} needs 0 < n_expert_used <= n_expert "
                              f"and n_ff_exp > 0")
+        if (self.arch in SHARED_EXPERT_ARCHS) != (self.n_ff_shexp > 0):
+            raise ValueError(f"preset {self.name!r}: n_ff_shexp > 0 is for "
+                             f"{', '.join(SHARED_EXPERT_ARCHS)} only, and needed")
+        if self.n_ff == 0 and not moe:
+            raise ValueError(f"preset {self.name!r}: a dense {self.arch} model needs n_ff > 0")
+        if self.ssm_in and self.arch != "qwen3next":
+            raise ValueError(f"preset {self.name!r}: ssm_in is qwen3next's older layout only")
 
-        hybrid = self.arch == "qwen35"
+        hybrid = self.arch in HYBRID_ARCHS
         if hybrid != (self.full_attention_interval > 0):
-            raise ValueError(f"preset {self.name!r}: full_attention_interval is for qwen35 only, and needed")
+            raise ValueError(f"preset {self.name!r}: full_attention_interval is for "
+                             f"{', '.join(HYBRID_ARCHS)} only, and needed")
         if hybrid and not (self.ssm_conv_kernel > 1 and self.ssm_head_dim > 0 and self.ssm_n_k_heads > 0
                            and self.ssm_n_v_heads % self.ssm_n_k_heads == 0):
-            raise ValueError(f"preset {self.name!r}: qwen35 needs ssm sizes (conv kernel > 1, value "
+            raise ValueError(f"preset {self.name!r}: {self.arch} needs ssm sizes (conv kernel > 1, value "
                              f"heads a multiple of key heads)")
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.n_ff_shexp > 0
 
     @property
     def is_hybrid(self) -> bool:
@@ -114,6 +134,27 @@ _PRESETS = [
                 tied_embeddings=True, full_attention_interval=4, ssm_conv_kernel=4,
                 ssm_head_dim=16, ssm_n_k_heads=2, ssm_n_v_heads=4, rope_dim=16,
                 rope_sections=(3, 3, 2, 0)),
+    # Hybrid MoE: qwen35-tiny's layers with 16 routed experts (4 a token, <= 16 so that equal
+    # probs are ordered as llama.cpp's insertion sort orders them) and a shared expert of another
+    # width than the experts' (a swapped shape shows); no feed_forward_length, as Qwen3.5-MoE.
+    SynthPreset("qwen35moe-tiny", "qwen35moe", n_layer=4, n_embd=64, n_ff=0, n_head=4, n_head_kv=2,
+                head_dim=32, rope_base=10000000.0, rms_eps=1e-6, context_length=2048,
+                tied_embeddings=False, n_expert=16, n_expert_used=4, n_ff_exp=32, n_ff_shexp=64,
+                full_attention_interval=4, ssm_conv_kernel=4, ssm_head_dim=16, ssm_n_k_heads=2,
+                ssm_n_v_heads=4, rope_dim=16, rope_sections=(3, 3, 2, 0)),
+    # qwen3next: 2 key heads, 4 value heads (the grouped head map differs from qwen35's tiled
+    # one), a quarter of each attention head rotated (as the real model), 5 of 16 experts.
+    SynthPreset("qwen3next-tiny", "qwen3next", n_layer=4, n_embd=64, n_ff=128, n_head=4, n_head_kv=2,
+                head_dim=32, rope_base=5000000.0, rms_eps=1e-6, context_length=2048,
+                tied_embeddings=False, n_expert=16, n_expert_used=5, n_ff_exp=32, n_ff_shexp=64,
+                full_attention_interval=4, ssm_conv_kernel=4, ssm_head_dim=16, ssm_n_k_heads=2,
+                ssm_n_v_heads=4, rope_dim=8),
+    # the same shapes in the older converters' layout (ssm_in: q, k, v, z per key head)
+    SynthPreset("qwen3next-tiny-ssmin", "qwen3next", n_layer=4, n_embd=64, n_ff=128, n_head=4,
+                n_head_kv=2, head_dim=32, rope_base=5000000.0, rms_eps=1e-6, context_length=2048,
+                tied_embeddings=False, n_expert=16, n_expert_used=5, n_ff_exp=32, n_ff_shexp=64,
+                full_attention_interval=4, ssm_conv_kernel=4, ssm_head_dim=16, ssm_n_k_heads=2,
+                ssm_n_v_heads=4, rope_dim=8, ssm_in=True),
     # Real sizes.
     SynthPreset("llama-1b", "llama", n_layer=16, n_embd=2048, n_ff=8192, n_head=32, n_head_kv=8,
                 head_dim=64, rope_base=500000.0, rms_eps=1e-5, context_length=131072,
@@ -154,12 +195,29 @@ _PRESETS += [
                 rope_sections=(11, 11, 10, 0)),
 ]
 
+_PRESETS += [
+    # Qwen3.5-35B-A3B (and Qwen3.6-35B-A3B, the same shapes), text decoder: 40 layers, 256
+    # experts of 512 (8 a token) + a shared one of 512, no dense intermediate_size.
+    SynthPreset("qwen35moe-35b-a3b", "qwen35moe", n_layer=40, n_embd=2048, n_ff=0, n_head=16,
+                n_head_kv=2, head_dim=256, rope_base=10000000.0, rms_eps=1e-6, context_length=262144,
+                tied_embeddings=False, n_expert=256, n_expert_used=8, n_ff_exp=512, n_ff_shexp=512,
+                full_attention_interval=4, ssm_conv_kernel=4, ssm_head_dim=128, ssm_n_k_heads=16,
+                ssm_n_v_heads=32, rope_dim=64, rope_sections=(11, 11, 10, 0)),
+    # Qwen3-Next-80B-A3B: 48 layers, 512 experts of 512 (10 a token) + a shared one of 512,
+    # intermediate_size 5120 (metadata), rope theta 5e6 on a quarter of each head of 256.
+    SynthPreset("qwen3next-80b-a3b", "qwen3next", n_layer=48, n_embd=2048, n_ff=5120, n_head=16,
+                n_head_kv=2, head_dim=256, rope_base=5000000.0, rms_eps=1e-6, context_length=262144,
+                tied_embeddings=False, n_expert=512, n_expert_used=10, n_ff_exp=512, n_ff_shexp=512,
+                full_attention_interval=4, ssm_conv_kernel=4, ssm_head_dim=128, ssm_n_k_heads=16,
+                ssm_n_v_heads=32, rope_dim=64),
+]
+
 PRESETS: dict[str, SynthPreset] = {p.name: p for p in _PRESETS}
 
 # Token count of the real model's vocabulary (llama-bpe, qwen2, gemma3 donors): only for the
 # sizes that ``deimos synth --list`` reports; a written file takes its donor's count.
 TYPICAL_VOCAB = {"llama": 128256, "qwen2": 151936, "qwen3": 151936, "qwen3moe": 151936, "qwen35": 248320,
-                 "gemma3": 262144}
+                 "qwen35moe": 248320, "qwen3next": 151936, "gemma3": 262144}
 
 
 def get_preset(name: str) -> SynthPreset:
