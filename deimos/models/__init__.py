@@ -10,7 +10,9 @@ from deimos.models.config import ConfigError, ModelConfig
 from deimos.models.gemma3 import Gemma3Model
 from deimos.models.llama import LlamaModel
 from deimos.models.qwen3moe import Qwen3MoeModel
+from deimos.models.qwen3next import Qwen3NextModel
 from deimos.models.qwen35 import Qwen35Model
+from deimos.models.qwen35moe import Qwen35MoeModel
 from deimos.models.weights import EXPERT_CACHE_BYTES, MemoryBudgetError, WeightError, WeightSource
 
 ARCHITECTURES: dict[str, type[DecoderModel]] = {
@@ -20,6 +22,8 @@ ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "gemma3": Gemma3Model,
     "qwen3moe": Qwen3MoeModel,
     "qwen35": Qwen35Model,
+    "qwen35moe": Qwen35MoeModel,
+    "qwen3next": Qwen3NextModel,
 }
 
 

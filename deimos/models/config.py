@@ -25,14 +25,20 @@ class ConfigError(ValueError):
     """A model file's metadata is missing a key, has a wrong value, or names an unsupported model."""
 
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen35")
-_HYBRID_ARCHITECTURES = ("qwen35",)  # Gated DeltaNet layers with full-attention layers between
-_MOE_ARCHITECTURES = ("qwen3moe",)  # every layer's MLP is routed experts
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen35", "qwen35moe",
+                           "qwen3next")
+# Gated DeltaNet layers with full-attention layers between
+_HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
+_MOE_ARCHITECTURES = ("qwen3moe", "qwen35moe", "qwen3next")  # every layer's MLP is routed experts
+# routed experts plus a shared expert gated by sigmoid(x . ffn_gate_inp_shexp)
+_SHARED_EXPERT_ARCHITECTURES = ("qwen35moe", "qwen3next")
 
 # Rotary embedding variants: "norm" rotates adjacent pairs (x0,x1),(x2,x3)...;
 # "neox" rotates the two halves (x_i, x_{i+d/2}).
 _ROPE_TYPE = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox", "qwen3moe": "neox",
-              "qwen35": "neox"}  # IMROPE; for text (t = h = w positions) it is neox (checked)
+              "qwen35": "neox", "qwen35moe": "neox",  # IMROPE; for text (t = h = w) neox (checked)
+              "qwen3next": "neox"}
+_IMROPE_ARCHITECTURES = ("qwen35", "qwen35moe")  # rope.dimension_sections read and checked
 
 MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS: it asserts 0 < block_count <= this
 MAX_EXPERTS = 1024  # llama.cpp's LLAMA_MAX_EXPERTS: it asserts expert_count <= this
@@ -72,13 +78,14 @@ class ModelConfig:
     n_expert_used: int = 0  # experts each token goes to (top-k of the router's softmax)
     n_ff_exp: int = 0  # hidden width of one expert's gated MLP
     expert_weights_norm: bool = False  # the k chosen weights rescaled to sum 1
-    # hybrid (qwen35): Gated DeltaNet layers; () = every layer full attention
+    n_ff_shexp: int = 0  # shared expert's hidden width (qwen35moe, qwen3next); 0: no shared expert
+    # hybrid (qwen35, qwen35moe, qwen3next): Gated DeltaNet layers; () = every layer full attention
     recurrent_layers: tuple[bool, ...] = ()  # per layer: a Gated DeltaNet (linear attention) layer
     ssm_conv_kernel: int = 0  # K: width of the short causal convolution ('ssm.conv_kernel')
     ssm_head_dim: int = 0  # Dk = Dv: width of a key/value head ('ssm.state_size')
     ssm_n_k_heads: int = 0  # Hk: q/k heads ('ssm.group_count')
     ssm_n_v_heads: int = 0  # Hv: value heads, one state [Dv, Dk] each ('ssm.time_step_rank')
-    attn_output_gate: bool = False  # attn_q carries a sigmoid gate per head after q (qwen35)
+    attn_output_gate: bool = False  # attn_q carries a sigmoid gate per head after q (the hybrids)
 
     @property
     def is_hybrid(self) -> bool:
@@ -95,6 +102,10 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.n_expert > 0
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.n_ff_shexp > 0
 
     @property
     def n_gqa(self) -> int:
@@ -306,14 +317,25 @@ class _Reader:
             raise ConfigError(f"{self.source}: metadata key '{a}.expert_feed_forward_length' is missing "
                               f"and '{a}.feed_forward_length' {n_ff} / '{a}.expert_used_count' "
                               f"{n_used} gives no expert width")
-        # qwen3moe renormalizes the top-k weights: llama.cpp's graph passes norm_w = true and
-        # reads neither '<arch>.expert_weights_norm' nor '<arch>.expert_weights_scale' (so a
-        # file's value of either changes nothing there, and nothing here)
-        return {"n_expert": n_expert, "n_expert_used": n_used, "n_ff_exp": n_ff_exp,
-                "expert_weights_norm": True}
+        # qwen3moe, qwen35moe and qwen3next renormalize the top-k weights: llama.cpp's graphs
+        # pass norm_w = true and read neither '<arch>.expert_weights_norm' nor
+        # '<arch>.expert_weights_scale' (so a file's value of either changes nothing there, and
+        # nothing here)
+        out = {"n_expert": n_expert, "n_expert_used": n_used, "n_ff_exp": n_ff_exp,
+               "expert_weights_norm": True}
+        if a in _SHARED_EXPERT_ARCHITECTURES:
+            # llama.cpp: expert_shared_feed_forward_length, where absent or 0 the feed_forward_length
+            n_ff_shexp = self.int("expert_shared_feed_forward_length", 0, lo=0) or n_ff
+            if n_ff_shexp == 0:
+                raise ConfigError(f"{self.source}: metadata key '{a}.expert_shared_feed_forward_length' "
+                                  f"is missing and there is no '{a}.feed_forward_length' to give the "
+                                  "shared expert's width")
+            out["n_ff_shexp"] = n_ff_shexp
+        return out
 
     def _hybrid(self, n_layer: int, rope_dim: int) -> dict[str, Any]:
-        """qwen35's Gated DeltaNet sizes and layer pattern (llama_model_qwen35::load_arch_hparams)."""
+        """The Gated DeltaNet sizes and layer pattern (llama_model_qwen35::load_arch_hparams; the
+        same keys for qwen35moe and qwen3next)."""
         a = self.arch
         if self.int("nextn_predict_layers", 0, lo=0):
             raise self.fail("nextn_predict_layers", "is set: MTP layers are not supported yet")
@@ -340,8 +362,8 @@ class _Reader:
         else:
             interval = self.int("full_attention_interval", 4, hi=MAX_LAYERS)
             recurrent = tuple((i + 1) % interval != 0 for i in range(n_layer))
-        sections = self._raw("rope.dimension_sections", False)
-        if sections is not None:
+        sections = self._raw("rope.dimension_sections", False) if a in _IMROPE_ARCHITECTURES else None
+        if sections is not None:  # (qwen3next's plain neox RoPE reads no sections)
             # IMROPE: rotated pair i takes the t/h/w position (all equal for text) when its
             # sector i % sum(sections) falls in sections[0..2], else the e position (0 for
             # text): the neox rotation used here needs every pair in t/h/w
@@ -424,7 +446,6 @@ def _check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], md: Mapping[str
     k = f"'{a}.attention.head_count_kv' {cfg.n_head_kv} x {hd}"
     v = f"'{a}.attention.head_count_kv' {cfg.n_head_kv} x {vd}"
     o = f"'{a}.attention.head_count' {cfg.n_head} x {vd}"
-    ff = f"'{a}.feed_forward_length' {cfg.n_ff}"
 
     def expect(name: str, dims: tuple[tuple[int, str], ...], required: bool = True) -> None:
         info = tensors.get(name)
@@ -455,44 +476,54 @@ def _check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], md: Mapping[str
     if cfg.attn_output_gate:
         q_rows = (2 * cfg.n_head * cfg.head_dim, q)
     v_rows, o_cols = (cfg.n_head_kv * cfg.head_dim_v, v), (cfg.n_head * cfg.head_dim_v, o)
-    ffn = (cfg.n_ff, ff)
-    experts = (cfg.n_expert, f"'{a}.expert_count' {cfg.n_expert}")
-    ffn_exp = (cfg.n_ff_exp, f"'{a}.expert_feed_forward_length' {cfg.n_ff_exp}"
-               if f"{a}.expert_feed_forward_length" in md else
-               f"feed_forward_length / expert_used_count = {cfg.n_ff_exp}")
     for i in range(cfg.n_layer):  # n_layer matches the blk.N tensors present
         p = f"blk.{i}."
         for n in norms:
             expect(f"{p}{n}.weight", (width,))
-        if cfg.is_hybrid and _check_hybrid_layer(cfg, i, tensors, md, source, expect):
-            _expect_mlp(p, width, ffn, expect)
-            continue
-        expect(f"{p}attn_q.weight", (width, q_rows))
-        expect(f"{p}attn_k.weight", (width, k_rows))
-        expect(f"{p}attn_v.weight", (width, v_rows))
-        expect(f"{p}attn_output.weight", (o_cols, width))
-        for bias, rows in (("attn_q", q_rows), ("attn_k", k_rows), ("attn_v", v_rows)):
-            expect(f"{p}{bias}.bias", (rows,), required=False)
-        if cfg.qk_norm:
-            expect(f"{p}attn_q_norm.weight", ((cfg.head_dim, hd),))
-            expect(f"{p}attn_k_norm.weight", ((cfg.head_dim, hd),))
-        if cfg.is_moe:  # the router, then each projection of every expert as one 3-D tensor
-            expect(f"{p}ffn_gate_inp.weight", (width, experts))
-            expect(f"{p}ffn_gate_exps.weight", (width, ffn_exp, experts))
-            expect(f"{p}ffn_up_exps.weight", (width, ffn_exp, experts))
-            expect(f"{p}ffn_down_exps.weight", (ffn_exp, width, experts))
-            continue
-        _expect_mlp(p, width, ffn, expect)
+        if not (cfg.is_hybrid and _check_hybrid_layer(cfg, i, tensors, md, source, expect)):
+            expect(f"{p}attn_q.weight", (width, q_rows))
+            expect(f"{p}attn_k.weight", (width, k_rows))
+            expect(f"{p}attn_v.weight", (width, v_rows))
+            expect(f"{p}attn_output.weight", (o_cols, width))
+            for bias, rows in (("attn_q", q_rows), ("attn_k", k_rows), ("attn_v", v_rows)):
+                expect(f"{p}{bias}.bias", (rows,), required=False)
+            if cfg.qk_norm:
+                expect(f"{p}attn_q_norm.weight", ((cfg.head_dim, hd),))
+                expect(f"{p}attn_k_norm.weight", ((cfg.head_dim, hd),))
+        _expect_ffn(cfg, p, md, width, expect)
 
 
-def _expect_mlp(p: str, width, ffn, expect) -> None:
-    expect(f"{p}ffn_gate.weight", (width, ffn))
-    expect(f"{p}ffn_up.weight", (width, ffn))
-    expect(f"{p}ffn_down.weight", (ffn, width))
+def _expect_ffn(cfg: ModelConfig, p: str, md: Mapping[str, Any], width, expect) -> None:
+    """A layer's feed-forward tensors: the dense MLP, or the router and each projection of
+    every expert as one 3-D tensor, with the shared expert where the architecture has one."""
+    a = cfg.arch
+    if not cfg.is_moe:
+        ffn = (cfg.n_ff, f"'{a}.feed_forward_length' {cfg.n_ff}")
+        expect(f"{p}ffn_gate.weight", (width, ffn))
+        expect(f"{p}ffn_up.weight", (width, ffn))
+        expect(f"{p}ffn_down.weight", (ffn, width))
+        return
+    experts = (cfg.n_expert, f"'{a}.expert_count' {cfg.n_expert}")
+    ffn_exp = (cfg.n_ff_exp, f"'{a}.expert_feed_forward_length' {cfg.n_ff_exp}"
+               if f"{a}.expert_feed_forward_length" in md else
+               f"feed_forward_length / expert_used_count = {cfg.n_ff_exp}")
+    expect(f"{p}ffn_gate_inp.weight", (width, experts))
+    expect(f"{p}ffn_gate_exps.weight", (width, ffn_exp, experts))
+    expect(f"{p}ffn_up_exps.weight", (width, ffn_exp, experts))
+    expect(f"{p}ffn_down_exps.weight", (ffn_exp, width, experts))
+    if cfg.has_shared_expert:
+        key = f"{a}.expert_shared_feed_forward_length"
+        shexp = (cfg.n_ff_shexp, f"'{key}' {cfg.n_ff_shexp}" if md.get(key) else
+                 f"'{a}.feed_forward_length' {cfg.n_ff} (no '{key}')")
+        expect(f"{p}ffn_gate_inp_shexp.weight", (width,))
+        expect(f"{p}ffn_gate_shexp.weight", (width, shexp))
+        expect(f"{p}ffn_up_shexp.weight", (width, shexp))
+        expect(f"{p}ffn_down_shexp.weight", (shexp, width))
 
 
 _SSM_TENSORS = ("attn_qkv.weight", "attn_gate.weight", "ssm_conv1d.weight", "ssm_dt.bias", "ssm_a",
-                "ssm_beta.weight", "ssm_alpha.weight", "ssm_norm.weight", "ssm_out.weight")
+                "ssm_beta.weight", "ssm_alpha.weight", "ssm_norm.weight", "ssm_out.weight",
+                "ssm_ba.weight", "ssm_in.weight")  # the last two: qwen3next's
 
 
 def _check_hybrid_layer(cfg: ModelConfig, i: int, tensors: Mapping[str, Any], md: Mapping[str, Any],
@@ -521,14 +552,21 @@ def _check_hybrid_layer(cfg: ModelConfig, i: int, tensors: Mapping[str, Any], md
     value = (cfg.ssm_n_v_heads * cfg.ssm_head_dim, f"{nv} x {hd}")
     heads = (cfg.ssm_n_v_heads, nv)
     conv = (cfg.ssm_conv_dim, f"(2 x {nk} + {nv}) x {hd}")
-    expect(f"{p}attn_qkv.weight", (width, conv))
-    expect(f"{p}attn_gate.weight", (width, value))
+    if a == "qwen3next" and f"{p}ssm_in.weight" in tensors and f"{p}attn_qkv.weight" not in tensors:
+        # the older qwen3next layout: q, k, v and z of each key head in one projection
+        expect(f"{p}ssm_in.weight", (width, (conv[0] + value[0], f"{conv[1]} + {value[1]}")))
+    else:
+        expect(f"{p}attn_qkv.weight", (width, conv))
+        expect(f"{p}attn_gate.weight", (width, value))
     expect(f"{p}ssm_conv1d.weight", ((cfg.ssm_conv_kernel, f"'{a}.ssm.conv_kernel' {cfg.ssm_conv_kernel}"),
                                      conv))
     expect(f"{p}ssm_dt.bias", (heads,))
     expect(f"{p}ssm_a", (heads,))
-    expect(f"{p}ssm_beta.weight", (width, heads))
-    expect(f"{p}ssm_alpha.weight", (width, heads))
+    if a == "qwen3next":  # beta and alpha of each key head's value heads in one projection
+        expect(f"{p}ssm_ba.weight", (width, (2 * heads[0], f"2 x {nv}")))
+    else:
+        expect(f"{p}ssm_beta.weight", (width, heads))
+        expect(f"{p}ssm_alpha.weight", (width, heads))
     expect(f"{p}ssm_norm.weight", ((cfg.ssm_head_dim, hd),))
     expect(f"{p}ssm_out.weight", (value, width))
     return True

@@ -16,6 +16,10 @@ few ulps apart can round to one prob, and then the lower id wins in both.
 
 The model calls ``ops.moe(x, block)`` (deimos.models.ops): the reference ops run
 ``moe_reference`` below; other ops may route and compute differently (on the device).
+
+qwen35moe and qwen3next add a shared expert that every token goes through (``SharedExpert``,
+llama.cpp's build_layer_ffn for both): a SwiGLU MLP of its own width whose output is scaled by
+sigmoid(x . ffn_gate_inp_shexp), then added to the routed experts' sum (``MoEShared``).
 """
 
 from __future__ import annotations
@@ -95,3 +99,47 @@ def moe_reference(x: torch.Tensor, block: MoE) -> torch.Tensor:
     for s in range(1, k):
         out = out + slots[:, s]
     return out
+
+
+class SharedExpert:
+    """The shared expert of layer ``layer``: ``block(x)`` with x [T, D] -> [T, D],
+        sigmoid(x . gate_inp) * down(silu(gate x) * up x)
+    - ``gate``, ``up`` [Fs, D], ``down`` [D, Fs] (``blk.N.ffn_{gate,up,down}_shexp``): linears,
+      Fs = ``cfg.n_ff_shexp``;
+    - ``gate_inp`` [D] float32 (``blk.N.ffn_gate_inp_shexp``): one scalar gate per token.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, w: WeightSource):
+        p = f"blk.{layer}"
+        f, d = cfg.n_ff_shexp, cfg.n_embd
+        self.gate, self.up = w.linears([(f"{p}.ffn_gate_shexp", f), (f"{p}.ffn_up_shexp", f)], d)
+        self.down = w.linear(f"{p}.ffn_down_shexp", d, f, bias=None)
+        self.gate_inp = w.vector(f"{p}.ffn_gate_inp_shexp.weight", d)
+        self.activation = cfg.activation
+        self.layer = layer
+        self.ops = w.ops
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down(self.ops.gated_act(self.gate(x), self.up(x), self.activation))
+        return y * torch.sigmoid(x @ self.gate_inp.to(x.dtype))[:, None]
+
+
+class MoEShared:
+    """Routed experts plus the shared expert (qwen35moe, qwen3next): ``moe(x) + shared(x)``.
+    ``moe`` is the routed block the GPU expert placement and offload look for."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, w: WeightSource):
+        self.moe = MoE(cfg, layer, w)
+        self.shared = SharedExpert(cfg, layer, w)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x) + self.shared(x)
+
+
+def shared_expert_reference(x: torch.Tensor, block: SharedExpert) -> torch.Tensor:
+    """The float32 reference of ``block`` (reference-path ``Linear``s): x [T, D] -> [T, D] in
+    ``promote_types(x.dtype, float32)``, from the weight matrices."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    x = x.to(dtype)
+    act = gated_act(x @ block.gate.weight.to(dtype).T, x @ block.up.weight.to(dtype).T, block.activation)
+    return (act @ block.down.weight.to(dtype).T) * torch.sigmoid(x @ block.gate_inp.to(dtype))[:, None]

@@ -56,13 +56,21 @@ class GatedAttention(Attention):
 
 
 class Qwen35Layer:
-    def __init__(self, cfg: ModelConfig, i: int, w: WeightSource):
+    """``mlp``: the feed-forward block's class (GatedMLP; qwen35moe's routed + shared experts);
+    ``deltanet``: the recurrent layers' block (GatedDeltaNet; qwen3next's variant)."""
+
+    def __init__(self, cfg: ModelConfig, i: int, w: WeightSource, mlp=GatedMLP, deltanet=GatedDeltaNet):
         self.attn_norm = RMSNorm(w.vector(f"blk.{i}.attn_norm.weight", cfg.n_embd), cfg.rms_eps, w.ops)
         self.recurrent = cfg.is_recurrent(i)
-        self.mixer = GatedDeltaNet(cfg, i, w) if self.recurrent else GatedAttention(cfg, i, w)
+        self.mixer = deltanet(cfg, i, w) if self.recurrent else GatedAttention(cfg, i, w)
         self.ffn_norm = RMSNorm(w.vector(f"blk.{i}.post_attention_norm.weight", cfg.n_embd), cfg.rms_eps,
                                 w.ops)
-        self.mlp = GatedMLP(cfg, i, w)
+        self.mlp = mlp(cfg, i, w)
+
+    @property
+    def moe(self):
+        """The routed experts (what the GPU expert placement and offload look for), or None."""
+        return getattr(self.mlp, "moe", None)
 
     def __call__(self, hidden, residual, step):
         hidden, residual = self.attn_norm(hidden, residual)
@@ -79,10 +87,13 @@ class Qwen35Model(DecoderModel):
     RecurrentState per sequence); the states advance by the step's tokens."""
 
     graph_safe = False  # the recurrent layers gather the step's states on the host
+    mlp_block = GatedMLP  # every layer's feed-forward block (the MoE variants set theirs)
+    deltanet_block = GatedDeltaNet  # the recurrent layers' block
 
     def __init__(self, cfg: ModelConfig, w: WeightSource):
         super().__init__(cfg, w)
-        self.layers = [Qwen35Layer(cfg, i, w) for i in range(cfg.n_layer)]
+        self.layers = [Qwen35Layer(cfg, i, w, self.mlp_block, self.deltanet_block)
+                       for i in range(cfg.n_layer)]
         self.state_layout = "kernel" if w.triton_ops else "reference"
         self.state_device = self.norm.weight.device  # "cuda:0", as the tensors say
 

@@ -1,0 +1,117 @@
+"""qwen3next (Qwen3-Next-80B-A3B): hybrid layers like qwen35's with routed experts plus a shared
+expert in every layer; its Gated DeltaNet layers lay out their heads differently.
+
+As llama_model_qwen3next::graph (llama.cpp 11434):
+    h   = x + mixer(attn_norm(x))              mixer: Qwen3NextDeltaNet or GatedAttention
+    out = h + moe_shared(post_attention_norm(h))
+- GatedAttention is qwen35's (attn_q gives per head [q | gate], q/k head norms, sigmoid(gate)
+  on the output) with plain neox RoPE on the first ``rope.dimension_count`` dims of a head
+  (partial RoPE; no IMROPE sections);
+- the feed-forward block is deimos.models.moe.MoEShared (as qwen35moe);
+- the Gated DeltaNet block differs from qwen35's in three ways (the converter keeps the HF
+  head order): value head h reads key head h // (Hv / Hk) ("grouped", ggml's repeat of the
+  key heads interleaved, where qwen35 tiles them: h % Hk); beta and alpha come from one
+  projection ``ssm_ba`` [D -> 2 Hv], per key head its Hv / Hk betas then its Hv / Hk
+  alphas; and files written by older converters hold q, k, v and z in one projection
+  ``ssm_in`` [D -> 2 Hk Dk + 2 Hv Dv], per key head [q (Dk) | k (Dk) | v (Hv/Hk Dv) | z (Hv/Hk Dv)]
+  (llama.cpp's "legacy" path), where newer ones have qwen35's ``attn_qkv`` and ``attn_gate``.
+
+The GPU path (deimos.models.gpu.deltanet_ops) runs qwen35's head map and projections only:
+on the kernel path this model refuses to load (NotImplementedError naming the architecture).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deimos.kernels.deltanet import (
+    causal_conv1d,
+    gated_delta_rule_chunked,
+    gated_delta_rule_recurrent,
+)
+from deimos.kernels.norm import rms_norm
+from deimos.models.batch import Batch
+from deimos.models.config import ModelConfig
+from deimos.models.deltanet import CHUNK, GatedDeltaNet, RecurrentState, _l2_norm
+from deimos.models.moe import MoEShared
+from deimos.models.qwen35 import Qwen35Model
+from deimos.models.weights import WeightSource
+
+
+class Qwen3NextDeltaNet(GatedDeltaNet):
+    """qwen3next's Gated DeltaNet block of recurrent layer ``layer``: ``block(x, batch, states)``
+    with x [T, D] -> [T, D], advancing each sequence's state (the CPU reference only)."""
+
+    head_map = "grouped"  # value head h reads key head h // (Hv / Hk)
+
+    def __init__(self, cfg: ModelConfig, layer: int, w: WeightSource, chunk: int = CHUNK):
+        p = f"blk.{layer}"
+        hk, hv, dh, d = cfg.ssm_n_k_heads, cfg.ssm_n_v_heads, cfg.ssm_head_dim, cfg.n_embd
+        self.legacy = w.has(f"{p}.ssm_in.weight") and not w.has(f"{p}.attn_qkv.weight")
+        if self.legacy:
+            self.qkvz = w.linear(f"{p}.ssm_in", cfg.ssm_conv_dim + hv * dh, d, bias=None)
+        else:
+            self.qkv, self.gate = w.linears([(f"{p}.attn_qkv", cfg.ssm_conv_dim), (f"{p}.attn_gate", hv * dh)], d)
+        self.beta_alpha = w.linear(f"{p}.ssm_ba", 2 * hv, d, bias=None)
+        self.conv = w.tensor(f"{p}.ssm_conv1d.weight", (cfg.ssm_conv_dim, cfg.ssm_conv_kernel))
+        self.dt_bias = w.vector(f"{p}.ssm_dt.bias", hv)
+        self.a = w.vector(f"{p}.ssm_a", hv)
+        self.norm = w.vector(f"{p}.ssm_norm.weight", dh)
+        self.out = w.linear(f"{p}.ssm_out", d, hv * dh, bias=None)
+        self.hk, self.hv, self.dh, self.eps = hk, hv, dh, cfg.rms_eps
+        self.layer, self.chunk = layer, chunk
+        self.kernels = False
+        self.ops = w.ops
+
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (conv input [T, (2 Hk + Hv) Dh] as [q | k | v], z [T, Hv, Dh],
+        beta [T, Hv], g [T, Hv]), every head in the grouped order."""
+        n, hk, hv, dh = x.shape[0], self.hk, self.hv, self.dh
+        r = hv // hk
+        if self.legacy:
+            qkvz = self.qkvz(x).view(n, hk, 2 * dh + 2 * r * dh)
+            q, k = qkvz[..., :dh], qkvz[..., dh : 2 * dh]
+            v, z = qkvz[..., 2 * dh : (2 + r) * dh], qkvz[..., (2 + r) * dh :]
+            mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=1)
+            z = z.reshape(n, hv, dh)
+        else:
+            mixed, z = self.qkv(x), self.gate(x).view(n, hv, dh)
+        ba = self.beta_alpha(x).view(n, hk, 2, r)  # per key head: its r betas, then its r alphas
+        beta = torch.sigmoid(ba[:, :, 0].reshape(n, hv))
+        g = F.softplus(ba[:, :, 1].reshape(n, hv) + self.dt_bias) * self.a
+        return mixed, z, beta, g
+
+    def __call__(self, x: torch.Tensor, batch: Batch, states: list[RecurrentState]) -> torch.Tensor:
+        n = x.shape[0]
+        hk, hv, dh = self.hk, self.hv, self.dh
+        mixed, z, beta, g = self.projections(x)
+        out = x.new_empty((n, hv, dh))
+        t0 = 0
+        for b, m in enumerate(batch.seqs.q_lens):  # each sequence from its own state
+            st, rows = states[b], slice(t0, t0 + m)
+            y, st.conv[self.layer] = causal_conv1d(mixed[rows], self.conv, st.conv[self.layer])
+            y = F.silu(y)
+            q = _l2_norm(y[:, : hk * dh].view(m, hk, dh), self.eps).repeat_interleave(hv // hk, dim=1)
+            k = _l2_norm(y[:, hk * dh : 2 * hk * dh].view(m, hk, dh), self.eps).repeat_interleave(hv // hk, dim=1)
+            v = y[:, 2 * hk * dh :].view(m, hv, dh)
+            rule = gated_delta_rule_recurrent if m == 1 else gated_delta_rule_chunked
+            kw = {} if m == 1 else {"chunk": self.chunk}
+            out[rows], st.ssm[self.layer] = rule(q, k, v, g[rows], beta[rows], st.ssm[self.layer],
+                                                 dh**-0.5, **kw)
+            t0 += m
+        o = rms_norm(out, self.norm, self.eps) * F.silu(z)
+        return self.out(o.reshape(n, hv * dh))
+
+
+class Qwen3NextModel(Qwen35Model):
+    mlp_block = MoEShared
+    deltanet_block = Qwen3NextDeltaNet
+
+    def __init__(self, cfg: ModelConfig, w: WeightSource):
+        if w.kernels or w.triton_ops:
+            raise NotImplementedError(
+                f"{w.file.path}: qwen3next has no GPU path yet (its Gated DeltaNet layers' grouped "
+                "key heads and fused ssm_ba projection are not in "
+                "deimos.models.gpu.deltanet_ops): load it with device='cpu'")
+        super().__init__(cfg, w)
