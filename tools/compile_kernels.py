@@ -305,7 +305,7 @@ def _layer_jobs() -> list[Job]:
         for rope_kw in ({}, {"ROPE": True, "NEOX": False, "HAS_NORM": False},
                         {"ROPE": True, "NEOX": True, "HAS_NORM": True}):
             args = [f32 if rope_kw else f16, f16, f16, i32, f32, f32, f32, hq * d, d, hk * d, d,
-                    hk * d, d, s, hk, d, c.split, c.n_split, d**-0.5, 0,
+                    hk * d, d, s, hk, d, c.n_split, d**-0.5, 0,
                     f32, f32, d, d, f32, f32, f32, 1e-6, d]
             jobs.append(Job("decode_split" + ("+rope" if rope_kw else ""),
                             f"G={hq // hk} D={d} S={c.block_s} w={c.num_warps}"
@@ -367,7 +367,7 @@ def _paged_jobs() -> list[Job]:
             for rope_kw in ({}, {"ROPE": True, "NEOX": False, "HAS_NORM": False},
                             {"ROPE": True, "NEOX": True, "HAS_NORM": True}):  # fmt: skip
                 args = [f32, f16, f16, i32, f32, f32, f32, hq * d, d, hk * d, d, hk * d, d, s, hk,
-                        d, c.split, c.n_split, d**-0.5, 0, f32, f32, d, d, f32, f32, f32, 1e-6, d]
+                        d, c.n_split, d**-0.5, 0, f32, f32, d, d, f32, f32, f32, 1e-6, d]
                 paged = dict(PAGED=True, skn_b=(hq + 2 * hk) * d, svn_b=(hq + 2 * hk) * d,
                              p_tab=MockTensor(i32), stab_b=maxb, bs_shift=bs_shift)  # fmt: skip
                 jobs.append(Job("paged_decode" + ("+rope" if rope_kw else ""),

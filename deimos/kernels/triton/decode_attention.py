@@ -27,8 +27,10 @@ Stage 2, grid (B, Hq): combine the n_split partials of a head: out = sum_j e^(m_
 sum_j e^(m_j - M) l_j. (Stage 2 done by the last stage-1 program of each kv head instead,
 found with an atomic counter, was measured slower on the H200: BENCHMARKS.md.)
 
-n_split is chosen from S, B * Hkv and D so stage 1 has about 2 programs per SM of an H200
-(132 SMs); it depends only on shapes, so a captured graph stays valid as q_pos grows.
+n_split is chosen from S, B * Hkv and D so stage 1 has about 4 programs per SM of an H200
+(132 SMs); it depends only on shapes, so a captured graph stays valid as q_pos grows. Each
+program takes 1/n_split of its row's visible keys (read from q_pos on the device), so the
+work spreads over every split at any length, not only over the splits a short row reaches.
 
 Cost (what to compare the H200's ~4.8 TB/s with): stage 1 reads, per row b and kv head, the
 K and V rows of its n_b = min(q_pos[b] + 1, W) visible keys, 2 * n_b * D * 2 bytes (fp16),
@@ -56,7 +58,7 @@ from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 from deimos.quant.triton.gemv_q8 import quantize_groups
 
 LOG2E = tl.constexpr(1.4426950408889634)
-TARGET_PROGRAMS = 264  # ~2 per SM on an H200
+TARGET_PROGRAMS = 528  # ~4 per SM on an H200 (programs of a few tiles each)
 GROUP_ROWS = 16  # tl.dot's minimum M on sm_90
 
 
@@ -76,7 +78,7 @@ def key_slots(o_k, m_k, p_tab_row, bs_shift, PAGED: tl.constexpr):
 def _decode_split_kernel(
     p_q, p_k, p_v, p_pos, p_m, p_l, p_acc,
     sq_b, sq_h, sk_s, sk_h, sv_s, sv_h,
-    S, HKV, D, SPLIT, N_SPLIT, scale, window,
+    S, HKV, D, N_SPLIT, scale, window,
     p_kn, p_vn, skn_h, svn_h, p_inv_freq, p_qnw, p_knw, eps, R,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr = False, ROPE: tl.constexpr = False, NEOX: tl.constexpr = False,
@@ -100,11 +102,19 @@ def _decode_split_kernel(
         p_tab_row = p_tab + i_b.to(tl.int64) * stab_b
     else:
         p_tab_row = p_pos  # never read
-    lo = i_sp * SPLIT
-    own = (pos >= lo) & (pos < lo + SPLIT)  # this split holds the query's own key
+    # this row's visible keys [first, pos] cut into N_SPLIT equal runs of whole tiles: the
+    # split length follows the row's own length (read on the device), so every split has work
+    # at any length while the grid stays the captured one
+    first = 0
+    if window > 0:
+        first = tl.maximum(pos - window + 1, 0)
+    first = first - first % BLOCK_S
+    split = tl.cdiv(tl.cdiv(pos + 1 - first, N_SPLIT), BLOCK_S) * BLOCK_S
+    lo = first + i_sp * split
+    own = (pos >= lo) & (pos < lo + split)  # this split holds the query's own key
     # keys [lo, hi) of this split, before the window (the S bound only guards a bad q_pos);
     # with ROPE the key at q_pos comes from registers, not the cache
-    hi = tl.minimum(tl.minimum(lo + SPLIT, pos if ROPE else pos + 1), S)
+    hi = tl.minimum(tl.minimum(lo + split, pos if ROPE else pos + 1), S)
     if window > 0:
         lo = tl.maximum(lo, pos - window + 1)
     o_g = tl.arange(0, G_PAD)
@@ -198,18 +208,19 @@ def _decode_combine_kernel(
 
 class DecodeConfig(NamedTuple):
     block_s: int  # keys per tile
-    split: int  # keys per split (a multiple of block_s)
-    n_split: int
+    n_split: int  # splits per (row, kv head): each a 1/n_split share of the row's keys
     num_warps: int
 
 
 def decode_config(s: int, b: int, hkv: int, d: int) -> DecodeConfig:
     """BLOCK_S = 64 keys (32 at D = 256: a K and a V tile of 16 KB fp16 each stay in registers
-    of 4 warps); splits sized so B * Hkv * n_split ~ 264 programs, at least one tile each."""
+    of 4 warps); n_split so B * Hkv * n_split ~ TARGET_PROGRAMS, at most a tile each of S. Each
+    program then takes 1/n_split of its row's visible keys (whole tiles), whatever the row's
+    length: B = 16 rows of 550 keys in a 4096-key table run 4 splits of 3 tiles each, where
+    splits of fixed keys (S / n_split) left one split of 9 tiles per row with work."""
     block_s = 32 if d > 128 else 64
     want = max(1, TARGET_PROGRAMS // max(1, b * hkv))
-    split = triton.cdiv(triton.cdiv(s, want), block_s) * block_s
-    return DecodeConfig(block_s, split, triton.cdiv(s, split), 4)
+    return DecodeConfig(block_s, max(1, min(want, triton.cdiv(s, block_s))), 4)
 
 
 class NewToken(NamedTuple):
@@ -344,7 +355,7 @@ def decode_attention(
     _decode_split_kernel[(n_b * hkv, cfg.n_split)](
         q, k, v, q_pos, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        s, hkv, d, cfg.split, cfg.n_split, scale, window, *new_args,
+        s, hkv, d, cfg.n_split, scale, window, *new_args,
         G=hq // hkv, G_PAD=GROUP_ROWS, BLOCK_S=cfg.block_s, BLOCK_D=block_d,
         num_warps=cfg.num_warps, **new_kw, **paged_kw, **launch_options(pdl_on(q.device)),
     )  # fmt: skip

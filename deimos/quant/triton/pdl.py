@@ -24,8 +24,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-# read once: the interpreter has no grid dependency control
+# read once: the interpreter has no grid dependency control; DEIMOS_PDL=0 turns PDL off (a
+# profile's kernel times then exclude the waits of kernels launched early: bench/profile_step.py)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_OFF = os.environ.get("DEIMOS_PDL", "1") == "0"
 
 
 @triton.jit
@@ -44,8 +46,8 @@ def _supported(device_index: int) -> bool:
 
 def pdl_on(device: torch.device) -> bool:
     """Whether kernels on ``device`` run with PDL: a CUDA GPU of sm_90 or later, compiled (not
-    interpreted)."""
-    if _INTERPRETED or device.type != "cuda":
+    interpreted), unless DEIMOS_PDL=0."""
+    if _INTERPRETED or _OFF or device.type != "cuda":
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
