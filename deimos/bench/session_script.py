@@ -196,6 +196,8 @@ def _episode(rec: Recorder, ef: EditedFile, f: Func, others: list[Source], sizes
     last = min(len(ef.lines), f.insert_at + k + 1)
     while last < len(ef.lines) and est_tokens(numbered(ef.lines[first:last], first + 1)) < want:
         last += 1
+    while first > 0 and est_tokens(numbered(ef.lines[first:last], first + 1)) < want:
+        first -= 1  # the file ended first: start earlier
     c = rec.call("read_file", path=path, offset=first + 1, limit=last - first)
     rec.turn(assistant(f"I'll read `{path}` around `{f.name}` (line {f.start}).", c),
              tool_result(c, numbered(ef.lines[first:last], first + 1)))

@@ -20,9 +20,9 @@ a real unified diff. Three shapes:
 Token counts are estimates, ceil(characters / 4) (``est_tokens``): no tokenizer is needed, so
 the generator runs anywhere. Real tokenizers cut numbered listings and JSON-escaped tool
 arguments finer than whole files: the committed sessions' last prompts (texts and tools'
-JSON, no template) are 31.5k / 30.3k / 27.1k tokens with Llama 3's tokenizer and 35.1k /
-30.4k / 29.2k with Qwen2's (multi-turn / long-prompt / long-decode; estimates 31.0k / 33.1k /
-26.2k): a server needs a context of 40k for them.
+JSON, no template) are 30.6k / 30.3k / 27.1k tokens with Llama 3's tokenizer and 34.1k /
+30.4k / 29.2k with Qwen2's (multi-turn / long-prompt / long-decode; estimates 29.8k / 33.1k /
+26.2k): a server needs a context of 40k for them (SmolLM2's smaller vocabulary: 36.4k).
 Everything is drawn from ``random.Random(f"{seed}:{shape}")``: the same seed and the same
 stdlib files give the same bytes.
 """
