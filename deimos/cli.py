@@ -503,14 +503,31 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_agent(args: argparse.Namespace) -> int:
+    from deimos.bench.agent import AgentBenchConfig, run_agent_bench
+    from deimos.bench.agent_stats import markdown
+    from deimos.bench.serve import api_key_from_env
+
+    sampling = {"temperature": args.temperature} if args.temperature is not None else {}
+    cfg = AgentBenchConfig(
+        session=args.session, url=args.url, model=args.model,
+        api_key=args.api_key or api_key_from_env(), turns=args.turns,
+        tools_in_system=args.tools_in_system, warmup=args.warmup, sampling=sampling,
+        timeout_s=args.timeout)
+    report = run_agent_bench(cfg, progress=_say)
+    _write_json(report.to_json(), args.json)
+    print(markdown(report), file=sys.stderr if args.json == "-" else sys.stdout)
+    return 0
+
+
 def _bench_serve_argv(argv: Sequence[str]) -> list[str]:
-    """``deimos [-v] bench serve ...`` -> ``bench-serve ...`` (a nested subcommand beside
-    bench's positional MODEL would make argparse take MODEL for a subcommand name; a model
-    file named "serve" is still ./serve)."""
+    """``deimos [-v] bench serve|agent ...`` -> ``bench-serve|bench-agent ...`` (a nested
+    subcommand beside bench's positional MODEL would make argparse take MODEL for a subcommand
+    name; a model file named "serve" is still ./serve)."""
     argv = list(argv)
     i = next((k for k, a in enumerate(argv) if not a.startswith("-")), None)
-    if i is not None and argv[i:i + 2] == ["bench", "serve"]:
-        argv[i:i + 2] = ["bench-serve"]
+    if i is not None and argv[i:i + 2] in (["bench", "serve"], ["bench", "agent"]):
+        argv[i:i + 2] = [f"bench-{argv[i + 1]}"]
     return argv
 
 
@@ -725,6 +742,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write the report with every request's record as JSON ('-': "
                         "stdout, the table then on stderr)")
     p.set_defaults(func=cmd_bench_serve)
+
+    p = sub.add_parser("bench-agent", prog="deimos bench agent",
+                       help="(also `bench agent`) replay a recorded coding-agent session against "
+                            "an OpenAI-compatible server: wall time, prefill/decode rates, TTFT "
+                            "and cached tokens per turn")
+    p.add_argument("session", help="a session file (.jsonl or .jsonl.gz, one chat request a "
+                                   "turn) or a recorded one: multi-turn, long-prompt, long-decode")
+    p.add_argument("--url", default="http://127.0.0.1:8080", help="the server's base URL")
+    p.add_argument("--api-key", default=None,
+                   help="sent as 'Authorization: Bearer KEY' (default: $DEIMOS_API_KEY or "
+                        "$OPENAI_API_KEY)")
+    p.add_argument("--model", default=None,
+                   help="the request's model (default: the first id of GET /v1/models)")
+    p.add_argument("--turns", type=positive, default=None, help="replay the first N turns only")
+    p.add_argument("--tools-in-system", action="store_true",
+                   help="send the tool schemas as system-prompt text, not as the tools field "
+                        "(deimos serve holds a reply while tools are on, so its TTFT is not "
+                        "measured otherwise)")
+    p.add_argument("--warmup", type=_checked(int, Bound(lo=0, integer=True)), default=1,
+                   help="short unrelated requests before the session (default 1)")
+    p.add_argument("--temperature", type=_checked(float, SAMPLING_BOUNDS["temperature"]),
+                   default=None, help="sent as each request's temperature (default: the "
+                                      "server's)")
+    p.add_argument("--timeout", type=_checked(float, Bound(lo=0, lo_open=True)), default=600.0,
+                   help="seconds a turn may take before it is cut and counted as failed")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the report with every turn's record as JSON ('-': stdout, "
+                        "the table then on stderr)")
+    p.set_defaults(func=cmd_bench_agent)
 
     p = sub.add_parser("pull", help="fetch a known model into the local cache")
     p.add_argument("name", nargs="?")
