@@ -95,12 +95,13 @@ class WeightTypes:
         """The type of each spec: F32 for norms, biases and the router; matrices by the mix
         (with llama.cpp's fallbacks) or the single type (rows must fit its block)."""
         tied = not any(s.name == "output.weight" for s in specs)
+        counters = _counters(specs)
         out = []
         for s in specs:
             if s.kind is not Kind.MATRIX:
                 out.append(T.F32)
             elif self.is_mix:
-                t = _mix_rule(self.name, self.default, s, p, tied)
+                t = _mix_rule(self.name, self.default, s, p, tied, counters.get(s.name))
                 out.append(_fallback(t, s.dims[0]))
             else:
                 _check_rows(s, self.default)
@@ -150,7 +151,10 @@ def matrix_type(types: WeightTypes, name: str, dims: tuple[int, ...],
     the mix's rule (``types.is_mix``) or the single type (as ``llama-quantize --pure``), then
     tensor_type_fallback when the rows do not fit its block. Unlike ``tensor_types``, a single
     type falls back instead of refusing: for real models, whose row lengths are given.
-    ``tied``: the model has no output.weight (token_embd.weight is the output projection)."""
+    ``tied``: the model has no output.weight (token_embd.weight is the output projection).
+    llama.cpp's attn_v and ffn_down counters are taken to be the layer index (``tensor_types``
+    counts them: they differ where a layer has two ffn_down tensors, a shared expert's, or some
+    layers no attn_v-like one)."""
     if types.is_mix:
         t = _mix_rule(types.name, types.default, TensorSpec(name, dims, Kind.MATRIX), model, tied)
     else:
@@ -179,9 +183,34 @@ def _use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
+class Counter(NamedTuple):
+    """llama.cpp's running counter of a tensor's category at that tensor, and its total."""
+
+    i: int
+    n: int
+
+
+def _counters(specs: list[TensorSpec]) -> dict[str, Counter]:
+    """The counters the rules read where they are not the layer index (llama-quantize walks
+    the tensors sorted by layer, then name): i_attention_wv / n_attention_wv of the attn_v-like
+    tensors (qwen3next's ssm_in layout has attn_v in every fourth layer only) and i_ffn_down of
+    the ffn_down ones (two a layer with a shared expert; the IQ1/IQ2 rules read it raw)."""
+    def layer(s: TensorSpec) -> int:
+        return int(s.name.split(".")[1]) if s.name.startswith("blk.") else -1
+
+    walk = sorted((s for s in specs if s.kind is Kind.MATRIX), key=lambda s: (layer(s), s.name))
+    out = {}
+    for cat in (Cat.ATTN_V, Cat.FFN_DOWN):
+        names = [s.name for s in walk if category(s.name) is cat]
+        out.update({name: Counter(i, len(names)) for i, name in enumerate(names)})
+    return out
+
+
 def _mix_rule(ft: str, t: GGMLType, s: TensorSpec, p: SynthPreset | LayerCounts,
-              tied: bool) -> GGMLType:
-    """llama_tensor_get_type_impl for ftype ``ft`` (no imatrix), before the fallback."""
+              tied: bool, counter: Counter | None = None) -> GGMLType:
+    """llama_tensor_get_type_impl for ftype ``ft`` (no imatrix), before the fallback.
+    ``counter``: the tensor's category counter (``_counters``); None: its layer index (exact
+    where every layer has one tensor of the category)."""
     cat = category(s.name)
     layer = int(s.name.split(".")[1]) if s.name.startswith("blk.") else -1
     n = p.n_layer
@@ -210,8 +239,9 @@ def _mix_rule(ft: str, t: GGMLType, s: TensorSpec, p: SynthPreset | LayerCounts,
             return T.Q4_K if gqa >= 4 or n_expert >= 4 else (T.IQ3_S if iq2s else T.Q2_K)
         if n_expert == 8 and cat is Cat.ATTN_K:
             return T.Q4_K
-        if cat is Cat.FFN_DOWN:
-            return (T.IQ3_S if iq2s else T.Q2_K) if layer < n // 8 else t
+        if cat is Cat.FFN_DOWN:  # the raw counter against n_ffn_down = the layer count
+            i_down = counter.i if counter else layer
+            return (T.IQ3_S if iq2s else T.Q2_K) if i_down < n // 8 else t
         if cat is Cat.ATTN_OUTPUT:
             if n_expert == 8:
                 return T.Q5_K
@@ -220,6 +250,7 @@ def _mix_rule(ft: str, t: GGMLType, s: TensorSpec, p: SynthPreset | LayerCounts,
             return T.IQ3_S if iq2s else t
         return t
     if cat is Cat.ATTN_V:
+        i_wv, n_wv = counter or (layer, n)
         if ft == "Q2_K":
             t = T.Q4_K if gqa >= 4 else T.Q3_K
         elif ft == "Q2_K_S" and gqa >= 4:
@@ -231,14 +262,14 @@ def _mix_rule(ft: str, t: GGMLType, s: TensorSpec, p: SynthPreset | LayerCounts,
         elif ft == "IQ3_M":
             t = T.Q4_K
         elif ft == "Q3_K_M":
-            t = T.Q5_K if layer < 2 else T.Q4_K
+            t = T.Q5_K if i_wv < 2 else T.Q4_K
         elif ft == "Q3_K_L":
             t = T.Q5_K
         elif ft in ("IQ4_NL", "IQ4_XS") and gqa >= 4:
             t = T.Q5_K
-        elif ft in ("Q4_K_M", "Q5_K_M") and _use_more_bits(layer, n):
+        elif ft in ("Q4_K_M", "Q5_K_M") and _use_more_bits(i_wv, n_wv):
             t = T.Q6_K
-        elif ft == "Q4_K_S" and layer < 4:
+        elif ft == "Q4_K_S" and i_wv < 4:
             t = T.Q5_K
         return T.Q8_0 if n_expert == 8 else t
     if cat is Cat.ATTN_K:

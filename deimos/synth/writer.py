@@ -65,6 +65,7 @@ def write_model(
     seed: int = 0,
     *,
     workers: int | None = None,
+    data: bool = True,
 ) -> Path:
     """Writes a random-weight model of ``preset`` (its arch must be ``arch``) to ``path``.
 
@@ -72,8 +73,10 @@ def write_model(
     llama-quantize would choose, see mix.py), a GGML type name or value (every 2-D weight that
     type; its block size must divide the rows), or a ``WeightTypes``. Norms, biases and the MoE
     router are F32. ``vocab_from``: a GGUF whose ``tokenizer.*`` keys are copied; the vocabulary
-    size is its token count. ``workers``: drawing threads (default: the CPU count). Returns the
-    path; a partly written file is removed on error.
+    size is its token count. ``workers``: drawing threads (default: the CPU count). ``data``
+    False: the tensor data is left a hole of the right size (a sparse file of zeros, written in
+    no time: for tools that read only the tensor table, as llama-quantize --dry-run). Returns
+    the path; a partly written file is removed on error.
     """
     p = get_preset(preset) if isinstance(preset, str) else preset
     if p.arch != arch:
@@ -101,9 +104,7 @@ def write_model(
         for key, (vtype, sub, value) in tokenizer.items():
             w.add_key_value(key, value, vtype, sub_type=sub)
         for s, t in zip(specs, types):
-            fmt = get_format(t)
-            nbytes = int(np.prod(s.dims)) // fmt.block_size * fmt.type_size
-            w.add_tensor_info(s.name, tuple(reversed(s.dims)), np.dtype(np.float32), nbytes,
+            w.add_tensor_info(s.name, tuple(reversed(s.dims)), np.dtype(np.float32), _nbytes(s, t),
                               raw_dtype=GGMLQuantizationType(int(t)))
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -114,6 +115,10 @@ def write_model(
     try:
         with open(path, "ab") as f:
             _pad(f, align)
+            if not data:
+                sizes = (_nbytes(s, t) for s, t in zip(specs, types))
+                f.truncate(f.tell() + sum(n + -n % align for n in sizes))
+                return path
             for chunk in _drawn(_chunk_jobs(specs, types, seed), workers):
                 if chunk is None:  # end of a tensor
                     _pad(f, align)
@@ -171,6 +176,11 @@ def writable_value(value: object) -> object:
     if isinstance(value, list):
         return [writable_value(v) for v in value]
     return value
+
+
+def _nbytes(s: TensorSpec, t: GGMLType) -> int:
+    fmt = get_format(t)
+    return int(np.prod(s.dims)) // fmt.block_size * fmt.type_size
 
 
 def _pad(f, align: int) -> None:
