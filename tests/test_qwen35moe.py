@@ -1,0 +1,187 @@
+"""qwen35moe (qwen35's hybrid layers, routed experts + a shared expert) on the CPU reference,
+against llama.cpp.
+
+Oracles:
+- llama.cpp (build 11434) on the random-weight qwen35moe-tiny F32 file
+  (tools/make_qwen35_reference.py): no activation quantization there, so logits to float32
+  noise, routing included; greedy runs with the prompt in one step, then one token a step;
+- the shared expert: its formula written out in float64 from the file's tensors (llama.cpp's
+  build_layer_ffn: SwiGLU of ffn_{gate,up,down}_shexp times sigmoid(ffn_gate_inp_shexp . x));
+- llama.cpp's loader for what is an error (the shared expert's width from
+  expert_shared_feed_forward_length or feed_forward_length, tensor shapes from the metadata);
+- llama-quantize --dry-run for the synth mixes (tools/make_hybrid_mix_reference.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hybrid_support import (
+    check_split_and_snapshot,
+    config_of,
+    forced_error,
+    greedy_error,
+    mix_mismatches,
+    rebuild,
+    ref_file,
+    same_file,
+)
+
+from deimos.gguf import GGUFFile
+from deimos.models import ConfigError, load_model
+from deimos.models.moe import MoEShared, moe_reference, shared_expert_reference
+from deimos.models.qwen35moe import Qwen35MoeModel
+from deimos.quant import dequantize
+
+PRESET = "qwen35moe-tiny"
+# measured max |logit error| on llama.cpp's top-8 (logits ~30): 2.2e-3 forced, at one position of
+# the 130-token random sequence where float64 (deimos.eval.float64) is 1.2e-3 from llama.cpp and
+# 9.6e-4 from our float32 (an ill-conditioned token: both float32 runs are that far from exact;
+# median 6e-5); greedy 4.4e-5. A wrong head map or projection layout is off by units.
+TOLERANCE = 5e-3
+
+pytestmark = pytest.mark.usefixtures("module_one_thread")  # tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return rebuild(PRESET, tmp_path_factory.mktemp("qwen35moe"))
+
+
+@pytest.fixture(scope="module")
+def model(path):
+    return load_model(GGUFFile(path))
+
+
+# ---- against llama.cpp -----------------------------------------------------------------------
+
+def test_regenerated_file_is_the_one_llama_cpp_ran(path):
+    assert same_file(path, PRESET), "synth output changed: rerun tools/make_qwen35_reference.py"
+
+
+def test_forced_logits_equal_llama_cpp(model):
+    """Whole sequences in one step (35, 130 and 64 tokens: the chunked rule over 1-3 chunks,
+    every token routed)."""
+    assert isinstance(model, Qwen35MoeModel)
+    worst = forced_error(model, PRESET)
+    print(f"{PRESET} F32: forced, max |logit error| on llama.cpp's top-8 = {worst:.2e}")
+    assert worst < TOLERANCE
+
+
+def test_greedy_prefill_then_decode_equals_llama_cpp(model):
+    worst = greedy_error(model, PRESET)
+    print(f"{PRESET} F32: greedy, max |logit error| on llama.cpp's top-8 = {worst:.2e}")
+    assert worst < TOLERANCE
+
+
+def test_split_prefill_and_snapshot_equal_one_pass(model):
+    check_split_and_snapshot(model, ref_file(PRESET)["forced"][1]["tokens"])
+
+
+def test_llm_greedy_generation_batched(path):
+    """deimos.LLM on the CPU (the engine's hybrid states), two raw prompts decoded together and
+    one alone: llama.cpp's prompt tokens and greedy tokens."""
+    from deimos.engine import LLM
+
+    ref = ref_file(PRESET)
+    cases = ref["greedy"][:2]
+    llm = LLM(path, device="cpu")
+    prompts = [ref["prompts"][c["id"]] for c in cases]
+    assert [llm.encode_raw(p) for p in prompts] == [c["prompt_tokens"] for c in cases]
+    n = 8
+    outs = llm.generate_many(prompts, max_tokens=n, raw=True, temperature=0)
+    for case, out in zip(cases, outs, strict=True):
+        assert out.token_ids == case["tokens"][:n], case["id"]
+    alone = llm.generate(prompts[1], max_tokens=n, raw=True, temperature=0)
+    assert alone.token_ids == outs[1].token_ids
+
+
+# ---- the blocks ------------------------------------------------------------------------------
+
+def _f64(f: GGUFFile, name: str) -> torch.Tensor:
+    info = f.tensors[name]
+    return torch.from_numpy(dequantize(f.tensor_bytes(name), info.ggml_type, tuple(info.shape)).astype(np.float64))
+
+
+@pytest.mark.parametrize("layer", [0, 3], ids=["deltanet-layer", "attention-layer"])
+def test_shared_expert_is_the_formula(path, model, layer):
+    block = model.layers[layer].mlp
+    assert isinstance(block, MoEShared)
+    g = torch.Generator().manual_seed(layer)
+    x = 4 * torch.randn(7, model.config.n_embd, generator=g)  # the normed stream's scale
+    with GGUFFile(path) as f:
+        p = f"blk.{layer}."
+        wg, wu, wd = (_f64(f, p + f"ffn_{n}_shexp.weight") for n in ("gate", "up", "down"))
+        gate = _f64(f, p + "ffn_gate_inp_shexp.weight")
+    xd = x.double()
+    want = torch.sigmoid(xd @ gate)[:, None] * ((torch.nn.functional.silu(xd @ wg.T) * (xd @ wu.T)) @ wd.T)
+    got = block.shared(x)
+    ref = shared_expert_reference(x, block.shared)
+    rel = float((got.double() - want).norm() / want.norm())
+    print(f"layer {layer}: shared expert rel err {rel:.1e}, max |diff| {float((got - want).abs().max()):.1e}")
+    assert rel < 1e-6
+    torch.testing.assert_close(ref, got, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(block(x), moe_reference(x, block.moe) + ref, rtol=1e-6, atol=1e-6)
+
+
+def test_layers_expose_their_routed_experts(model):
+    """The GPU expert placement and offload find a MoE layer's routed block as ``layer.moe``."""
+    assert all(layer.moe is layer.mlp.moe for layer in model.layers)
+    assert [layer.moe.n_expert_used for layer in model.layers] == [4] * 4
+
+
+# ---- config and malformed files --------------------------------------------------------------
+
+def test_config_reads_the_moe_and_hybrid_fields(path):
+    cfg = config_of(path)
+    assert cfg.recurrent_layers == (True, True, True, False)
+    assert (cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.n_ff_shexp) == (16, 4, 32, 64)
+    assert cfg.n_ff == 0 and cfg.expert_weights_norm and cfg.has_shared_expert
+    assert cfg.rope_dim == 16 and cfg.rope_type == "neox" and cfg.attn_output_gate and cfg.qk_norm
+    with GGUFFile(path) as f:  # as Qwen3.5-MoE files: no dense intermediate size
+        assert "qwen35moe.feed_forward_length" not in f.metadata
+
+
+@pytest.mark.parametrize("drop,changes,match", [
+    (None, {"expert_shared_feed_forward_length": None},
+     (r"'qwen35moe.expert_shared_feed_forward_length' is missing and there is no "
+      r"'qwen35moe.feed_forward_length'")),
+    (None, {"expert_shared_feed_forward_length": None, "feed_forward_length": 96},
+     (r"tensor 'blk.0.ffn_gate_shexp.weight' has dims \[64, 64\], expected \[64, 96\] .*"
+      r"'qwen35moe.feed_forward_length' 96 \(no 'qwen35moe.expert_shared_feed_forward_length'\)")),
+    (None, {"expert_shared_feed_forward_length": 48},
+     (r"tensor 'blk.0.ffn_gate_shexp.weight' has dims \[64, 64\], expected \[64, 48\] .*"
+      r"'qwen35moe.expert_shared_feed_forward_length' 48")),
+    (None, {"expert_feed_forward_length": 64},
+     (r"tensor 'blk.0.ffn_gate_exps.weight' has dims \[64, 32, 16\], expected \[64, 64, 16\].*"
+      r"'qwen35moe.expert_feed_forward_length' 64")),
+    (None, {"expert_count": 8},
+     r"tensor 'blk.0.ffn_gate_inp.weight' has dims \[64, 16\], expected \[64, 8\].*'qwen35moe.expert_count' 8"),
+    (None, {"expert_used_count": 17}, r"'qwen35moe.expert_used_count' 17 is greater than 'qwen35moe.expert_count' 16"),
+    (None, {"expert_count": None}, r"required metadata key 'qwen35moe.expert_count' is missing"),
+    ("blk.2.ffn_gate_inp_shexp.weight", {}, r"tensor 'blk.2.ffn_gate_inp_shexp.weight' is missing"),
+    ("blk.3.ffn_down_shexp.weight", {}, r"tensor 'blk.3.ffn_down_shexp.weight' is missing"),
+    (None, {"full_attention_interval": 2},
+     (r"layer 1 is full attention by 'qwen35moe.full_attention_interval' 2, but the file has its Gated "
+      r"DeltaNet tensor 'blk.1.attn_qkv.weight'")),
+    (None, {"ssm.conv_kernel": 3},
+     r"tensor 'blk.0.ssm_conv1d.weight' has dims \[4, 128\], expected \[3, 128\].*'qwen35moe.ssm.conv_kernel' 3"),
+    (None, {"rope.dimension_sections": np.array([2, 2, 2, 2], dtype=np.int32)},
+     r"rope.dimension_sections' .* leave rotated pair 6 .* to the 4th \(e\) section"),
+], ids=["no-shared-width", "shared-width-from-ff", "shared-width", "expert-width", "expert-count",
+        "used-count", "no-expert-count", "no-shared-gate", "no-shared-down", "pattern", "conv-kernel",
+        "sections"])
+def test_malformed_file_is_a_named_error(path, drop, changes, match):
+    with pytest.raises(ConfigError, match=match):
+        config_of(path, drop, **changes)
+
+
+# ---- synth mixes -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", ["qwen35-tiny", "qwen35moe-tiny", "qwen35-4b", "qwen35moe-35b-a3b"])
+def test_mix_types_are_llama_quantize_types(preset):
+    """Every ftype's per-tensor types as llama-quantize --dry-run gives them (attn_qkv is its
+    attn_v-like category; the shared expert's tensors its ffn categories)."""
+    bad = mix_mismatches(preset)
+    assert not bad, f"{preset}: (ours, llama-quantize) {bad}"

@@ -1,0 +1,142 @@
+"""qwen3next (hybrid Gated DeltaNet + gated attention, routed experts + a shared expert) on the
+CPU reference, against llama.cpp.
+
+Oracles:
+- llama.cpp (build 11434) on the random-weight qwen3next-tiny F32 files, in the current tensor
+  layout (attn_qkv, attn_gate, ssm_ba) and the older converters' one (ssm_in: q, k, v, z per
+  key head) (tools/make_qwen35_reference.py): logits to float32 noise, greedy tokens. The tiny
+  files have 2 key heads and 4 value heads, so the grouped head map (value head h reads key
+  head h // 2) differs from qwen35's tiled one (h % 2): taking the wrong one, or reading
+  ssm_ba as [all betas | all alphas], moves the logits by units;
+- llama.cpp's loader for what is an error (tensor shapes from the metadata, the layer pattern).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hybrid_support import (
+    check_split_and_snapshot,
+    config_of,
+    forced_error,
+    greedy_error,
+    mix_mismatches,
+    rebuild,
+    ref_file,
+    same_file,
+)
+
+from deimos.gguf import GGUFFile
+from deimos.models import ConfigError, load_model
+from deimos.models.qwen3next import Qwen3NextDeltaNet, Qwen3NextModel
+from deimos.models.weights import WeightSource
+
+PRESETS = ("qwen3next-tiny", "qwen3next-tiny-ssmin")
+# measured max |logit error| on llama.cpp's top-8 (logits ~30): 5.0e-4 / 8.3e-4 forced (the two
+# layouts), median 5e-5; a wrong head map or ba layout is off by units
+TOLERANCE = 5e-3
+
+pytestmark = pytest.mark.usefixtures("module_one_thread")  # tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("qwen3next")
+    return {p: rebuild(p, tmp) for p in PRESETS}
+
+
+@pytest.fixture(scope="module")
+def models(paths) -> dict:
+    return {p: load_model(GGUFFile(path)) for p, path in paths.items()}
+
+
+# ---- against llama.cpp -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_regenerated_file_is_the_one_llama_cpp_ran(paths, preset):
+    assert same_file(paths[preset], preset), "synth output changed: rerun tools/make_qwen35_reference.py"
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_forced_logits_equal_llama_cpp(models, preset):
+    """Whole sequences in one step (35, 130 and 64 tokens: the chunked rule over 1-3 chunks)."""
+    model = models[preset]
+    blocks = [layer.mixer for layer in model.layers if layer.recurrent]
+    assert len(blocks) == 3 and all(isinstance(b, Qwen3NextDeltaNet) for b in blocks)
+    assert all(b.legacy == (preset == "qwen3next-tiny-ssmin") for b in blocks)
+    worst = forced_error(model, preset)
+    print(f"{preset} F32: forced, max |logit error| on llama.cpp's top-8 = {worst:.2e}")
+    assert worst < TOLERANCE
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_greedy_prefill_then_decode_equals_llama_cpp(models, preset):
+    worst = greedy_error(models[preset], preset)
+    print(f"{preset} F32: greedy, max |logit error| on llama.cpp's top-8 = {worst:.2e}")
+    assert worst < TOLERANCE
+
+
+def test_split_prefill_and_snapshot_equal_one_pass(models):
+    check_split_and_snapshot(models["qwen3next-tiny"], ref_file("qwen3next-tiny")["forced"][1]["tokens"])
+
+
+def test_kernel_path_is_refused_by_name(paths):
+    """The GPU path's Gated DeltaNet (deimos.models.gpu.deltanet_ops) has qwen35's head map and
+    projections only: the model refuses it before loading a weight."""
+    f = GGUFFile(paths["qwen3next-tiny"])
+    cfg = load_model(f).config
+    with pytest.raises(NotImplementedError, match=r"qwen3next-tiny-F32.gguf: qwen3next has no GPU path"):
+        Qwen3NextModel(cfg, WeightSource(f, "cpu", kernels=False, triton_ops=True))
+
+
+# ---- config and malformed files --------------------------------------------------------------
+
+def test_config_reads_the_fields(paths):
+    cfg = config_of(paths["qwen3next-tiny"])
+    assert cfg.recurrent_layers == (True, True, True, False)
+    assert (cfg.ssm_conv_kernel, cfg.ssm_head_dim, cfg.ssm_n_k_heads, cfg.ssm_n_v_heads) == (4, 16, 2, 4)
+    assert (cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.n_ff_shexp, cfg.n_ff) == (16, 5, 32, 64, 128)
+    assert cfg.rope_dim == 8 and cfg.head_dim == 32 and cfg.rope_type == "neox"
+    assert cfg.attn_output_gate and cfg.qk_norm and cfg.expert_weights_norm
+    # plain neox RoPE: llama.cpp reads no IMROPE sections for qwen3next, a file's are ignored
+    bad = np.array([2, 2, 2, 2], dtype=np.int32)  # qwen35's check would refuse these
+    assert config_of(paths["qwen3next-tiny"], **{"rope.dimension_sections": bad}) == cfg
+
+
+@pytest.mark.parametrize("preset,drop,changes,match", [
+    ("qwen3next-tiny", "blk.1.ssm_ba.weight", {}, r"tensor 'blk.1.ssm_ba.weight' is missing"),
+    ("qwen3next-tiny", None, {"ssm.time_step_rank": 8, "ssm.inner_size": 128},
+     r"tensor 'blk.0.attn_qkv.weight' has dims \[64, 128\], expected \[64, 192\].*'qwen3next.ssm.time_step_rank' 8"),
+    ("qwen3next-tiny", "blk.0.attn_gate.weight", {}, r"tensor 'blk.0.attn_gate.weight' is missing"),
+    ("qwen3next-tiny-ssmin", None, {"ssm.state_size": 8, "ssm.inner_size": 32},
+     r"tensor 'blk.0.ssm_in.weight' has dims \[64, 192\], expected \[64, 96\].*'qwen3next.ssm.state_size' 8"),
+    ("qwen3next-tiny-ssmin", None, {"ssm.group_count": 4},
+     r"tensor 'blk.0.ssm_in.weight' has dims \[64, 192\], expected \[64, 256\].*'qwen3next.ssm.group_count' 4"),
+    ("qwen3next-tiny", None, {"expert_shared_feed_forward_length": None},
+     (r"tensor 'blk.0.ffn_gate_shexp.weight' has dims \[64, 64\], expected \[64, 128\] .*"
+      r"'qwen3next.feed_forward_length' 128 \(no 'qwen3next.expert_shared_feed_forward_length'\)")),
+    ("qwen3next-tiny", None, {"expert_count": 32},
+     r"tensor 'blk.0.ffn_gate_inp.weight' has dims \[64, 16\], expected \[64, 32\].*'qwen3next.expert_count' 32"),
+    ("qwen3next-tiny", None, {"full_attention_interval": 2},
+     (r"layer 1 is full attention by 'qwen3next.full_attention_interval' 2, but the file has its Gated "
+      r"DeltaNet tensor 'blk.1.attn_qkv.weight'")),
+    ("qwen3next-tiny-ssmin", None, {"attention.recurrent_layers": np.array([1, 1, 1, 1], dtype=np.int32)},
+     (r"layer 3 is a Gated DeltaNet layer by 'qwen3next.attention.recurrent_layers', but the file has the "
+      r"full-attention tensor 'blk.3.attn_q.weight'")),
+    ("qwen3next-tiny", None, {"rope.dimension_count": 40},
+     r"'qwen3next.rope.dimension_count' 40 does not fit the head size 32"),
+], ids=["no-ba", "value-heads", "no-gate", "ssm-in-state-size", "ssm-in-key-heads", "shared-width-from-ff",
+        "expert-count", "pattern", "pattern-array", "rope-dims"])
+def test_malformed_file_is_a_named_error(paths, preset, drop, changes, match):
+    with pytest.raises(ConfigError, match=match):
+        config_of(paths[preset], drop, **changes)
+
+
+# ---- synth mixes -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", ["qwen3next-tiny", "qwen3next-tiny-ssmin", "qwen3next-80b-a3b"])
+def test_mix_types_are_llama_quantize_types(preset):
+    """Every ftype's per-tensor types as llama-quantize --dry-run gives them (ssm_ba and ssm_in
+    are its other tensors; in the ssm_in layout only every fourth layer has an attn_v)."""
+    bad = mix_mismatches(preset)
+    assert not bad, f"{preset}: (ours, llama-quantize) {bad}"
