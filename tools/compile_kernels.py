@@ -430,8 +430,11 @@ def _sample_batch_jobs() -> list[Job]:
     for v in (49152, 151936, 262144):
         n_blk = triton.cdiv(v, sb.TOPK_BLOCK)
         jobs.append(Job("sb_window_block", f"V={v} B={sb.TOPK_BLOCK} K={sb.WINDOW} w=8",
-                        _warm(sb._window_block_kernel, [f32, i64, f32, f64, i32, v, v, n_blk],
+                        _warm(sb._window_block_kernel, [f32, i64, f32, f64, i32, v, v, n_blk, f64],
                               BLOCK=sb.TOPK_BLOCK, K_PAD=sb.WINDOW, num_warps=8, **sb.NO_FUSION)))
+        jobs.append(Job("sb_window_merge", f"V={v} M={sb.TOPK_MERGE} K={sb.WINDOW} w=8",
+                        _warm(sb._window_merge_kernel, [i64, i64, n_blk, 4, f64],
+                              MERGE=sb.TOPK_MERGE, K_PAD=sb.WINDOW, num_warps=8)))
         nb_pad = max(2, triton.next_power_of_2(n_blk))
         args = [i64, f32, f64, i32, n_blk, v, f64, i32, f64, f64, f64, f32, v, i64, i32, f32, width,
                 i64, f64, i64, f64, i64, i32]

@@ -10,9 +10,12 @@ The launches, in order (five at V = 151,936):
    deimos.kernels.triton.sampling (the 256 best order keys of each block; here by a 32-step
    search over the value bits, ties at the cut taken by position, which is id order in a
    block: ``_store_top_block_keys``) fused with the block's float64 logsumexp partial (max,
-   sum of exp) and a NaN flag: the one pass over [B, V].
-3. ``_topk_merge_kernel`` (sampling.py), one launch per merge pass: 256 keys per row left.
-4. ``_row_kernel``, grid (B,): restores the penalized logits, orders the 256 keys (each key's
+   sum of exp) and a NaN flag: the one pass over [B, V]. A greedy row (temperature 0) keeps
+   only its block's first maximum (slot 0; no counting passes).
+3. ``_window_merge_kernel``, one launch per merge pass (sampling.py's merge; a greedy row
+   keeps only the maximum): 256 keys per row left.
+4. ``_row_kernel``, grid (B,): restores the penalized logits; a greedy row's token is the
+   window's maximum; a sampled row's 256 keys are ordered (each key's
    rank by counting, then a scatter: no sort network), and applies the row's top_k, top_p
    (softmax of the k candidates, or over the whole vocabulary's logsumexp when top_k is off),
    min_p (``logit >= max + log(min_p)`` in float32), the temperature, float64 probabilities,
@@ -54,10 +57,11 @@ from deimos.kernels.sample_batch import (  # noqa: F401  (re-exported)
 from deimos.kernels.triton.sampling import (
     TOPK_BLOCK,
     TOPK_MERGE,
+    INT64_MIN,
     _order_bits,
     _order_keys,
     _store_top_block_keys,
-    _topk_merge_kernel,
+    _store_top_keys,
     topk_passes,
 )
 
@@ -104,7 +108,15 @@ def _restore(p_x, stride_x, V, p_ids, p_cnt, p_saved, L, i_b, BLOCK_L: tl.conste
 
 
 @triton.jit
-def _window_block_kernel(p_x, p_keys, p_bmax, p_bsum, p_bnan, V, stride_b, N_BLOCKS,
+def _store_greedy_key(key, p_out, K_PAD: tl.constexpr):
+    """A greedy row's window: only its largest key matters (slot 0; the rest padding)."""
+    o_k = tl.arange(0, K_PAD)
+    top = tl.max(key, axis=0)
+    tl.store(p_out + o_k, tl.where(o_k == 0, top, INT64_MIN))
+
+
+@triton.jit
+def _window_block_kernel(p_x, p_keys, p_bmax, p_bsum, p_bnan, V, stride_b, N_BLOCKS, p_temp,
                          BLOCK: tl.constexpr, K_PAD: tl.constexpr):  # fmt: skip
     i_blk = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
@@ -120,8 +132,27 @@ def _window_block_kernel(p_x, p_keys, p_bmax, p_bsum, p_bnan, V, stride_b, N_BLO
     tl.store(p_bmax + o_p, mx)
     tl.store(p_bsum + o_p, s)
     tl.store(p_bnan + o_p, nan)
-    _store_top_block_keys(_order_bits(b_x, m_v), _order_keys(b_x, o_v, m_v),
-                          p_keys + o_p * K_PAD, K_PAD)
+    key = _order_keys(b_x, o_v, m_v)
+    if tl.load(p_temp + i_b) == 0.0:  # greedy: the block's first maximum, no counting passes
+        _store_greedy_key(key, p_keys + o_p * K_PAD, K_PAD)
+    else:
+        _store_top_block_keys(_order_bits(b_x, m_v), key, p_keys + o_p * K_PAD, K_PAD)
+
+
+@triton.jit
+def _window_merge_kernel(p_in, p_out, N_IN, N_OUT, p_temp,
+                         MERGE: tl.constexpr, K_PAD: tl.constexpr):  # fmt: skip
+    """deimos.kernels.triton.sampling's merge pass, a greedy row's keeping only its maximum."""
+    i_o = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    o_e = tl.arange(0, MERGE * K_PAD)
+    m_e = i_o * MERGE + o_e // K_PAD < N_IN
+    key = tl.load(p_in + (i_b * N_IN + i_o * MERGE) * K_PAD + o_e, mask=m_e, other=INT64_MIN)
+    p_o = p_out + (i_b * N_OUT + i_o) * K_PAD
+    if tl.load(p_temp + i_b) == 0.0:
+        _store_greedy_key(key, p_o, K_PAD)
+    else:
+        _store_top_keys(key, p_o, K_PAD)
 
 
 @triton.jit
@@ -143,89 +174,94 @@ def _row_kernel(p_keys, p_bmax, p_bsum, p_bnan, N_BLOCKS, V,
     gmax = tl.max(b_bm, axis=0)
     lse = gmax + tl.log(tl.sum(b_bs * tl.exp(b_bm - gmax), axis=0))
 
-    # order the K candidates: a key's rank is the number of bigger keys (keys are distinct)
-    o_k = tl.arange(0, K)
-    p_in = p_keys + i_b * K
-    p_srt = p_sorted + i_b * K
-    b_key = tl.load(p_in + o_k)
-    for c in range(0, K, CH):
-        o_c = c + tl.arange(0, CH)
-        b_c = tl.load(p_in + o_c)
-        rank = tl.sum((b_key[None, :] > b_c[:, None]).to(tl.int32), axis=1)
-        tl.store(p_srt + rank, b_c)
-    tl.debug_barrier()
-    b_key = tl.load(p_srt + o_k, cache_modifier=".cg")
-    hi = (b_key >> 32).to(tl.int32)
-    b_val = tl.where(hi < 0, hi ^ 0x7FFFFFFF, hi).to(tl.float32, bitcast=True)
-    b_id = 0xFFFFFFFF - (b_key & 0xFFFFFFFF)
-    vmax = tl.max(b_val, axis=0)  # the first candidate's
-    x64 = b_val.to(tl.float64)
-
     temp = tl.load(p_temp + i_b)
-    top_k = tl.load(p_topk + i_b)
-    top_p = tl.load(p_topp + i_b)
-    min_p = tl.load(p_minp + i_b)
-    u = tl.load(p_u + i_b)
-    k = tl.where((top_k > 0) & (top_k < V), top_k, 0)
-    k_in = (k > 0) & (k <= K)
-    # each filter's kept-prefix length when the window shows its end (found), else a lower
-    # bound of it (lower); _BIG: no bound
-    found = tl.where(k_in, k, _BIG)
-    lower = tl.full([], _BIG, tl.int32)
-    if top_p < 1.0:
-        # over the k candidates (softmax at temperature 1), or the vocabulary's logsumexp
-        m_k = o_k < k
-        e_k = tl.where(m_k, tl.exp(x64 - vmax.to(tl.float64)), 0.0)
-        # (a sum of k_in's e_k is >= 1, its first term being exp(0): the maximum only keeps
-        # the k == 0 rows' unused lanes finite)
-        q = tl.where(k_in, e_k / tl.maximum(tl.sum(e_k, axis=0), 1.0), tl.exp(x64 - lse))
-        hit = (tl.cumsum(q, axis=0) >= top_p) & (m_k | (k == 0))
-        n_p = tl.min(tl.where(hit, o_k, K), axis=0) + 1  # K + 1: not within the window
-        found = tl.where(k_in | ((k == 0) & (n_p <= K)), tl.minimum(found, n_p), found)
-        # unseen over the vocabulary: more than K, never below a found size; unseen after a
-        # top_k above K: any size
-        lower = tl.where(k > K, 1, lower)
-    if min_p > 0.0:
-        thr = vmax + tl.log(min_p).to(tl.float32)  # float32 sum, as filter_candidates
-        n_g = tl.sum((b_val >= thr).to(tl.int32), axis=0)
-        found = tl.where(n_g < K, tl.minimum(found, n_g), found)
-        lower = tl.where(n_g < K, lower, tl.minimum(lower, K))
-    greedy = temp == 0.0
-    decided = greedy | ((found <= K) & (found <= lower))
-    n = tl.where(greedy, 1, tl.minimum(found, K))
-
-    # the draw over the first n candidates, at the temperature, in float64
-    m_s = o_k < n
-    z = x64 / tl.where(greedy, 1.0, temp)
-    e = tl.where(m_s, tl.exp(z - tl.max(z, axis=0)), 0.0)
-    q = e / tl.sum(e, axis=0)
-    q_id = b_id
-    if (k == 0) & (top_p >= 1.0) & decided & (temp > 0.0):
-        # min_p alone: filter_candidates lists the set in ascending id order
-        p_pr = p_prob + i_b * K
-        p_bi = p_by_id + i_b * K
-        p_bp = p_by_p + i_b * K
-        tl.store(p_pr + o_k, q)
-        tl.debug_barrier()
+    o_k = tl.arange(0, K)
+    if temp == 0.0:  # greedy: the window holds the row's first maximum in slot 0, nothing to order
+        top = tl.max(tl.load(p_keys + i_b * K + o_k), axis=0)
+        tl.store(p_out_id + i_b, tl.where(nan > 0, -1, 0xFFFFFFFF - (top & 0xFFFFFFFF)))
+        tl.store(p_out_flag + i_b, tl.where(nan > 0, 2, 0))
+    else:
+        # order the K candidates: a key's rank is the number of bigger keys (keys are distinct)
+        p_in = p_keys + i_b * K
+        p_srt = p_sorted + i_b * K
+        b_key = tl.load(p_in + o_k)
         for c in range(0, K, CH):
             o_c = c + tl.arange(0, CH)
-            hc = (tl.load(p_srt + o_c, cache_modifier=".cg") & 0xFFFFFFFF)
-            id_c = 0xFFFFFFFF - hc
-            q_c = tl.load(p_pr + o_c, cache_modifier=".cg")
-            before = (b_id[None, :] < id_c[:, None]) & m_s[None, :]
-            rank = tl.sum(before.to(tl.int32), axis=1)
-            tl.store(p_bi + rank, id_c, mask=o_c < n)
-            tl.store(p_bp + rank, q_c, mask=o_c < n)
+            b_c = tl.load(p_in + o_c)
+            rank = tl.sum((b_key[None, :] > b_c[:, None]).to(tl.int32), axis=1)
+            tl.store(p_srt + rank, b_c)
         tl.debug_barrier()
-        q = tl.load(p_bp + o_k, mask=m_s, other=0.0, cache_modifier=".cg")
-        q_id = tl.load(p_bi + o_k, mask=m_s, other=0, cache_modifier=".cg")
-    cum = tl.cumsum(q, axis=0)
-    target = u * tl.sum(tl.where(o_k == n - 1, cum, 0.0), axis=0)
-    i = tl.minimum(tl.sum(((cum <= target) & m_s).to(tl.int32), axis=0), n - 1)
-    tok = tl.sum(tl.where(o_k == i, q_id, 0), axis=0)
-    flag = tl.where(nan > 0, 2, tl.where(decided, 0, 1))
-    tl.store(p_out_id + i_b, tl.where(flag == 0, tok, -1))
-    tl.store(p_out_flag + i_b, flag)
+        b_key = tl.load(p_srt + o_k, cache_modifier=".cg")
+        hi = (b_key >> 32).to(tl.int32)
+        b_val = tl.where(hi < 0, hi ^ 0x7FFFFFFF, hi).to(tl.float32, bitcast=True)
+        b_id = 0xFFFFFFFF - (b_key & 0xFFFFFFFF)
+        vmax = tl.max(b_val, axis=0)  # the first candidate's
+        x64 = b_val.to(tl.float64)
+
+        top_k = tl.load(p_topk + i_b)
+        top_p = tl.load(p_topp + i_b)
+        min_p = tl.load(p_minp + i_b)
+        u = tl.load(p_u + i_b)
+        k = tl.where((top_k > 0) & (top_k < V), top_k, 0)
+        k_in = (k > 0) & (k <= K)
+        # each filter's kept-prefix length when the window shows its end (found), else a lower
+        # bound of it (lower); _BIG: no bound
+        found = tl.where(k_in, k, _BIG)
+        lower = tl.full([], _BIG, tl.int32)
+        if top_p < 1.0:
+            # over the k candidates (softmax at temperature 1), or the vocabulary's logsumexp
+            m_k = o_k < k
+            e_k = tl.where(m_k, tl.exp(x64 - vmax.to(tl.float64)), 0.0)
+            # (a sum of k_in's e_k is >= 1, its first term being exp(0): the maximum only keeps
+            # the k == 0 rows' unused lanes finite)
+            q = tl.where(k_in, e_k / tl.maximum(tl.sum(e_k, axis=0), 1.0), tl.exp(x64 - lse))
+            hit = (tl.cumsum(q, axis=0) >= top_p) & (m_k | (k == 0))
+            n_p = tl.min(tl.where(hit, o_k, K), axis=0) + 1  # K + 1: not within the window
+            found = tl.where(k_in | ((k == 0) & (n_p <= K)), tl.minimum(found, n_p), found)
+            # unseen over the vocabulary: more than K, never below a found size; unseen after a
+            # top_k above K: any size
+            lower = tl.where(k > K, 1, lower)
+        if min_p > 0.0:
+            thr = vmax + tl.log(min_p).to(tl.float32)  # float32 sum, as filter_candidates
+            n_g = tl.sum((b_val >= thr).to(tl.int32), axis=0)
+            found = tl.where(n_g < K, tl.minimum(found, n_g), found)
+            lower = tl.where(n_g < K, lower, tl.minimum(lower, K))
+        greedy = temp == 0.0
+        decided = greedy | ((found <= K) & (found <= lower))
+        n = tl.where(greedy, 1, tl.minimum(found, K))
+
+        # the draw over the first n candidates, at the temperature, in float64
+        m_s = o_k < n
+        z = x64 / tl.where(greedy, 1.0, temp)
+        e = tl.where(m_s, tl.exp(z - tl.max(z, axis=0)), 0.0)
+        q = e / tl.sum(e, axis=0)
+        q_id = b_id
+        if (k == 0) & (top_p >= 1.0) & decided & (temp > 0.0):
+            # min_p alone: filter_candidates lists the set in ascending id order
+            p_pr = p_prob + i_b * K
+            p_bi = p_by_id + i_b * K
+            p_bp = p_by_p + i_b * K
+            tl.store(p_pr + o_k, q)
+            tl.debug_barrier()
+            for c in range(0, K, CH):
+                o_c = c + tl.arange(0, CH)
+                hc = (tl.load(p_srt + o_c, cache_modifier=".cg") & 0xFFFFFFFF)
+                id_c = 0xFFFFFFFF - hc
+                q_c = tl.load(p_pr + o_c, cache_modifier=".cg")
+                before = (b_id[None, :] < id_c[:, None]) & m_s[None, :]
+                rank = tl.sum(before.to(tl.int32), axis=1)
+                tl.store(p_bi + rank, id_c, mask=o_c < n)
+                tl.store(p_bp + rank, q_c, mask=o_c < n)
+            tl.debug_barrier()
+            q = tl.load(p_bp + o_k, mask=m_s, other=0.0, cache_modifier=".cg")
+            q_id = tl.load(p_bi + o_k, mask=m_s, other=0, cache_modifier=".cg")
+        cum = tl.cumsum(q, axis=0)
+        target = u * tl.sum(tl.where(o_k == n - 1, cum, 0.0), axis=0)
+        i = tl.minimum(tl.sum(((cum <= target) & m_s).to(tl.int32), axis=0), n - 1)
+        tok = tl.sum(tl.where(o_k == i, q_id, 0), axis=0)
+        flag = tl.where(nan > 0, 2, tl.where(decided, 0, 1))
+        tl.store(p_out_id + i_b, tl.where(flag == 0, tok, -1))
+        tl.store(p_out_flag + i_b, flag)
 
 
 class SampleScratch:
@@ -303,12 +339,13 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, out_ids: torch.Tensor,
     n_blk = scratch.passes[0]
     _window_block_kernel[(n_blk, n_b)](
         logits, scratch.keys[0], scratch.block_max, scratch.block_sum, scratch.block_nan, v,
-        logits.stride(0), n_blk, BLOCK=TOPK_BLOCK, K_PAD=WINDOW, num_warps=8, **NO_FUSION,
+        logits.stride(0), n_blk, rows.temperature, BLOCK=TOPK_BLOCK, K_PAD=WINDOW, num_warps=8,
+        **NO_FUSION,
     )  # fmt: skip
     for i, (n_in, n_out) in enumerate(zip(scratch.passes, scratch.passes[1:])):
-        _topk_merge_kernel[(n_out, n_b)](
-            scratch.keys[i], scratch.keys[i + 1], n_in, n_out, MERGE=TOPK_MERGE, K_PAD=WINDOW,
-            num_warps=8,
+        _window_merge_kernel[(n_out, n_b)](
+            scratch.keys[i], scratch.keys[i + 1], n_in, n_out, rows.temperature, MERGE=TOPK_MERGE,
+            K_PAD=WINDOW, num_warps=8,
         )  # fmt: skip
     _row_kernel[(n_b,)](
         scratch.keys[-1], scratch.block_max, scratch.block_sum, scratch.block_nan, n_blk, v,

@@ -64,19 +64,35 @@ def _store_top_keys(key, p_out, K_PAD: tl.constexpr):
     """Store the K_PAD largest of ``key`` (int64 [N], N >= K_PAD, distinct apart from INT64_MIN
     padding) to p_out[0:K_PAD], in no particular order.
 
-    T = the K_PAD-th largest key, found bit by bit from the top (64 counting passes): the sign
-    first, then, as in two's complement setting a lower bit always raises the value, each bit
-    kept when at least K_PAD keys are >= the candidate. Keys >= T are then compacted with a
-    prefix sum. No sort anywhere (tl.topk's bitonic network also works, but Triton's
+    T = the K_PAD-th largest value (the keys' upper 32 bits), found bit by bit from the top
+    (31 counting passes): the sign first, then, as in two's complement setting a lower bit
+    always raises the value, each bit kept when at least K_PAD values are >= the candidate.
+    Every key above T is kept; of those whose value ties at T (rare: equal logits), the
+    biggest lower halves (the lowest ids) fill the rest, by a second search over the lower
+    32 bits that runs only when there are more ties than room. The kept keys are compacted
+    with a prefix sum. No sort anywhere (tl.topk's bitonic network also works, but Triton's
     interpreter runs its int64 compare-and-swap element by element: minutes per call)."""
-    n_pos = tl.sum((key >= 0).to(tl.int32), axis=0)
-    t = tl.where(n_pos >= K_PAD, 0, INT64_MIN).to(tl.int64)
-    one = tl.full([], 1, tl.int64)
-    for i in range(63):
-        cand = t | (one << (62 - i))
-        n_ge = tl.sum((key >= cand).to(tl.int32), axis=0)
+    hi = (key >> 32).to(tl.int32)
+    n_pos = tl.sum((hi >= 0).to(tl.int32), axis=0)
+    t = tl.where(n_pos >= K_PAD, 0, INT32_MIN).to(tl.int32)
+    one = tl.full([], 1, tl.int32)
+    for i in range(31):
+        cand = t | (one << (30 - i))
+        n_ge = tl.sum((hi >= cand).to(tl.int32), axis=0)
         t = tl.where(n_ge >= K_PAD, cand, t)
-    sel = key >= t  # at least K_PAD of them; more only when padding ties at T
+    above = hi > t  # fewer than K_PAD; with the ties at T, at least K_PAD
+    tie = hi == t
+    need = K_PAD - tl.sum(above.to(tl.int32), axis=0)
+    sel = above | tie
+    if tl.sum(tie.to(tl.int32), axis=0) > need:  # the ties' biggest lower halves (distinct)
+        lo = key & 0xFFFFFFFF
+        t2 = tl.full([], 0, tl.int64)
+        one64 = tl.full([], 1, tl.int64)
+        for i in range(32):
+            cand2 = t2 | (one64 << (31 - i))
+            n_ge2 = tl.sum((tie & (lo >= cand2)).to(tl.int32), axis=0)
+            t2 = tl.where(n_ge2 >= need, cand2, t2)
+        sel = above | (tie & (lo >= t2))
     pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
     tl.store(p_out + pos, key, mask=sel & (pos < K_PAD))
 
