@@ -200,6 +200,8 @@ BASES = (
     ("llamak-gpt2-q4km", "llama-tiny-k", "Q4_K_M", VOCAB_GPT2, 700),
     ("qwen3moe-spm-q8", "qwen3moe-tiny", "Q8_0", VOCAB_SPM, 600),
     ("qwen35-spm-q8", "qwen35-tiny", "Q8_0", VOCAB_SPM, 600),
+    ("qwen35moe-spm-q8", "qwen35moe-tiny", "Q8_0", VOCAB_SPM, 600),
+    ("qwen3next-spm-q8", "qwen3next-tiny", "Q8_0", VOCAB_SPM, 600),
 )
 REAL = "smollm2-header"
 
