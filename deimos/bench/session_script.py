@@ -121,8 +121,10 @@ def _grep(rec: Recorder, pattern: str, files: list[Source], limit: int = 20) -> 
         for i, line in enumerate(s.lines, 1):
             if rx.search(line):
                 hits.append(f"{s.path}:{i}:{line.rstrip()[:200]}")
-    return "\n".join(hits[:limit]) + (f"\n[{len(hits) - limit} more matches]"
-                                      if len(hits) > limit else "") if hits else "No matches."
+    if not hits:
+        return "No matches."
+    more = f"\n[{len(hits) - limit} more matches]" if len(hits) > limit else ""
+    return "\n".join(hits[:limit]) + more
 
 
 def _pytest_head(n: int) -> str:
@@ -219,12 +221,11 @@ def _episode(rec: Recorder, ef: EditedFile, f: Func, others: list[Source], sizes
                        + _snippet(ef.lines[:a] + new + ef.lines[b:], a - 3, b + len(guard) + 3)))
     ef.lines[a:b] = new
     ef.edits.append((f, guard))
-    f_moved = f
 
     c = rec.call("run_tests", path=test_path(src), keyword=f.name, fail_fast=True)
     if rng.random() < 0.5:  # the tests want ValueError: fix the check, run them again
         rec.turn(assistant("Now the tests for it.", c),
-                 tool_result(c, _failing_tests(ef, f_moved, rng)))
+                 tool_result(c, _failing_tests(ef, f, rng)))
         fixed = _guard(f, "ValueError")
         at = f.insert_at
         c = rec.call("edit_file", path=path, old_string="\n".join(guard),
