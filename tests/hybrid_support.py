@@ -34,7 +34,8 @@ def rebuild(preset: str, tmp: Path) -> Path:
 
 def same_file(path: Path, preset: str) -> bool:
     ref = ref_file(preset)["model"]
-    return path.stat().st_size == ref["size"] and hashlib.sha256(path.read_bytes()).hexdigest() == ref["sha256"]
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    return path.stat().st_size == ref["size"] and digest == ref["sha256"]
 
 
 def step(model, kv: KVCache, state: RecurrentState, tokens: list[int], logits_at=None) -> torch.Tensor:

@@ -101,7 +101,8 @@ def test_llm_greedy_generation_batched(path):
 
 def _f64(f: GGUFFile, name: str) -> torch.Tensor:
     info = f.tensors[name]
-    return torch.from_numpy(dequantize(f.tensor_bytes(name), info.ggml_type, tuple(info.shape)).astype(np.float64))
+    data = dequantize(f.tensor_bytes(name), info.ggml_type, tuple(info.shape))
+    return torch.from_numpy(data.astype(np.float64))
 
 
 @pytest.mark.parametrize("layer", [0, 3], ids=["deltanet-layer", "attention-layer"])
@@ -175,6 +176,27 @@ def test_config_reads_the_moe_and_hybrid_fields(path):
 def test_malformed_file_is_a_named_error(path, drop, changes, match):
     with pytest.raises(ConfigError, match=match):
         config_of(path, drop, **changes)
+
+
+def test_real_size_preset_has_the_published_shapes(tmp_path):
+    """qwen35moe-35b-a3b (Qwen3.5/3.6-35B-A3B's text decoder): its file (the data a sparse
+    hole) passes the config's checks with the published sizes; 34.7B parameters with the real
+    vocabulary, 3.4B a token."""
+    from testdata import llama_cpp_path
+
+    from deimos.synth import TYPICAL_VOCAB, get_preset, planned_size, weight_types, write_model
+
+    p = get_preset("qwen35moe-35b-a3b")
+    path = write_model(tmp_path / "35b.gguf", "qwen35moe", p, "Q4_K_M",
+                       llama_cpp_path("models/ggml-vocab-llama-spm.gguf"), data=False)
+    cfg = config_of(path)
+    heads = (cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rope_dim)
+    assert (cfg.n_layer, cfg.n_embd, *heads) == (40, 2048, 16, 2, 256, 64)
+    assert (cfg.ssm_n_k_heads, cfg.ssm_n_v_heads, cfg.ssm_head_dim, cfg.ssm_conv_kernel) == (16, 32, 128, 4)
+    assert (cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.n_ff_shexp) == (256, 8, 512, 512)
+    assert sum(cfg.recurrent_layers) == 30 and cfg.rope_base == 1e7
+    n_params, _ = planned_size(p, weight_types("Q4_K_M"), TYPICAL_VOCAB["qwen35moe"])
+    assert 34.5e9 < n_params < 35e9
 
 
 # ---- synth mixes -----------------------------------------------------------------------------

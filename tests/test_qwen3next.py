@@ -132,6 +132,27 @@ def test_malformed_file_is_a_named_error(paths, preset, drop, changes, match):
         config_of(paths[preset], drop, **changes)
 
 
+def test_real_size_preset_has_the_published_shapes(tmp_path):
+    """qwen3next-80b-a3b (Qwen3-Next-80B-A3B): its file (the data a sparse hole) passes the
+    config's checks with the published sizes; 79.7B parameters with the real vocabulary."""
+    from testdata import llama_cpp_path
+
+    from deimos.synth import TYPICAL_VOCAB, get_preset, planned_size, weight_types, write_model
+
+    p = get_preset("qwen3next-80b-a3b")
+    path = write_model(tmp_path / "80b.gguf", "qwen3next", p, "Q4_K_M",
+                       llama_cpp_path("models/ggml-vocab-llama-spm.gguf"), data=False)
+    cfg = config_of(path)
+    heads = (cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rope_dim)
+    assert (cfg.n_layer, cfg.n_embd, *heads) == (48, 2048, 16, 2, 256, 64)
+    assert (cfg.ssm_n_k_heads, cfg.ssm_n_v_heads, cfg.ssm_head_dim, cfg.ssm_conv_kernel) == (16, 32, 128, 4)
+    experts = (cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp, cfg.n_ff_shexp, cfg.n_ff)
+    assert experts == (512, 10, 512, 512, 5120)
+    assert sum(cfg.recurrent_layers) == 36 and cfg.rope_base == 5e6
+    n_params, _ = planned_size(p, weight_types("Q4_K_M"), TYPICAL_VOCAB["qwen3next"])
+    assert 79.5e9 < n_params < 80e9
+
+
 # ---- synth mixes -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("preset", ["qwen3next-tiny", "qwen3next-tiny-ssmin", "qwen3next-80b-a3b"])

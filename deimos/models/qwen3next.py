@@ -52,7 +52,8 @@ class Qwen3NextDeltaNet(GatedDeltaNet):
         if self.legacy:
             self.qkvz = w.linear(f"{p}.ssm_in", cfg.ssm_conv_dim + hv * dh, d, bias=None)
         else:
-            self.qkv, self.gate = w.linears([(f"{p}.attn_qkv", cfg.ssm_conv_dim), (f"{p}.attn_gate", hv * dh)], d)
+            self.qkv, self.gate = w.linears(
+                [(f"{p}.attn_qkv", cfg.ssm_conv_dim), (f"{p}.attn_gate", hv * dh)], d)
         self.beta_alpha = w.linear(f"{p}.ssm_ba", 2 * hv, d, bias=None)
         self.conv = w.tensor(f"{p}.ssm_conv1d.weight", (cfg.ssm_conv_dim, cfg.ssm_conv_kernel))
         self.dt_bias = w.vector(f"{p}.ssm_dt.bias", hv)
@@ -88,12 +89,14 @@ class Qwen3NextDeltaNet(GatedDeltaNet):
         mixed, z, beta, g = self.projections(x)
         out = x.new_empty((n, hv, dh))
         t0 = 0
+        r = hv // hk
         for b, m in enumerate(batch.seqs.q_lens):  # each sequence from its own state
             st, rows = states[b], slice(t0, t0 + m)
             y, st.conv[self.layer] = causal_conv1d(mixed[rows], self.conv, st.conv[self.layer])
             y = F.silu(y)
-            q = _l2_norm(y[:, : hk * dh].view(m, hk, dh), self.eps).repeat_interleave(hv // hk, dim=1)
-            k = _l2_norm(y[:, hk * dh : 2 * hk * dh].view(m, hk, dh), self.eps).repeat_interleave(hv // hk, dim=1)
+            # value head h reads key head h // r: the key heads repeated in place (grouped)
+            q = _l2_norm(y[:, : hk * dh].view(m, hk, dh), self.eps).repeat_interleave(r, dim=1)
+            k = _l2_norm(y[:, hk * dh : 2 * hk * dh].view(m, hk, dh), self.eps).repeat_interleave(r, dim=1)
             v = y[:, 2 * hk * dh :].view(m, hv, dh)
             rule = gated_delta_rule_recurrent if m == 1 else gated_delta_rule_chunked
             kw = {} if m == 1 else {"chunk": self.chunk}
