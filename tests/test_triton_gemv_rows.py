@@ -40,6 +40,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+def _same_sum(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same integer dot products summed in another order: bitwise equal under the
+    interpreter; on the GPU the compiler may reorder the float sums (seen on the H200: up to
+    6e-7 apart), so within 2e-6 of the row's largest magnitude (at least 1)."""
+    if a.device.type == "cpu":
+        return torch.equal(a, b)
+    return (a - b).abs().max().item() <= 2e-6 * max(1.0, b.abs().max().item())
+
+
 def _row(qx: QuantizedX, r: int) -> QuantizedX:
     return QuantizedX(*(a[r : r + 1] for a in qx))
 
@@ -58,7 +67,7 @@ def _check(t: GGMLType, n: int, k: int, rows: int, seed: int, cfg: RowsConfig | 
     for r in range(rows):
         alone = gemv_q8(w, _row(qx, r), cfg=one)[0]
         diff = (y[r] - alone).abs().max().item()
-        assert torch.equal(y[r], alone), f"{t.name} row {r}: differs from gemv_q8 alone by up to {diff:.3e}"
+        assert _same_sum(y[r], alone), f"{t.name} row {r}: differs from gemv_q8 alone by up to {diff:.3e}"
     rel = _rel(y, gemv_ref(blocks, t, quantize_x_reference(x)))
     assert rel < 1e-5, f"{t.name}: relative RMS error {rel:.2e} against the dequantized-x oracle"
 
@@ -174,7 +183,7 @@ def test_gemv_rows_gpu(t: GGMLType, shape: tuple[int, int]) -> None:
         assert _rel(y, gemv_ref(blocks, t, quantize_x_reference(x))) < 1e-5
         rule_diff = 0.0
         for r in range(rows):
-            assert torch.equal(y[r], gemv_q8(w, _row(qx, r), cfg=Q8Config(*cfg[:4]))[0]), f"row {r} vs gemv_q8 at {cfg}"
+            assert _same_sum(y[r], gemv_q8(w, _row(qx, r), cfg=Q8Config(*cfg[:4]))[0]), f"row {r} vs gemv_q8 at {cfg}"
             rule_diff = max(rule_diff, (y[r] - gemv_q8(w, _row(qx, r))[0]).abs().max().item())
         t_rows = time_graph(lambda qx=qx, out=out: gemv_rows(w, qx, out=out))
         t_q8 = time_graph(lambda qx=qx, out=out: gemv_q8(w, qx, out=out))
