@@ -3,7 +3,7 @@
 - ``QuantLinear`` (formats with a GEMV kernel): decode (T <= 4 rows, one per sequence) runs
   the integer-activation GEMV (gemv_q8: x turned once into two int8 planes, ``QuantizedX``,
   shared by every projection that reads the same activation; weight codes times x codes by
-  dp4a; the weight read once a row); a decode batch of 5 <= T <= 64 rows the batched GEMM that
+  dp4a; for 2..4 rows gemv_rows, each weight word decoded once for every row); a decode batch of 5 <= T <= 64 rows the batched GEMM that
   reads each packed weight once (gemm_q: a weight tile decoded in registers feeding the
   tensor cores, x in fp16 with its columns in the weight's word order); longer steps (prefill)
   dequantize the weight to a transient fp16 matrix (``dequantize_fp16``, streaming near the
@@ -32,6 +32,7 @@ from deimos.quant.triton import PackedWeight
 from deimos.quant.triton.gemm_q import MAX_ROWS as GEMM_ROWS
 from deimos.quant.triton.gemm_q import gemm_q
 from deimos.quant.triton.gemv_q8 import QuantizedX, gemv_q8, quantize_x
+from deimos.quant.triton.gemv_rows import gemv_rows
 
 
 class InputCache:
@@ -88,7 +89,8 @@ class InputCache:
 # Row counts by the H200 sweep (bench/sweep_gemm_batch.py, 2026-12-01, llama 8B's Q4_K and Q6_K
 # matrices, sums over the five): gemv_q8 once a row beats gemm_q up to 4 rows (Q4_K 315 / 605
 # us at 2 / 4 rows against 765), matmul_f16 on a resident fp16 copy beats both from 3 rows
-# (~400 us from 2 to 16 rows, 476 at 64)
+# (~400 us from 2 to 16 rows, 476 at 64). 2..4 rows run gemv_rows (each word decoded once for
+# every row: 2 rows ~0.75x gemv_q8 a row, 4 rows ~0.57x; bench/sweep_gemv.py --rows, 2026-12-02)
 GEMV_ROWS = 4
 DENSE_ROWS = 3
 
@@ -134,8 +136,10 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.packed.k, self.name)
         t = x.shape[0]
-        if t == 1 or (t <= GEMV_ROWS and (self.dense is None or t < DENSE_ROWS)):
+        if t == 1:
             y = gemv_q8(self.packed, self.inputs.quantized(x))
+        elif t <= GEMV_ROWS and (self.dense is None or t < DENSE_ROWS):
+            y = gemv_rows(self.packed, self.inputs.quantized(x))
         elif self.dense is not None:
             y = matmul_f16(self.inputs.half(x), self.dense)
         elif t <= GEMM_ROWS:

@@ -301,9 +301,8 @@ class RowsConfig(NamedTuple):
 
 
 def rows_config(ggml_type: GGMLType, n: int, k: int, rows: int) -> RowsConfig:
-    """The launch rule (not yet measured: bench/sweep_gemv.py --rows R sets it on the H200).
-    From gemv_q8's rule for one row, keeping its groups a step (``block_s``: the order of each
-    row's group sums, so that a row's result can equal gemv_q8's) and its rows a program:
+    """The launch rule: gemv_q8's one-row tile at 32 groups a step (measured, below). The
+    registers variant, kept for the x-broadcast tiles and as a sweep candidate:
     - A tile that already holds rows in registers with x broadcast (``xb``: Q8_0, the k/v
       shapes) stays: each thread loads a row's x words once for all its weight rows.
     - Rows on warps (the nibble formats, Q6_K; no x broadcast) become the same rows in
@@ -321,7 +320,11 @@ def rows_config(ggml_type: GGMLType, n: int, k: int, rows: int) -> RowsConfig:
     base = q8_config(ggml_type, n, k, 1)
     if base.xb or base.block_s < 32:
         return RowsConfig(*base)
-    return RowsConfig(base.block_n, base.block_s, min(base.block_s // 32, 8), True)
+    # measured (H200, bench/sweep_gemv.py --rows 2 / 4, llama 8B Q4_K_M, 2026-12-02): rows on
+    # warps at 32 groups a step beat the registers tile above on every shape timed: Q4_K
+    # 28672x4096 at 2 rows 37.9 us against 54.8, Q6_K 128256x4096 177 / 296 (2 rows) and
+    # 316 / 447 (4 rows), Q6_K 4096x14336 23.2 / 48.3
+    return RowsConfig(base.block_n, 32, base.num_warps, False)
 
 
 def gemv_rows(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
