@@ -38,9 +38,10 @@ def same_file(path: Path, preset: str) -> bool:
     return path.stat().st_size == ref["size"] and digest == ref["sha256"]
 
 
-def step(model, kv: KVCache, state: RecurrentState, tokens: list[int], logits_at=None) -> torch.Tensor:
+def step(model, kv: KVCache, state: RecurrentState, tokens: list[int], logits_at=None,
+         device: str = "cpu") -> torch.Tensor:
     """One step of one sequence (its recurrent state through HybridKV); logits [N, V]."""
-    b = kv.batch(torch.tensor(tokens), logits_at)
+    b = kv.batch(torch.tensor(tokens, device=device), logits_at)
     b.kv = HybridKV(b.kv, [state])
     logits = model.step(b)
     kv.commit(len(tokens))
