@@ -197,7 +197,7 @@ def test_config_reads_the_moe_and_hybrid_fields(path):
       r"'qwen35moe.feed_forward_length'")),
     (None, {"expert_shared_feed_forward_length": None, "feed_forward_length": 96},
      (r"tensor 'blk.0.ffn_gate_shexp.weight' has dims \[64, 64\], expected \[64, 96\] .*"
-      r"'qwen35moe.feed_forward_length' 96 \(no 'qwen35moe.expert_shared_feed_forward_length'\)")),
+      r"'qwen35moe.feed_forward_length' 96 \('qwen35moe.expert_shared_feed_forward_length' absent or 0\)")),
     (None, {"expert_shared_feed_forward_length": 48},
      (r"tensor 'blk.0.ffn_gate_shexp.weight' has dims \[64, 64\], expected \[64, 48\] .*"
       r"'qwen35moe.expert_shared_feed_forward_length' 48")),

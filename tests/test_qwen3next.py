@@ -114,7 +114,7 @@ def test_config_reads_the_fields(paths):
      r"tensor 'blk.0.ssm_in.weight' has dims \[64, 192\], expected \[64, 256\].*'qwen3next.ssm.group_count' 4"),
     ("qwen3next-tiny", None, {"expert_shared_feed_forward_length": None},
      (r"tensor 'blk.0.ffn_gate_shexp.weight' has dims \[64, 64\], expected \[64, 128\] .*"
-      r"'qwen3next.feed_forward_length' 128 \(no 'qwen3next.expert_shared_feed_forward_length'\)")),
+      r"'qwen3next.feed_forward_length' 128 \('qwen3next.expert_shared_feed_forward_length' absent or 0\)")),
     ("qwen3next-tiny", None, {"expert_count": 32},
      r"tensor 'blk.0.ffn_gate_inp.weight' has dims \[64, 16\], expected \[64, 32\].*'qwen3next.expert_count' 32"),
     ("qwen3next-tiny", None, {"full_attention_interval": 2},

@@ -514,7 +514,7 @@ def _expect_ffn(cfg: ModelConfig, p: str, md: Mapping[str, Any], width, expect) 
     if cfg.has_shared_expert:
         key = f"{a}.expert_shared_feed_forward_length"
         shexp = (cfg.n_ff_shexp, f"'{key}' {cfg.n_ff_shexp}" if md.get(key) else
-                 f"'{a}.feed_forward_length' {cfg.n_ff} (no '{key}')")
+                 f"'{a}.feed_forward_length' {cfg.n_ff} ('{key}' absent or 0)")
         expect(f"{p}ffn_gate_inp_shexp.weight", (width,))
         expect(f"{p}ffn_gate_shexp.weight", (width, shexp))
         expect(f"{p}ffn_up_shexp.weight", (width, shexp))
