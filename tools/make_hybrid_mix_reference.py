@@ -24,9 +24,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
-from make_synth_mix_reference import DONOR, LLAMA_CPP_BUILD, dry_run, test_data_dir  # noqa: E402
+from make_synth_mix_reference import DONOR, LLAMA_CPP_BUILD, dry_run, test_data_dir
 
-from deimos.synth import FTYPES, get_preset, weight_types, write_model  # noqa: E402
+from deimos.synth import FTYPES, get_preset, weight_types, write_model
 
 OUT = REPO / "tests" / "data" / "reference" / "synth-mix-types-hybrid.json"
 # preset -> input type of the written file (any type whose blocks fit the rows: the dry run
