@@ -16,8 +16,8 @@ As llama_model_qwen3next::graph (llama.cpp 11434):
   ``ssm_in`` [D -> 2 Hk Dk + 2 Hv Dv], per key head [q (Dk) | k (Dk) | v (Hv/Hk Dv) | z (Hv/Hk Dv)]
   (llama.cpp's "legacy" path), where newer ones have qwen35's ``attn_qkv`` and ``attn_gate``.
 
-The GPU path (deimos.models.gpu.deltanet_ops) runs qwen35's head map and projections only:
-on the kernel path this model refuses to load (NotImplementedError naming the architecture).
+On the kernel path (deimos.models.gpu.deltanet_ops) the block's ``projections`` and its
+grouped head map (``head_map``) feed the same Triton gated delta kernels as qwen35's.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from deimos.models.weights import WeightSource
 
 class Qwen3NextDeltaNet(GatedDeltaNet):
     """qwen3next's Gated DeltaNet block of recurrent layer ``layer``: ``block(x, batch, states)``
-    with x [T, D] -> [T, D], advancing each sequence's state (the CPU reference only)."""
+    with x [T, D] -> [T, D], advancing each sequence's state (on the kernel path through
+    deimos.models.gpu.deltanet_ops)."""
 
     head_map = "grouped"  # value head h reads key head h // (Hv / Hk)
 
@@ -62,7 +63,7 @@ class Qwen3NextDeltaNet(GatedDeltaNet):
         self.out = w.linear(f"{p}.ssm_out", d, hv * dh, bias=None)
         self.hk, self.hv, self.dh, self.eps = hk, hv, dh, cfg.rms_eps
         self.layer, self.chunk = layer, chunk
-        self.kernels = False
+        self.kernels = w.triton_ops
         self.ops = w.ops
 
     def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -84,6 +85,10 @@ class Qwen3NextDeltaNet(GatedDeltaNet):
         return mixed, z, beta, g
 
     def __call__(self, x: torch.Tensor, batch: Batch, states: list[RecurrentState]) -> torch.Tensor:
+        if self.kernels:
+            from deimos.models.gpu.deltanet_ops import gated_delta_net  # imports triton
+
+            return gated_delta_net(self, x, batch, states)
         n = x.shape[0]
         hk, hv, dh = self.hk, self.hv, self.dh
         mixed, z, beta, g = self.projections(x)
@@ -111,10 +116,3 @@ class Qwen3NextModel(Qwen35Model):
     mlp_block = MoEShared
     deltanet_block = Qwen3NextDeltaNet
 
-    def __init__(self, cfg: ModelConfig, w: WeightSource):
-        if w.kernels or w.triton_ops:
-            raise NotImplementedError(
-                f"{w.file.path}: qwen3next has no GPU path yet (its Gated DeltaNet layers' grouped "
-                "key heads and fused ssm_ba projection are not in "
-                "deimos.models.gpu.deltanet_ops): load it with device='cpu'")
-        super().__init__(cfg, w)

@@ -29,7 +29,7 @@ from deimos.kernels.triton.gated_delta_decode import gated_delta_decode
 from deimos.kernels.triton.gated_delta_prefill import gated_delta_prefill
 from deimos.models.batch import Batch
 
-HEAD_MAP = "tiled"
+HEAD_MAP = "tiled"  # qwen35's value head h reads key head h % Hk; a block's head_map overrides
 
 
 def gated_delta_net(block, x: torch.Tensor, batch: Batch, states: list) -> torch.Tensor:
@@ -45,10 +45,16 @@ def gated_delta_net(block, x: torch.Tensor, batch: Batch, states: list) -> torch
             raise ValueError(f"gated_delta_net: layer {layer}: sequence {b}'s state is "
                              f"{st.layout} {tuple(s.shape)} on {s.device}, not the kernel layout "
                              f"[{hv}, {dh}, {dh}] on {x.device} (RecurrentState.adopt)")  # fmt: skip
-    mixed = block.qkv(x).float()
-    z = block.gate(x).float().view(n, hv, dh)
-    beta = torch.sigmoid(block.beta(x).float()).contiguous()
-    g = (F.softplus(block.alpha(x).float() + block.dt_bias) * block.a).contiguous()
+    head_map = getattr(block, "head_map", HEAD_MAP)
+    if hasattr(block, "projections"):  # qwen3next: its own projection layouts (ssm_ba, ssm_in)
+        mixed, z, beta, g = block.projections(x)
+        mixed, z = mixed.float(), z.float()
+        beta, g = beta.float().contiguous(), g.float().contiguous()
+    else:
+        mixed = block.qkv(x).float()
+        z = block.gate(x).float().view(n, hv, dh)
+        beta = torch.sigmoid(block.beta(x).float()).contiguous()
+        g = (F.softplus(block.alpha(x).float() + block.dt_bias) * block.a).contiguous()
     y = F.silu(_conv(mixed, block.conv, states, layer, seqs.q_lens, nd))
     q = _l2_norm(y[:, : hk * dh].reshape(n, hk, dh), block.eps)
     k = _l2_norm(y[:, hk * dh : 2 * hk * dh].reshape(n, hk, dh), block.eps)
@@ -59,10 +65,10 @@ def gated_delta_net(block, x: torch.Tensor, batch: Batch, states: list) -> torch
     scale = dh**-0.5
     if nd:
         gated_delta_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], pool, slots[:nd], scale,
-                           HEAD_MAP, out=out[:nd])  # fmt: skip
+                           head_map, out=out[:nd])  # fmt: skip
     if nd < n_seq:
         gated_delta_prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], seqs.cu_q[nd:] - nd, pool,
-                            slots[nd:], scale, HEAD_MAP, out=out[nd:])  # fmt: skip
+                            slots[nd:], scale, head_map, out=out[nd:])  # fmt: skip
     torch._foreach_copy_([st.ssm[layer] for st in states], list(pool.unbind(0)))
     o = block.ops.rms_norm(out.view(n * hv, dh), block.norm, block.eps).view(n, hv, dh)
     return block.out((o * F.silu(z)).reshape(n, hv * dh))
