@@ -86,13 +86,23 @@ class ModelConfig:
     ssm_n_k_heads: int = 0  # Hk: q/k heads ('ssm.group_count')
     ssm_n_v_heads: int = 0  # Hv: value heads, one state [Dv, Dk] each ('ssm.time_step_rank')
     attn_output_gate: bool = False  # attn_q carries a sigmoid gate per head after q (the hybrids)
+    # MTP (multi-token prediction, "nextn") layers: blk.n_layer .. blk.n_layer + n_mtp_layers - 1,
+    # after the main layers ('<arch>.block_count' counts both, '<arch>.nextn_predict_layers' the
+    # MTP ones); the main forward never runs them (deimos.models.mtp)
+    n_mtp_layers: int = 0
 
     @property
     def is_hybrid(self) -> bool:
         return bool(self.recurrent_layers)
 
     def is_recurrent(self, layer: int) -> bool:
-        return bool(self.recurrent_layers) and self.recurrent_layers[layer]
+        """Layer ``layer`` is a Gated DeltaNet layer (never an MTP layer: they are full attention)."""
+        return layer < len(self.recurrent_layers) and self.recurrent_layers[layer]
+
+    @property
+    def mtp_layers(self) -> range:
+        """The MTP layers' indices (blk.N) in the file: after the main layers."""
+        return range(self.n_layer, self.n_layer + self.n_mtp_layers)
 
     @property
     def ssm_conv_dim(self) -> int:
@@ -211,13 +221,18 @@ class _Reader:
 
     def config(self, tensors: Mapping[str, Any] | None) -> ModelConfig:
         arch = self.arch
-        n_layer = self.int("block_count", hi=MAX_LAYERS)
+        # llama.cpp's n_layer_all: the main layers and the MTP layers after them
+        n_all = self.int("block_count", hi=MAX_LAYERS)
         if tensors is not None:
             # before anything loops over the layers: the count must be what the file holds
-            _check_layer_count(n_layer, tensors, f"{self.source}: metadata key '{arch}.block_count'")
+            _check_layer_count(n_all, tensors, f"{self.source}: metadata key '{arch}.block_count'")
+        n_mtp = self._mtp_layers(n_all)
+        n_layer = n_all - n_mtp  # llama.cpp's hparams.n_layer(): what the main graph runs
+        if tensors is not None and (n_mtp or arch in _HYBRID_ARCHITECTURES):
+            _check_mtp_count(arch, n_layer, n_all, tensors, self.md, self.source)
         n_embd = self.int("embedding_length")
-        n_head = self.per_layer("attention.head_count", n_layer)
-        n_head_kv = self.per_layer("attention.head_count_kv", n_layer, n_head)
+        n_head = self.per_layer("attention.head_count", n_all)
+        n_head_kv = self.per_layer("attention.head_count_kv", n_all, n_head)
         if n_head % n_head_kv:
             raise ConfigError(
                 f"{self.source}: metadata key '{arch}.attention.head_count' {n_head} is not a "
@@ -255,14 +270,15 @@ class _Reader:
 
         moe = arch in _MOE_ARCHITECTURES
         if moe:  # its feed_forward_length is metadata only (llama.cpp: optional)
-            n_ff = self.per_layer("feed_forward_length", n_layer, 0, lo=0)
+            n_ff = self.per_layer("feed_forward_length", n_all, 0, lo=0)
         else:
-            n_ff = self.per_layer("feed_forward_length", n_layer)
+            n_ff = self.per_layer("feed_forward_length", n_all)
         common = dict(
             arch=arch,
             n_vocab=n_vocab,
             n_embd=n_embd,
             n_layer=n_layer,
+            n_mtp_layers=n_mtp,
             n_head=n_head,
             n_head_kv=n_head_kv,
             head_dim=head_dim,
@@ -281,9 +297,9 @@ class _Reader:
         if arch in ("qwen3", "qwen3moe"):
             common["qk_norm"] = True
         if moe:
-            common.update(self._experts(n_layer, n_ff))
+            common.update(self._experts(n_all, n_ff))
         if arch in _HYBRID_ARCHITECTURES:
-            common.update(self._hybrid(n_layer, rope_dim), qk_norm=True, attn_output_gate=True)
+            common.update(self._hybrid(n_layer, n_all, rope_dim), qk_norm=True, attn_output_gate=True)
         if arch == "gemma3":
             common.update(self._sliding_window(n_layer))
             # gemma3 27B scales by the model width per head; the others by the head size
@@ -300,10 +316,25 @@ class _Reader:
             )
         return ModelConfig(**common)
 
-    def _experts(self, n_layer: int, n_ff: int) -> dict[str, Any]:
+    def _mtp_layers(self, n_all: int) -> int:
+        """'<arch>.nextn_predict_layers': how many of the 'block_count' layers are MTP layers
+        (llama.cpp's n_layer_nextn; 0 when absent). The hybrids only: llama.cpp's other graphs
+        here do not know them."""
+        a, key = self.arch, "nextn_predict_layers"
+        n = self.int(key, 0, lo=0)
+        if n and a not in _HYBRID_ARCHITECTURES:
+            raise self.fail(key, f"is {n}: MTP layers are supported for "
+                                 f"{', '.join(_HYBRID_ARCHITECTURES)} only, not {a}")
+        if n >= n_all:
+            raise ConfigError(f"{self.source}: metadata key '{a}.{key}' {n} leaves no main layer of "
+                              f"'{a}.block_count' {n_all} (a file of the MTP head alone is not "
+                              "supported)")
+        return n
+
+    def _experts(self, n_all: int, n_ff: int) -> dict[str, Any]:
         a = self.arch
         n_expert = self.int("expert_count", hi=MAX_EXPERTS)
-        n_used = self.per_layer("expert_used_count", n_layer)
+        n_used = self.per_layer("expert_used_count", n_all)
         if n_used > n_expert:
             raise ConfigError(f"{self.source}: metadata key '{a}.expert_used_count' {n_used} is greater "
                               f"than '{a}.expert_count' {n_expert}")
@@ -312,7 +343,7 @@ class _Reader:
             raise self.fail("expert_group_count", f"is {groups}: grouped expert selection is not "
                                                   "supported")
         # llama.cpp's fallback when the key is absent: feed_forward_length / expert_used_count
-        n_ff_exp = self.per_layer("expert_feed_forward_length", n_layer, n_ff // n_used)
+        n_ff_exp = self.per_layer("expert_feed_forward_length", n_all, n_ff // n_used)
         if n_ff_exp == 0:
             raise ConfigError(f"{self.source}: metadata key '{a}.expert_feed_forward_length' is missing "
                               f"and '{a}.feed_forward_length' {n_ff} / '{a}.expert_used_count' "
@@ -333,12 +364,11 @@ class _Reader:
             out["n_ff_shexp"] = n_ff_shexp
         return out
 
-    def _hybrid(self, n_layer: int, rope_dim: int) -> dict[str, Any]:
+    def _hybrid(self, n_layer: int, n_all: int, rope_dim: int) -> dict[str, Any]:
         """The Gated DeltaNet sizes and layer pattern (llama_model_qwen35::load_arch_hparams; the
-        same keys for qwen35moe and qwen3next)."""
+        same keys for qwen35moe and qwen3next) of the ``n_layer`` main layers; the pattern
+        array has an entry for each of the ``n_all`` layers, 0 for the MTP ones."""
         a = self.arch
-        if self.int("nextn_predict_layers", 0, lo=0):
-            raise self.fail("nextn_predict_layers", "is set: MTP layers are not supported yet")
         d_conv = self.int("ssm.conv_kernel", hi=64)
         d_inner = self.int("ssm.inner_size")
         d_state = self.int("ssm.state_size", hi=4096)
@@ -355,10 +385,14 @@ class _Reader:
         if pattern is not None:
             if not isinstance(pattern, np.ndarray) or pattern.ndim != 1 or pattern.dtype.kind not in "biu":
                 raise self.fail(key, "must be an array of per-layer flags")
-            if len(pattern) != n_layer:
+            if len(pattern) != n_all:
                 raise self.fail(key, f"has {len(pattern)} entries, expected one per layer "
-                                     f"(block_count {n_layer})")
-            recurrent = tuple(bool(x) for x in pattern)
+                                     f"(block_count {n_all})")
+            marked = [i for i in range(n_layer, n_all) if pattern[i]]
+            if marked:  # llama.cpp's MTP block is full attention whatever the array says
+                raise self.fail(key, f"marks layer {marked[0]} recurrent, but it is an MTP layer "
+                                     f"(full attention) by '{a}.nextn_predict_layers' {n_all - n_layer}")
+            recurrent = tuple(bool(x) for x in pattern[:n_layer])
         else:
             interval = self.int("full_attention_interval", 4, hi=MAX_LAYERS)
             recurrent = tuple((i + 1) % interval != 0 for i in range(n_layer))
@@ -429,6 +463,30 @@ def _check_layer_count(n_layer: int, tensors: Mapping[str, Any], what: str) -> N
         raise ConfigError(f"{what} is {n_layer}, but the file has {held}")
 
 
+_NEXTN_RE = re.compile(r"blk\.(\d+)\.nextn\.")
+
+
+def _check_mtp_count(arch: str, n_layer: int, n_all: int, tensors: Mapping[str, Any],
+                     md: Mapping[str, Any], source: str) -> None:
+    """'<arch>.nextn_predict_layers' against the tensors: every MTP layer has its
+    nextn.eh_proj, no main layer has a nextn tensor. Errors name the key and the tensor."""
+    key = f"{arch}.nextn_predict_layers"
+    n_mtp = n_all - n_layer
+    count = f"'{key}' {n_mtp}" if key in md else f"'{key}' absent (0)"
+    for name in tensors:
+        m = _NEXTN_RE.match(name)
+        if m and int(m.group(1)) < n_layer:
+            raise ConfigError(f"{source}: tensor '{name}' is an MTP (nextn) tensor of layer "
+                              f"{m.group(1)}, but metadata key {count} makes layer {m.group(1)} a "
+                              f"main layer (of '{arch}.block_count' {n_all})")
+    for i in range(n_layer, n_all):
+        name = f"blk.{i}.nextn.eh_proj.weight"
+        if name not in tensors:
+            raise ConfigError(f"{source}: metadata key {count} makes blk.{n_layer} .. blk.{n_all - 1} "
+                              f"the MTP layers (of '{arch}.block_count' {n_all}), but tensor "
+                              f"'{name}' is missing")
+
+
 def _check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], md: Mapping[str, Any], source: str) -> None:
     """Every tensor the architecture reads is present with the shape the config implies
     (ggml order, ne0 first). The message names the keys the expected size comes from."""
@@ -491,6 +549,38 @@ def _check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], md: Mapping[str
                 expect(f"{p}attn_q_norm.weight", ((cfg.head_dim, hd),))
                 expect(f"{p}attn_k_norm.weight", ((cfg.head_dim, hd),))
         _expect_ffn(cfg, p, md, width, expect)
+    for i in cfg.mtp_layers:
+        _check_mtp_layer(cfg, i, tensors, (q_rows, k_rows, v_rows, o_cols), hd, md, source, expect)
+
+
+def _check_mtp_layer(cfg: ModelConfig, i: int, tensors: Mapping[str, Any], attn, hd: str,
+                     md: Mapping[str, Any], source: str, expect) -> None:
+    """MTP layer i (llama_model_qwen35::load_arch_tensors' load_block_mtp; qwen35moe and
+    qwen3next alike): a full-attention block with its feed-forward block, plus nextn.eh_proj
+    [2 D -> D], nextn.enorm and nextn.hnorm [D]; its own embedding, output head and final norm
+    are optional (llama.cpp falls back to token_embd, output and output_norm)."""
+    a, p = cfg.arch, f"blk.{i}."
+    found = [n for n in _SSM_TENSORS if p + n in tensors]
+    if found:
+        raise ConfigError(f"{source}: layer {i} is an MTP layer (full attention) by "
+                          f"'{a}.nextn_predict_layers' {cfg.n_mtp_layers}, but the file has its Gated "
+                          f"DeltaNet tensor '{p}{found[0]}'")
+    width = (cfg.n_embd, f"'{a}.embedding_length' {cfg.n_embd}")
+    rows = (cfg.n_vocab, f"the vocabulary size {cfg.n_vocab}")
+    q_rows, k_rows, v_rows, o_cols = attn
+    for n in ("attn_norm", "post_attention_norm", "nextn.enorm", "nextn.hnorm"):
+        expect(f"{p}{n}.weight", (width,))
+    expect(f"{p}attn_q.weight", (width, q_rows))
+    expect(f"{p}attn_k.weight", (width, k_rows))
+    expect(f"{p}attn_v.weight", (width, v_rows))
+    expect(f"{p}attn_output.weight", (o_cols, width))
+    expect(f"{p}attn_q_norm.weight", ((cfg.head_dim, hd),))
+    expect(f"{p}attn_k_norm.weight", ((cfg.head_dim, hd),))
+    _expect_ffn(cfg, p, md, width, expect)
+    expect(f"{p}nextn.eh_proj.weight", ((2 * cfg.n_embd, f"2 x {width[1]}"), width))
+    expect(f"{p}nextn.embed_tokens.weight", (width, rows), required=False)
+    expect(f"{p}nextn.shared_head_head.weight", (width, rows), required=False)
+    expect(f"{p}nextn.shared_head_norm.weight", (width,), required=False)
 
 
 def _expect_ffn(cfg: ModelConfig, p: str, md: Mapping[str, Any], width, expect) -> None:

@@ -61,6 +61,8 @@ def tensor_specs(p: SynthPreset, n_vocab: int) -> list[TensorSpec]:
         specs += [TensorSpec(b + "ffn_norm.weight", (d,), N), *_ffn(p, i)]
         if p.arch == "gemma3":
             specs.append(TensorSpec(b + "post_ffw_norm.weight", (d,), N))
+    for i in range(p.n_layer, p.n_layer + p.n_mtp_layers):
+        specs += _mtp_layer(p, i, n_vocab)
     specs.append(TensorSpec("output_norm.weight", (d,), Kind.OUTPUT_NORM))
     if not p.tied_embeddings:
         specs.append(TensorSpec("output.weight", (d, n_vocab), M))
@@ -136,12 +138,29 @@ def _hybrid_layer(p: SynthPreset, i: int) -> list[TensorSpec]:
     return specs + _ffn(p, i)
 
 
+def _mtp_layer(p: SynthPreset, i: int, n_vocab: int) -> list[TensorSpec]:
+    """MTP layer i (llama_model_qwen35::load_arch_tensors' load_block_mtp): a full-attention
+    layer of the hybrid (``_hybrid_layer``: i >= n_layer is never recurrent) plus the nextn
+    tensors: eh_proj [2 D -> D], enorm, hnorm; shared_head_norm (a final norm: large gain), or
+    with ``mtp_own_embed_head`` its own embedding and output head instead."""
+    b, d = f"blk.{i}.nextn.", p.n_embd
+    specs = _hybrid_layer(p, i) + [
+        TensorSpec(b + "eh_proj.weight", (2 * d, d), Kind.MATRIX),
+        TensorSpec(b + "enorm.weight", (d,), Kind.NORM),
+        TensorSpec(b + "hnorm.weight", (d,), Kind.NORM),
+    ]
+    if p.mtp_own_embed_head:
+        return specs + [TensorSpec(b + "embed_tokens.weight", (d, n_vocab), Kind.MATRIX),
+                        TensorSpec(b + "shared_head_head.weight", (d, n_vocab), Kind.MATRIX)]
+    return specs + [TensorSpec(b + "shared_head_norm.weight", (d,), Kind.OUTPUT_NORM)]
+
+
 def arch_metadata(p: SynthPreset, n_vocab: int) -> list[tuple[str, str, object]]:
     """(suffix, GGUF scalar type, value) of the ``<arch>.`` keys, as HF conversion writes them."""
     kv: list[tuple[str, str, object]] = [
         ("context_length", "u32", p.context_length),
         ("embedding_length", "u32", p.n_embd),
-        ("block_count", "u32", p.n_layer),
+        ("block_count", "u32", p.n_layer + p.n_mtp_layers),  # llama.cpp's n_layer_all
         *([("feed_forward_length", "u32", p.n_ff)] if p.n_ff else []),
         ("attention.head_count", "u32", p.n_head),
         ("attention.head_count_kv", "u32", p.n_head_kv),
@@ -160,6 +179,8 @@ def arch_metadata(p: SynthPreset, n_vocab: int) -> list[tuple[str, str, object]]
                ("rope.dimension_count", "u32", p.rope_dim or p.head_dim)]
         if p.rope_sections:
             kv.append(("rope.dimension_sections", "i32[]", list(p.rope_sections)))
+        if p.n_mtp_layers:
+            kv.append(("nextn_predict_layers", "u32", p.n_mtp_layers))
     if p.arch in ("qwen3", "gemma3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next"):
         kv += [("attention.key_length", "u32", p.head_dim),
                ("attention.value_length", "u32", p.head_dim)]

@@ -213,7 +213,7 @@ def _mix_rule(ft: str, t: GGMLType, s: TensorSpec, p: SynthPreset | LayerCounts,
     where every layer has one tensor of the category)."""
     cat = category(s.name)
     layer = int(s.name.split(".")[1]) if s.name.startswith("blk.") else -1
-    n = p.n_layer
+    n = p.n_layer + getattr(p, "n_mtp_layers", 0)  # llama.cpp's n_layer_all: MTP layers counted
     gqa = p.n_head // p.n_head_kv
     n_expert = p.n_expert
 

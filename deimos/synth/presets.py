@@ -7,7 +7,7 @@ real model; the vocabulary size comes from the donor tokenizer, not from the pre
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next")
 MOE_ARCHS = ("qwen3moe", "qwen35moe", "qwen3next")  # every layer routed experts
@@ -48,6 +48,12 @@ class SynthPreset:
     rope_dim: int = 0  # rotated dims of an attention head; 0: the whole head
     rope_sections: tuple[int, ...] = ()  # qwen35's IMROPE sections (t, h, w, e)
     ssm_in: bool = False  # qwen3next: the older converters' fused q/k/v/z projection (ssm_in)
+    # HYBRID_ARCHS: MTP ("nextn") layers after the n_layer main ones (block_count counts both):
+    # a full-attention block + feed-forward block each, with nextn.eh_proj/enorm/hnorm and, as
+    # the Qwen converters write it, nextn.shared_head_norm; ``mtp_own_embed_head``: instead of
+    # shared_head_norm their own nextn.embed_tokens and nextn.shared_head_head (DeepSeek's layout)
+    n_mtp_layers: int = 0
+    mtp_own_embed_head: bool = False
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -73,6 +79,10 @@ class SynthPreset:
             raise ValueError(f"preset {self.name!r}: a dense {self.arch} model needs n_ff > 0")
         if self.ssm_in and self.arch != "qwen3next":
             raise ValueError(f"preset {self.name!r}: ssm_in is qwen3next's older layout only")
+        if self.n_mtp_layers and self.arch not in HYBRID_ARCHS:
+            raise ValueError(f"preset {self.name!r}: MTP layers are for {', '.join(HYBRID_ARCHS)} only")
+        if self.mtp_own_embed_head and not self.n_mtp_layers:
+            raise ValueError(f"preset {self.name!r}: mtp_own_embed_head needs MTP layers")
 
         hybrid = self.arch in HYBRID_ARCHS
         if hybrid != (self.full_attention_interval > 0):
@@ -92,7 +102,8 @@ class SynthPreset:
         return self.full_attention_interval > 0
 
     def is_recurrent(self, layer: int) -> bool:
-        return self.is_hybrid and (layer + 1) % self.full_attention_interval != 0
+        """A Gated DeltaNet layer (the MTP layers, from n_layer on, are full attention)."""
+        return self.is_hybrid and layer < self.n_layer and (layer + 1) % self.full_attention_interval != 0
 
     @property
     def is_moe(self) -> bool:
@@ -210,6 +221,16 @@ _PRESETS += [
                 tied_embeddings=False, n_expert=512, n_expert_used=10, n_ff_exp=512, n_ff_shexp=512,
                 full_attention_interval=4, ssm_conv_kernel=4, ssm_head_dim=128, ssm_n_k_heads=16,
                 ssm_n_v_heads=32, rope_dim=64),
+]
+
+# MTP variants of the tiny hybrids: the same main weights (each tensor draws from its own name's
+# seed), one MTP layer more. qwen35moe's with its own embedding and head, the other two as the
+# Qwen converters write them (shared_head_norm; token_embd and the output head shared).
+_TINY = {p.name: p for p in _PRESETS}
+_PRESETS += [
+    replace(_TINY["qwen35-tiny"], name="qwen35-tiny-mtp", n_mtp_layers=1),
+    replace(_TINY["qwen35moe-tiny"], name="qwen35moe-tiny-mtp", n_mtp_layers=1, mtp_own_embed_head=True),
+    replace(_TINY["qwen3next-tiny"], name="qwen3next-tiny-mtp", n_mtp_layers=1),
 ]
 
 PRESETS: dict[str, SynthPreset] = {p.name: p for p in _PRESETS}
