@@ -14,6 +14,11 @@ path (``WeightSource.triton_ops``, the default on CUDA: the GPU linears, the ops
 attention, the delta rule by deimos.models.gpu.deltanet_ops), whose states are in the "kernel"
 layout on the model's device (``new_state``; a state in the other layout is converted at the
 start of the step).
+
+MTP layers (``<arch>.nextn_predict_layers``, after the main layers): ``model.mtp``, a
+deimos.models.mtp.MTPHead on the CPU reference (None without them, and on the kernel path);
+the main step never runs them. ``step(batch, hidden_at=...)`` also returns the post-norm
+hidden rows the MTP head takes.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from deimos.models.batch import Batch
 from deimos.models.blocks import Attention, DecoderModel, GatedMLP, RMSNorm
 from deimos.models.config import ModelConfig
 from deimos.models.deltanet import GatedDeltaNet, RecurrentState, step_states
+from deimos.models.mtp import MTPHead
 from deimos.models.weights import WeightSource
 
 
@@ -96,12 +102,22 @@ class Qwen35Model(DecoderModel):
                        for i in range(cfg.n_layer)]
         self.state_layout = "kernel" if w.triton_ops else "reference"
         self.state_device = self.norm.weight.device  # "cuda:0", as the tensors say
+        self.mtp: MTPHead | None = None  # the MTP layers: the CPU reference only, for now
+        if cfg.n_mtp_layers and not (w.kernels or w.triton_ops):
+            self.mtp = MTPHead(cfg, w, self, self._mtp_layer)
+
+    def _mtp_layer(self, cfg: ModelConfig, i: int, w: WeightSource) -> Qwen35Layer:
+        """An MTP layer's decoder block: this model's layer (full attention: i >= n_layer)."""
+        return Qwen35Layer(cfg, i, w, self.mlp_block, self.deltanet_block)
 
     def new_state(self) -> RecurrentState:
         """A fresh RecurrentState for this model: its layout, on its device."""
         return RecurrentState.zeros(self.config, self.state_device, layout=self.state_layout)
 
-    def step(self, batch: Batch) -> torch.Tensor:
+    def step(self, batch: Batch, hidden_at: torch.Tensor | None = None):
+        """-> logits [N, V] of ``batch.logits_at``; with ``hidden_at`` (indices into the step's
+        tokens) (logits, hidden [M, D] float32): those tokens' hidden states after the final
+        norm (llama.cpp's h_nextn: what the MTP head takes, deimos.models.mtp)."""
         states = step_states(batch)
         for st in states:  # a no-op unless made for the other path (RecurrentState.zeros' default)
             st.adopt(self.state_layout, self.state_device)
@@ -113,7 +129,11 @@ class Qwen35Model(DecoderModel):
         at = batch.logits_at
         if at is None:
             at = torch.tensor([hidden.shape[0] - 1], device=hidden.device)
-        hidden, _ = self.norm(hidden[at], residual[at])
+        out, _ = self.norm(hidden[at], residual[at])
         for st, n in zip(states, batch.seqs.q_lens):
             st.length += n
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(out).float()
+        if hidden_at is None:
+            return logits
+        rows, _ = self.norm(hidden[hidden_at], residual[hidden_at])
+        return logits, rows.float()

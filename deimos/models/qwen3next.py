@@ -18,6 +18,8 @@ As llama_model_qwen3next::graph (llama.cpp 11434):
 
 On the kernel path (deimos.models.gpu.deltanet_ops) the block's ``projections`` and its
 grouped head map (``head_map``) feed the same Triton gated delta kernels as qwen35's.
+MTP layers as qwen35's (``model.mtp``, deimos.models.mtp): this model's full-attention layer
+(plain partial neox RoPE) and MoE block (llama_model_qwen3next::graph_mtp).
 """
 
 from __future__ import annotations
