@@ -48,8 +48,11 @@ cache position p holds the row (x_p, h_{p-1}): the main model's hidden at p - 1 
 predicted x_p) with the token x_p, predicting x_{p+1}; position 0 pairs x_0 with h = 0 (its
 pending row starts as zeros). After the main model ran positions s .. e-1 the MTP catches up on
 the same tokens with hiddens [h_{s-1}, h_s .. h_{e-2}], then drafts: row (x_e, h_{e-1}) at e
-gives d_1; row (d_1, h'_e) at e+1 gives d_2; and so on. (vLLM pairs (h_p, x_{p+1}) at RoPE
-position p instead, and has no row for x_0: the same relative positions, one key fewer.)
+gives d_1; row (d_1, h'_e) at e+1 gives d_2; and so on. (vLLM's EagleProposer.propose,
+vllm/v1/spec_decode/eagle.py, used for MTP too, pairs (h_p, x_{p+1}) at RoPE position p instead,
+the token ids shifted left and the positions kept, and has no row for x_0: the same relative
+positions, one key fewer.) After a verification step the caller truncates the state to the
+first drafted position and catches up on the accepted tokens with the main model's hiddens.
 
 State: the MTP layer's attention keys and values are per sequence, like the main model's
 (``MTPState``, owned by the caller, one per sequence and MTP layer; rolled back with
