@@ -36,7 +36,10 @@ from deimos.engine.jsontext import check_size
 from deimos.tokenizer.template import ChatTemplate, TemplateError
 
 __all__ = [
+    "PYTHON_TAG",
     "STYLES",
+    "hermes_block_calls",
+    "llama3_call",
     "parse_tool_calls",
     "prepare_chat",
     "template_renders_tools",
@@ -374,19 +377,40 @@ def _calls_in(body: str, names: Collection[str] | None) -> list[dict[str, Any]] 
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
 
 
+def hermes_block_calls(body: str, names: Collection[str] | None) -> list[dict[str, Any]] | None:
+    """The calls of one ``<tool_call>`` block's text, or None if it is not a call."""
+    return _calls_in(body.strip(), names)
+
+
+def _trim(kept: list[str], extra: str = "") -> str:
+    """The content around the calls: ``kept`` are the texts before, between and after them.
+    Trailing whitespace (and ``extra`` characters) goes; leading whitespace only when nothing
+    else comes before the first call. (A streamed reply has already sent text written before
+    a call, leading spaces included: ``tool_stream`` holds back only what this may remove.)"""
+    content = "".join(kept)
+    end = len(content)
+    while end and (content[end - 1].isspace() or content[end - 1] in extra):
+        end -= 1
+    start = 0
+    if all(c.isspace() or c in extra for c in kept[0]):
+        while start < end and (content[start].isspace() or content[start] in extra):
+            start += 1
+    return content[start:end]
+
+
 def _parse_hermes(text: str, names: Collection[str] | None) -> tuple[str, list[dict[str, Any]]]:
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     at = 0
     for m in _HERMES_BLOCK.finditer(text):
-        found = _calls_in(m.group(1).strip(), names)
+        found = hermes_block_calls(m.group(1), names)
         if found is None:
             continue  # not a call: the block stays in the content
         kept.append(text[at : m.start()])
         calls += found
         at = m.end()
     kept.append(text[at:])
-    return "".join(kept), calls
+    return _trim(kept), calls
 
 
 def _json_objects(text: str) -> list[tuple[int, int, Any]]:
@@ -419,29 +443,37 @@ def _pythonic_call(code: str, names: Collection[str] | None) -> dict[str, Any] |
     return _as_call({"name": node.func.value.id, "arguments": args}, names)
 
 
+def llama3_call(value: Any, names: Collection[str] | None) -> dict[str, Any] | None:
+    """The call a JSON object of a Llama 3 reply makes, or None: it needs its arguments
+    (``parameters``/``arguments``) or the ``function`` wrapper, else it is plain JSON the model
+    wrote as an answer."""
+    if not isinstance(value, dict) or not ({"parameters", "arguments"} & value.keys()
+                                           or isinstance(value.get("function"), dict)):
+        return None
+    return _as_call(value, names)
+
+
 def _parse_llama3(text: str, names: Collection[str] | None) -> tuple[str, list[dict[str, Any]]]:
     head, tag, tail = text.partition(PYTHON_TAG)
     if tag:
         call = _pythonic_call(tail, names)
         if call is not None:
-            return head, [call]
+            return _trim([head]), [call]
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     at = 0
     for start, end, value in _json_objects(text):
-        call = _as_call(value, names)
-        if call is None or not ({"parameters", "arguments"} & value.keys()
-                                or isinstance(value.get("function"), dict)):
-            continue  # plain JSON the model wrote as an answer
+        call = llama3_call(value, names)
+        if call is None:
+            continue
         kept.append(text[at:start])
         calls.append(call)
         at = end
     kept.append(text[at:])
-    content = "".join(kept)
-    if calls:  # separators between consecutive calls, and the tag itself, are not content
-        content = content.replace(PYTHON_TAG, "")
-        content = re.sub(r"^[\s;]+|[\s;]+$", "", content)
-    return content, calls
+    if not calls:
+        return text, []
+    # separators between consecutive calls, and the tag itself, are not content
+    return _trim([k.replace(PYTHON_TAG, "") for k in kept], ";"), calls
 
 
 def parse_tool_calls(
@@ -452,7 +484,9 @@ def parse_tool_calls(
     Calls are OpenAI objects ``{"id": "call_...", "type": "function", "function": {"name",
     "arguments": JSON string}}``. ``names``: when given, a call to any other function is not
     a call (it stays content). Without calls the text comes back unchanged; with calls the
-    remaining content is stripped, None when empty. Never raises."""
+    remaining content loses its trailing whitespace, and its leading whitespace when nothing
+    else comes before the first call (llama3: semicolons too); None when empty. Never raises.
+    ``tool_stream.ToolCallSplitter`` streams the same content as it is written."""
     try:
         if style == "hermes":
             content, calls = _parse_hermes(text, names)
@@ -464,4 +498,4 @@ def parse_tool_calls(
         return text, []
     if not calls:
         return text, []
-    return content.strip() or None, calls
+    return content or None, calls
