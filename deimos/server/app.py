@@ -35,6 +35,7 @@ from deimos.server.metrics import Metrics
 from deimos.server.params import Defaults, build_request, schema_constraint
 from deimos.server.protocol import ChatCompletionRequest, CompletionRequest
 from deimos.server.responses import LogprobFormatter, sse, usage, usage_numbers
+from deimos.server.tool_stream import ToolCallSplitter
 from deimos.server.worker import Cut, Done, EngineWorker, Failed, Job, Piece, QueueFull
 from deimos.tokenizer.template import TemplateError
 
@@ -323,20 +324,28 @@ async def chat_completions(server: Server, body: ChatCompletionRequest, request:
     async def stream() -> AsyncIterator[str]:
         dones: list[Done | None] = [None] * group.n
         cut = None
-        # with tools on, each reply is parsed whole before it is sent
-        held: list[list[str]] = [[] for _ in range(group.n)]
-        held_lps: list[list] = [[] for _ in range(group.n)]
+        # with tools on, content goes out as it is written and only what may be a call is
+        # held, then parsed with the whole reply (tool_stream); a forced call is held whole
+        splits = [None if tool_names is None else ToolCallSplitter(
+            server.tool_style, tool_names, plan.prefix, hold=plan.forced_schema is not None)
+            for _ in range(group.n)]
+
+        def lps(marks: list) -> list | None:
+            return marks if top is not None and marks else None
+
         try:
             for i in range(group.n):
                 yield chunk(i, {"role": "assistant", "content": ""})
             async for i, ev in group.events(request, poll=False):
+                split = splits[i]
                 if isinstance(ev, Piece):
-                    if tool_names is not None:
-                        held[i].append(ev.text)
-                        held_lps[i] += ev.logprobs
-                    else:
+                    if split is None:
                         yield chunk(i, {"content": ev.text},
                                     logprobs=ev.logprobs if top is not None else None)
+                        continue
+                    text, marks = split.feed(ev.text, ev.logprobs)
+                    if text or marks:
+                        yield chunk(i, {"content": text}, logprobs=lps(marks))
                 elif isinstance(ev, (Failed, Cut)):
                     err = _stream_end(server, ev)
                     cut = err.code
@@ -346,15 +355,19 @@ async def chat_completions(server: Server, body: ChatCompletionRequest, request:
                 else:
                     dones[i] = ev
                     calls: list = []
-                    if tool_names is not None:
-                        content, calls = reply("".join(held[i]))
+                    marks = []  # the held tokens' logprobs go with the first chunk left
+                    if split is not None:
+                        end = split.finish()
+                        calls, marks = end.calls, end.marks
+                        if end.content:
+                            yield chunk(i, {"content": end.content}, logprobs=lps(marks))
+                            marks = []
                         if calls:
                             yield chunk(i, {"tool_calls": [{"index": k, **c}
-                                                           for k, c in enumerate(calls)]})
-                        elif content:
-                            yield chunk(i, {"content": content},
-                                        logprobs=held_lps[i] if top is not None else None)
-                    yield chunk(i, {}, finish_reason(ev, calls))
+                                                           for k, c in enumerate(calls)]},
+                                        logprobs=lps(marks))
+                            marks = []
+                    yield chunk(i, {}, finish_reason(ev, calls), logprobs=lps(marks))
             if include_usage:
                 yield sse({**head, "object": "chat.completion.chunk", "choices": [],
                            "usage": usage(dones)})
