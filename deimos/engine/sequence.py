@@ -5,14 +5,20 @@ holds, and the request it serves (sampler, outputs, finish reason).
 of ``tokens[:n_computed]``. A sequence that is decoding has exactly one token not yet computed:
 its last output, fed at the next step. Preemption drops the blocks and the count; the next
 admission recomputes (mostly from the prefix cache) and carries on from the same tokens.
+Drafts (speculative decoding) are never in ``tokens``: an accepted one is appended as an output,
+and n_computed moves past it only then.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from deimos.engine.request import Request
+
+if TYPE_CHECKING:
+    from deimos.engine.speculate import SpecState
 
 
 class SeqStatus(enum.Enum):
@@ -34,6 +40,7 @@ class Sequence:
     state: object | None = None  # a hybrid model's recurrent state (deimos.models.deltanet)
     snap_block: int | None = None  # the block holding this sequence's latest state snapshot
     snap_pos: int = 0  # the position of that snapshot (within the prompt: kept for others)
+    spec: SpecState | None = None  # speculative decoding's state (None: it decodes plainly)
 
     @property
     def n_prompt(self) -> int:
