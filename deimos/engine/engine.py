@@ -12,6 +12,10 @@ token from the sampler (deimos.engine.sampling: on the GPU batched in the step's
 need the host's exact path on the host). Finished and cancelled sequences give their blocks
 back at once; full blocks stay in the prefix cache for the next request that shares them.
 
+With speculative decoding (``EngineConfig.spec``, deimos.engine.speculate) a decoding sequence
+may verify drafts of its next tokens in a step (eagerly, beside the others' rows): the accepted
+ones and one more come out of that step, each through ``_emit``; the rest are rolled back.
+
 One thread owns an engine (the server's worker, or the ``LLM`` API's caller).
 """
 
@@ -29,7 +33,8 @@ from deimos.engine.runner import ModelRunner
 from deimos.engine.sampling import BatchSampler
 from deimos.engine.scheduler import Scheduler, SchedulerConfig
 from deimos.engine.sequence import SeqStatus, Sequence
-from deimos.kernels.sampling import Sampler
+from deimos.engine.speculate import SpecConfig, SpecState, make_drafter
+from deimos.kernels.sampling import Sampler, logprobs
 from deimos.models.blocks import DecoderModel
 from deimos.runtime.kv_pool import KVPool, bytes_per_token, pool_blocks
 
@@ -42,7 +47,8 @@ class EngineConfig:
     (prompt plus outputs). The KV pool: ``kv_tokens`` or ``kv_gib`` when given; on a GPU
     otherwise ``kv_fraction`` of the memory free after the weights (less a reserve for the
     step's activations), at most ``kv_max_factor`` full contexts per running sequence; on the
-    CPU ``n_ctx`` tokens per running sequence, at most 4 GiB."""
+    CPU ``n_ctx`` tokens per running sequence, at most 4 GiB. ``spec``: speculative decoding
+    (None: off)."""
 
     n_ctx: int
     max_seqs: int = 64
@@ -54,6 +60,7 @@ class EngineConfig:
     kv_max_factor: float = 2.0
     prefix_cache: bool = True
     cuda_graphs: bool = True
+    spec: SpecConfig | None = None
 
     def __post_init__(self) -> None:
         if self.n_ctx < 1:  # 1: every request is refused (a prompt needs a row to generate from)
@@ -67,6 +74,8 @@ class EngineConfig:
         if not 0 < self.kv_fraction <= 1:
             raise ValueError(f"kv_fraction must be in (0, 1], got {self.kv_fraction}")
         SchedulerConfig(self.max_seqs, self.max_batch_tokens)  # its checks
+        if self.spec is not None and not isinstance(self.spec, SpecConfig):
+            raise ValueError(f"spec must be a SpecConfig or None, got {type(self.spec).__name__}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +97,13 @@ class EngineStats:
     prefix_query_tokens: int
     preemptions: int
     experts: dict | None = None  # the expert cache's numbers (an offloaded MoE model), else None
+    # speculative decoding: drafts verified and accepted, steps that verified any
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_verify_steps: int = 0
+    # a sequence's steps that chose tokens (plain rows and verifications), and the tokens chosen
+    token_rows: int = 0
+    tokens_chosen: int = 0
 
 
 def _make_pool(model: DecoderModel, cfg: EngineConfig) -> KVPool:
@@ -122,9 +138,17 @@ class Engine:
         # a hybrid model's recurrent layers can start from a cached prefix only where a snapshot
         # of their state was kept: its cache needs one (the latest full block of each sequence)
         self.hybrid = model.config.is_hybrid
+        self.drafter = None
+        if cfg.spec is not None:
+            if self.hybrid:
+                raise ValueError(
+                    f"speculative decoding is not supported for {model.config.arch} (a hybrid "
+                    "model: its recurrent state cannot be rolled back past rejected drafts yet)")
+            self.drafter = make_drafter(cfg.spec)
         self.blocks = BlockManager(self.pool.n_blocks, cfg.block_size, cfg.prefix_cache,
                                    needs_state=self.hybrid, max_states=2 * cfg.max_seqs)
-        self.scheduler = Scheduler(self.blocks, SchedulerConfig(cfg.max_seqs, cfg.max_batch_tokens))
+        self.scheduler = Scheduler(self.blocks, SchedulerConfig(cfg.max_seqs, cfg.max_batch_tokens),
+                                   propose=self._propose if self.drafter is not None else None)
         self.sampler = BatchSampler(self.n_vocab, model.device, cfg.max_seqs)
         self.runner = ModelRunner(model, self.pool, cfg.n_ctx, cfg.max_seqs, cfg.cuda_graphs,
                                   decode_after=self.sampler.graph_hook,
@@ -133,6 +157,8 @@ class Engine:
         self._ids = itertools.count()
         self._inflight = None  # a launched step not read yet (deimos.engine.runner.StepResult)
         self.steps = 0
+        self.spec_drafted = self.spec_accepted = self.spec_verify_steps = 0
+        self.token_rows = self.tokens_chosen = 0
 
     @property
     def n_ctx(self) -> int:
@@ -168,6 +194,8 @@ class Engine:
         for t in req.prompt_ids:
             req.sampler.accept(t)
         seq = Sequence(next(self._ids), req, list(req.prompt_ids))
+        if self.drafter is not None and not req.logits_processors:  # a grammar decodes plainly
+            seq.spec = SpecState(self.cfg.spec.k_max)
         if req.max_tokens == 0:
             req.finish_reason = "length"
             seq.status = SeqStatus.FINISHED
@@ -190,7 +218,9 @@ class Engine:
         numbers = getattr(self.model.ops, "numbers", None)
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), b.n_used,
                            b.n_free, b.n_cached, b.block_size, b.hit_tokens, b.query_tokens,
-                           self.scheduler.preemptions, numbers() if numbers is not None else None)
+                           self.scheduler.preemptions, numbers() if numbers is not None else None,
+                           self.spec_drafted, self.spec_accepted, self.spec_verify_steps,
+                           self.token_rows, self.tokens_chosen)
 
     # ---- the step ----------------------------------------------------------------------
 
@@ -206,10 +236,13 @@ class Engine:
         try:
             result = self.runner.run(plan)
         except Exception as e:  # noqa: BLE001 - a fault of the engine: every sequence of the step fails
-            return self._failed(plan.decode + [s for s, _ in plan.prefill], e)
+            return self._failed(plan.decode + [s for s, _ in plan.verify + plan.prefill], e)
         self.steps += 1
         for seq in plan.decode:
             seq.n_computed += 1
+        for seq, _ in plan.verify:  # its last token; a draft's row counts once it is accepted
+            seq.n_computed += 1
+        self.spec_verify_steps += bool(plan.verify)
         for seq, n in plan.prefill:
             seq.n_computed += n
             self._seal(seq)
@@ -246,6 +279,8 @@ class Engine:
                     or len(req.output_ids) + 1 >= req.max_tokens
                     or len(seq.tokens) >= self.cfg.n_ctx):  # fmt: skip
                 return False
+            if seq.spec is not None and seq.spec.wanted(len(req.output_ids) + 1):
+                return False  # it drafts at its next step: that step needs this one's token
             need += self.blocks.blocks_to_grow(seq.table, seq.n_computed + 1)
         return need <= self.blocks.n_free
 
@@ -275,6 +310,78 @@ class Engine:
                     continue
                 outs.append(self._emit(seq, token, error))
                 self._seal(seq)
+                self.token_rows += 1
+                self.tokens_chosen += token is not None
+        if result.verify:
+            rows = result.logits[len(result.wanting) :]
+            at = 0
+            for seq, drafts in result.verify:
+                if not seq.finished:
+                    outs += self._verify(seq, drafts, rows[at : at + len(drafts) + 1])
+                at += len(drafts) + 1
+        return outs
+
+    # ---- speculative decoding ----------------------------------------------------------
+
+    def _propose(self, seq: Sequence, room: int) -> list[int]:
+        """The scheduler's drafts for ``seq`` (at most ``room``): as many as its SpecState
+        wants, fed positions inside the context, and no more tokens than max_tokens leaves
+        (a verification gives one token past its accepted drafts)."""
+        st = seq.spec
+        if st is None:
+            return []
+        req = seq.request
+        n_out = len(req.output_ids)
+        k = min(st.wanted(n_out), room, req.max_tokens - n_out - 1,
+                self.cfg.n_ctx - len(seq.tokens))  # the last draft's position: n_ctx - 1
+        if k <= 0:
+            return []
+        drafts = self.drafter.propose(seq, k)[:k]
+        if any(not 0 <= t < self.n_vocab for t in drafts):
+            drafts = []
+        st.found(len(drafts), n_out)
+        return drafts
+
+    def _verify(self, seq: Sequence, drafts: list[int], rows) -> list[StepOutput]:
+        """``seq``'s verification: ``rows`` [k + 1, V] are the logits after its last token and
+        after each of its k ``drafts``. Emits the accepted drafts, then the token chosen at the
+        first rejection (or after the last draft), stopping at the first that finishes the
+        sequence; the cache keeps the accepted prefix (blocks past it go back)."""
+        req = seq.request
+        outs: list[StepOutput] = []
+        accepted = 0
+        fast = self.sampler.greedy_rows(seq, rows)
+        for j in range(len(drafts) + 1):
+            draft = drafts[j] if j < len(drafts) else None
+            try:
+                if fast is None:
+                    token, ok = self.sampler.verify(seq, rows[j], draft)
+                elif fast[j] is None:
+                    raise EngineError("cannot sample from the model's logits: logits contain NaN")
+                else:
+                    token, ok = fast[j], fast[j] == draft
+                if req.top_logprobs is not None:
+                    req.token_logprobs.append(logprobs(rows[j].float(), token, req.top_logprobs))
+            except EngineError as e:
+                outs.append(self._emit(seq, None, e))
+                break
+            outs.append(self._emit(seq, token, None))
+            accepted += ok
+            if seq.finished or not ok:
+                break
+            seq.n_computed += 1  # the accepted draft's keys and values are the cache's now
+        self.spec_drafted += len(drafts)
+        self.spec_accepted += accepted
+        self.token_rows += 1
+        self.tokens_chosen += sum(o.token is not None for o in outs)
+        if not seq.finished:
+            keep = self.blocks.blocks_for(len(seq.tokens))  # up to the next token's position
+            if len(seq.table) > keep:  # blocks that held only rejected drafts
+                tail = seq.table[keep:]
+                del seq.table[keep:]
+                self.blocks.free(tail)
+            self._seal(seq)
+            seq.spec.verified(len(drafts), accepted, len(req.output_ids), self.cfg.spec.k_max)
         return outs
 
     def _seal(self, seq: Sequence) -> None:

@@ -9,13 +9,15 @@ A step packs the plan's decode sequences first (one token each), then its prefil
 replays a graph when the step has a graph's shape (decode only, up to the largest bucket; one
 prefill chunk of at most 512 tokens) and runs the model eagerly otherwise (the CPU reference
 always). Logits are computed only for the sequences whose step reaches the end of their
-tokens (a decode, or a prompt's last chunk).
+tokens (a decode, or a prompt's last chunk), and at every row of a sequence verifying drafts
+(speculative decoding, deimos.engine.speculate: its last token and its drafts, packed after the
+decodes like a prefill chunk; such a step always runs eagerly): those rows follow the others'.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,16 +44,19 @@ class StepInputs:
     logits_at: np.ndarray  # int64 [N]: the rows of T whose logits are wanted
     wanting: list[Sequence]  # the N sequences those rows belong to, in order
     seqs: list[Sequence] | None = None  # the step's B sequences, in row order
+    verify: list[tuple[Sequence, list[int]]] | None = None  # (sequence, drafts): logits rows after N
 
 
 def step_inputs(plan: StepPlan, block_size: int, max_blocks: int) -> StepInputs:
-    seqs: list[tuple[Sequence, int]] = [(s, 1) for s in plan.decode] + plan.prefill
+    drafts = {id(s): d for s, d in plan.verify}
+    seqs: list[tuple[Sequence, int]] = ([(s, 1) for s in plan.decode]
+                                        + [(s, 1 + len(d)) for s, d in plan.verify] + plan.prefill)
     n_tok = sum(n for _, n in seqs)
     tokens = np.empty(n_tok, dtype=np.int64)
     positions = np.empty(n_tok, dtype=np.int64)
     slots = np.empty(n_tok, dtype=np.int64)
     tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-    q_lens, q_starts, at, wanting = [], [], [], []
+    q_lens, q_starts, at, wanting, verify_at = [], [], [], [], []
     t = 0
     for b, (seq, n) in enumerate(seqs):
         start = seq.n_computed
@@ -63,17 +68,21 @@ def step_inputs(plan: StepPlan, block_size: int, max_blocks: int) -> StepInputs:
             slots[t] = table[start // block_size] * block_size + start % block_size
         else:
             pos = np.arange(start, start + n, dtype=np.int64)
-            tokens[t : t + n] = seq.tokens[start : start + n]
+            d = drafts.get(id(seq))
+            tokens[t : t + n] = seq.tokens[start : start + n] if d is None else [seq.tokens[start], *d]
             positions[t : t + n] = pos
             slots[t : t + n] = np.asarray(table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
         q_lens.append(n)
         q_starts.append(start)
-        if start + n == len(seq.tokens):
+        if id(seq) in drafts:  # a verification: logits at its last token and every draft
+            verify_at.extend(range(t, t + n))
+        elif start + n == len(seq.tokens):
             at.append(t + n - 1)
             wanting.append(seq)
         t += n
     return StepInputs(tokens, positions, slots, tables, q_lens, q_starts, len(plan.decode),
-                      np.asarray(at, dtype=np.int64), wanting, [s for s, _ in seqs])
+                      np.asarray(at + verify_at, dtype=np.int64), wanting, [s for s, _ in seqs],
+                      list(plan.verify))
 
 
 @dataclass
@@ -82,6 +91,7 @@ class StepResult:
     wanting: list[Sequence]
     graph: object | None = None  # the graph that ran (its captured sampler outputs), or None
     ticket: int | None = None  # the decode graph's sampled choices (BatchSampler.launched)
+    verify: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # (sequence, drafts): rows after wanting's
 
 
 class ModelRunner:
@@ -180,7 +190,7 @@ class ModelRunner:
         if not len(x.logits_at) and not len(x.tokens):
             return StepResult(None, [])
         graph = None
-        if self.use_graphs:
+        if self.use_graphs and not x.verify:
             if x.n_decode == len(x.q_lens):
                 graph = self.decode_graph_for(x.n_decode)
             elif x.n_decode == 0 and len(x.q_lens) == 1 and len(x.logits_at) <= 1:
@@ -201,7 +211,7 @@ class ModelRunner:
             elif not len(x.logits_at):
                 logits = None
             return StepResult(logits, x.wanting, graph, ticket)
-        return StepResult(self._eager(x), x.wanting)
+        return StepResult(self._eager(x), x.wanting, verify=x.verify)
 
     def run_chained(self, seqs: list[Sequence]) -> StepResult:
         """The decode step after the last one, on the same graph and rows, its tokens fed on

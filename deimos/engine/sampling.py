@@ -11,6 +11,11 @@ Three paths, per row:
   one the device would have made with an unbounded window).
 Logprobs, when a request asks, are computed from the raw logits row on the device.
 
+Rows verifying drafts (deimos.engine.speculate) are chosen on the host path, one at a time after
+the tokens before them were accepted (``verify``): the request's ``Sampler`` distribution
+(``target_distribution``) with the speculative acceptance rule; greedy rows without penalties
+all at once (``greedy_rows``, the same argmax).
+
 The draw u of each row comes from its request's ``Sampler`` (a counter-based stream of its seed),
 so a seed gives the same tokens on every path and device.
 """
@@ -23,11 +28,55 @@ import torch
 
 from deimos.engine.request import EngineError
 from deimos.engine.sequence import Sequence
-from deimos.kernels.sampling import logprobs
+from deimos.kernels.sampling import Sampler, choose, filter_candidates, logprobs
 
 
 def _host_only(seq: Sequence) -> bool:
     return bool(seq.request.logits_processors)
+
+
+def target_distribution(sampler: Sampler, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distribution ``sampler.sample(row)`` draws from at its current history: token ids
+    [n] int64 and their probabilities [n] float64 (penalties, top-k -> top-p -> min-p, softmax at
+    the temperature over the kept ids, as ``deimos.kernels.sampling.choose``; greedy: the first
+    maximum with probability 1). Raises ValueError on a bad row (NaN...)."""
+    logits = sampler.penalized(row)
+    p = sampler.params
+    if p.greedy:
+        return (torch.tensor([choose(logits, p, 0.0)], dtype=torch.long),
+                torch.ones(1, dtype=torch.float64))
+    ids = filter_candidates(logits, p)
+    return ids, torch.softmax(logits[ids].double() / p.temperature, 0)
+
+
+def accept_draft(ids: torch.Tensor, probs: torch.Tensor, draft: int, u: float,
+                 resample: Callable[[], float]) -> tuple[int, bool]:
+    """Speculative rejection sampling of a deterministic draft (q one-hot at ``draft``).
+
+    ``ids`` [n] int64, ``probs`` [n] float64: the target distribution p (the plain sampler's,
+    ``target_distribution``; any scale). ``u`` in [0, 1): the draw that accepts ``draft`` when
+    u < p(draft); on a rejection ``resample()`` gives the draw of the token taken from p with
+    ``draft`` removed, renormalized. The token returned follows p exactly (its probability:
+    p(t) for t != draft is (1 - p(d)) * p(t) / (1 - p(d))). Returns (token, accepted)."""
+    if ids.ndim != 1 or ids.shape != probs.shape or not ids.numel():
+        raise ValueError(f"accept_draft: ids {tuple(ids.shape)} and probs {tuple(probs.shape)} "
+                         "must be equal non-empty 1-D shapes")
+    probs = probs.double()
+    total = float(probs.sum())
+    hit = torch.nonzero(ids == draft)
+    at = int(hit[0, 0]) if hit.numel() else None
+    p_draft = float(probs[at]) / total if at is not None else 0.0
+    if u < p_draft:
+        return draft, True
+    rest = probs.clone()
+    if at is not None:
+        rest[at] = 0.0
+    cum = torch.cumsum(rest, 0)
+    if not float(cum[-1]) > 0.0:  # every bit of mass is the draft's (rounding put u past it)
+        return draft, True
+    target = cum[-1:] * resample()
+    i = min(int(torch.searchsorted(cum, target, right=True)), ids.numel() - 1)
+    return int(ids[i]), False
 
 
 class BatchSampler:
@@ -99,6 +148,35 @@ class BatchSampler:
             except EngineError as e:
                 out.append((None, e))
         return out
+
+    # ---- verifying drafts ----------------------------------------------------------------
+
+    def greedy_rows(self, seq: Sequence, rows: torch.Tensor) -> list[int | None] | None:
+        """Every row's choice at once when it depends on no earlier choice (greedy, no
+        penalties or processors): the first maximum of each row of ``rows`` [n, V] (None for a
+        row holding NaN); None when the rows must be chosen one at a time (``verify``)."""
+        p = seq.request.sampling
+        if not p.greedy or p.penalties_enabled or _host_only(seq):
+            return None
+        rows = rows.float()
+        ids, bad = torch.stack((torch.argmax(rows, 1), torch.isnan(rows).any(1).long())).tolist()
+        return [None if b else t for t, b in zip(ids, bad)]
+
+    def verify(self, seq: Sequence, row: torch.Tensor, draft: int | None) -> tuple[int, bool]:
+        """The token at a verified row [V] and whether it is ``draft``, accepted: greedy, the
+        plain choice; sampled, the speculative rejection rule on the plain distribution (two
+        draws of the request's stream at most). ``draft`` None (the row after the last draft):
+        the plain choice. Call after every earlier row's token was accepted (penalties)."""
+        req = seq.request
+        if draft is None or req.sampling.greedy:
+            token = self._host(seq, row, None)
+            return token, token == draft
+        s = req.sampler
+        try:
+            ids, probs = target_distribution(s, row.float())
+        except ValueError as e:
+            raise EngineError(f"cannot sample from the model's logits: {e}") from e
+        return accept_draft(ids, probs, draft, s.next_uniform(), s.next_uniform)
 
     def _host(self, seq: Sequence, row: torch.Tensor, u: float | None) -> int:
         """The request's Sampler on one row (on the row's device; a logits processor gets a

@@ -4,20 +4,26 @@ Every step (``schedule``):
 1. every running sequence that is decoding gets its one token, oldest first; when the pool has
    no block for a sequence's next position, the newest running sequence is preempted (its
    blocks dropped, back to the front of the queue, recomputed later: never failed);
-2. running sequences still prefilling get the next chunk of their prompt, within what is left
+2. with speculative decoding (deimos.engine.speculate), a decoding sequence the engine has
+   drafts for verifies them in the same step: its last token and its drafts (``propose(seq,
+   room)``: at most ``room``), as many as the step's budget and the free blocks hold after
+   every decode has its token; drafts never preempt anything;
+3. running sequences still prefilling get the next chunk of their prompt, within what is left
    of the step's token budget (``max_batch_tokens``), so a long prompt is prefilled over many
    steps while the other streams keep decoding;
-3. waiting sequences are admitted in arrival order while the budget, ``max_seqs`` and the
+4. waiting sequences are admitted in arrival order while the budget, ``max_seqs`` and the
    pool allow: the prefix cache is matched first (deimos.engine.block_manager), and only the
    rest of the prompt is prefilled.
 
 The scheduler sees blocks and token counts only, never tensors. A plan lists the decode
-sequences first, then the prefill chunks: the order the step packs them in.
+sequences first, then the verifications, then the prefill chunks: the order the step packs
+them in.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deimos.engine.block_manager import BlockManager
@@ -40,22 +46,28 @@ class SchedulerConfig:
 @dataclass
 class StepPlan:
     decode: list[Sequence] = field(default_factory=list)
+    verify: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # (sequence, drafts)
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk tokens)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.prefill
+        return not self.decode and not self.verify and not self.prefill
 
     @property
     def n_tokens(self) -> int:
-        return len(self.decode) + sum(n for _, n in self.prefill)
+        return (len(self.decode) + sum(1 + len(d) for _, d in self.verify)
+                + sum(n for _, n in self.prefill))
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, cfg: SchedulerConfig) -> None:
+    def __init__(self, blocks: BlockManager, cfg: SchedulerConfig,
+                 propose: Callable[[Sequence, int], list[int]] | None = None) -> None:
+        """``propose(seq, room)``: at most ``room`` drafts of a decoding sequence's next tokens
+        (speculative decoding; None: off)."""
         self.blocks = blocks
         self.cfg = cfg
+        self.propose = propose
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -100,6 +112,23 @@ class Scheduler:
         plan.preempted.append(seq)
         self.preemptions += 1
 
+    def _drafts(self, plan: StepPlan, budget: int) -> int:
+        """Move the decodes that get drafts to ``plan.verify``; returns the budget left."""
+        bs = self.blocks.block_size
+        plain = []
+        for seq in plan.decode:
+            # positions the table and the free blocks hold past the sequence's last token
+            room = min(budget, (len(seq.table) + self.blocks.n_free) * bs - len(seq.tokens))
+            drafts = self.propose(seq, room)[:room] if room > 0 else []
+            if drafts:
+                self.blocks.grow(seq.table, len(seq.tokens) + len(drafts))
+                plan.verify.append((seq, drafts))
+                budget -= len(drafts)
+            else:
+                plain.append(seq)
+        plan.decode = plain
+        return budget
+
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.cfg.max_batch_tokens
@@ -122,7 +151,10 @@ class Scheduler:
             plan.decode.append(seq)
             scheduled.add(id(seq))
             budget -= 1
-        # 2. running prefills continue
+        # 2. drafts to verify, within what the budget and the free blocks leave
+        if self.propose is not None and plan.decode:
+            budget = self._drafts(plan, budget)
+        # 3. running prefills continue
         for seq in self.running:
             if id(seq) in scheduled or budget <= 0:
                 continue
@@ -133,7 +165,7 @@ class Scheduler:
             plan.prefill.append((seq, n))
             scheduled.add(id(seq))
             budget -= n
-        # 3. admissions, in arrival order (a preempted sequence is at the front)
+        # 4. admissions, in arrival order (a preempted sequence is at the front)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_seqs:
             seq = self.waiting[0]
             hit = len(self.blocks.match(seq.tokens)) * self.blocks.block_size
