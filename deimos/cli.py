@@ -86,6 +86,9 @@ def _block_size(text: str) -> int:
 ENGINE_FLAGS = {"max_seqs": "--max-seqs", "max_batch_tokens": "--max-batch-tokens",
                 "kv_tokens": "--kv-tokens", "kv_gib": "--kv-gib", "block_size": "--block-size",
                 "prefix_cache": "--no-prefix-cache"}
+# speculative decoding's flags: the LLM arguments they set, and the SpecConfig words in its errors
+SPEC_FLAGS = {"speculative": "--speculative", "spec_k": "--spec-k"}
+SPEC_WORDS = {"speculative method": "--speculative", "k_max": "--spec-k"}
 CPU_MAX_SEQS = 32  # LLM's default on the CPU (EngineConfig's, 64, on a GPU)
 
 
@@ -112,6 +115,14 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                         "16..256; default: the engine's)")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="do not reuse the KV blocks of earlier prompts' shared prefixes")
+    g.add_argument("--speculative", default=None, metavar="METHOD",
+                   help="speculative decoding: ngram (prompt lookup: drafts copied from the "
+                        "prompt and the answer so far, verified several at a time in one "
+                        "batched step; greedy output unchanged, sampled output the same "
+                        "distribution)")
+    g.add_argument("--spec-k", type=positive, default=None, metavar="N",
+                   help="with --speculative: the most drafts one step verifies (default 6; "
+                        "each sequence adapts it to its acceptance)")
     g.add_argument("--experts", choices=("auto", "gpu", "cpu"), default=None,
                    help="MoE models on a GPU: where the routed experts live (default auto: on the "
                         "GPU when the model fits, else on the host with an elastic GPU cache of "
@@ -133,6 +144,7 @@ def engine_options(args: argparse.Namespace, device: str) -> dict[str, object]:
     if getattr(args, "no_prefix_cache", False):
         opts["prefix_cache"] = False
     from deimos.engine.engine import EngineConfig
+    from deimos.engine.llm import speculation
 
     trial = dict(opts)
     for key in ("dense_weights", "experts", "expert_cache_gib"):  # the model's placement
@@ -140,13 +152,20 @@ def engine_options(args: argparse.Namespace, device: str) -> dict[str, object]:
             opts[key] = getattr(args, key)
     if device == "cpu":
         trial.setdefault("max_seqs", CPU_MAX_SEQS)
+    method, k = getattr(args, "speculative", None), getattr(args, "spec_k", None)
+    if k is not None and method is None:
+        raise ValueError("--spec-k needs --speculative (e.g. --speculative ngram)")
     try:
-        EngineConfig(n_ctx=2, **trial)  # its checks, before the model loads
+        spec = speculation(method, k)
+        EngineConfig(n_ctx=2, spec=spec, **trial)  # its checks, before the model loads
     except ValueError as e:
         message = str(e)
-        for field, flag in ENGINE_FLAGS.items():
+        for field, flag in {**ENGINE_FLAGS, **SPEC_WORDS}.items():
             message = message.replace(field, flag)
         raise ValueError(message) from None
+    for key in SPEC_FLAGS:
+        if getattr(args, key, None) is not None:
+            opts[key] = getattr(args, key)
     return opts
 
 

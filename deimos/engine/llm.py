@@ -17,6 +17,7 @@ from typing import Any
 from deimos.engine.engine import Engine, EngineConfig
 from deimos.engine.repetition import LoopGuard
 from deimos.engine.request import Request
+from deimos.engine.speculate import SpecConfig
 from deimos.gguf import GGUFFile
 from deimos.kernels.sampling import SamplingParams
 from deimos.models import load_model
@@ -66,6 +67,15 @@ def context_size(n_ctx: int | None, trained: int, name: str = "n_ctx") -> int:
     return n_ctx
 
 
+def speculation(method: str | None, k: int | None) -> SpecConfig | None:
+    """The SpecConfig of ``speculative`` / ``spec_k`` (None: speculative decoding off)."""
+    if method is None:
+        if k is not None:
+            raise ValueError("spec_k needs speculative (e.g. speculative='ngram')")
+        return None
+    return SpecConfig(method) if k is None else SpecConfig(method, k_max=k)
+
+
 @dataclass(frozen=True)
 class Completion:
     text: str
@@ -81,7 +91,8 @@ class Completion:
 class LLM:
     def __init__(self, model: str | Path, *, n_ctx: int | None = None, device: str = "cpu",
                  progress=None, dense_weights: str = "auto", experts: str = "auto",
-                 expert_cache_gib: float | None = None, **engine: Any):
+                 expert_cache_gib: float | None = None, speculative: str | None = None,
+                 spec_k: int | None = None, **engine: Any):
         """``model``: a GGUF path or the short name of a known model (pulled if needed).
         ``progress(label)``: called at each loading stage (the CLI's progress bar).
         ``n_ctx``: the most tokens one sequence holds; past the model's trained context it is
@@ -91,8 +102,15 @@ class LLM:
         packed bytes for batched steps (deimos.models.gpu.placement; GPU only). ``experts``
         (MoE files on a GPU): auto, gpu or cpu: the routed experts on the GPU, or on the host
         with a GPU cache of slots (deimos.models.gpu.offload), sized from free memory and
-        elastic, or fixed at ``expert_cache_gib``."""
+        elastic, or fixed at ``expert_cache_gib``. ``speculative``: "ngram" (prompt lookup drafts,
+        deimos.engine.speculate) or None (off); ``spec_k``: the most drafts a step verifies
+        (default: SpecConfig's). A SpecConfig may also come as ``spec``."""
         check_device(device)
+        spec = speculation(speculative, spec_k)
+        if spec is not None:
+            if engine.get("spec") is not None:
+                raise ValueError("give speculative (and spec_k) or spec, not both")
+            engine["spec"] = spec
         if dense_weights not in ("auto", "on", "off"):
             raise ValueError(f"dense_weights must be auto, on or off, got {dense_weights!r}")
         if experts not in ("auto", "gpu", "cpu"):

@@ -8,10 +8,11 @@
 Panels: speeds (prefill and decode rates over every request, measured here between redraws;
 the recent per-request means ``Metrics`` keeps; a decode-speed sparkline), the engine (running
 and waiting sequences, KV blocks used, free and cached, the prefix cache's hit rate,
-preemptions), totals, the active requests (id, prompt, cached and generated tokens), and
-memory: the server's static sizes (weights, KV cache...), the process's resident set, and the
-whole machine's free memory: each GPU through NVML (``nvidia-ml-py``, optional) or torch's
-``mem_get_info`` once CUDA is initialized, else system RAM from /proc/meminfo.
+preemptions, speculative drafts' acceptance rate and tokens a step), totals, the active
+requests (id, prompt, cached and generated tokens), and memory: the server's static sizes
+(weights, KV cache...), the process's resident set, and the whole machine's free memory: each
+GPU through NVML (``nvidia-ml-py``, optional) or torch's ``mem_get_info`` once CUDA is
+initialized, else system RAM from /proc/meminfo.
 """
 
 from __future__ import annotations
@@ -278,6 +279,9 @@ class Dashboard:
         t.add_row("prefix cache", f"{e['prefix_hit_rate'] * 100:.1f}% hit",
                   f"{e['prefix_hit_tokens']:,} of {e['prefix_query_tokens']:,} tokens")
         t.add_row("preemptions", f"{e['preemptions']:,}", "")
+        if e.get("spec_drafted"):  # speculative decoding verified drafts
+            t.add_row("speculation", f"{e['spec_acceptance_rate'] * 100:.1f}% accepted",
+                      f"{e['tokens_per_step']:.2f} tokens a step")
         x = e.get("experts")
         if x:  # an offloaded MoE model's expert cache
             t.add_row("expert cache", f"{x['expert_slots']:.0f} slots a layer",

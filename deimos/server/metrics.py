@@ -259,6 +259,15 @@ class _Collector(Collector):
                         "cache", e["prefix_query_tokens"]),
                 counter("preemptions", "sequences preempted (KV blocks dropped, recomputed "
                         "later) for want of KV blocks", e["preemptions"]),
+                counter("spec_drafted_tokens", "speculative drafts verified", e["spec_drafted"]),
+                counter("spec_accepted_tokens", "speculative drafts accepted",
+                        e["spec_accepted"]),
+                gauge("spec_acceptance_rate", "speculative drafts accepted over drafts verified",
+                      e["spec_acceptance_rate"]),
+                counter("spec_verify_steps", "engine steps that verified drafts",
+                        e["spec_verify_steps"]),
+                gauge("tokens_per_step", "tokens a sequence's step chose, on average (1 without "
+                      "speculative decoding)", e["tokens_per_step"]),
             ]
             for name, value in sorted((e["experts"] or {}).items()):  # an offloaded MoE model
                 families.append(gauge(name, EXPERT_HELP.get(name, name.replace("_", " ")), value))
@@ -285,13 +294,18 @@ EXPERT_HELP = {
 
 
 def engine_numbers(st: EngineStats) -> dict[str, float]:
-    """The engine's stats as plain numbers, with the prefix cache's hit rate."""
+    """The engine's stats as plain numbers, with the prefix cache's hit rate, the drafts'
+    acceptance rate and the tokens a sequence's step chose."""
     q = st.prefix_query_tokens
     return {"running": st.running, "waiting": st.waiting, "kv_blocks_used": st.kv_blocks_used,
             "kv_blocks_free": st.kv_blocks_free, "kv_blocks_cached": st.kv_blocks_cached,
             "block_size": st.block_size, "prefix_hit_tokens": st.prefix_hit_tokens,
             "prefix_query_tokens": q, "prefix_hit_rate": st.prefix_hit_tokens / q if q else 0.0,
-            "preemptions": st.preemptions, "experts": dict(st.experts) if st.experts else None}
+            "preemptions": st.preemptions, "experts": dict(st.experts) if st.experts else None,
+            "spec_drafted": st.spec_drafted, "spec_accepted": st.spec_accepted,
+            "spec_acceptance_rate": st.spec_accepted / st.spec_drafted if st.spec_drafted else 0.0,
+            "spec_verify_steps": st.spec_verify_steps,
+            "tokens_per_step": st.tokens_chosen / st.token_rows if st.token_rows else 0.0}
 
 
 def _rss_bytes() -> int:

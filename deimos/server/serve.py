@@ -47,12 +47,14 @@ class ServeConfig:
     dense_weights: str | None = None  # auto, on, off (None: LLM's default, auto)
     experts: str | None = None  # auto, gpu, cpu (MoE models; None: auto)
     expert_cache_gib: float | None = None  # a fixed expert cache (None: elastic, from free memory)
+    speculative: str | None = None  # speculative decoding: "ngram" (None: off)
+    spec_k: int | None = None  # the most drafts a step verifies (None: SpecConfig's default)
 
     def engine_options(self) -> dict[str, object]:
         """The keyword arguments of ``LLM(**...)`` that this config sets."""
         out: dict[str, object] = {k: getattr(self, k) for k in (
             "max_seqs", "max_batch_tokens", "kv_tokens", "kv_gib", "block_size", "dense_weights",
-            "experts", "expert_cache_gib")
+            "experts", "expert_cache_gib", "speculative", "spec_k")
             if getattr(self, k) is not None}
         if not self.prefix_cache:
             out["prefix_cache"] = False
@@ -178,8 +180,9 @@ def serve(cfg: ServeConfig) -> int:
         _setup_request_log(dash.log_handler() if dash is not None else None)
         worker.start()
         ecfg = llm.engine.cfg
+        spec = f", {ecfg.spec.method} drafts up to {ecfg.spec.k_max}" if ecfg.spec else ""
         banner = (f"deimos: serving {name} (context {llm.n_ctx}, {ecfg.max_seqs} sequences at "
-                  f"once, KV pool {llm.engine.blocks.usable * ecfg.block_size} tokens) on "
+                  f"once, KV pool {llm.engine.blocks.usable * ecfg.block_size} tokens{spec}) on "
                   f"http://{_url_host(cfg.host)}:{sock.getsockname()[1]}/v1")
         try:
             DrainingServer(app, server.shutdown, banner, cfg.grace_s).run(sockets=[sock])
