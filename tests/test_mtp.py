@@ -379,3 +379,20 @@ def test_mix_types_equal_llama_quantize(preset):
         got = [t.name for t in weight_types(ftype).tensor_types(p, specs)]
         wrong = [(n, a, b) for n, a, b in zip(rec["names"], got, recorded.split()) if a != b]
         assert not wrong, f"{ftype}: {wrong[:5]}"
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_gpu_path_leaves_the_mtp_layers_in_the_file(paths, preset):
+    """deimos.models.gpu.source.main_tensors (what the GPU path packs) and the placement's
+    byte counts skip exactly the MTP layer's tensors (model.mtp is None on the GPU path)."""
+    from deimos.models.gpu.placement import expert_bytes
+    from deimos.models.gpu.source import main_tensors
+
+    f = GGUFFile(paths[preset])
+    n = load_model(f).config.n_layer
+    names = {t.name for t in main_tensors(f)}
+    mtp = {name for name in f.tensors if name.startswith(f"blk.{n}.")}
+    assert mtp and any(".nextn." in name for name in mtp)
+    assert names == set(f.tensors) - mtp
+    experts, other = expert_bytes(f)
+    assert experts + other == sum(f.tensors[name].nbytes for name in names)

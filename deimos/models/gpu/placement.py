@@ -23,6 +23,7 @@ import torch
 
 from deimos.models.gpu.dequant import dequantize_fp16
 from deimos.models.gpu.linear import LinearGroup, LinearPart, QuantLinear
+from deimos.models.gpu.source import main_tensors
 
 log = logging.getLogger("deimos")
 
@@ -115,10 +116,11 @@ class ExpertPlan:
 
 
 def expert_bytes(file) -> tuple[int, int]:
-    """(routed experts' bytes, every other tensor's bytes) of a GGUF file: its blocks as stored,
-    which is what the packed layouts take within a few percent."""
-    experts = sum(t.nbytes for t in file.tensors.values() if len(t.dims) >= 3)
-    return experts, sum(t.nbytes for t in file.tensors.values() if len(t.dims) < 3)
+    """(routed experts' bytes, every other tensor's bytes) of a GGUF file's main layers: its
+    blocks as stored, which is what the packed layouts take within a few percent."""
+    infos = main_tensors(file)  # an MTP layer's tensors are not loaded on the GPU path
+    experts = sum(t.nbytes for t in infos if len(t.dims) >= 3)
+    return experts, sum(t.nbytes for t in infos if len(t.dims) < 3)
 
 
 def plan_experts(file, mode: str = "auto", free_bytes: int | None = None,

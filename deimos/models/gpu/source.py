@@ -30,6 +30,19 @@ CHUNK_ELEMENTS = 1 << 23  # weights per packing job: rows are independent, so a 
 # (an 8B model's 525M-weight output) is packed by many threads at once
 
 
+def main_tensors(file: GGUFFile) -> list[TensorInfo]:
+    """The file's tensors less those of its MTP layers (the last '<arch>.nextn_predict_layers'
+    of its '<arch>.block_count' blocks; the config checks those keys against the tensors)."""
+    md = file.metadata
+    arch = md.get("general.architecture")
+    n_mtp, n_all = md.get(f"{arch}.nextn_predict_layers", 0), md.get(f"{arch}.block_count", 0)
+    infos = list(file.tensors.values())
+    if not isinstance(n_mtp, int) or not isinstance(n_all, int) or not 0 < n_mtp <= n_all:
+        return infos
+    skip = tuple(f"blk.{i}." for i in range(n_all - n_mtp, n_all))
+    return [t for t in infos if not t.name.startswith(skip)]
+
+
 @dataclass(frozen=True)
 class PackedExperts:
     """One projection of every routed expert of a layer (a GGUF 3-D tensor, numpy shape
@@ -61,9 +74,10 @@ class GpuWeights:
 
     def _pack_all(self) -> dict[str, PackedWeight]:
         """Every 2-D tensor of a kernel format, packed on CPU threads in row chunks (numpy
-        releases the GIL) and moved to the device chunk by chunk."""
+        releases the GIL) and moved to the device chunk by chunk; MTP layers' tensors stay in
+        the file (nothing on the GPU path runs them yet)."""
         jobs = []
-        for info in self.file.tensors.values():
+        for info in main_tensors(self.file):
             if len(info.shape) == 2 and info.ggml_type in PACKED_TYPES:
                 rows, step = info.shape[0], max(1, CHUNK_ELEMENTS // info.shape[1])
                 jobs += [(info, r, min(rows, r + step)) for r in range(0, rows, step)]
