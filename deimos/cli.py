@@ -777,8 +777,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=positive, default=None, help="replay the first N turns only")
     p.add_argument("--tools-in-system", action="store_true",
                    help="send the tool schemas as system-prompt text, not as the tools field "
-                        "(deimos serve holds a reply while tools are on, so its TTFT is not "
-                        "measured otherwise)")
+                        "(the same prompt text for servers whose templates render tools "
+                        "differently; a server that holds replies while tools are on)")
     p.add_argument("--warmup", type=_checked(int, Bound(lo=0, integer=True)), default=1,
                    help="short unrelated requests before the session (default 1)")
     p.add_argument("--temperature", type=_checked(float, SAMPLING_BOUNDS["temperature"]),

@@ -9,8 +9,8 @@ Per turn, as the client saw it:
 - prefill rate: new tokens / TTFT; decode rate: (completion tokens - 1) / (E2E - TTFT).
 Over the session the rates are token-weighted: the sums of tokens over the sums of times, so a
 turn counts by its size. A turn whose answer came in one piece at the end (one output delta
-for two or more tokens: ``deimos serve`` holds a reply while tools are on, to parse its tool
-calls) has no TTFT: it is left out of the rates and named. Wall time runs from the first turn
+for two or more tokens: a server that holds a reply to parse its tool calls, or a reply that
+is one tool call) has no TTFT: it is left out of the rates and named. Wall time runs from the first turn
 sent to the last one finished, one turn at a time.
 """
 
@@ -229,8 +229,9 @@ def markdown(report: AgentReport) -> str:
                      f"turns {_turns(s.not_forced)}.")
     if s.held:
         lines.append(f"Answer sent in one piece at the end, no TTFT (left out of the rates): "
-                     f"turns {_turns(s.held)}. deimos serve holds replies while tools are on; "
-                     "--tools-in-system sends the schemas as system-prompt text instead.")
+                     f"turns {_turns(s.held)}. A server that holds replies while tools are on "
+                     "(or a reply that is a tool call, sent whole): --tools-in-system sends the "
+                     "schemas as system-prompt text instead.")
     if s.cache_unknown:
         lines.append(f"No cached-token count from the server: turns {_turns(s.cache_unknown)} "
                      "(counted as all new).")

@@ -13,6 +13,8 @@
                 counts by the status the client got, the request log
     metrics     counters, speeds, memory (read by /metrics via prometheus_client, and the
                 dashboard)
-    tools       tool-call formats (prompting, parsing); dashboard: the terminal UI
+    tools       tool-call formats (prompting, parsing); tool_stream: a streamed reply's
+                content sent as it comes, only what may be a tool call held (json_prefix:
+                whether a "{..." text can still become JSON); dashboard: the terminal UI
     serve       bind, load the model, start worker + uvicorn (+ dashboard); drain on SIGTERM
 """
