@@ -125,3 +125,29 @@ def test_mixed_steps_and_preemption_on_the_gpu(files):
                 assert lp.top_logprobs[0] - lp.top_logprobs[1] < TIE
                 break
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_a_padded_prefill_graph_reads_no_stale_key(files):
+    """A prompt chunk replayed on a padded prefill graph (33 tokens on the 64-token graph, and
+    a 1-token chunk after a 32-token cache hit on the 16-token one) over a KV pool poisoned with
+    NaN: its attention reads only keys the cache holds (not the slots after the chunk's real
+    rows, which the step never writes), so the tokens equal the eager engine's."""
+    f = files[("llama-tiny-k", "Q4_K_M")]
+    ref = load_model(f)
+    runs = {}
+    for graphs in (True, False):
+        ker = ARCHITECTURES[ref.config.arch](ref.config, WeightSource(f, DEVICE, kernels=True))
+        eng = Engine(ker, EngineConfig(n_ctx=128, max_seqs=4, cuda_graphs=graphs))
+        eng.warm()
+        for t in (*eng.pool.k, *eng.pool.v):
+            t.fill_(float("nan"))
+        prompt = _prompts(ref.n_vocab)[2]  # 33 tokens
+        reqs = [Request(prompt, 8, GREEDY), Request(prompt, 8, GREEDY)]  # the second: 32 cached
+        for r in reqs:
+            _run(eng, [r])
+        assert reqs[1].cached_tokens == 32
+        if graphs:
+            assert sum(g.replays for g in eng.runner.prefill_graphs.values()) >= 2
+        runs[graphs] = [r.output_ids for r in reqs]
+    assert runs[True] == runs[False]

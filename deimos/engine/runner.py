@@ -12,6 +12,12 @@ always). Logits are computed only for the sequences whose step reaches the end o
 tokens (a decode, or a prompt's last chunk), and at every row of a sequence verifying drafts
 (speculative decoding, deimos.engine.speculate: its last token and its drafts, packed after the
 decodes like a prefill chunk; such a step always runs eagerly): those rows follow the others'.
+
+A hybrid model on the kernel path keeps its recurrent states in a state pool (the engine's,
+deimos.runtime.state_pool): a running sequence holds a slot from its first step (``_bind``:
+zeros, or the snapshot it was admitted with) until it leaves (``release``). Steps read the rows'
+slots on the device, so its decode steps replay graphs too; its prefill chunks always run
+eagerly (a padded chunk would advance the states by its padding).
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ from deimos.engine.scheduler import StepPlan
 from deimos.engine.sequence import Sequence
 from deimos.models.batch import Batch, SeqLayout
 from deimos.models.blocks import DecoderModel
-from deimos.models.deltanet import HybridKV, RecurrentState
+from deimos.models.deltanet import HybridKV, RecurrentState, StateError
 from deimos.runtime.kv_pool import KVPool
+from deimos.runtime.state_pool import SCRATCH_SLOT, SlotState, StatePool, StepSlots, state_pool_for
 
 
 @dataclass
@@ -99,10 +106,12 @@ class ModelRunner:
                  cuda_graphs: bool = True,
                  decode_after: Callable[[int], Callable[[torch.Tensor], None] | None] | None = None,
                  decode_before: Callable[[int, list[Sequence]], None] | None = None,
-                 decode_launched: Callable[[int], int | None] | None = None) -> None:
+                 decode_launched: Callable[[int], int | None] | None = None,
+                 states: StatePool | None = None) -> None:
         """``decode_after(B)``: what a decode graph of B rows captures after the model step
         (the batch's sampling), made once per bucket; None: logits only. ``decode_before(B,
-        sequences)``: called before such a graph replays (the sampling's inputs)."""
+        sequences)``: called before such a graph replays (the sampling's inputs). ``states``:
+        a hybrid model's state pool on the kernel path (default: one of ``max_seqs`` slots)."""
         self.model = model
         self.pool = pool
         self.n_ctx = n_ctx
@@ -115,6 +124,9 @@ class ModelRunner:
         self.last_decode = None  # the graph of the last decode replay
         self.decode_graphs: dict[int, object] = {}
         self.prefill_graphs: dict[int, object] = {}
+        self.states = states if states is not None else state_pool_for(model, max_seqs)
+        self._slots: dict[Sequence, SlotState] = {}  # the running sequences' state slots
+        self._graph_slots: dict[int, StepSlots] = {}  # a decode graph's slot ids, by bucket
         self.use_graphs = (cuda_graphs and self.device.type == "cuda"
                            and model.graph_safe)  # fmt: skip
         if self.use_graphs:
@@ -127,9 +139,13 @@ class ModelRunner:
                 if b > max_seqs:
                     break
                 after = decode_after(b) if decode_after is not None else None
-                self.decode_graphs[b] = StepGraph(model, pool, b, b, self.max_blocks, after, mempool)
+                kv = pool
+                if self.states is not None:  # the recurrent layers read each row's slot
+                    self._graph_slots[b] = StepSlots(b, self.device)
+                    kv = HybridKV(pool, [], self.states, self._graph_slots[b].dev)
+                self.decode_graphs[b] = StepGraph(model, kv, b, b, self.max_blocks, after, mempool)
             for n in PREFILL_BUCKETS:
-                if n > n_ctx:
+                if n > n_ctx or cfg.is_hybrid:  # a padded chunk would advance the states
                     break
                 tiles = prefill_tile_map([n], cfg.n_head, cfg.n_head_kv, cfg.head_dim, self.device)
                 self.prefill_graphs[n] = StepGraph(model, pool, n, 1, self.max_blocks, None, mempool,
@@ -226,6 +242,9 @@ class ModelRunner:
         if self.decode_before is not None:
             self.decode_before(graph.n_seqs, seqs)
         logits = graph.replay(chained=True)
+        if self.states is not None:  # the same rows on the same slots, one token further
+            for seq in seqs:
+                self._slots[seq].length += 1
         ticket = self.decode_launched(graph.n_seqs) if self.decode_launched is not None else None
         return StepResult(logits[: len(seqs)], list(seqs), graph, ticket)
 
@@ -256,8 +275,46 @@ class ModelRunner:
             h64[3 * n] = t - 1
             h32[:mb] = x.tables[0]
             h32[mb] = x.q_starts[0]
-            h32[mb + 1 :] = (0, n)
-        return g.replay()
+            # the chunk is its t real rows: the attention's keys end at its last real position.
+            # Counting the padding rows as the chunk's made a tile holding real rows read the
+            # keys after them (slots of the table's blocks this step never wrote: stale, NaN
+            # after a reuse), and a masked score times a NaN value is NaN in P @ V
+            h32[mb + 1 :] = (0, t)
+        slots = self._graph_slots.get(g.n_seqs) if g.decode else None
+        if slots is None:
+            return g.replay()
+        rows = [self._bind(seq) for seq in x.seqs]
+        slots.load([h.slot for h in rows])
+        logits = g.replay()
+        for h in rows:  # the graph's step consumed one token of each
+            h.length += 1
+        return logits
+
+    def _bind(self, seq: Sequence) -> SlotState:
+        """``seq``'s slot of the state pool: the one it holds, or one taken now and written with
+        zeros (a sequence from its first token) or the snapshot it was admitted with."""
+        held = self._slots.get(seq)
+        if held is not None and held is seq.state and held.length == seq.n_computed:
+            return held
+        if held is not None:  # re-admitted since it was preempted: a new start
+            self.release(seq)
+        st = self.states.bind(seq.state if seq.n_computed else None)
+        self._slots[seq] = st
+        seq.state = st
+        if st.length != seq.n_computed:
+            raise StateError(f"sequence {seq.id} resumes at position {seq.n_computed} from a "
+                             f"recurrent state of {st.length} tokens")  # fmt: skip
+        return st
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` left the running sequences (finished, cancelled, failed or preempted): its
+        state slot goes back to the pool (work queued on it still runs first: the stream's
+        order). Nothing to do off the state pool."""
+        held = self._slots.pop(seq, None)
+        if held is not None:
+            held.release()
+            if seq.state is held:
+                seq.state = None
 
     def _state(self, seq: Sequence):
         """``seq``'s recurrent state, new (zeros) when it starts from its first token (a new
@@ -280,7 +337,11 @@ class ModelRunner:
                            put(np.asarray(x.q_starts, dtype=np.int32)), put(cu))
         at = x.logits_at if len(x.logits_at) else np.asarray([len(x.tokens) - 1])
         kv = self.pool
-        if self.model.config.is_hybrid:  # the recurrent layers' state: each sequence's own
+        if self.states is not None:  # the recurrent layers' states: the rows' slots of the pool
+            rows = [self._bind(seq) for seq in x.seqs] if x.seqs is not None else []
+            ids = [st.slot for st in rows] or [SCRATCH_SLOT] * b  # the profile step: scratch
+            kv = HybridKV(self.pool, rows, self.states, put(np.asarray(ids, dtype=np.int32)))
+        elif self.model.config.is_hybrid:  # the recurrent layers' state: each sequence's own
             kv = HybridKV(self.pool, [self._state(seq) for seq in x.seqs])
         batch = Batch(put(x.tokens), put(x.positions), kv, layout, put(at))
         logits = self.model.step(batch)
