@@ -13,11 +13,18 @@ As llama_model_qwen35::graph::build_layer_attn_linear (llama.cpp 11434), for x [
            state S [Dh, Dh] carried across steps
     out  = ssm_out(rms_norm(o per head, ssm_norm) * silu(z))
 
-State: one ``RecurrentState`` per sequence, holding every recurrent layer's conv inputs and
-delta-rule state and the number of tokens it has consumed. The step finds the states through
-``batch.kv``: a ``HybridKV`` (the paged pool plus the states of the step's sequences, in the
-batch's order). The model writes them in place; a step must continue each state exactly where
-it stopped (its first position == the state's length).
+State: per sequence every recurrent layer's conv inputs and delta-rule state and the number of
+tokens it has consumed. The step finds the states through ``batch.kv``, a ``HybridKV``: the
+paged pool plus, in the batch's order, either
+- each sequence's own ``RecurrentState`` (the CPU reference; on the kernel path a per-step pool
+  of their rows is made and written back), or
+- a state pool (``HybridKV.store``, deimos.runtime.state_pool: per layer ``[n_slots, ...]``
+  device tensors) and each sequence's slot in it as a device tensor (``HybridKV.slots``),
+  the kernel path's persistent form: nothing in the step depends on the host, so a decode step
+  can be a CUDA graph. ``HybridKV.states`` then holds the sequences' handles (their lengths,
+  checked and advanced by an eager step), or nothing (a graph's step: the caller keeps them).
+The model writes the states in place; a step must continue each state exactly where it stopped
+(its first position == the state's length).
 
 Two layouts of the delta-rule state: "reference" ``[Hv, Dv, Dk]`` (llama.cpp's, the CPU
 reference's) and "kernel" ``[Hv, Dk, Dv]`` (its transpose: the Triton kernels', fla's, on the
@@ -29,6 +36,7 @@ On the kernel path (``WeightSource.triton_ops``) the block runs deimos.models.gp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -103,13 +111,26 @@ class RecurrentState:
         return sum(t.numel() * t.element_size() for t in [*self.conv.values(), *self.ssm.values()])
 
 
+class StateStore(Protocol):
+    """The state pool the kernel path reads (deimos.runtime.state_pool.StatePool): per recurrent
+    layer ``ssm[i]`` [n_slots, Hv, Dk, Dv] and ``conv[i]`` [n_slots, C, K - 1], float32."""
+
+    ssm: dict[int, torch.Tensor]
+    conv: dict[int, torch.Tensor]
+
+
 @dataclass
 class HybridKV:
     """``batch.kv`` of a hybrid model's step: the paged KV pool (its full-attention layers)
-    plus ``states[b]``, the RecurrentState of the step's sequence b."""
+    plus the step's recurrent states: ``states[b]`` the RecurrentState of the step's sequence
+    b; or, with ``store`` (the kernel path), ``slots`` int32 [B] on the device (sequence b's
+    slot of ``store``) and ``states`` the sequences' handles (anything with a ``length``) or
+    empty (a CUDA graph's step)."""
 
     pool: PagedKV
-    states: list[RecurrentState] = field(default_factory=list)
+    states: list = field(default_factory=list)
+    store: StateStore | None = None
+    slots: torch.Tensor | None = None
 
     @property
     def k(self):
@@ -124,13 +145,23 @@ class HybridKV:
         return self.pool.block_size
 
 
-def step_states(batch: Batch) -> list[RecurrentState]:
-    """The states of the step's sequences, checked against the batch's layout."""
-    states = getattr(batch.kv, "states", None)
+def step_states(batch: Batch) -> list:
+    """The states of the step's sequences, checked against the batch's layout (with a state
+    pool: the handles, or [] for a graph's step)."""
+    kv = batch.kv
+    states = getattr(kv, "states", None)
     seqs = batch.seqs
     if states is None:
         raise StateError("a hybrid model's step needs batch.kv = HybridKV(pool, states): one "
                          "RecurrentState per sequence (deimos.models.deltanet)")
+    if getattr(kv, "store", None) is not None:
+        slots = kv.slots
+        if slots is None or slots.shape != (seqs.n_seqs,) or slots.dtype != torch.int32:
+            got = None if slots is None else f"{slots.dtype} {tuple(slots.shape)}"
+            raise StateError(f"a step over a state pool needs HybridKV.slots int32 "
+                             f"[{seqs.n_seqs}] (one slot a sequence), got {got}")  # fmt: skip
+        if not states:
+            return []
     if len(states) != seqs.n_seqs:
         raise StateError(f"the step has {seqs.n_seqs} sequences but {len(states)} recurrent states")
     for b, (st, start) in enumerate(zip(states, seqs.q_starts)):
@@ -139,6 +170,13 @@ def step_states(batch: Batch) -> list[RecurrentState]:
                              f"state is at {st.length} (a recurrent state cannot be rewound: restore "
                              "a snapshot taken at that position)")
     return states
+
+
+def check_reference_states(batch: Batch) -> None:
+    """The CPU reference reads each sequence's own RecurrentState, never a state pool."""
+    if getattr(batch.kv, "store", None) is not None:
+        raise StateError("the CPU reference's recurrent layers take one RecurrentState per "
+                         "sequence (HybridKV.states), not a state pool (the kernel path's)")
 
 
 class GatedDeltaNet:
@@ -168,6 +206,7 @@ class GatedDeltaNet:
             from deimos.models.gpu.deltanet_ops import gated_delta_net  # imports triton
 
             return gated_delta_net(self, x, batch, states)
+        check_reference_states(batch)
         n = x.shape[0]
         hk, hv, dh = self.hk, self.hv, self.dh
         mixed = self.qkv(x)

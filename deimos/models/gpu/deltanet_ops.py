@@ -3,16 +3,19 @@ deimos.models.deltanet.GatedDeltaNet, itself checked against llama.cpp).
 
 For a step of B sequences (the first ``n_decode`` one token each, then prefill chunks):
 - the four projections of x through the block's linears (QuantLinear / LinearGroup on the GPU);
-- the short causal convolution with each sequence's K - 1 carried inputs, in torch ops on the
-  device (no conv kernel yet): the decode rows in one batched expression, each prefill chunk
-  by deimos.kernels.deltanet.causal_conv1d; then SiLU, the q/k head l2-norms, g and beta;
-- the gated delta rule: the step's states stacked into a per-step pool ``[B, Hv, Dk, Dv]``
-  (slot b = sequence b), gated_delta_decode for the decode rows and gated_delta_prefill for
-  the chunks (cu_seqlens from the batch), then each state written back to its sequence's own
-  tensor (one stack and one copy per layer and step: 2 x B x Hv Dk Dv x 4 bytes read and
-  written, about what the decode kernel itself moves; a persistent pool owned by the engine
-  would remove both, see the report);
+- the short causal convolution with each sequence's K - 1 carried inputs, then SiLU: the decode
+  rows in one launch (kernels.triton.causal_conv_decode: the window of each row's slot shifted
+  in place), each prefill chunk by deimos.kernels.deltanet.causal_conv1d on its slot's rows
+  (gathered and scattered by the device slot ids); then the q/k head l2-norms, g and beta;
+- the gated delta rule on the same slots: gated_delta_decode for the decode rows and
+  gated_delta_prefill for the chunks (cu_seqlens from the batch);
 - the per-head RMS norm (the Triton kernel), times SiLU(z), the output projection.
+
+The states live in a pool by slot (``[n_slots, Hv, Dk, Dv]`` and ``[n_slots, C, K - 1]`` per
+layer): the engine's persistent one (``HybridKV.store``, slots ``HybridKV.slots`` on the device:
+a decode step reads nothing from the host, so it can be a CUDA graph), or, when the batch
+brings each sequence's own RecurrentState, a pool of this step's rows made for the step
+(stacked, slot b = sequence b) and written back to the sequences' tensors after it.
 
 Value head h reads key head h % Hk (llama.cpp's qwen35 converter orders the value heads so that
 ggml_repeat tiles the key heads): the kernels' "tiled" head map. States are in the "kernel"
@@ -21,10 +24,13 @@ layout ``[Hv, Dk, Dv]`` (deimos.models.deltanet.RecurrentState.adopt).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from deimos.kernels.deltanet import causal_conv1d
+from deimos.kernels.triton.causal_conv_decode import causal_conv_update
 from deimos.kernels.triton.gated_delta_decode import gated_delta_decode
 from deimos.kernels.triton.gated_delta_prefill import gated_delta_prefill
 from deimos.models.batch import Batch
@@ -33,18 +39,14 @@ HEAD_MAP = "tiled"  # qwen35's value head h reads key head h % Hk; a block's hea
 
 
 def gated_delta_net(block, x: torch.Tensor, batch: Batch, states: list) -> torch.Tensor:
-    """``block`` (a GatedDeltaNet) on x ``[T, D]`` for the step ``batch``; ``states[b]``: the
-    RecurrentState of sequence b, in the "kernel" layout on x's device, advanced in place
-    (its ``length`` is the model's to move). Returns ``[T, D]``."""
+    """``block`` (a GatedDeltaNet) on x ``[T, D]`` for the step ``batch``, whose ``kv`` is a
+    HybridKV: with a state pool (``store``, ``slots``) the slots are advanced in place; else
+    ``states[b]`` is the RecurrentState of sequence b, in the "kernel" layout on x's device,
+    advanced in place (lengths are the model's to move). Returns ``[T, D]``."""
     seqs = batch.seqs
     n, nd, n_seq = x.shape[0], seqs.n_decode, seqs.n_seqs
-    hk, hv, dh, layer = block.hk, block.hv, block.dh, block.layer
-    for b, st in enumerate(states):
-        s = st.ssm[layer]
-        if st.layout != "kernel" or s.device != x.device or s.shape != (hv, dh, dh):
-            raise ValueError(f"gated_delta_net: layer {layer}: sequence {b}'s state is "
-                             f"{st.layout} {tuple(s.shape)} on {s.device}, not the kernel layout "
-                             f"[{hv}, {dh}, {dh}] on {x.device} (RecurrentState.adopt)")  # fmt: skip
+    hk, hv, dh = block.hk, block.hv, block.dh
+    ssm, conv, slots, write_back = _state_rows(batch.kv, states, block, x.device)
     head_map = getattr(block, "head_map", HEAD_MAP)
     if hasattr(block, "projections"):  # qwen3next: its own projection layouts (ssm_ba, ssm_in)
         mixed, z, beta, g = block.projections(x)
@@ -55,39 +57,75 @@ def gated_delta_net(block, x: torch.Tensor, batch: Batch, states: list) -> torch
         z = block.gate(x).float().view(n, hv, dh)
         beta = torch.sigmoid(block.beta(x).float()).contiguous()
         g = (F.softplus(block.alpha(x).float() + block.dt_bias) * block.a).contiguous()
-    y = F.silu(_conv(mixed, block.conv, states, layer, seqs.q_lens, nd))
+    y = _conv(mixed.contiguous(), block.conv, conv, slots, seqs.q_lens, nd)
     q = _l2_norm(y[:, : hk * dh].reshape(n, hk, dh), block.eps)
     k = _l2_norm(y[:, hk * dh : 2 * hk * dh].reshape(n, hk, dh), block.eps)
     v = y[:, 2 * hk * dh :].reshape(n, hv, dh).contiguous()
-    pool = torch.stack([st.ssm[layer] for st in states])  # [B, Hv, Dk, Dv], slot b = sequence b
-    slots = torch.arange(n_seq, dtype=torch.int32, device=x.device)
     out = torch.empty(n, hv, dh, dtype=torch.float32, device=x.device)
     scale = dh**-0.5
     if nd:
-        gated_delta_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], pool, slots[:nd], scale,
+        gated_delta_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm, slots[:nd], scale,
                            head_map, out=out[:nd])  # fmt: skip
     if nd < n_seq:
-        gated_delta_prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], seqs.cu_q[nd:] - nd, pool,
+        gated_delta_prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], seqs.cu_q[nd:] - nd, ssm,
                             slots[nd:], scale, head_map, out=out[nd:])  # fmt: skip
-    torch._foreach_copy_([st.ssm[layer] for st in states], list(pool.unbind(0)))
+    if write_back is not None:
+        write_back()
     o = block.ops.rms_norm(out.view(n * hv, dh), block.norm, block.eps).view(n, hv, dh)
     return block.out((o * F.silu(z)).reshape(n, hv * dh))
 
 
-def _conv(mixed: torch.Tensor, weight: torch.Tensor, states: list, layer: int, q_lens: list[int],
-          nd: int) -> torch.Tensor:
-    """The causal convolution of every sequence's rows of ``mixed [T, C]`` (float32) with its
-    carried inputs ``conv[layer] [K - 1, C]``, which it advances. Returns ``[T, C]``."""
+def _state_rows(kv, states: list, block, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable[[], None] | None]:
+    """(ssm pool [S, Hv, Dk, Dv], conv pool [S, C, K - 1], slots int32 [B], write_back or None)
+    of the block's layer: the batch's state pool, or a pool of the sequences' own states."""
+    layer, hv, dh = block.layer, block.hv, block.dh
+    c, kw = block.conv.shape
+    store = getattr(kv, "store", None)
+    if store is not None:
+        ssm, conv = store.ssm[layer], store.conv[layer]
+        if (ssm.shape[1:] != (hv, dh, dh) or conv.shape[1:] != (c, kw - 1)
+                or ssm.device != device or conv.device != device):  # fmt: skip
+            raise ValueError(f"gated_delta_net: layer {layer}: the state pool holds "
+                             f"{tuple(ssm.shape)} and {tuple(conv.shape)} on {ssm.device}, not "
+                             f"[S, {hv}, {dh}, {dh}] and [S, {c}, {kw - 1}] on {device}")  # fmt: skip
+        return ssm, conv, kv.slots, None
+    for b, st in enumerate(states):
+        s = st.ssm[layer]
+        if st.layout != "kernel" or s.device != device or s.shape != (hv, dh, dh):
+            raise ValueError(f"gated_delta_net: layer {layer}: sequence {b}'s state is "
+                             f"{st.layout} {tuple(s.shape)} on {s.device}, not the kernel layout "
+                             f"[{hv}, {dh}, {dh}] on {device} (RecurrentState.adopt)")  # fmt: skip
+    # this step's pool: slot b = sequence b (one stack and one copy back per layer and step)
+    ssm = torch.stack([st.ssm[layer] for st in states])
+    conv = torch.stack([st.conv[layer].t() for st in states])  # [B, C, K - 1]
+    slots = torch.arange(len(states), dtype=torch.int32, device=device)
+
+    def write_back() -> None:
+        torch._foreach_copy_([st.ssm[layer] for st in states], list(ssm.unbind(0)))
+        torch._foreach_copy_([st.conv[layer] for st in states], [t.t() for t in conv.unbind(0)])
+
+    return ssm, conv, slots, write_back
+
+
+def _conv(mixed: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+          q_lens: list[int], nd: int) -> torch.Tensor:
+    """SiLU of the causal convolution of every sequence's rows of ``mixed [T, C]`` (float32)
+    with the carried inputs of its slot of ``pool [S, C, K - 1]``, which it advances.
+    Returns ``[T, C]`` float32."""
     y = torch.empty_like(mixed)
-    if nd:  # one token each: its K - 1 predecessors and itself against the K taps
-        carried = torch.stack([st.conv[layer] for st in states[:nd]])  # [nd, K - 1, C]
-        xin = torch.cat((carried, mixed[:nd, None]), dim=1)  # [nd, K, C]
-        y[:nd] = (xin * weight.t()).sum(1)
-        torch._foreach_copy_([st.conv[layer] for st in states[:nd]], list(xin[:, 1:].unbind(0)))
-    t0 = nd
-    for st, m in zip(states[nd:], q_lens[nd:]):
-        y[t0 : t0 + m], st.conv[layer] = causal_conv1d(mixed[t0 : t0 + m], weight, st.conv[layer])
-        t0 += m
+    if nd:  # one token each: one launch, the windows shifted in place
+        causal_conv_update(mixed[:nd], weight, pool, slots[:nd], out=y[:nd])
+    if nd < len(q_lens):  # prefill chunks (eager steps): each from its slot's rows
+        at = slots[nd:].long()
+        carried = pool.index_select(0, at)  # [P, C, K - 1]
+        t0 = nd
+        for i, m in enumerate(q_lens[nd:]):
+            y[t0 : t0 + m], state = causal_conv1d(mixed[t0 : t0 + m], weight, carried[i].t())
+            carried[i] = state.t()
+            t0 += m
+        pool.index_copy_(0, at, carried)
+        y[nd:] = F.silu(y[nd:])
     return y
 
 
