@@ -220,6 +220,9 @@ def decode_config(s: int, b: int, hkv: int, d: int) -> DecodeConfig:
     splits of fixed keys (S / n_split) left one split of 9 tiles per row with work."""
     block_s = 32 if d > 128 else 64
     want = max(1, TARGET_PROGRAMS // max(1, b * hkv))
+    # the combine holds [n_split, D] partials in 4 warps' registers: at most 16K of them
+    # (D = 256: 64 splits; 128 splits took all 255 registers, sm_90 compile)
+    want = min(want, max(1, 16384 // max(16, triton.next_power_of_2(d))))
     return DecodeConfig(block_s, max(1, min(want, triton.cdiv(s, block_s))), 4)
 
 

@@ -55,13 +55,14 @@ from deimos.kernels.sample_batch import (  # noqa: F401  (re-exported)
     sample_rows_reference,
 )
 from deimos.kernels.triton.sampling import (
+    INT64_MIN,
     TOPK_BLOCK,
     TOPK_MERGE,
-    INT64_MIN,
     _order_bits,
     _order_keys,
     _store_top_block_keys,
     _store_top_keys,
+    merge_inputs,
     topk_passes,
 )
 
@@ -143,13 +144,8 @@ def _window_block_kernel(p_x, p_keys, p_bmax, p_bsum, p_bnan, V, stride_b, N_BLO
 def _window_merge_kernel(p_in, p_out, N_IN, N_OUT, p_temp,
                          MERGE: tl.constexpr, K_PAD: tl.constexpr):  # fmt: skip
     """deimos.kernels.triton.sampling's merge pass, a greedy row's keeping only its maximum."""
-    i_o = tl.program_id(0)
-    i_b = tl.program_id(1).to(tl.int64)
-    o_e = tl.arange(0, MERGE * K_PAD)
-    m_e = i_o * MERGE + o_e // K_PAD < N_IN
-    key = tl.load(p_in + (i_b * N_IN + i_o * MERGE) * K_PAD + o_e, mask=m_e, other=INT64_MIN)
-    p_o = p_out + (i_b * N_OUT + i_o) * K_PAD
-    if tl.load(p_temp + i_b) == 0.0:
+    key, p_o = merge_inputs(p_in, p_out, N_IN, N_OUT, MERGE, K_PAD)
+    if tl.load(p_temp + tl.program_id(1).to(tl.int64)) == 0.0:
         _store_greedy_key(key, p_o, K_PAD)
     else:
         _store_top_keys(key, p_o, K_PAD)

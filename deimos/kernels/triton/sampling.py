@@ -60,29 +60,37 @@ INT64_MIN = tl.constexpr(-9223372036854775807 - 1)
 
 
 @triton.jit
+def _value_cut(ordered, K_PAD: tl.constexpr):
+    """T = the K_PAD-th largest of ``ordered`` (int32 [N], N >= K_PAD), found bit by bit from
+    the top (31 counting passes): the sign first, then, as in two's complement setting a lower
+    bit always raises the value, each bit kept when at least K_PAD values are >= the
+    candidate. Returns (above T: fewer than K_PAD; equal to T: with those above at least
+    K_PAD; how many of the ties fill K_PAD)."""
+    n_pos = tl.sum((ordered >= 0).to(tl.int32), axis=0)
+    t = tl.where(n_pos >= K_PAD, 0, INT32_MIN).to(tl.int32)
+    one = tl.full([], 1, tl.int32)
+    for i in range(31):
+        cand = t | (one << (30 - i))
+        n_ge = tl.sum((ordered >= cand).to(tl.int32), axis=0)
+        t = tl.where(n_ge >= K_PAD, cand, t)
+    above = ordered > t
+    tie = ordered == t
+    return above, tie, K_PAD - tl.sum(above.to(tl.int32), axis=0)
+
+
+@triton.jit
 def _store_top_keys(key, p_out, K_PAD: tl.constexpr):
     """Store the K_PAD largest of ``key`` (int64 [N], N >= K_PAD, distinct apart from INT64_MIN
     padding) to p_out[0:K_PAD], in no particular order.
 
-    T = the K_PAD-th largest value (the keys' upper 32 bits), found bit by bit from the top
-    (31 counting passes): the sign first, then, as in two's complement setting a lower bit
-    always raises the value, each bit kept when at least K_PAD values are >= the candidate.
-    Every key above T is kept; of those whose value ties at T (rare: equal logits), the
+    T = the K_PAD-th largest value (the keys' upper 32 bits: ``_value_cut``). Every key above
+    T is kept; of those whose value ties at T (rare: equal logits), the
     biggest lower halves (the lowest ids) fill the rest, by a second search over the lower
     32 bits that runs only when there are more ties than room. The kept keys are compacted
     with a prefix sum. No sort anywhere (tl.topk's bitonic network also works, but Triton's
     interpreter runs its int64 compare-and-swap element by element: minutes per call)."""
     hi = (key >> 32).to(tl.int32)
-    n_pos = tl.sum((hi >= 0).to(tl.int32), axis=0)
-    t = tl.where(n_pos >= K_PAD, 0, INT32_MIN).to(tl.int32)
-    one = tl.full([], 1, tl.int32)
-    for i in range(31):
-        cand = t | (one << (30 - i))
-        n_ge = tl.sum((hi >= cand).to(tl.int32), axis=0)
-        t = tl.where(n_ge >= K_PAD, cand, t)
-    above = hi > t  # fewer than K_PAD; with the ties at T, at least K_PAD
-    tie = hi == t
-    need = K_PAD - tl.sum(above.to(tl.int32), axis=0)
+    above, tie, need = _value_cut(hi, K_PAD)
     sel = above | tie
     if tl.sum(tie.to(tl.int32), axis=0) > need:  # the ties' biggest lower halves (distinct)
         lo = key & 0xFFFFFFFF
@@ -125,16 +133,7 @@ def _store_top_block_keys(ordered, key, p_out, K_PAD: tl.constexpr):
     same logits, N >= K_PAD. The K_PAD-th largest value T is searched over the 32 value bits
     only (32 counting passes instead of 64); every key above T is kept, and of those tied at T
     the first positions, i.e. the lowest ids, i.e. the biggest keys: the same K_PAD keys."""
-    n_pos = tl.sum((ordered >= 0).to(tl.int32), axis=0)
-    t = tl.where(n_pos >= K_PAD, 0, INT32_MIN).to(tl.int32)
-    one = tl.full([], 1, tl.int32)
-    for i in range(31):
-        cand = t | (one << (30 - i))
-        n_ge = tl.sum((ordered >= cand).to(tl.int32), axis=0)
-        t = tl.where(n_ge >= K_PAD, cand, t)
-    above = ordered > t  # fewer than K_PAD; with the ties at T, at least K_PAD
-    tie = ordered == t
-    need = K_PAD - tl.sum(above.to(tl.int32), axis=0)
+    above, tie, need = _value_cut(ordered, K_PAD)
     sel = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= need))  # exactly K_PAD
     pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
     tl.store(p_out + pos, key, mask=sel)
@@ -155,12 +154,20 @@ def _topk_block_kernel(p_x, p_keys, V, stride_b, N_BLOCKS,
 @triton.jit
 def _topk_merge_kernel(p_in, p_out, N_IN, N_OUT,
                        MERGE: tl.constexpr, K_PAD: tl.constexpr):  # fmt: skip
+    key, p_o = merge_inputs(p_in, p_out, N_IN, N_OUT, MERGE, K_PAD)
+    _store_top_keys(key, p_o, K_PAD)
+
+
+@triton.jit
+def merge_inputs(p_in, p_out, N_IN, N_OUT, MERGE: tl.constexpr, K_PAD: tl.constexpr):
+    """A merge program's (row, output list): the keys of its MERGE input lists (INT64_MIN past
+    the last list) and where its K_PAD best go."""
     i_o = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
     o_e = tl.arange(0, MERGE * K_PAD)
     m_e = i_o * MERGE + o_e // K_PAD < N_IN
     key = tl.load(p_in + (i_b * N_IN + i_o * MERGE) * K_PAD + o_e, mask=m_e, other=INT64_MIN)
-    _store_top_keys(key, p_out + (i_b * N_OUT + i_o) * K_PAD, K_PAD)
+    return key, p_out + (i_b * N_OUT + i_o) * K_PAD
 
 
 def _check_logits(logits: torch.Tensor, who: str) -> torch.Tensor:
