@@ -169,6 +169,26 @@ def test_reference_layout_state_is_adopted_and_snapshot_restores(models):
     torch.testing.assert_close(again, first, rtol=0, atol=0)
 
 
+def block_rows(block, model, device: str, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
+    """A recurrent block alone on x [66, D]: 65 rows in one step, then one decode row, from a
+    fresh state (``reference``: the reference's layout); its outputs [66, D] on the host."""
+    pool, s = _pool(model, device), Seq(model, 0, device)
+    if reference:
+        s.state = RecurrentState.zeros(model.config)
+    ys = []
+    for rows, nd in ((slice(0, 65), 0), (slice(65, 66), 1)):
+        n = rows.stop - rows.start
+        i32 = {"dtype": torch.int32, "device": device}
+        layout = SeqLayout([n], [s.length], nd, torch.zeros(n, dtype=torch.long, device=device),
+                           s.table[None].to(device), torch.tensor([s.length], **i32),
+                           torch.tensor([0, n], **i32))  # fmt: skip
+        batch = Batch(torch.zeros(n, dtype=torch.long, device=device),
+                      torch.arange(s.length, s.length + n, device=device), pool, layout)
+        ys.append(block(x[rows].to(device), batch, [s.state]).float().cpu())
+        s.length += n
+    return torch.cat(ys)
+
+
 def test_block_with_gpu_linears_equals_reference(tiny, models):
     """Layer 0 (Gated DeltaNet) alone with the packed-weight linears (kernels=True): 65 tokens
     then one decode row, against the reference block."""
@@ -177,23 +197,7 @@ def test_block_with_gpu_linears_equals_reference(tiny, models):
     gpu = Qwen35Model(ref.config, w)
     blk_ref, blk = ref.layers[0].mixer, gpu.layers[0].mixer
     x = torch.randn(66, ref.config.n_embd, generator=torch.Generator().manual_seed(9))
-    outs = {}
-    for name, block, model, device in (("ref", blk_ref, ref, "cpu"), ("gpu", blk, gpu, DEVICE)):
-        pool, s = _pool(model, device), Seq(model, 0, device)
-        if name == "ref":
-            s.state = RecurrentState.zeros(ref.config)
-        ys = []
-        for rows, nd in ((slice(0, 65), 0), (slice(65, 66), 1)):
-            n = rows.stop - rows.start
-            i32 = {"dtype": torch.int32, "device": device}
-            layout = SeqLayout([n], [s.length], nd, torch.zeros(n, dtype=torch.long, device=device),
-                               s.table[None].to(device), torch.tensor([s.length], **i32),
-                               torch.tensor([0, n], **i32))  # fmt: skip
-            batch = Batch(torch.zeros(n, dtype=torch.long, device=device),
-                          torch.arange(s.length, s.length + n, device=device), pool, layout)
-            ys.append(block(x[rows].to(device), batch, [s.state]).float().cpu())
-            s.length += n
-        outs[name] = torch.cat(ys)
+    outs = {"ref": block_rows(blk_ref, ref, "cpu", x, reference=True), "gpu": block_rows(blk, gpu, DEVICE, x)}
     rel = _rel(outs["ref"], outs["gpu"])
     print(f"layer 0 with GPU linears: rel RMS {rel:.2e}")
     assert rel < REL, f"block output relative RMS error {rel:.2e}"

@@ -89,34 +89,15 @@ def test_kernel_path_block_equals_the_reference(paths, models, preset):
     map or ba layout is off by units."""
     import torch
     from kernel_device import DEVICE
-    from test_qwen35_gpu import Seq, _pool, _rel
-
-    from deimos.models.batch import Batch, SeqLayout
-    from deimos.models.deltanet import RecurrentState
+    from test_qwen35_gpu import _rel, block_rows
 
     ref = models[preset]
     ops = Qwen3NextModel(ref.config, WeightSource(GGUFFile(paths[preset]), DEVICE, kernels=False,
                                                   triton_ops=True))
+    assert not ref.layers[0].mixer.kernels and ops.layers[0].mixer.kernels
     x = torch.randn(66, ref.config.n_embd, generator=torch.Generator().manual_seed(9))
-    outs = {}
-    for name, model, device in (("ref", ref, "cpu"), ("ops", ops, DEVICE)):
-        block = model.layers[0].mixer
-        assert block.kernels == (name == "ops")
-        pool, s = _pool(model, device), Seq(model, 0, device)
-        if name == "ref":
-            s.state = RecurrentState.zeros(ref.config)
-        ys = []
-        for rows, nd in ((slice(0, 65), 0), (slice(65, 66), 1)):
-            n = rows.stop - rows.start
-            i32 = {"dtype": torch.int32, "device": device}
-            layout = SeqLayout([n], [s.length], nd, torch.zeros(n, dtype=torch.long, device=device),
-                               s.table[None].to(device), torch.tensor([s.length], **i32),
-                               torch.tensor([0, n], **i32))  # fmt: skip
-            batch = Batch(torch.zeros(n, dtype=torch.long, device=device),
-                          torch.arange(s.length, s.length + n, device=device), pool, layout)
-            ys.append(block(x[rows].to(device), batch, [s.state]).float().cpu())
-            s.length += n
-        outs[name] = torch.cat(ys)
+    outs = {"ref": block_rows(ref.layers[0].mixer, ref, "cpu", x, reference=True),
+            "ops": block_rows(ops.layers[0].mixer, ops, DEVICE, x)}
     rel = _rel(outs["ref"], outs["ops"])
     print(f"{preset} layer 0 on the kernel path: rel RMS {rel:.2e}")
     assert rel < 1e-4, f"{preset}: block output relative RMS error {rel:.2e}"
