@@ -8,19 +8,22 @@ moe_align + moe_gemm); gpu-marked: whole qwen3moe-tiny files against the referen
 (``compare_whole_moe``, which tests/test_gpu_model.py's ``_compare_whole`` hands MoE files to).
 
 Why a whole MoE model is compared differently from a dense one (measured on qwen3moe-tiny,
-seed 11, the 37-token prefill, under the interpreter; the H200 gave the same totals): each
-MoE block alone is within 4-7e-4 of the reference on the kernel model's own inputs, at every
-layer and token, and the kernels' routing equals the reference's on those inputs; yet the
-prefill logits differ by 2.8e-2 (Q8_0) and 7.2e-2 (Q4_K_M), because of the routing:
+seed 11, the 37-token prefill, under the interpreter): each MoE block alone is within
+4-7e-4 of the reference on the kernel model's own inputs, at every layer and token, and the
+kernels' routing equals the reference's on those inputs; yet the prefill logits differ by
+2.8e-2 (Q8_0) and 7.2e-2 (Q4_K_M; the H200: 2.8e-2, 7.6e-2), because of the routing:
 - a flip: the ~1e-3 relative difference of a token's hidden state moves the router's logits
   by up to 0.02-0.2 in the late layers, and where the reference's k-th and (k+1)-th logits
   are closer than that the token takes another expert (Q8_0: position 21 at layer 7, gap
-  0.009; Q4_K_M: position 28 at layer 6, gap 0.048): that token's logits differ by 16-44%;
+  0.009; Q4_K_M: position 28 at layer 6, gap 0.048, and on the decode path position 47 at
+  layer 0, gap 0.0002): that token's logits differ by 16-44%;
 - the weights: a sharp router (logits of std ~4) turns the same small difference into a
   weight difference of up to 6e-2 (position 36 of Q8_0: 5% off without any flip). With the
   reference's expert ids forced and the kernels' weights the error is 1.1e-2 / 8.4e-3; with
-  the reference's ids and weights forced, 2.5e-3 / 2.0e-3, every position under 4.5e-3.
-The reference itself moves as much: 1e-3 relative noise on its MoE inputs gives 0.9-4.1e-2.
+  the reference's ids and weights forced, 2.5e-3 / 2.0e-3, every position under 4.5e-3
+  (decode along the greedy path: 1.7e-3 / 8.5e-4).
+The reference itself moves as much: 1e-3 relative noise on its MoE inputs gives 0.9-4.1e-2
+(Q8_0, six draws).
 So the whole-model check forces the reference's routing (ids and weights) into the kernel
 model for the dense-model tolerances, and checks the kernels' own routing separately: at
 every call it must equal the reference's routing of the same input, and along the kernels'
@@ -99,11 +102,15 @@ def test_gpu_whole_qwen3moe_tiny(moe_file):
 LOCAL_GAP = 1e-3  # router-logit gap under which the same input may route differently: float32
                   # products in another order differ by ~1e-6
 ROUTE_WEIGHT = 1e-4  # the kernels' weights against the reference's for the same input and experts
-FLIP_GAP = 0.1  # reference gap under which the kernels' own path may take other experts: twice
-                # the largest flip seen (0.048), the router-logit difference there being 0.07
-MAX_FLIPS = 3  # positions of the prompt and the decode path (52) allowed to flip
+POSITION_REL = 2e-2  # each position's logits, reference routing forced (measured at most 4.5e-3;
+                     # a bug in some tokens' tile shows there before it moves the total)
+FLIP_GAP = 0.25  # reference gap under which the kernels' own path may take other experts: the
+                 # router logits of that path's inputs differ by up to 0.24 (median 0.003-0.02
+                 # a layer); the flips seen had gaps 0.0002-0.048, a typical gap is 2-4
+MAX_FLIPS = 5  # positions of the 52 (prompt and decode path) allowed to flip (seen: 1, 2)
 UNFORCED_REL = 5e-2  # logits of the positions that did not flip, on the kernels' own routing
-                     # (measured 1.1e-2: the weights' sensitivity, see the module docstring)
+                     # (measured 9.9e-3 / 1.4e-2: the weights' sensitivity and the flipped
+                     # positions' keys, see the module docstring)
 
 
 class Routed(NamedTuple):
@@ -188,9 +195,16 @@ def _kernel_routing(replay: list[Routed] | None = None, log: list[Routed] | None
 def _teacher_forced(model, prompt: list[int], tokens: list[int], device: str):
     """Logits at every prompt position [P, V], then at ``tokens`` fed one by one [N, V]."""
     kv = KVCache(model.config, len(prompt) + len(tokens), device=device)
-    pre = kv.forward(model, torch.tensor(prompt, device=device), torch.arange(len(prompt), device=device))
+    n = len(prompt)
+    pre = kv.forward(model, torch.tensor(prompt, device=device), torch.arange(n, device=device))
     dec = [kv.forward(model, torch.tensor([t], device=device))[0] for t in tokens]
     return pre.float().cpu(), torch.stack(dec).float().cpu()
+
+
+def _rel_rows(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """Each row's relative RMS error [N]."""
+    ref, got = ref.double(), got.double()
+    return (got - ref).norm(dim=1) / ref.norm(dim=1)
 
 
 def _by_id(weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -198,7 +212,8 @@ def _by_id(weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return weights.gather(1, ids.argsort(1))
 
 
-def _check_own_routing(ref_model, ref_log: list[Routed], got_log: list[Routed], n_prompt: int) -> list[Flip]:
+def _check_own_routing(ref_model, ref_log: list[Routed], got_log: list[Routed],
+                       n_prompt: int) -> list[Flip]:
     """The kernels' routing along their own path (``got_log``) against the reference's
     (``ref_log``, the same calls): at every call equal to the reference's routing of the same
     input (unless that input's gap < LOCAL_GAP); the first layer where a position's experts
@@ -224,8 +239,8 @@ def _check_own_routing(ref_model, ref_log: list[Routed], got_log: list[Routed], 
         flipped = (r.ids.sort(1).values != g.ids.sort(1).values).any(1)
         for t in flipped.nonzero().flatten().tolist():
             pos = t if step == 0 else n_prompt + step - 1
-            flips.setdefault(pos, Flip(pos, r.layer, gap_r[t].item(), margin_r[t].item(), x_rel[t].item(),
-                                       r.ids[t].tolist(), g.ids[t].tolist()))
+            flips.setdefault(pos, Flip(pos, r.layer, gap_r[t].item(), margin_r[t].item(),
+                                       x_rel[t].item(), r.ids[t].tolist(), g.ids[t].tolist()))
     return sorted(flips.values())
 
 
@@ -234,7 +249,8 @@ def compare_whole_moe(f: GGUFFile, label: str, device: str = "cuda", ref=None) -
     (``ref``: the file's reference model, when loaded already):
     - with the reference's routing (expert ids and weights of every token at every layer)
       forced into the kernel model: prefill logits and decode logits along the reference's
-      greedy path within 1e-2 relative RMS, the greedy tokens as _compare_whole asks;
+      greedy path within 1e-2 relative RMS, each position's within POSITION_REL, the greedy
+      tokens as _compare_whole asks;
     - on the kernels' own routing (the prompt, then the reference's tokens fed): at every
       call the same routing as the reference's for the same input, a position's experts
       other than the reference path's only where the reference's router gap < FLIP_GAP, at
@@ -269,14 +285,20 @@ def compare_whole_moe(f: GGUFFile, label: str, device: str = "cuda", ref=None) -
           f"the {len(flips)} positions that took other experts{flip_lines}")
     assert rel < 1e-2, f"{label}: prefill logits relative RMS error {rel:.2e} (reference routing)"
     assert rel_dec < 1e-2, f"{label}: decode logits relative RMS error {rel_dec:.2e} (reference routing)"
+    each = _rel_rows(torch.cat([ref_logits, ref_dec]), torch.cat([gpu_logits, gpu_dec]))
+    worst = int(each.argmax())
+    assert each[worst] < POSITION_REL, (f"{label}: position {worst}: logits relative RMS error "
+                                        f"{each[worst]:.2e} (reference routing)")
     picks = [int(torch.cat([gpu_logits[-1:], gpu_dec])[i].argmax()) for i in range(N_GREEDY)]
     top2 = torch.cat([ref_logits[-1:], ref_dec]).topk(2, dim=1).values
     gaps = (top2[:, 0] - top2[:, 1]).tolist()
     for i, (want, got) in enumerate(zip(ref_tokens, picks)):
-        assert got == want or gaps[i] < TIE, f"{label}: step {i} picks {got}, reference {want}, gap {gaps[i]:.3f}"
+        assert got == want or gaps[i] < TIE, (f"{label}: step {i} picks {got}, reference {want}, "
+                                              f"gap {gaps[i]:.3f}")
     first = next((i for i, (a, b) in enumerate(zip(ref_tokens, gpu_tokens)) if a != b), None)
     if first is not None:
-        assert gaps[first] < TIE, f"{label}: free-running greedy differs at step {first}, gap {gaps[first]:.3f}"
+        assert gaps[first] < TIE, (f"{label}: free-running greedy differs at step {first}, "
+                                   f"gap {gaps[first]:.3f}")
     wide = [fl for fl in flips if fl.gap >= FLIP_GAP]
     assert not wide, f"{label}: experts flipped where the reference's router gap was wide:{flip_lines}"
     assert len(flips) <= MAX_FLIPS, f"{label}: {len(flips)} positions took other experts:{flip_lines}"
