@@ -37,6 +37,7 @@ from deimos.engine.speculate import SpecConfig, SpecState, make_drafter
 from deimos.kernels.sampling import Sampler, logprobs
 from deimos.models.blocks import DecoderModel
 from deimos.runtime.kv_pool import KVPool, bytes_per_token, pool_blocks
+from deimos.runtime.state_pool import state_pool_for
 
 log = logging.getLogger("deimos")
 
@@ -134,6 +135,9 @@ class Engine:
         self.model = model
         self.cfg = cfg
         self.n_vocab = model.config.n_vocab
+        # a hybrid model's recurrent states on the kernel path: a slot per running sequence,
+        # allocated before the KV pool is sized from the memory left
+        self.states = state_pool_for(model, cfg.max_seqs)
         self.pool = _make_pool(model, cfg)
         # a hybrid model's recurrent layers can start from a cached prefix only where a snapshot
         # of their state was kept: its cache needs one (the latest full block of each sequence)
@@ -153,7 +157,7 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, cfg.n_ctx, cfg.max_seqs, cfg.cuda_graphs,
                                   decode_after=self.sampler.graph_hook,
                                   decode_before=self.sampler.prepare,
-                                  decode_launched=self.sampler.launched)
+                                  decode_launched=self.sampler.launched, states=self.states)
         self._ids = itertools.count()
         self._inflight = None  # a launched step not read yet (deimos.engine.runner.StepResult)
         self.steps = 0
@@ -170,8 +174,9 @@ class Engine:
         self.runner.warm(progress)
         if not self.model.graph_safe:
             # a model whose steps read host state (an offloaded MoE: the profile would route
-            # 2048 tokens through the CPU and fill the expert cache's statistics; a hybrid: each
-            # sequence's recurrent state) gets no profile step: its memory follows other rules
+            # 2048 tokens through the CPU and fill the expert cache's statistics; a hybrid off
+            # the state pool: each sequence's recurrent state) gets no profile step: its memory
+            # follows other rules
             return
         peak = self.runner.profile(self.cfg.max_batch_tokens)
         if peak:
@@ -207,7 +212,7 @@ class Engine:
         """Stop ``seq`` now (from the owning thread); its blocks are free before the next step."""
         if not seq.finished:
             seq.request.finish_reason = seq.request.finish_reason or "cancelled"
-            self.scheduler.finish(seq)
+            self._finish(seq)
 
     @property
     def has_work(self) -> bool:
@@ -231,6 +236,8 @@ class Engine:
         if self._inflight is not None:
             return self._continue()
         plan = self.scheduler.schedule()
+        for seq in plan.preempted:  # a preempted sequence starts again from a snapshot or zeros
+            self.runner.release(seq)
         if plan.empty:
             return []
         try:
@@ -251,13 +258,18 @@ class Engine:
             return []
         return self._read(result)
 
+    def _finish(self, seq: Sequence) -> None:
+        """``seq`` is done: its blocks back (the scheduler), its recurrent-state slot back."""
+        self.scheduler.finish(seq)
+        self.runner.release(seq)
+
     def _failed(self, seqs: list[Sequence], e: Exception) -> list[StepOutput]:
         log.error("engine step failed: %s", e, exc_info=True)
         err = EngineError(f"the engine failed on a step: {type(e).__name__}: {e}")
         outs = []
         for seq in seqs:
             if not seq.finished:
-                self.scheduler.finish(seq)
+                self._finish(seq)
                 outs.append(StepOutput(seq, None, err))
         return outs
 
@@ -408,7 +420,7 @@ class Engine:
         req = seq.request
         if error is not None or token is None:
             req.finish_reason = "error"
-            self.scheduler.finish(seq)
+            self._finish(seq)
             return StepOutput(seq, None, error)
         req.sampler.accept(token)
         req.output_ids.append(token)
@@ -421,5 +433,5 @@ class Engine:
             req.finish_reason = "length"
         if req.finish_reason is not None:
             self._seal(seq)  # its last full blocks (and a hybrid's state there) stay cached
-            self.scheduler.finish(seq)
+            self._finish(seq)
         return StepOutput(seq, token)
