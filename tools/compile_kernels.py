@@ -561,7 +561,8 @@ def _moe_jobs() -> list[Job]:
 def _gated_delta_jobs() -> list[Job]:
     """The gated delta rule (kernels.triton.gated_delta_decode / gated_delta_prefill) at Qwen3.5 /
     Qwen3-Next heads (Dk = Dv = 128; 16 key heads for 32 value heads, grouped and tiled),
-    bf16 and float32 inputs; the prefill's dots in ieee and tf32."""
+    bf16 and float32 inputs; the prefill's dots in ieee and tf32; the causal convolution's
+    decode step (kernels.triton.causal_conv_decode) over those heads' 8192 channels, K = 4."""
     import importlib
 
     import torch
@@ -578,6 +579,13 @@ def _gated_delta_jobs() -> list[Job]:
                             _warm(dec._decode_kernel, [x, x, x, x, x, x, f32, i32, d**-0.5],
                                   HK=hk, HV=hv, DK=d, DV=d, BLOCK_V=bv, TILED=tiled,
                                   num_warps=4, **PDL_KW)))
+    conv = importlib.import_module("deimos.kernels.triton.causal_conv_decode")
+    c = (2 * hk + hv) * d  # the convolution's channels: q, k and v
+    for x in (f32, bf16):
+        bc = conv.conv_block_c(c)
+        jobs.append(Job("conv_update", f"C={c} K=4 BC={bc} {str(x)[6:]}",
+                        _warm(conv._conv_update_kernel, [x, f32, f32, i32, f32], C=c, K=4,
+                              BLOCK_C=bc, num_warps=4, **PDL_KW)))
     bv, warps = pre.prefill_config(d, d)
     for x, prec in ((bf16, "ieee"), (f32, "ieee"), (bf16, "tf32")):
         jobs.append(Job("gdn_prefill", f"H={hv}/{hk} D={d} BV={bv} w={warps} {str(x)[6:]} {prec}",

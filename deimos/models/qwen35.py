@@ -13,7 +13,7 @@ deimos.models.deltanet. Two paths: the CPU reference (the delta rule in torch) a
 path (``WeightSource.triton_ops``, the default on CUDA: the GPU linears, the ops' Triton
 attention, the delta rule by deimos.models.gpu.deltanet_ops), whose states are in the "kernel"
 layout on the model's device (``new_state``; a state in the other layout is converted at the
-start of the step).
+start of the step), or slots of the engine's state pool (deimos.runtime.state_pool).
 
 MTP layers (``<arch>.nextn_predict_layers``, after the main layers): ``model.mtp``, a
 deimos.models.mtp.MTPHead on the CPU reference (None without them, and on the kernel path);
@@ -92,7 +92,6 @@ class Qwen35Model(DecoderModel):
     """A hybrid model: ``step(batch)`` needs ``batch.kv`` to be a ``HybridKV`` (the pool and one
     RecurrentState per sequence); the states advance by the step's tokens."""
 
-    graph_safe = False  # the recurrent layers gather the step's states on the host
     mlp_block = GatedMLP  # every layer's feed-forward block (the MoE variants set theirs)
     deltanet_block = GatedDeltaNet  # the recurrent layers' block
 
@@ -109,6 +108,13 @@ class Qwen35Model(DecoderModel):
     def _mtp_layer(self, cfg: ModelConfig, i: int, w: WeightSource) -> Qwen35Layer:
         """An MTP layer's decoder block: this model's layer (full attention: i >= n_layer)."""
         return Qwen35Layer(cfg, i, w, self.mlp_block, self.deltanet_block)
+
+    @property
+    def graph_safe(self) -> bool:
+        """Decode steps on the kernel path whose states come in a state pool (``HybridKV.store``,
+        slots on the device; deimos.runtime.state_pool) read nothing from the host. Prefill
+        chunks are never captured: a padded chunk would advance the states by its padding."""
+        return self.state_layout == "kernel" and super().graph_safe
 
     def new_state(self) -> RecurrentState:
         """A fresh RecurrentState for this model: its layout, on its device."""
