@@ -87,8 +87,9 @@ ENGINE_FLAGS = {"max_seqs": "--max-seqs", "max_batch_tokens": "--max-batch-token
                 "kv_tokens": "--kv-tokens", "kv_gib": "--kv-gib", "block_size": "--block-size",
                 "prefix_cache": "--no-prefix-cache"}
 # speculative decoding's flags: the LLM arguments they set, and the SpecConfig words in its errors
-SPEC_FLAGS = {"speculative": "--speculative", "spec_k": "--spec-k"}
-SPEC_WORDS = {"speculative method": "--speculative", "k_max": "--spec-k"}
+SPEC_FLAGS = {"speculative": "--speculative", "spec_k": "--spec-k", "draft_model": "--draft-model"}
+SPEC_WORDS = {"speculative method": "--speculative", "k_max": "--spec-k",
+              "a draft_model": "--draft-model"}
 CPU_MAX_SEQS = 32  # LLM's default on the CPU (EngineConfig's, 64, on a GPU)
 
 
@@ -117,12 +118,15 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="do not reuse the KV blocks of earlier prompts' shared prefixes")
     g.add_argument("--speculative", default=None, metavar="METHOD",
                    help="speculative decoding: ngram (prompt lookup: drafts copied from the "
-                        "prompt and the answer so far, verified several at a time in one "
-                        "batched step; greedy output unchanged, sampled output the same "
-                        "distribution)")
+                        "prompt and the answer so far) or draft (a draft model's greedy "
+                        "drafts, --draft-model), verified several at a time in one batched "
+                        "step; greedy output unchanged, sampled output the same distribution")
     g.add_argument("--spec-k", type=positive, default=None, metavar="N",
                    help="with --speculative: the most drafts one step verifies (default 6; "
                         "each sequence adapts it to its acceptance)")
+    g.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="with --speculative draft: a smaller GGUF model with the same "
+                        "vocabulary (a path or a known name)")
     g.add_argument("--experts", choices=("auto", "gpu", "cpu"), default=None,
                    help="MoE models on a GPU: where the routed experts live (default auto: on the "
                         "GPU when the model fits, else on the host with an elastic GPU cache of "
@@ -153,10 +157,12 @@ def engine_options(args: argparse.Namespace, device: str) -> dict[str, object]:
     if device == "cpu":
         trial.setdefault("max_seqs", CPU_MAX_SEQS)
     method, k = getattr(args, "speculative", None), getattr(args, "spec_k", None)
-    if k is not None and method is None:
-        raise ValueError("--spec-k needs --speculative (e.g. --speculative ngram)")
+    draft = getattr(args, "draft_model", None)
+    for value, flag in ((k, "--spec-k"), (draft, "--draft-model")):
+        if value is not None and method is None:
+            raise ValueError(f"{flag} needs --speculative (e.g. --speculative ngram)")
     try:
-        spec = speculation(method, k)
+        spec = speculation(method, k, draft)
         EngineConfig(n_ctx=2, spec=spec, **trial)  # its checks, before the model loads
     except ValueError as e:
         message = str(e)

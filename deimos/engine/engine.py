@@ -37,7 +37,6 @@ from deimos.engine.speculate import SpecConfig, SpecState, make_drafter
 from deimos.kernels.sampling import Sampler, logprobs
 from deimos.models.blocks import DecoderModel
 from deimos.runtime.kv_pool import KVPool, bytes_per_token, pool_blocks
-from deimos.runtime.state_pool import state_pool_for
 
 log = logging.getLogger("deimos")
 
@@ -135,20 +134,17 @@ class Engine:
         self.model = model
         self.cfg = cfg
         self.n_vocab = model.config.n_vocab
-        # a hybrid model's recurrent states on the kernel path: a slot per running sequence,
-        # allocated before the KV pool is sized from the memory left
-        self.states = state_pool_for(model, cfg.max_seqs)
+        self.drafter = None
+        if cfg.spec is not None:  # before the KV pool: a draft model's memory is taken first
+            if model.config.is_hybrid:
+                raise ValueError(
+                    f"speculative decoding is not supported for {model.config.arch} (a hybrid "
+                    "model: its recurrent state cannot be rolled back past rejected drafts yet)")
+            self.drafter = make_drafter(cfg.spec, model, cfg.n_ctx, cfg.max_seqs)
         self.pool = _make_pool(model, cfg)
         # a hybrid model's recurrent layers can start from a cached prefix only where a snapshot
         # of their state was kept: its cache needs one (the latest full block of each sequence)
         self.hybrid = model.config.is_hybrid
-        self.drafter = None
-        if cfg.spec is not None:
-            if self.hybrid:
-                raise ValueError(
-                    f"speculative decoding is not supported for {model.config.arch} (a hybrid "
-                    "model: its recurrent state cannot be rolled back past rejected drafts yet)")
-            self.drafter = make_drafter(cfg.spec)
         self.blocks = BlockManager(self.pool.n_blocks, cfg.block_size, cfg.prefix_cache,
                                    needs_state=self.hybrid, max_states=2 * cfg.max_seqs)
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(cfg.max_seqs, cfg.max_batch_tokens),
@@ -157,7 +153,7 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, cfg.n_ctx, cfg.max_seqs, cfg.cuda_graphs,
                                   decode_after=self.sampler.graph_hook,
                                   decode_before=self.sampler.prepare,
-                                  decode_launched=self.sampler.launched, states=self.states)
+                                  decode_launched=self.sampler.launched)
         self._ids = itertools.count()
         self._inflight = None  # a launched step not read yet (deimos.engine.runner.StepResult)
         self.steps = 0
@@ -174,9 +170,8 @@ class Engine:
         self.runner.warm(progress)
         if not self.model.graph_safe:
             # a model whose steps read host state (an offloaded MoE: the profile would route
-            # 2048 tokens through the CPU and fill the expert cache's statistics; a hybrid off
-            # the state pool: each sequence's recurrent state) gets no profile step: its memory
-            # follows other rules
+            # 2048 tokens through the CPU and fill the expert cache's statistics; a hybrid: each
+            # sequence's recurrent state) gets no profile step: its memory follows other rules
             return
         peak = self.runner.profile(self.cfg.max_batch_tokens)
         if peak:
@@ -236,8 +231,6 @@ class Engine:
         if self._inflight is not None:
             return self._continue()
         plan = self.scheduler.schedule()
-        for seq in plan.preempted:  # a preempted sequence starts again from a snapshot or zeros
-            self.runner.release(seq)
         if plan.empty:
             return []
         try:
@@ -259,9 +252,10 @@ class Engine:
         return self._read(result)
 
     def _finish(self, seq: Sequence) -> None:
-        """``seq`` is done: its blocks back (the scheduler), its recurrent-state slot back."""
+        """``seq`` is done: its blocks back (the scheduler), a draft model's blocks for it."""
         self.scheduler.finish(seq)
-        self.runner.release(seq)
+        if self.drafter is not None:
+            self.drafter.release(seq)
 
     def _failed(self, seqs: list[Sequence], e: Exception) -> list[StepOutput]:
         log.error("engine step failed: %s", e, exc_info=True)

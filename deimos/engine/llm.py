@@ -67,13 +67,26 @@ def context_size(n_ctx: int | None, trained: int, name: str = "n_ctx") -> int:
     return n_ctx
 
 
-def speculation(method: str | None, k: int | None) -> SpecConfig | None:
-    """The SpecConfig of ``speculative`` / ``spec_k`` (None: speculative decoding off)."""
+def speculation(method: str | None, k: int | None,
+                draft_model: str | None = None) -> SpecConfig | None:
+    """The SpecConfig of ``speculative`` / ``spec_k`` / ``draft_model`` (None: off)."""
     if method is None:
-        if k is not None:
-            raise ValueError("spec_k needs speculative (e.g. speculative='ngram')")
+        if k is not None or draft_model is not None:
+            raise ValueError("spec_k and draft_model need speculative (e.g. speculative='ngram')")
         return None
-    return SpecConfig(method) if k is None else SpecConfig(method, k_max=k)
+    extra = {} if k is None else {"k_max": k}
+    return SpecConfig(method, draft_model=draft_model, **extra)
+
+
+def same_vocabulary(model: GGUFFile, draft: GGUFFile) -> None:
+    """A ValueError unless ``draft`` tokenizes as ``model`` does (the same token strings)."""
+    key = "tokenizer.ggml.tokens"
+    a, b = model.metadata.get(key), draft.metadata.get(key)
+    if a is None or b is None or len(a) != len(b) or list(a) != list(b):
+        n_a, n_b = len(a or ()), len(b or ())
+        raise ValueError(f"the draft model {Path(draft.path).name} does not share "
+                         f"{Path(model.path).name}'s vocabulary ({n_b} tokens against {n_a}, "
+                         "or different ones): a draft model must tokenize as the model does")
 
 
 @dataclass(frozen=True)
@@ -92,7 +105,8 @@ class LLM:
     def __init__(self, model: str | Path, *, n_ctx: int | None = None, device: str = "cpu",
                  progress=None, dense_weights: str = "auto", experts: str = "auto",
                  expert_cache_gib: float | None = None, speculative: str | None = None,
-                 spec_k: int | None = None, **engine: Any):
+                 spec_k: int | None = None, draft_model: str | Path | None = None,
+                 **engine: Any):
         """``model``: a GGUF path or the short name of a known model (pulled if needed).
         ``progress(label)``: called at each loading stage (the CLI's progress bar).
         ``n_ctx``: the most tokens one sequence holds; past the model's trained context it is
@@ -103,10 +117,13 @@ class LLM:
         (MoE files on a GPU): auto, gpu or cpu: the routed experts on the GPU, or on the host
         with a GPU cache of slots (deimos.models.gpu.offload), sized from free memory and
         elastic, or fixed at ``expert_cache_gib``. ``speculative``: "ngram" (prompt lookup drafts,
-        deimos.engine.speculate) or None (off); ``spec_k``: the most drafts a step verifies
-        (default: SpecConfig's). A SpecConfig may also come as ``spec``."""
+        deimos.engine.speculate), "draft" (greedy drafts of ``draft_model``, a GGUF path or known
+        name with this model's vocabulary) or None (off); ``spec_k``: the most drafts a step
+        verifies (default: SpecConfig's). A SpecConfig may also come as ``spec``."""
         check_device(device)
-        spec = speculation(speculative, spec_k)
+        if draft_model is not None:
+            draft_model = str(resolve(draft_model))
+        spec = speculation(speculative, spec_k, draft_model)
         if spec is not None:
             if engine.get("spec") is not None:
                 raise ValueError("give speculative (and spec_k) or spec, not both")
@@ -141,6 +158,9 @@ class LLM:
         tokens = md.get("tokenizer.ggml.tokens", [])
         self.template = ChatTemplate.from_metadata(md, tokens)
         self.stop_ids = end_of_generation_ids(self.tokenizer.vocab, self.template)
+        spec = engine.get("spec")
+        if spec is not None and spec.draft_model is not None:
+            same_vocabulary(self.file, GGUFFile(spec.draft_model))
         n_ctx = context_size(n_ctx, self.config.context_length)
         if n_ctx > self.config.context_length:
             log.warning("context size %d is past %s's trained context of %d tokens: expect "

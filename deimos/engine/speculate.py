@@ -24,34 +24,46 @@ asks for adapts to what it accepted (``SpecState``). A sequence asking for none 
 
 Drafters: ``NgramDrafter`` (prompt lookup: the tokens that followed the most recent earlier
 occurrence of the sequence's last n tokens, n from ``ngram_max`` down to ``ngram_min``, in its
-own prompt and outputs). A draft model or MTP heads implement the same ``propose``. Nothing
-here touches tensors.
+own prompt and outputs); ``DraftModelDrafter`` (greedy drafts of a smaller model with the same
+vocabulary, on a KV pool of its own). MTP heads would implement the same ``propose``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+
+from deimos.engine.block_manager import BlockManager
+from deimos.models.batch import Batch, SeqLayout
+from deimos.runtime.kv_pool import KVPool, bytes_per_token
 
 if TYPE_CHECKING:
     from deimos.engine.sequence import Sequence
+    from deimos.models.blocks import DecoderModel
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 K_LIMIT = 16  # drafts a verification may carry
 NGRAM_LIMIT = 16
 BACKOFF_MIN, BACKOFF_MAX = 4, 64  # plain tokens after a failed probe of one draft (doubling)
 MISS_MAX = 16  # plain tokens after the drafter had nothing (doubling from 1)
+DRAFT_KV_BYTES = 2 * 2**30  # the most a draft model's KV pool takes
+DRAFT_CHUNK = 512  # tokens a draft model's catch-up step feeds at most
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding's settings: ``method`` (ngram: prompt lookup), ``k_max`` (the most
-    drafts one verification carries), the n-gram lengths the lookup tries (longest first)."""
+    """Speculative decoding's settings: ``method`` (ngram: prompt lookup; draft: a draft model,
+    the GGUF file ``draft_model``, with the target's vocabulary), ``k_max`` (the most drafts one
+    verification carries), the n-gram lengths the lookup tries (longest first)."""
 
     method: str = "ngram"
     k_max: int = 6
     ngram_min: int = 2
     ngram_max: int = 4
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -64,6 +76,9 @@ class SpecConfig:
                 raise ValueError(f"{name} must be an integer in {lo}..{hi}, got {v!r}")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("speculative method draft needs a draft_model (a GGUF file with the "
+                             "model's vocabulary), and only it takes one")
 
 
 @dataclass(slots=True)
@@ -110,6 +125,10 @@ class Drafter(Protocol):
     def propose(self, seq: Sequence, k: int) -> list[int]:
         """Up to ``k`` tokens guessed to follow ``seq.tokens`` (fewer, or none: no guess).
         Per-sequence state lives in ``seq.spec.drafter``, never in the drafter."""
+        ...
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` finished: what the drafter holds for it goes back."""
         ...
 
 
@@ -166,8 +185,114 @@ class NgramDrafter:
             st.drafter = NgramIndex(self.n_min, self.n_max)
         return st.drafter.lookup(seq.tokens, k)
 
+    def release(self, seq: Sequence) -> None:
+        pass  # the index goes with the sequence
 
-def make_drafter(cfg: SpecConfig) -> Drafter:
+
+@dataclass(slots=True)
+class DraftCache:
+    """A sequence's state in the draft model's cache: its block table and the tokens whose keys
+    and values it holds (``fed``: the sequence's first ``agreed`` tokens, then drafts)."""
+
+    table: list[int] = field(default_factory=list)
+    fed: list[int] = field(default_factory=list)
+    agreed: int = 0
+
+
+class DraftModelDrafter:
+    """Greedy drafts from a smaller model with the target's vocabulary, on a KV pool of its own
+    (``kv_tokens`` positions shared by the sequences through block tables). Before proposing
+    for a sequence it rolls its cache back to the longest prefix the sequence still agrees with
+    (rejected drafts go), feeds what the sequence gained since (chunks of ``DRAFT_CHUNK``), then
+    takes k - 1 more greedy steps. A sequence the pool cannot hold gets no drafts; its blocks
+    go back when it finishes (``release``). Each sequence's draft steps run alone (eagerly)."""
+
+    def __init__(self, model: DecoderModel, n_ctx: int, kv_tokens: int, block_size: int = 16) -> None:
+        if model.config.is_hybrid:
+            raise ValueError(f"a draft model must not be hybrid ({model.config.arch}: its "
+                             "recurrent state cannot be rolled back)")
+        self.model = model
+        self.block_size = block_size
+        n_blocks = -(-max(kv_tokens, n_ctx) // block_size) + 1  # and the scratch block
+        self.pool = KVPool(model.config, n_blocks, block_size, model.device)
+        self.blocks = BlockManager(n_blocks, block_size, prefix_cache=False)
+        self.max_blocks = -(-n_ctx // block_size)
+
+    @staticmethod
+    def pool_tokens(model: DecoderModel, n_ctx: int, max_seqs: int) -> int:
+        """A context per running sequence, at most DRAFT_KV_BYTES (at least one context)."""
+        dtype = torch.float32 if model.device.type == "cpu" else torch.float16
+        per = bytes_per_token(model.config, dtype)
+        return max(n_ctx, min(n_ctx * max_seqs, DRAFT_KV_BYTES // per))
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        st = seq.spec.drafter
+        if st is None:
+            st = seq.spec.drafter = DraftCache()
+        tokens = seq.tokens
+        n_tok = len(tokens)
+        n = min(st.agreed, n_tok - 1)  # tokens never change: only drafts fed after them may differ
+        top = min(len(st.fed), n_tok - 1)  # the last token is fed below in any case
+        while n < top and st.fed[n] == tokens[n]:
+            n += 1
+        del st.fed[n:]
+        need = n_tok + k - 1  # the sequence's tokens and every draft but the last
+        if self.blocks.blocks_to_grow(st.table, need) > self.blocks.n_free:
+            return []
+        self.blocks.grow(st.table, need)
+        with torch.inference_mode():
+            while n < n_tok:  # catch up (the whole prompt at a sequence's first proposal)
+                c = min(DRAFT_CHUNK, n_tok - n)
+                logits = self._step(st.table, tokens[n : n + c], n)
+                n += c
+            st.fed.extend(tokens[len(st.fed) :])
+            st.agreed = n_tok
+            drafts = [int(torch.argmax(logits))]
+            for i in range(k - 1):
+                logits = self._step(st.table, drafts[-1:], n_tok + i)
+                drafts.append(int(torch.argmax(logits)))
+        st.fed.extend(drafts[:-1])
+        return drafts
+
+    def release(self, seq: Sequence) -> None:
+        st = seq.spec.drafter if seq.spec is not None else None
+        if isinstance(st, DraftCache):
+            self.blocks.free(st.table)
+            seq.spec.drafter = None
+
+    def _step(self, table: list[int], tokens: list[int], start: int) -> torch.Tensor:
+        """The draft model on ``tokens`` at positions ``start``...: the logits [V] after the last."""
+        dev = self.model.device
+        n, bs = len(tokens), self.block_size
+        pos = np.arange(start, start + n, dtype=np.int64)
+        slots = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
+        tables = np.zeros((1, self.max_blocks), dtype=np.int32)
+        tables[0, : len(table)] = table
+
+        def put(a) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+
+        i32 = np.int32
+        layout = SeqLayout([n], [start], 1 if n == 1 else 0, put(slots), put(tables),
+                           put(np.asarray([start], i32)), put(np.asarray([0, n], i32)))
+        batch = Batch(put(np.asarray(tokens, np.int64)), put(pos), self.pool, layout,
+                      put(np.asarray([n - 1], np.int64)))
+        return self.model.step(batch)[0]
+
+
+def make_drafter(cfg: SpecConfig, model: DecoderModel, n_ctx: int, max_seqs: int) -> Drafter:
+    """The drafter of ``cfg`` for the target ``model`` (a draft model loads here, on its
+    device; its vocabulary size must be the target's)."""
     if cfg.method == "ngram":
         return NgramDrafter(cfg.ngram_min, cfg.ngram_max)
+    if cfg.method == "draft":
+        from deimos.gguf import GGUFFile
+        from deimos.models import load_model
+
+        draft = load_model(GGUFFile(cfg.draft_model), device=str(model.device))
+        if draft.config.n_vocab != model.config.n_vocab:
+            raise ValueError(f"the draft model {cfg.draft_model} has {draft.config.n_vocab} "
+                             f"tokens, the model {model.config.n_vocab}: a draft model needs "
+                             "the model's vocabulary")
+        return DraftModelDrafter(draft, n_ctx, DraftModelDrafter.pool_tokens(draft, n_ctx, max_seqs))
     raise ValueError(f"speculative method {cfg.method!r} has no drafter")

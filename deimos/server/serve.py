@@ -49,12 +49,13 @@ class ServeConfig:
     expert_cache_gib: float | None = None  # a fixed expert cache (None: elastic, from free memory)
     speculative: str | None = None  # speculative decoding: "ngram" (None: off)
     spec_k: int | None = None  # the most drafts a step verifies (None: SpecConfig's default)
+    draft_model: str | None = None  # speculative "draft": the draft model's GGUF (or name)
 
     def engine_options(self) -> dict[str, object]:
         """The keyword arguments of ``LLM(**...)`` that this config sets."""
         out: dict[str, object] = {k: getattr(self, k) for k in (
             "max_seqs", "max_batch_tokens", "kv_tokens", "kv_gib", "block_size", "dense_weights",
-            "experts", "expert_cache_gib", "speculative", "spec_k")
+            "experts", "expert_cache_gib", "speculative", "spec_k", "draft_model")
             if getattr(self, k) is not None}
         if not self.prefix_cache:
             out["prefix_cache"] = False
