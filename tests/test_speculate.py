@@ -524,6 +524,23 @@ def test_a_full_context_ends_inside_a_run(smol):
     _all_free(engine)
 
 
+def test_greedy_with_penalties_counts_the_drafts_accepted_before_each_row(smol):
+    """Penalties (a window of 16 tokens that slides inside a run; frequency counts): each row's
+    choice sees the drafts accepted before it, so the tokens equal a plain run's."""
+    engine = _spec_engine(smol, prefix_cache=False)
+    ids = smol.encode_raw(REPEATING[1])
+    for p in (SamplingParams(temperature=0, repetition_penalty=1.1, penalty_last_n=16),
+              SamplingParams(temperature=0, frequency_penalty=0.1)):
+        before = engine.stats().spec_accepted
+        plain = Request(list(ids), 32, p)
+        smol.run_many([plain])
+        spec = Request(list(ids), 32, p)
+        _run(engine, [spec])
+        assert spec.output_ids == plain.output_ids, p
+        assert engine.stats().spec_accepted > before
+    _all_free(engine)
+
+
 def test_sampled_speculation_is_seeded_and_accepts(smol):
     engine = _spec_engine(smol, prefix_cache=False)
     ids = smol.encode_raw(REPEATING[1])
