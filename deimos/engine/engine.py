@@ -37,6 +37,7 @@ from deimos.engine.speculate import SpecConfig, SpecState, make_drafter
 from deimos.kernels.sampling import Sampler, logprobs
 from deimos.models.blocks import DecoderModel
 from deimos.runtime.kv_pool import KVPool, bytes_per_token, pool_blocks
+from deimos.runtime.state_pool import state_pool_for
 
 log = logging.getLogger("deimos")
 
@@ -141,6 +142,9 @@ class Engine:
                     f"speculative decoding is not supported for {model.config.arch} (a hybrid "
                     "model: its recurrent state cannot be rolled back past rejected drafts yet)")
             self.drafter = make_drafter(cfg.spec, model, cfg.n_ctx, cfg.max_seqs)
+        # a hybrid model's recurrent states on the kernel path: a slot per running sequence,
+        # allocated before the KV pool is sized from the memory left
+        self.states = state_pool_for(model, cfg.max_seqs)
         self.pool = _make_pool(model, cfg)
         # a hybrid model's recurrent layers can start from a cached prefix only where a snapshot
         # of their state was kept: its cache needs one (the latest full block of each sequence)
@@ -153,7 +157,7 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, cfg.n_ctx, cfg.max_seqs, cfg.cuda_graphs,
                                   decode_after=self.sampler.graph_hook,
                                   decode_before=self.sampler.prepare,
-                                  decode_launched=self.sampler.launched)
+                                  decode_launched=self.sampler.launched, states=self.states)
         self._ids = itertools.count()
         self._inflight = None  # a launched step not read yet (deimos.engine.runner.StepResult)
         self.steps = 0
@@ -170,8 +174,9 @@ class Engine:
         self.runner.warm(progress)
         if not self.model.graph_safe:
             # a model whose steps read host state (an offloaded MoE: the profile would route
-            # 2048 tokens through the CPU and fill the expert cache's statistics; a hybrid: each
-            # sequence's recurrent state) gets no profile step: its memory follows other rules
+            # 2048 tokens through the CPU and fill the expert cache's statistics; a hybrid off
+            # the state pool: each sequence's recurrent state) gets no profile step: its memory
+            # follows other rules
             return
         peak = self.runner.profile(self.cfg.max_batch_tokens)
         if peak:
@@ -231,6 +236,8 @@ class Engine:
         if self._inflight is not None:
             return self._continue()
         plan = self.scheduler.schedule()
+        for seq in plan.preempted:  # a preempted sequence starts again from a snapshot or zeros
+            self.runner.release(seq)
         if plan.empty:
             return []
         try:
@@ -252,10 +259,11 @@ class Engine:
         return self._read(result)
 
     def _finish(self, seq: Sequence) -> None:
-        """``seq`` is done: its blocks back (the scheduler), a draft model's blocks for it."""
+        """``seq`` is done: its blocks back (the scheduler), its recurrent-state slot back."""
         self.scheduler.finish(seq)
+        self.runner.release(seq)
         if self.drafter is not None:
-            self.drafter.release(seq)
+            self.drafter.release(seq)  # a draft model's blocks for it
 
     def _failed(self, seqs: list[Sequence], e: Exception) -> list[StepOutput]:
         log.error("engine step failed: %s", e, exc_info=True)
