@@ -37,7 +37,7 @@ class Sequence:
     n_computed: int = 0  # tokens whose keys and values are in the cache
     n_sealed: int = 0  # leading full blocks registered in the prefix cache
     admitted: bool = False  # admitted once (the prompt's cache hits are counted then)
-    state: object | None = None  # a hybrid model's recurrent state (deimos.models.deltanet)
+    state: object | None = None  # a hybrid's recurrent state: RecurrentState, or a SlotState in the engine's state pool
     snap_block: int | None = None  # the block holding this sequence's latest state snapshot
     snap_pos: int = 0  # the position of that snapshot (within the prompt: kept for others)
     spec: SpecState | None = None  # speculative decoding's state (None: it decodes plainly)
