@@ -181,7 +181,10 @@ def check_reference_states(batch: Batch) -> None:
 
 class GatedDeltaNet:
     """The linear-attention block of recurrent layer ``layer``: ``block(x, step)`` with x
-    [T, D] -> [T, D], advancing each sequence's state."""
+    [T, D] -> [T, D], advancing each sequence's state. A variant (qwen3next) changes only its
+    projections and ``head_map``."""
+
+    head_map = "tiled"  # value head h reads key head h % Hk (qwen35)
 
     def __init__(self, cfg: ModelConfig, layer: int, w: WeightSource, chunk: int = CHUNK):
         p = f"blk.{layer}"
@@ -209,18 +212,15 @@ class GatedDeltaNet:
         check_reference_states(batch)
         n = x.shape[0]
         hk, hv, dh = self.hk, self.hv, self.dh
-        mixed = self.qkv(x)
-        z = self.gate(x).view(n, hv, dh)
-        beta = torch.sigmoid(self.beta(x))
-        g = F.softplus(self.alpha(x) + self.dt_bias) * self.a
+        mixed, z, beta, g = self.projections(x)
         out = x.new_empty((n, hv, dh))
         t0 = 0
         for b, m in enumerate(batch.seqs.q_lens):  # each sequence from its own state
             st, rows = states[b], slice(t0, t0 + m)
             y, st.conv[self.layer] = causal_conv1d(mixed[rows], self.conv, st.conv[self.layer])
             y = F.silu(y)
-            q = _l2_norm(y[:, : hk * dh].view(m, hk, dh), self.eps).repeat(1, hv // hk, 1)
-            k = _l2_norm(y[:, hk * dh : 2 * hk * dh].view(m, hk, dh), self.eps).repeat(1, hv // hk, 1)
+            q = self._value_heads(_l2_norm(y[:, : hk * dh].view(m, hk, dh), self.eps))
+            k = self._value_heads(_l2_norm(y[:, hk * dh : 2 * hk * dh].view(m, hk, dh), self.eps))
             v = y[:, 2 * hk * dh :].view(m, hv, dh)
             rule = gated_delta_rule_recurrent if m == 1 else gated_delta_rule_chunked
             kw = {} if m == 1 else {"chunk": self.chunk}
@@ -229,6 +229,18 @@ class GatedDeltaNet:
             t0 += m
         o = rms_norm(out, self.norm, self.eps) * F.silu(z)
         return self.out(o.reshape(n, hv * dh))
+
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (conv input [T, (2 Hk + Hv) Dh] as [q | k | v], z [T, Hv, Dh],
+        beta [T, Hv], g [T, Hv])."""
+        mixed, z = self.qkv(x), self.gate(x).view(x.shape[0], self.hv, self.dh)
+        return mixed, z, torch.sigmoid(self.beta(x)), F.softplus(self.alpha(x) + self.dt_bias) * self.a
+
+    def _value_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, Hk, Dh] key-head rows -> [T, Hv, Dh], by ``head_map``: tiled (value head h reads
+        key head h % Hk) or grouped (h // (Hv / Hk))."""
+        r = self.hv // self.hk
+        return x.repeat(1, r, 1) if self.head_map == "tiled" else x.repeat_interleave(r, dim=1)
 
 
 def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -27,15 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deimos.kernels.deltanet import (
-    causal_conv1d,
-    gated_delta_rule_chunked,
-    gated_delta_rule_recurrent,
-)
-from deimos.kernels.norm import rms_norm
-from deimos.models.batch import Batch
 from deimos.models.config import ModelConfig
-from deimos.models.deltanet import CHUNK, GatedDeltaNet, RecurrentState, _l2_norm
+from deimos.models.deltanet import CHUNK, GatedDeltaNet
 from deimos.models.moe import MoEShared
 from deimos.models.qwen35 import Qwen35Model
 from deimos.models.weights import WeightSource
@@ -85,33 +78,6 @@ class Qwen3NextDeltaNet(GatedDeltaNet):
         beta = torch.sigmoid(ba[:, :, 0].reshape(n, hv))
         g = F.softplus(ba[:, :, 1].reshape(n, hv) + self.dt_bias) * self.a
         return mixed, z, beta, g
-
-    def __call__(self, x: torch.Tensor, batch: Batch, states: list[RecurrentState]) -> torch.Tensor:
-        if self.kernels:
-            from deimos.models.gpu.deltanet_ops import gated_delta_net  # imports triton
-
-            return gated_delta_net(self, x, batch, states)
-        n = x.shape[0]
-        hk, hv, dh = self.hk, self.hv, self.dh
-        mixed, z, beta, g = self.projections(x)
-        out = x.new_empty((n, hv, dh))
-        t0 = 0
-        r = hv // hk
-        for b, m in enumerate(batch.seqs.q_lens):  # each sequence from its own state
-            st, rows = states[b], slice(t0, t0 + m)
-            y, st.conv[self.layer] = causal_conv1d(mixed[rows], self.conv, st.conv[self.layer])
-            y = F.silu(y)
-            # value head h reads key head h // r: the key heads repeated in place (grouped)
-            q = _l2_norm(y[:, : hk * dh].view(m, hk, dh), self.eps).repeat_interleave(r, dim=1)
-            k = _l2_norm(y[:, hk * dh : 2 * hk * dh].view(m, hk, dh), self.eps).repeat_interleave(r, dim=1)
-            v = y[:, 2 * hk * dh :].view(m, hv, dh)
-            rule = gated_delta_rule_recurrent if m == 1 else gated_delta_rule_chunked
-            kw = {} if m == 1 else {"chunk": self.chunk}
-            out[rows], st.ssm[self.layer] = rule(q, k, v, g[rows], beta[rows], st.ssm[self.layer],
-                                                 dh**-0.5, **kw)
-            t0 += m
-        o = rms_norm(out, self.norm, self.eps) * F.silu(z)
-        return self.out(o.reshape(n, hv * dh))
 
 
 class Qwen3NextModel(Qwen35Model):

@@ -35,8 +35,6 @@ from deimos.kernels.triton.gated_delta_decode import gated_delta_decode
 from deimos.kernels.triton.gated_delta_prefill import gated_delta_prefill
 from deimos.models.batch import Batch
 
-HEAD_MAP = "tiled"  # qwen35's value head h reads key head h % Hk; a block's head_map overrides
-
 
 def gated_delta_net(block, x: torch.Tensor, batch: Batch, states: list) -> torch.Tensor:
     """``block`` (a GatedDeltaNet) on x ``[T, D]`` for the step ``batch``, whose ``kv`` is a
@@ -47,16 +45,10 @@ def gated_delta_net(block, x: torch.Tensor, batch: Batch, states: list) -> torch
     n, nd, n_seq = x.shape[0], seqs.n_decode, seqs.n_seqs
     hk, hv, dh = block.hk, block.hv, block.dh
     ssm, conv, slots, write_back = _state_rows(batch.kv, states, block, x.device)
-    head_map = getattr(block, "head_map", HEAD_MAP)
-    if hasattr(block, "projections"):  # qwen3next: its own projection layouts (ssm_ba, ssm_in)
-        mixed, z, beta, g = block.projections(x)
-        mixed, z = mixed.float(), z.float()
-        beta, g = beta.float().contiguous(), g.float().contiguous()
-    else:
-        mixed = block.qkv(x).float()
-        z = block.gate(x).float().view(n, hv, dh)
-        beta = torch.sigmoid(block.beta(x).float()).contiguous()
-        g = (F.softplus(block.alpha(x).float() + block.dt_bias) * block.a).contiguous()
+    head_map = block.head_map  # qwen35's tiled, qwen3next's grouped
+    mixed, z, beta, g = block.projections(x)  # the block's own layouts (qwen3next: ssm_ba, ssm_in)
+    mixed, z = mixed.float(), z.float()
+    beta, g = beta.float().contiguous(), g.float().contiguous()
     y = _conv(mixed.contiguous(), block.conv, conv, slots, seqs.q_lens, nd)
     q = _l2_norm(y[:, : hk * dh].reshape(n, hk, dh), block.eps)
     k = _l2_norm(y[:, hk * dh : 2 * hk * dh].reshape(n, hk, dh), block.eps)
