@@ -26,7 +26,7 @@ import httpx
 
 from deimos.bench.agent_stats import AgentReport, TurnRecord
 from deimos.bench.serve import first_model
-from deimos.bench.serve_client import _sse_lines
+from deimos.bench.serve_client import sse_events
 from deimos.bench.sessions import load_session
 from deimos.bench.words import prompt_text
 
@@ -127,33 +127,10 @@ def _read_usage(rec: TurnRecord, event: dict[str, Any]) -> None:
 async def _stream(client: httpx.AsyncClient, body: dict[str, Any], rec: TurnRecord) -> None:
     done = False
     async with client.stream("POST", CHAT_PATH, json=body) as resp:
-        rec.status = resp.status_code
-        if resp.status_code != 200:
-            text = (await resp.aread()).decode(errors="replace")
-            rec.error = f"HTTP {resp.status_code}: {' '.join(text.split())[:200]}"
-            return
-        async for line in _sse_lines(resp):
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
+        async for now, event in sse_events(resp, rec):
+            if event is None:
                 done = True
                 break
-            now = time.perf_counter()
-            try:
-                event = json.loads(payload)
-            except json.JSONDecodeError:
-                rec.error = f"broken stream: an event is not JSON: {payload[:120]!r}"
-                return
-            if not isinstance(event, dict):
-                continue
-            if event.get("error") is not None:
-                err = event["error"]
-                msg = err.get("message", err) if isinstance(err, dict) else err
-                rec.error = f"error event: {str(msg)[:200]}"
-                return
-            if rec.response_id is None and isinstance(event.get("id"), str):
-                rec.response_id = event["id"]
             if _has_output(event):
                 if rec.ttft_s is None:
                     rec.ttft_s = now - rec.sent_s
@@ -162,6 +139,8 @@ async def _stream(client: httpx.AsyncClient, body: dict[str, Any], rec: TurnReco
                 if isinstance(c, dict) and c.get("finish_reason"):
                     rec.finish_reason = c["finish_reason"]
             _read_usage(rec, event)
+    if rec.error is not None:
+        return
     if not done:
         rec.error = "broken stream: it ended before [DONE]"
         return

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -59,38 +60,51 @@ async def _sse_lines(resp: httpx.Response):
         yield buf.rstrip(b"\r").decode("utf-8", errors="replace")
 
 
+async def sse_events(resp: httpx.Response, rec) -> AsyncIterator[tuple[float, dict | None]]:
+    """The data events of a streamed OpenAI response as (arrival time, event dict), then
+    (time, None) at ``[DONE]``. ``rec`` (a request's record: ``status``, ``error``,
+    ``response_id``) gets the HTTP status, the response id, and the reason the stream is
+    broken (not 200, an event that is not JSON, an error event), after which nothing more is
+    yielded."""
+    rec.status = resp.status_code
+    if resp.status_code != 200:
+        text = (await resp.aread()).decode(errors="replace")
+        rec.error = f"HTTP {resp.status_code}: {' '.join(text.split())[:200]}"
+        return
+    async for line in _sse_lines(resp):
+        if not line.startswith("data:"):
+            continue  # blank separators, ": ping" comments, "event:" lines
+        payload = line[5:].strip()
+        now = time.perf_counter()
+        if payload == "[DONE]":
+            yield now, None
+            return
+        try:
+            event = json.loads(payload)
+        except json.JSONDecodeError:
+            rec.error = f"broken stream: an event is not JSON: {payload[:120]!r}"
+            return
+        if not isinstance(event, dict):
+            continue
+        if event.get("error") is not None:
+            err = event["error"]
+            msg = err.get("message", err) if isinstance(err, dict) else err
+            rec.error = f"error event: {str(msg)[:200]}"
+            return
+        if rec.response_id is None and isinstance(event.get("id"), str):
+            rec.response_id = event["id"]
+        yield now, event
+
+
 async def _stream(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any],
                   rec: RequestRecord) -> None:
     last: float | None = None
     done = False
     async with client.stream("POST", PATHS[endpoint], json=body) as resp:
-        rec.status = resp.status_code
-        if resp.status_code != 200:
-            text = (await resp.aread()).decode(errors="replace")
-            rec.error = f"HTTP {resp.status_code}: {' '.join(text.split())[:200]}"
-            return
-        async for line in _sse_lines(resp):
-            if not line.startswith("data:"):
-                continue  # blank separators, ": ping" comments, "event:" lines
-            payload = line[5:].strip()
-            if payload == "[DONE]":
+        async for now, event in sse_events(resp, rec):
+            if event is None:
                 done = True
                 break
-            now = time.perf_counter()
-            try:
-                event = json.loads(payload)
-            except json.JSONDecodeError:
-                rec.error = f"broken stream: an event is not JSON: {payload[:120]!r}"
-                return
-            if not isinstance(event, dict):
-                continue
-            if event.get("error") is not None:
-                err = event["error"]
-                msg = err.get("message", err) if isinstance(err, dict) else err
-                rec.error = f"error event: {str(msg)[:200]}"
-                return
-            if rec.response_id is None and isinstance(event.get("id"), str):
-                rec.response_id = event["id"]
             if _content(event, endpoint):
                 if last is None:
                     rec.ttft_s = now - rec.sent_s
@@ -107,6 +121,8 @@ async def _stream(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any]
                     rec.usage_completion_tokens = usage["completion_tokens"]
                 if isinstance(usage.get("prompt_tokens"), int):
                     rec.prompt_tokens = usage["prompt_tokens"]
+    if rec.error is not None:
+        return
     if not done:
         rec.error = "broken stream: it ended before [DONE]"
         return
