@@ -602,6 +602,16 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_server_client(p: argparse.ArgumentParser) -> None:
+    """The flags of a bench that drives an OpenAI-compatible server."""
+    p.add_argument("--url", default="http://127.0.0.1:8080", help="the server's base URL")
+    p.add_argument("--api-key", default=None,
+                   help="sent as 'Authorization: Bearer KEY' (default: $DEIMOS_API_KEY or "
+                        "$OPENAI_API_KEY)")
+    p.add_argument("--model", default=None,
+                   help="the request's model (default: the first id of GET /v1/models)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deimos", description="Run GGUF language models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
@@ -726,12 +736,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="(also `bench serve`) throughput and latencies of an OpenAI-"
                             "compatible server (deimos serve, llama-server) at several "
                             "concurrencies")
-    p.add_argument("--url", default="http://127.0.0.1:8080", help="the server's base URL")
-    p.add_argument("--api-key", default=None,
-                   help="sent as 'Authorization: Bearer KEY' (default: $DEIMOS_API_KEY or "
-                        "$OPENAI_API_KEY)")
-    p.add_argument("--model", default=None,
-                   help="the request's model (default: the first id of GET /v1/models)")
+    _add_server_client(p)
     p.add_argument("--concurrency", type=_levels, default=(1, 4, 16, 64), metavar="C1,C2,...",
                    help="client tasks per level, each sending its next request when its last "
                         "one ends (default: 1,4,16,64)")
@@ -774,12 +779,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "and cached tokens per turn")
     p.add_argument("session", help="a session file (.jsonl or .jsonl.gz, one chat request a "
                                    "turn) or a recorded one: multi-turn, long-prompt, long-decode")
-    p.add_argument("--url", default="http://127.0.0.1:8080", help="the server's base URL")
-    p.add_argument("--api-key", default=None,
-                   help="sent as 'Authorization: Bearer KEY' (default: $DEIMOS_API_KEY or "
-                        "$OPENAI_API_KEY)")
-    p.add_argument("--model", default=None,
-                   help="the request's model (default: the first id of GET /v1/models)")
+    _add_server_client(p)
     p.add_argument("--turns", type=positive, default=None, help="replay the first N turns only")
     p.add_argument("--tools-in-system", action="store_true",
                    help="send the tool schemas as system-prompt text, not as the tools field "
