@@ -142,7 +142,7 @@ def test_a_padded_prefill_graph_reads_no_stale_key(files):
         eng.warm()
         for t in (*eng.pool.k, *eng.pool.v):
             t.fill_(float("nan"))
-        prompt = _prompts(ref.n_vocab)[2]  # 33 tokens
+        prompt = _prompts(ref.config.n_vocab)[2]  # 33 tokens
         reqs = [Request(prompt, 8, GREEDY), Request(prompt, 8, GREEDY)]  # the second: 32 cached
         for r in reqs:
             _run(eng, [r])
