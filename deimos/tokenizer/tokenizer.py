@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .bpe import BPEEncoder
+from .cache import EncodeCache
 from .spm import SPMEncoder
 from .unicode import unicode_to_byte
 from .vocab import TokenAttr, Vocab, VocabError
@@ -23,8 +24,11 @@ _SPECIAL_OUT = TokenAttr.CONTROL | TokenAttr.UNKNOWN
 
 
 class Tokenizer:
-    def __init__(self, vocab: Vocab):
+    def __init__(self, vocab: Vocab, cache: EncodeCache | None = None):
+        """``cache``: long texts' ids kept for the next encode of the same text (default: a
+        new EncodeCache of its own)."""
         self.vocab = vocab
+        self.cache = EncodeCache() if cache is None else cache
         self._encoder: BPEEncoder | SPMEncoder = (
             BPEEncoder(vocab) if vocab.kind == "bpe" else SPMEncoder(vocab)
         )
@@ -102,6 +106,10 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"encode() takes str, got {type(text).__name__}")
+        return self.cache.get((text, add_special, parse_special),
+                              lambda: self._encode(text, add_special, parse_special))
+
+    def _encode(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         v = self.vocab
         frags = self._partition(text, parse_special) if text else []
         out: list[int] = []

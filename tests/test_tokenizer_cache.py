@@ -1,0 +1,98 @@
+"""The tokenizer's memo of long texts (deimos.tokenizer.cache.EncodeCache). Oracle: the same
+vocab's tokenizer with nothing cached (max_chars=0), on long texts with special tokens, both
+vocab kinds and every flag combination."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tokenizer_support import load_tokenizer, vocab_file
+
+from deimos.tokenizer import Tokenizer
+from deimos.tokenizer.cache import EncodeCache
+
+SMOLLM = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+PARTS = ["def f(x):\n        return x  # done\n\n", "emoji 😁🦙 and CJK 我想在apple工作 ",
+         "<|im_start|>user\nHi<|im_end|>", "  spaces   and\ttabs\n", "numbers 1234567 ?!., "]
+
+
+def _texts() -> list[str]:
+    return [("".join(PARTS[(i + j) % len(PARTS)] for j in range(n))) for i, n in
+            enumerate((20, 33, 47, 2))]
+
+
+@pytest.mark.parametrize("rel", [SMOLLM, vocab_file("llama-spm")])
+def test_cached_ids_are_the_uncached_ones(rel: str) -> None:
+    vocab = load_tokenizer(rel).vocab
+    plain = Tokenizer(vocab, EncodeCache(max_chars=0))
+    tok = Tokenizer(vocab, EncodeCache())
+    flags = [(a, p) for a in (False, True) for p in (False, True)]
+    for _ in range(2):  # the second pass: every long text a hit
+        for text in _texts():
+            for add, parse in flags:
+                assert tok.encode(text, add, parse) == plain.encode(text, add, parse), (text[:30], add, parse)
+    n_long = sum(len(t) >= tok.cache.min_chars for t in _texts())
+    assert n_long == 3
+    assert tok.cache.misses == n_long * len(flags) and tok.cache.hits == n_long * len(flags)
+    assert len(plain.cache) == 0 and plain.cache.hits == 0
+
+
+def test_a_hit_is_a_new_list() -> None:
+    tok = Tokenizer(load_tokenizer(SMOLLM).vocab, EncodeCache())
+    text = _texts()[0]
+    first = tok.encode(text)
+    want = list(first)
+    first.append(-1)
+    again = tok.encode(text)
+    assert again == want and again is not first
+    again.clear()
+    assert tok.encode(text) == want
+
+
+def test_least_recently_used_texts_go_first() -> None:
+    cache = EncodeCache(max_chars=3000, min_chars=10)
+    texts = [c * 1000 for c in "abcd"]
+    calls = []
+
+    def enc(t: str):
+        return lambda: calls.append(t) or [ord(t[0])] * 3
+
+    for t in texts[:3]:
+        cache.get((t, False, False), enc(t))
+    cache.get((texts[0], False, False), enc(texts[0]))  # a hit: "a" is now the newest
+    cache.get((texts[3], False, False), enc(texts[3]))  # "b" goes
+    assert cache.chars == 3000 and len(cache) == 3
+    assert [t[0] for t in calls] == ["a", "b", "c", "d"]
+    for t in (texts[0], texts[2], texts[3]):
+        assert cache.get((t, False, False), enc(t)) == [ord(t[0])] * 3
+    assert len(calls) == 4
+    cache.get((texts[1], False, False), enc(texts[1]))
+    assert calls[-1] == texts[1]
+    cache.get(("short", False, False), enc("short"))  # under min_chars: never kept
+    cache.get(("short", False, False), enc("short"))
+    assert calls[-2:] == ["short", "short"] and len(cache) == 3
+    with pytest.raises(ValueError, match="min_chars"):
+        EncodeCache(min_chars=0)
+
+
+def test_threads_share_one_cache() -> None:
+    vocab = load_tokenizer(SMOLLM).vocab
+    want = [Tokenizer(vocab, EncodeCache(max_chars=0)).encode(t) for t in _texts()]
+    tok = Tokenizer(vocab, EncodeCache(max_chars=4000))  # small: entries come and go
+    errors = []
+
+    def work(k: int) -> None:
+        for i in range(40):
+            j = (i * 7 + k) % len(want)
+            if tok.encode(_texts()[j]) != want[j]:
+                errors.append((k, j))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and tok.cache.chars <= 4000
