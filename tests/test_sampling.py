@@ -325,3 +325,25 @@ def test_gpu_sampling_equals_host(cfg):
         assert a == b
         dev.accept(a)
         host.accept(b)
+
+
+@pytest.mark.parametrize("last_n", [0, -1, 3, 64])
+def test_accept_many_is_accept_in_turn(last_n):
+    """A prompt recorded at once keeps the window and counts that accepting its tokens one by
+    one keeps, from an empty window and after a few tokens, for prompts shorter and longer
+    than the window; a bad id is refused with the same message."""
+    g = torch.Generator().manual_seed(last_n + 5)
+    for before, n in ((0, 2), (0, 200), (5, 2), (5, 200), (70, 1)):
+        toks = torch.randint(0, 50, (before + n,), generator=g).tolist()
+        p = SamplingParams(penalty_last_n=last_n, repetition_penalty=1.1)
+        one, many = Sampler(p, 50), Sampler(p, 50)
+        for t in toks:
+            one.accept(t)
+        for t in toks[:before]:
+            many.accept(t)
+        many.accept_many(toks[before:])
+        assert list(many._window) == list(one._window) and many._window.maxlen == one._window.maxlen
+        assert many.penalty_counts() == one.penalty_counts()
+        assert +many._counts == +one._counts
+    with pytest.raises(ValueError, match="token 50 is outside"):
+        Sampler(SamplingParams(), 50).accept_many([1, 50, 2])

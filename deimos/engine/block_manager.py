@@ -22,6 +22,7 @@ The scheduler sees only block counts; nothing here touches tensors.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -43,9 +44,7 @@ class _Sealed:
 def chain_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
     """The cache key of a full block: a hash of the parent block's key and this block's tokens."""
     h = hashlib.blake2b(parent, digest_size=16)
-    h.update(len(tokens).to_bytes(4, "little"))
-    for t in tokens:
-        h.update(t.to_bytes(4, "little"))
+    h.update(struct.pack(f"<I{len(tokens)}I", len(tokens), *tokens))
     return h.digest()
 
 

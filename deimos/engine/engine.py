@@ -188,16 +188,16 @@ class Engine:
     def add(self, req: Request) -> Sequence:
         """Queue ``req``; errors in the request itself raise here (RequestError)."""
         n = self.n_vocab
-        bad = [t for t in req.prompt_ids if not 0 <= t < n]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {n})")
+        ids = req.prompt_ids
+        if ids and (min(ids) < 0 or max(ids) >= n):
+            bad = next(t for t in ids if not 0 <= t < n)
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {n})")
         if len(req.prompt_ids) >= self.cfg.n_ctx:
             raise ContextLengthError(
                 f"the prompt has {len(req.prompt_ids)} tokens; the context holds {self.cfg.n_ctx} "
                 "(prompt plus at least one generated token)")
         req.sampler = Sampler(req.sampling, n)
-        for t in req.prompt_ids:
-            req.sampler.accept(t)
+        req.sampler.accept_many(req.prompt_ids)
         seq = Sequence(next(self._ids), req, list(req.prompt_ids))
         if self.drafter is not None and not req.logits_processors:  # a grammar decodes plainly
             seq.spec = SpecState(self.cfg.spec.k_max)

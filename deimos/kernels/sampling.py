@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections import Counter, deque
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -252,6 +253,29 @@ class Sampler:
                 del self._counts[old]
         self._window.append(token)
         self._counts[token] += 1
+
+    def accept_many(self, tokens: Sequence[int]) -> None:
+        """``accept`` of each of ``tokens`` in turn (a prompt), without a Python step per
+        token: only the window's last ``penalty_last_n`` tokens are kept."""
+        if not tokens:
+            return
+        lo, hi = min(tokens), max(tokens)
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if self.params.penalty_last_n == 0:
+            return
+        n = self._window.maxlen
+        if n is None:
+            self._window.extend(tokens)
+            self._counts.update(tokens)
+            return
+        if len(tokens) < n:  # the window's oldest go one by one, as accept does
+            for t in tokens:
+                self.accept(t)
+            return
+        self._window = deque(tokens[len(tokens) - n:], maxlen=n)
+        self._counts = Counter(self._window)
 
     def penalized(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` after the penalty step (a copy when anything changes)."""
