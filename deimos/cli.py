@@ -591,9 +591,25 @@ def cmd_synth(args: argparse.Namespace) -> int:
     if args.preset is None or args.output is None or args.vocab_from is None:
         raise ValueError("synth needs PRESET OUTPUT and --vocab-from (or --list)")
     preset = get_preset(args.preset)
+    template = None
+    if args.chat_template is not None:
+        from pathlib import Path
+
+        from deimos.tokenizer.template import ChatTemplate, TemplateError
+
+        try:
+            template = Path(args.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {args.chat_template}: cannot read it as UTF-8 "
+                             f"text: {e}") from None
+        try:
+            ChatTemplate(template)
+        except TemplateError as e:
+            raise ValueError(f"--chat-template {args.chat_template}: not a chat template "
+                             f"Deimos can render: {e}") from None
     t0 = time.perf_counter()
     path = write_model(args.output, preset.arch, preset, wt, resolve(args.vocab_from), args.seed,
-                       workers=args.workers)
+                       workers=args.workers, chat_template=template)
     dt = time.perf_counter() - t0
     size = path.stat().st_size
     print(f"deimos: wrote {preset.name} {wt.name}: {size / 1e9:.3f} GB in {dt:.1f} s "
@@ -814,6 +830,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every matrix exactly the GGML type --type (a mix name: its base "
                         "type), no mix rules or fallbacks")
     p.add_argument("--vocab-from", help="GGUF file whose tokenizer is copied")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template written as the file's tokenizer.chat_template "
+                        "(e.g. llama.cpp's models/templates/meta-llama-Llama-3.1-8B-Instruct.jinja), "
+                        "so every engine renders the same prompts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=None, help="drawing threads (default: CPUs)")
     p.add_argument("--list", action="store_true", help="list the presets with sizes in --type")

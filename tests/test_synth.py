@@ -14,6 +14,7 @@ Oracles:
 from __future__ import annotations
 
 import hashlib
+import re
 import zlib
 from pathlib import Path
 
@@ -179,6 +180,34 @@ def test_donor_without_tokenizer_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no tokenizer.ggml.tokens"):
         write_model(tmp_path / "x.gguf", "qwen3", "qwen3-tiny", "F32", tmp_path / "empty.gguf")
 
+
+
+def test_chat_template_is_written_and_a_bad_one_refused(tmp_path, capsys):
+    """--chat-template: the file's tokenizer.chat_template is the template file's text (the
+    engine renders with it, not its fallback); a template that does not compile or a missing
+    file is an error naming the flag and the file, and nothing is written."""
+    from deimos.engine import LLM
+
+    donor = data_file(f"{VOCABS}/ggml-vocab-llama-spm.gguf")
+    tmpl = data_file(f"{LLAMA_CPP}/models/templates/meta-llama-Llama-3.1-8B-Instruct.jinja")
+    out = tmp_path / "t.gguf"
+    assert cli_main(["synth", "llama-tiny", str(out), "--type", "F32", "--vocab-from", str(donor),
+                     "--chat-template", str(tmpl)]) == 0
+    with GGUFFile(out) as f:
+        assert f.metadata["tokenizer.chat_template"] == tmpl.read_text(encoding="utf-8")
+        assert "tokenizer.chat_template" not in GGUFFile(donor).metadata
+    text = LLM(out).template.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert "<|start_header_id|>user<|end_header_id|>" in text and text.endswith("assistant<|end_header_id|>\n\n")
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    for path, says in ((bad, "not a chat template Deimos can render: .*syntax"),
+                       (tmp_path / "none.jinja", "cannot read it")):
+        assert cli_main(["synth", "llama-tiny", str(tmp_path / "x.gguf"), "--type", "F32",
+                         "--vocab-from", str(donor), "--chat-template", str(path)]) != 0
+        err = capsys.readouterr().err
+        assert "--chat-template" in err and str(path) in err
+        assert re.search(says, err), err
+        assert not (tmp_path / "x.gguf").exists()
 
 # ---- mixes: llama-quantize's per-tensor types -------------------------------------------------
 

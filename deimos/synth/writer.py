@@ -66,6 +66,7 @@ def write_model(
     *,
     workers: int | None = None,
     data: bool = True,
+    chat_template: str | None = None,
 ) -> Path:
     """Writes a random-weight model of ``preset`` (its arch must be ``arch``) to ``path``.
 
@@ -75,14 +76,19 @@ def write_model(
     router are F32. ``vocab_from``: a GGUF whose ``tokenizer.*`` keys are copied; the vocabulary
     size is its token count. ``workers``: drawing threads (default: the CPU count). ``data``
     False: the tensor data is left a hole of the right size (a sparse file of zeros, written in
-    no time: for tools that read only the tensor table, as llama-quantize --dry-run). Returns
-    the path; a partly written file is removed on error.
+    no time: for tools that read only the tensor table, as llama-quantize --dry-run).
+    ``chat_template``: the file's ``tokenizer.chat_template`` (Jinja source) in place of the
+    donor's (a vocabulary donor has none: without one, engines fall back to their own
+    defaults, which differ). Returns the path; a partly written file is removed on error.
     """
     p = get_preset(preset) if isinstance(preset, str) else preset
     if p.arch != arch:
         raise ValueError(f"preset {p.name!r} is a {p.arch} model, not {arch}")
     wt = ggml_type if isinstance(ggml_type, WeightTypes) else weight_types(ggml_type)
     tokenizer = read_tokenizer(vocab_from)
+    if chat_template is not None:
+        tokenizer["tokenizer.chat_template"] = (GGUFValueType.STRING, None,
+                                                writable_value(chat_template))
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"][2])
     specs = tensor_specs(p, n_vocab)
     types = wt.tensor_types(p, specs)
