@@ -19,18 +19,28 @@ tests)
 agent)
   # WHO=deimos|llama (default both): the sessions one request at a time, tools in the system
   # prompt on both; llama-server with one slot (-np 1) and its prompt cache
-  synth llama-8b $M8 Q4_K_M llama-bpe; idle
+  # TEMPLATE=NAME: the 8B file with llama.cpp's models/templates/NAME.jinja as its chat
+  # template (both engines render the same prompts; with a tool_use template send the tools
+  # as a field: AGENT_ARGS=" ")
+  MA=$M8
+  if [ -n "${TEMPLATE:-}" ]; then
+    MA=/tmp/m/llama-8b-Q4_K_M-$TEMPLATE.gguf
+    [ -f $MA ] || python3 -m deimos synth llama-8b $MA --type Q4_K_M --vocab-from "$V/ggml-vocab-llama-bpe.gguf" \
+      --chat-template "$V/templates/$TEMPLATE.jinja" > /dev/null
+  else
+    synth llama-8b $M8 Q4_K_M llama-bpe
+  fi; idle
   for who in ${WHO:-deimos llama}; do
     if [ $who = deimos ]; then
-      python3 -m deimos serve $M8 --listen 127.0.0.1:8092 --no-tui -c 40960 > "$OUT/agent-deimos.log" 2>&1 &
+      python3 -m deimos serve $MA --listen 127.0.0.1:8092 --no-tui -c 40960 > "$OUT/agent-deimos.log" 2>&1 &
     else
-      /tmp/lc/llama-server -m $M8 -ngl 99 -fa on -np 1 -c 40960 --jinja --host 127.0.0.1 --port 8092 \
+      /tmp/lc/llama-server -m $MA -ngl 99 -fa on -np 1 -c 40960 --jinja ${LLAMA_ARGS:-} --host 127.0.0.1 --port 8092 \
         > "$OUT/agent-llama.log" 2>&1 &
     fi
     S=$!
     for i in $(seq 240); do curl -sf 127.0.0.1:8092/health > /dev/null && break; sleep 1; done
     for sess in ${SESSIONS:-multi-turn long-prompt long-decode}; do
-      timeout ${SESS_S:-150} python3 -m deimos bench agent $sess --url http://127.0.0.1:8092 --tools-in-system \
+      timeout ${SESS_S:-150} python3 -m deimos bench agent $sess --url http://127.0.0.1:8092 ${AGENT_ARGS:---tools-in-system} \
         --json "$OUT/agent-$who-$sess.json" > "$OUT/agent-$who-$sess.txt" 2>&1
       echo "$who $sess"; grep -A3 "wall s" "$OUT/agent-$who-$sess.txt" | head -4
     done
