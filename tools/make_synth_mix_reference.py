@@ -79,10 +79,13 @@ def dry_run(model: Path, ftype: str) -> dict[str, str]:
 
 
 def record(preset: str, in_type: str, tmp: Path) -> dict:
+    """The preset's per-tensor types in every mix. Its file is written with the tensor data
+    a hole (``write_model(data=False)``: the dry run reads only the tensor table), so the real
+    sizes cost no disk."""
     p = get_preset(preset)
     donor = test_data_dir() / DONOR
     wt = weight_types(in_type, pure=True)
-    model = write_model(tmp / f"{preset}.gguf", p.arch, p, wt, donor, seed=0)
+    model = write_model(tmp / f"{preset}.gguf", p.arch, p, wt, donor, seed=0, data=False)
     try:
         mixes = {ft: dry_run(model, ft) for ft in FTYPES}
     finally:
@@ -92,12 +95,16 @@ def record(preset: str, in_type: str, tmp: Path) -> dict:
             "types": {ft: " ".join(t[n] for n in names) for ft, t in mixes.items()}}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("presets", nargs="*", default=list(PRESETS))
+def run(presets: dict[str, str], out: Path, generator: str, doc: str) -> None:
+    """The command line of a mix-reference tool: records the named presets (default: all of
+    ``presets``, preset -> input type) into ``out``, keeping the other presets' records."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("presets", nargs="*", default=list(presets), help=", ".join(presets))
     args = ap.parse_args()
-    doc = json.loads(OUT.read_text()) if OUT.exists() else {
-        "generator": "tools/make_synth_mix_reference.py",
+    if unknown := [p for p in args.presets if p not in presets]:
+        ap.error(f"not a preset of this tool: {', '.join(unknown)}")
+    ref = json.loads(out.read_text()) if out.exists() else {
+        "generator": generator,
         "llama_cpp_build": LLAMA_CPP_BUILD,
         "vocab_from": DONOR,
         "presets": {},
@@ -105,9 +112,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets:
             print(f"{preset} ...", flush=True)
-            doc["presets"][preset] = record(preset, PRESETS[preset], Path(tmp))
-    OUT.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {OUT}")
+            ref["presets"][preset] = record(preset, presets[preset], Path(tmp))
+    out.write_text(json.dumps(ref, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    run(PRESETS, OUT, "tools/make_synth_mix_reference.py", __doc__)
 
 
 if __name__ == "__main__":
