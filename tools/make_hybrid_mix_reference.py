@@ -19,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
-from make_synth_mix_reference import run  # noqa: E402
+from make_synth_mix_reference import run
 
 OUT = REPO / "tests" / "data" / "reference" / "synth-mix-types-hybrid.json"
 # preset -> input type of the written file (any type whose blocks fit the rows: the dry run

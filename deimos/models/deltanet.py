@@ -189,10 +189,7 @@ class GatedDeltaNet:
     def __init__(self, cfg: ModelConfig, layer: int, w: WeightSource, chunk: int = CHUNK):
         p = f"blk.{layer}"
         hk, hv, dh, d = cfg.ssm_n_k_heads, cfg.ssm_n_v_heads, cfg.ssm_head_dim, cfg.n_embd
-        # the four projections of x: one launch on the kernel path where their formats agree
-        self.qkv, self.gate, self.beta, self.alpha = w.linears(
-            [(f"{p}.attn_qkv", cfg.ssm_conv_dim), (f"{p}.attn_gate", hv * dh),
-             (f"{p}.ssm_beta", hv), (f"{p}.ssm_alpha", hv)], d)  # fmt: skip
+        self.load_projections(cfg, p, w)
         self.conv = w.tensor(f"{p}.ssm_conv1d.weight", (cfg.ssm_conv_dim, cfg.ssm_conv_kernel))
         self.dt_bias = w.vector(f"{p}.ssm_dt.bias", hv)
         self.a = w.vector(f"{p}.ssm_a", hv)
@@ -203,6 +200,14 @@ class GatedDeltaNet:
         # the kernel path: the delta rule in Triton, states in the "kernel" layout
         self.kernels = w.triton_ops
         self.ops = w.ops
+
+    def load_projections(self, cfg: ModelConfig, p: str, w: WeightSource) -> None:
+        """The weights ``projections`` uses (a variant loads its own): the four projections
+        of x, one launch on the kernel path where their formats agree."""
+        hv, dh = cfg.ssm_n_v_heads, cfg.ssm_head_dim
+        self.qkv, self.gate, self.beta, self.alpha = w.linears(
+            [(f"{p}.attn_qkv", cfg.ssm_conv_dim), (f"{p}.attn_gate", hv * dh),
+             (f"{p}.ssm_beta", hv), (f"{p}.ssm_alpha", hv)], cfg.n_embd)  # fmt: skip
 
     def __call__(self, x: torch.Tensor, batch: Batch, states: list[RecurrentState]) -> torch.Tensor:
         if self.kernels:

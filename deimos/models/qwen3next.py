@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from deimos.models.config import ModelConfig
-from deimos.models.deltanet import CHUNK, GatedDeltaNet
+from deimos.models.deltanet import GatedDeltaNet
 from deimos.models.moe import MoEShared
 from deimos.models.qwen35 import Qwen35Model
 from deimos.models.weights import WeightSource
@@ -41,9 +41,10 @@ class Qwen3NextDeltaNet(GatedDeltaNet):
 
     head_map = "grouped"  # value head h reads key head h // (Hv / Hk)
 
-    def __init__(self, cfg: ModelConfig, layer: int, w: WeightSource, chunk: int = CHUNK):
-        p = f"blk.{layer}"
-        hk, hv, dh, d = cfg.ssm_n_k_heads, cfg.ssm_n_v_heads, cfg.ssm_head_dim, cfg.n_embd
+    def load_projections(self, cfg: ModelConfig, p: str, w: WeightSource) -> None:
+        """ssm_in (q, k, v, z per key head: the older converters' layout) or attn_qkv +
+        attn_gate, and ssm_ba (beta, alpha per key head)."""
+        hv, dh, d = cfg.ssm_n_v_heads, cfg.ssm_head_dim, cfg.n_embd
         self.legacy = w.has(f"{p}.ssm_in.weight") and not w.has(f"{p}.attn_qkv.weight")
         if self.legacy:
             self.qkvz = w.linear(f"{p}.ssm_in", cfg.ssm_conv_dim + hv * dh, d, bias=None)
@@ -51,15 +52,6 @@ class Qwen3NextDeltaNet(GatedDeltaNet):
             self.qkv, self.gate = w.linears(
                 [(f"{p}.attn_qkv", cfg.ssm_conv_dim), (f"{p}.attn_gate", hv * dh)], d)
         self.beta_alpha = w.linear(f"{p}.ssm_ba", 2 * hv, d, bias=None)
-        self.conv = w.tensor(f"{p}.ssm_conv1d.weight", (cfg.ssm_conv_dim, cfg.ssm_conv_kernel))
-        self.dt_bias = w.vector(f"{p}.ssm_dt.bias", hv)
-        self.a = w.vector(f"{p}.ssm_a", hv)
-        self.norm = w.vector(f"{p}.ssm_norm.weight", dh)
-        self.out = w.linear(f"{p}.ssm_out", d, hv * dh, bias=None)
-        self.hk, self.hv, self.dh, self.eps = hk, hv, dh, cfg.rms_eps
-        self.layer, self.chunk = layer, chunk
-        self.kernels = w.triton_ops
-        self.ops = w.ops
 
     def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> (conv input [T, (2 Hk + Hv) Dh] as [q | k | v], z [T, Hv, Dh],
