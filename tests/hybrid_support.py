@@ -10,13 +10,22 @@ from pathlib import Path
 
 import torch
 from test_model_vs_llama_cpp import top_errors
-from testdata import data_file, reference
+from testdata import data_file, llama_cpp_path, reference
 
 from deimos.gguf import GGUFFile
 from deimos.models import ModelConfig
 from deimos.models.deltanet import HybridKV, RecurrentState
 from deimos.runtime.kv_cache import KVCache
 from deimos.synth import write_model
+
+
+def tiny_qwen35(tmp_path_factory, folder: str) -> GGUFFile:
+    """The qwen35-tiny Q8_0 file (seed 11, llama.cpp's SPM test vocabulary) that the GPU and
+    state-pool tests share, written under a new ``folder``."""
+    path = tmp_path_factory.mktemp(folder) / "qwen35-tiny-Q8_0.gguf"
+    write_model(path, "qwen35", "qwen35-tiny", "Q8_0", llama_cpp_path("models/ggml-vocab-llama-spm.gguf"),
+                seed=11)
+    return GGUFFile(path)
 
 
 def ref_file(preset: str) -> dict:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hybrid_support import tiny_qwen35
 from kernel_device import DEVICE
-from testdata import llama_cpp_path
 
 from deimos.gguf import GGUFFile
 from deimos.models import load_model
@@ -24,7 +24,6 @@ from deimos.models.qwen35 import Qwen35Model
 from deimos.models.weights import WeightSource
 from deimos.runtime.kv_pool import KVPool
 
-DONOR = "models/ggml-vocab-llama-spm.gguf"
 BS = 16  # KV block size of the tests' pools
 REL = 1e-2  # relative RMS error of the logits
 TIE = 0.1  # reference top-2 gap under which a greedy pick may differ
@@ -37,11 +36,7 @@ def _rel(ref: torch.Tensor, got: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> GGUFFile:
-    from deimos.synth import write_model
-
-    path = tmp_path_factory.mktemp("qwen35_gpu") / "qwen35-tiny-Q8_0.gguf"
-    write_model(path, "qwen35", "qwen35-tiny", "Q8_0", llama_cpp_path(DONOR), seed=11)
-    return GGUFFile(path)
+    return tiny_qwen35(tmp_path_factory, "qwen35_gpu")
 
 
 @pytest.fixture(scope="module")

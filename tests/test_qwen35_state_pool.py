@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hybrid_support import tiny_qwen35
 from kernel_device import DEVICE
-from testdata import llama_cpp_path
 
 from deimos.engine.engine import Engine, EngineConfig
 from deimos.engine.request import Request
@@ -30,18 +30,13 @@ from deimos.models.weights import WeightSource
 from deimos.runtime.kv_pool import KVPool
 from deimos.runtime.state_pool import SCRATCH_SLOT, SlotState, StatePool, StateSnapshot
 
-DONOR = "models/ggml-vocab-llama-spm.gguf"
 BS = 16  # KV block size of the tests' pools
 GREEDY = SamplingParams(temperature=0)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> GGUFFile:
-    from deimos.synth import write_model
-
-    path = tmp_path_factory.mktemp("qwen35_pool") / "qwen35-tiny-Q8_0.gguf"
-    write_model(path, "qwen35", "qwen35-tiny", "Q8_0", llama_cpp_path(DONOR), seed=11)
-    return GGUFFile(path)
+    return tiny_qwen35(tmp_path_factory, "qwen35_pool")
 
 
 @pytest.fixture(scope="module")
