@@ -3,7 +3,9 @@
 Oracles: deimos.kernels.attention.paged_attention_reference (gather a sequence's keys through
 its table row, then causal_attention in float32), the reference RoPE (float64 angles) and
 RMSNorm for the fused new token, quantize_x of the stored output for the fused QuantizedX,
-and the kernel itself one sequence at a time for "a packed varlen call equals a loop".
+and the kernel itself one sequence at a time for "a packed varlen call equals a loop". The
+prefill runs in one launch (n_split 1) and key-split (partials merged by decode attention's
+combine), at its rule's counts and at forced ones over longer prefixes.
 Pools are built with SHUFFLED block ids, the sequences' blocks interleaved; every pool row
 that no sequence's keys occupy is NaN (the unused table entries point at a NaN block too),
 and outputs are poisoned with NaN, so a read outside a sequence's keys or an unwritten
@@ -32,6 +34,8 @@ from deimos.kernels.triton import (  # noqa: E402
     prefill_tile_map,
     rope_inv_freq,
 )
+from deimos.kernels.triton.decode_attention import decode_config  # noqa: E402
+from deimos.kernels.triton.prefill_attention import paged_prefill_split  # noqa: E402
 from deimos.quant.triton.gemv_q8 import empty_quantized, quantize_x  # noqa: E402
 
 NAN = float("nan")
@@ -279,43 +283,111 @@ def _prefill_id(c: tuple) -> str:
     return f"{seqs}_bs{c[1]}_h{c[2]}x{c[3]}_d{c[4]}_w{c[5]}"
 
 
-@pytest.mark.parametrize("case", PREFILL_CASES, ids=_prefill_id)
-def test_paged_prefill(case: tuple) -> None:
+def _check_prefill(case: tuple, n_split: int | None, seed: int) -> None:
+    """The kernel at ``n_split`` (None: its rule) against the reference, sequence by sequence."""
     seqs, bs, hq, hkv, d, window = case
-    pool, lens, cu, start, q = _prefill_setup(case, seed=sum(map(sum, seqs)) + d)
+    pool, lens, cu, start, q = _prefill_setup(case, seed=seed)
     tiles = prefill_tile_map(lens, hq, hkv, d, DEVICE)
     out = paged_prefill_attention(q, pool.k, pool.v, pool.tables(), cu.to(DEVICE),
                                   start.to(DEVICE), tiles, bs, d**-0.5, window,
-                                  out=_poison(q))  # fmt: skip
+                                  out=_poison(q), n_split=n_split)  # fmt: skip
     for b, (s, n) in enumerate(seqs):
         ref = pool.reference(q[cu[b] : cu[b + 1]], torch.arange(s, s + n), b, d**-0.5, window)
-        _close(f"paged prefill {case} seq {b}", out[cu[b] : cu[b + 1]], ref, 3e-3)
+        _close(f"paged prefill {case} split {n_split} seq {b}", out[cu[b] : cu[b + 1]], ref, 3e-3)
 
 
-def test_paged_prefill_packed_equals_loop_and_over_cover() -> None:
-    """A packed call of three sequences equals, bit for bit, three calls of one sequence each.
-    A tile map made for longer chunks (a graph's upper bounds) with the device lengths
-    shorter gives the same rows and leaves the rows past cu_q[B] unwritten."""
+def _rule_split(case: tuple) -> int:
+    """The split count the rule gives a PREFILL_CASES case (its tiles, Paged's table width)."""
+    seqs, bs, hq, hkv, d, _ = case
+    width = -(-max(s + n for s, n in seqs) // bs) + 1
+    n_tiles = len(prefill_tile_map([n for _, n in seqs], hq, hkv, d, "cpu"))
+    return paged_prefill_split(n_tiles, hkv, width * bs, d)
+
+
+@pytest.mark.parametrize("n_split", [1, None], ids=["one", "rule"])
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=_prefill_id)
+def test_paged_prefill(case: tuple, n_split: int | None) -> None:
+    """One launch (n_split 1), and the rule's split count (2 to 4 at these small tables, 1
+    where the table is a single key tile)."""
+    _check_prefill(case, n_split, seed=sum(map(sum, case[0])) + case[4])
+
+
+SPLIT_CASES = [
+    # (sequences (start, chunk length), block size, Hq, Hkv, D, window, n_split)
+    # a long prefix, a chunk with nothing cached (3 of its 4 splits empty), one in between
+    (((300, 9), (0, 5), (130, 21)), 16, 4, 2, 64, 0, 4),
+    (((250, 13), (7, 40)), 32, 8, 1, 64, 100, 3),  # G = 8, a window of a few key tiles
+    (((200, 17),), 64, 2, 2, 128, 0, 5),  # 4 key tiles over 5 splits: the last one empty
+    (((150, 6), (3, 2)), 16, 4, 2, 256, 0, 7),  # D = 256 (key tile 32)
+    (((400, 11), (90, 70)), 16, 4, 1, 64, 37, 6),  # a window shorter than the splits
+]
+
+
+def _split_id(c: tuple) -> str:
+    return _prefill_id(c[:6]) + f"_split{c[6]}"
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=_split_id)
+def test_paged_prefill_split(case: tuple) -> None:
+    """Key splits over long-ish prefixes: each (tile, kv head) program's visible keys cut into
+    n_split runs, partials merged by the combine; splits with nothing visible for a row (short
+    prefixes, windows) add nothing and leave no NaN."""
+    _check_prefill(case[:6], case[6], seed=sum(map(sum, case[0])) + case[4] + 1)
+
+
+@pytest.mark.parametrize("n_split", [1, 3], ids=["one", "split3"])
+def test_paged_prefill_packed_equals_loop_and_over_cover(n_split: int) -> None:
+    """A packed call of three sequences equals, bit for bit, three calls of one sequence each
+    (the same n_split: a program's keys depend on its own tile only). A tile map made for
+    longer chunks (a graph's upper bounds: whole tiles past a sequence's device length, the
+    rows of q past cu_q[B]) gives the same rows and leaves the rows past cu_q[B] unwritten
+    (split: the combine bounds its rows by cu_q[B] on the device)."""
     case = (((0, 40), (70, 25), (9, 3)), 16, 8, 2, 64, 30)
     seqs, bs, hq, hkv, d, window = case
     pool, lens, cu, start, q = _prefill_setup(case, seed=77)
     tab = pool.tables()
+    kw = dict(n_split=n_split)
     packed = paged_prefill_attention(q, pool.k, pool.v, tab, cu.to(DEVICE), start.to(DEVICE),
                                      prefill_tile_map(lens, hq, hkv, d, DEVICE), bs, d**-0.5,
-                                     window, out=_poison(q))  # fmt: skip
+                                     window, out=_poison(q), **kw)  # fmt: skip
     for b, n in enumerate(lens):
         one = paged_prefill_attention(
             q[cu[b] : cu[b + 1]], pool.k, pool.v, tab[b : b + 1],
             torch.tensor([0, n], dtype=torch.int32, device=DEVICE), start[b : b + 1].to(DEVICE),
-            prefill_tile_map([n], hq, hkv, d, DEVICE), bs, d**-0.5, window,
+            prefill_tile_map([n], hq, hkv, d, DEVICE), bs, d**-0.5, window, **kw,
         )  # fmt: skip
         assert torch.equal(one, packed[cu[b] : cu[b + 1]]), f"sequence {b} differs from the loop"
     q_pad = torch.cat([q, _rand(5, hq, d, seed=78, dtype=F16)])
     over = paged_prefill_attention(q_pad, pool.k, pool.v, tab, cu.to(DEVICE), start.to(DEVICE),
-                                   prefill_tile_map([n + 5 for n in lens], hq, hkv, d, DEVICE),
-                                   bs, d**-0.5, window, out=_poison(q_pad))  # fmt: skip
+                                   prefill_tile_map([n + 40 for n in lens], hq, hkv, d, DEVICE),
+                                   bs, d**-0.5, window, out=_poison(q_pad), **kw)  # fmt: skip
     assert torch.equal(over[: q.shape[0]], packed)
     assert torch.isnan(over[q.shape[0] :]).all(), "rows past cu_q[B] were written"
+    for b, (s, n) in enumerate(seqs):
+        ref = pool.reference(q[cu[b] : cu[b + 1]], torch.arange(s, s + n), b, d**-0.5, window)
+        _close(f"packed split {n_split} seq {b}", packed[cu[b] : cu[b + 1]], ref, 3e-3)
+
+
+def test_split_rules() -> None:
+    """The prefill's split count is decode attention's rule on its tile count: ~528 programs
+    (4 per SM of an H200), at most a key tile each of the table, at most 16K // D; decode's
+    own counts unchanged by sharing it."""
+    s = 32768  # llama 8B, Hkv 8, D 128, blocks of keys of 64
+    assert paged_prefill_split(5, 8, s, 128) == 13  # 150 tokens after a cached prefix
+    assert paged_prefill_split(8, 8, s, 128) == 8  # the 256-token graph
+    assert paged_prefill_split(33, 8, s, 128) == 2
+    assert paged_prefill_split(34, 8, s, 128) == 1  # 1,057+ tokens: the grid is enough
+    assert paged_prefill_split(1, 1, 100, 64) == 2  # two key tiles of a 100-key table
+    assert paged_prefill_split(1, 1, 1 << 20, 256) == 64  # the combine's registers at D 256
+    assert paged_prefill_split(1, 1, 1 << 20, 128) == 128
+    # decode: (S, B, Hkv, D) -> (block_s, n_split, warps), the values before sharing
+    assert decode_config(4096, 1, 8, 128) == (64, 64, 4)
+    assert decode_config(4096, 16, 8, 128) == (64, 4, 4)
+    assert decode_config(32768, 1, 8, 128) == (64, 66, 4)
+    assert decode_config(1 << 20, 1, 1, 256) == (32, 64, 4)
+    assert decode_config(4096, 64, 8, 64) == (64, 1, 4)
+    # test_paged_prefill's "rule" runs split where the table has more than one key tile
+    assert [_rule_split(c) for c in PREFILL_CASES] == [2, 3, 2, 1, 3, 4]
 
 
 def test_prefill_tile_map() -> None:
@@ -328,6 +400,54 @@ def test_prefill_tile_map() -> None:
     assert prefill_tile_map([], 4, 4, 64, DEVICE).shape == (0, 2)
     with pytest.raises(ValueError, match="do not group"):
         prefill_tile_map([3], 6, 4, 64, DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefix", [2048, 8192, 30000])
+def test_gpu_paged_prefill_after_a_long_prefix(prefix: int) -> None:
+    """An agent turn on llama 8B's attention (Hq 32, Hkv 8, D 128, blocks of 64, a 32k table):
+    150 new tokens after a cached prefix. The rule's split (13 splits of 5 tiles), one launch,
+    and the 256-token prefill graph's launch (a tile map of 256 tokens, cu_q ending at 150:
+    8 splits) all equal the reference; prints each one's time for 32 layers and its TFLOP/s.
+    The split must beat one launch by 1.5x once the prefix is long (predicted ~3x at 30k)."""
+    assert DEVICE == "cuda" and torch.cuda.is_available(), "gpu tests need CUDA"
+    n, bs, hq, hkv, d = 150, 64, 32, 8, 128
+    ends = prefix + n
+    pool = Paged([ends], [ends], bs, hkv, d, seed=5, extra_width=512 - -(-ends // bs))
+    tab = pool.tables()
+    q = _rand(256, hq, d, seed=6, dtype=F16)
+    cu = torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
+    start = torch.tensor([prefix], dtype=torch.int32, device=DEVICE)
+    ref = pool.reference(q[:n], torch.arange(prefix, ends), 0, d**-0.5, 0)
+    flops = 4 * hq * d * n * (prefix + (n + 1) / 2)
+    runs = {"rule": (prefill_tile_map([n], hq, hkv, d, DEVICE), None),
+            "one launch": (prefill_tile_map([n], hq, hkv, d, DEVICE), 1),
+            "graph 256": (prefill_tile_map([256], hq, hkv, d, DEVICE), None)}
+    ms = {}
+    for name, (tiles, n_split) in runs.items():
+        out = _poison(q)
+
+        def call(tiles=tiles, out=out, n_split=n_split):
+            paged_prefill_attention(q, pool.k, pool.v, tab, cu, start, tiles, bs, d**-0.5,
+                                    out=out, n_split=n_split)  # fmt: skip
+
+        call()
+        _close(f"gpu prefill {n} after {prefix} ({name})", out[:n], ref, 3e-3)
+        assert torch.isnan(out[n:]).all(), f"{name}: rows past cu_q[B] were written"
+        call()
+        torch.cuda.synchronize()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(32):  # the 32 layers of a step
+            call()
+        t1.record()
+        torch.cuda.synchronize()
+        ms[name] = t0.elapsed_time(t1)
+        splits = n_split or paged_prefill_split(len(tiles), hkv, tab.shape[1] * bs, d)
+        print(f"prefill {n} after {prefix} ({name}, {len(tiles)} tiles x {splits} splits): "
+              f"{ms[name]:.2f} ms for 32 layers, {32 * flops / ms[name] / 1e9:.0f} TFLOP/s")
+    if prefix >= 8192:
+        assert ms["rule"] * 1.5 < ms["one launch"], f"the split gains too little: {ms}"
 
 
 # ---- apply_rope storing at slots -----------------------------------------------------------------
@@ -412,6 +532,9 @@ def test_paged_bad_input() -> None:
         return paged_prefill_attention(**args)
 
     assert torch.isfinite(pre()).all()
+    assert torch.isfinite(pre(n_split=2)).all()
+    with pytest.raises(ValueError, match="n_split must be an int >= 1"):
+        pre(n_split=0)
     with pytest.raises(ValueError, match=r"cu_q must be int32 \[3\]"):
         pre(cu_q=cu[:2])
     with pytest.raises(ValueError, match="q_start must be int32"):

@@ -7,7 +7,7 @@ and compile time; exits 1 if any kernel fails to compile or needs more shared me
 H200 block may have (232,448 bytes). Registers and spills come from the cuobjdump that ships
 with Triton.
 
-    python tools/compile_kernels.py [--verbose]
+    python tools/compile_kernels.py [--verbose] [--match NAME_PART]
 """
 
 from __future__ import annotations
@@ -344,7 +344,10 @@ def _paged_jobs() -> list[Job]:
     runtime shift): the decode split kernel with PAGED at D = 64, 128, 256 and GQA groups 1..16,
     with and without the fused new token; the combine at B = 64 (one split: the batch alone
     fills the H200) with and without the QuantizedX; the varlen paged prefill at the same
-    shapes; RoPE storing k/v at slots."""
+    shapes, one launch and key-split (SPLIT: n_split 13, the rule for 150 tokens of llama 8B,
+    and 16, a multiple of 16 specializes differently), and its combine (rows bounded by
+    cu_q[B], empty splits' acc not read: ROWS, SPARSE; fp16 out, no PDL) at 13 splits and at
+    the most the rule gives (16K // D); RoPE storing k/v at slots."""
     import importlib
 
     import torch
@@ -397,6 +400,23 @@ def _paged_jobs() -> list[Job]:
                             _warm(prefill_attention._paged_prefill_kernel, args, G=g,
                                   BLOCK_M=pc.block_m, BLOCK_N=pc.block_n, BLOCK_D=d,
                                   num_warps=pc.num_warps, num_stages=pc.num_stages)))
+            for n_split in (13, 16):
+                split = dict(SPLIT=True, n_split=n_split, p_m=MockTensor(f32),
+                             p_l=MockTensor(f32), p_acc=MockTensor(f32))  # fmt: skip
+                jobs.append(Job("paged_prefill+split",
+                                f"G={g} D={d} M={pc.block_m} N={pc.block_n} w={pc.num_warps} "
+                                f"st={pc.num_stages} splits={n_split}",
+                                _warm(prefill_attention._paged_prefill_kernel, args, G=g,
+                                      BLOCK_M=pc.block_m, BLOCK_N=pc.block_n, BLOCK_D=d,
+                                      num_warps=pc.num_warps, num_stages=pc.num_stages,
+                                      **split)))  # fmt: skip
+        for n_split in (13, 16384 // d):
+            jobs.append(Job("prefill_combine", f"D={d} splits={n_split} rows f16",
+                            _warm(decode_attention._decode_combine_kernel,
+                                  [f32, f32, f32, f16, 32 * d, d, 32, d, n_split, i32, f32, i32],
+                                  BLOCK_SPLIT=triton.next_power_of_2(n_split), BLOCK_D=d,
+                                  QUANT=False, ROWS=True, p_rows=MockTensor(i32), SPARSE=True,
+                                  num_warps=4)))  # fmt: skip
     for hq, hk, d, slot_t in ((32, 8, 128, i32), (8, 4, 256, i32), (9, 3, 64, i64)):
         for neox, norm_ in ((False, False), (True, True)):
             args = [f32] * 6 + [i32, f32, f32, f32] + [d * (hq + 2 * hk), d] * 6 + [hq, hk, d, d, 1e-6]
@@ -611,14 +631,15 @@ def _resources(cubin: bytes) -> tuple[str, str]:
     return (reg.group(1) if reg else "?", local.group(1) if local else "?")
 
 
-def _compile_share(index: int, of: int, verbose: bool) -> list[Row]:
-    """Compile jobs index, index + of, ... of the job list (in a worker process, or all of it)."""
+def _compile_share(index: int, of: int, verbose: bool, match: str = "") -> list[Row]:
+    """Compile jobs index, index + of, ... of the job list (in a worker process, or all of it);
+    ``match``: only the kernels whose name contains it."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 
     driver.set_active(_StubDriver(GPUTarget("cuda", TARGET_ARCH, 32)))
     rows = []
-    for job in _jobs()[index::of]:
+    for job in [j for j in _jobs() if match in j.name][index::of]:
         t0 = time.perf_counter()
         try:
             kernel = job.run()
@@ -640,6 +661,7 @@ def _compile_share(index: int, of: int, verbose: bool) -> list[Row]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
+    ap.add_argument("--match", default="", help="only the kernels whose name contains this")
     ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
                     help="worker processes (default: the CPUs this process may use)")
     args = ap.parse_args(argv)
@@ -651,13 +673,14 @@ def main(argv: list[str] | None = None) -> int:
 
     jobs = max(1, args.jobs)
     if jobs == 1:
-        rows = _compile_share(0, 1, args.verbose)
+        rows = _compile_share(0, 1, args.verbose, args.match)
     else:  # worker processes, each with every job list and its share of it (spawned: fresh JIT state)
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
-            parts = list(ex.map(_compile_share, range(jobs), [jobs] * jobs, [args.verbose] * jobs))
+            parts = list(ex.map(_compile_share, range(jobs), [jobs] * jobs, [args.verbose] * jobs,
+                                [args.match] * jobs))
         rows = [None] * sum(len(p) for p in parts)
         for i, part in enumerate(parts):
             rows[i::jobs] = part

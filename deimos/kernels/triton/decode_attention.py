@@ -24,13 +24,15 @@ The G heads are padded to 16 rows so both products are ``tl.dot`` (sm_90 needs M
 padding costs tensor-core work only, and decode is bound by reading K/V. Splits that lie past
 q_pos (or before the window) exit after writing an empty partial (max = -inf).
 Stage 2, grid (B, Hq): combine the n_split partials of a head: out = sum_j e^(m_j - M) acc_j /
-sum_j e^(m_j - M) l_j. (Stage 2 done by the last stage-1 program of each kv head instead,
-found with an atomic counter, was measured slower on the H200: BENCHMARKS.md.)
+sum_j e^(m_j - M) l_j (``combine_splits``, also the paged prefill's stage 2). (Stage 2 done
+by the last stage-1 program of each kv head instead, found with an atomic counter, was
+measured slower on the H200: BENCHMARKS.md.)
 
 n_split is chosen from S, B * Hkv and D so stage 1 has about 4 programs per SM of an H200
-(132 SMs); it depends only on shapes, so a captured graph stays valid as q_pos grows. Each
-program takes 1/n_split of its row's visible keys (read from q_pos on the device), so the
-work spreads over every split at any length, not only over the splits a short row reaches.
+(132 SMs; ``split_count``, the paged prefill's rule too); it depends only on shapes, so a
+captured graph stays valid as q_pos grows. Each program takes 1/n_split of its row's visible
+keys (read from q_pos on the device), so the work spreads over every split at any length,
+not only over the splits a short row reaches.
 
 Cost (what to compare the H200's ~4.8 TB/s with): stage 1 reads, per row b and kv head, the
 K and V rows of its n_b = min(q_pos[b] + 1, W) visible keys, 2 * n_b * D * 2 bytes (fp16),
@@ -178,21 +180,40 @@ def _decode_split_kernel(
 def _decode_combine_kernel(
     p_m, p_l, p_acc, p_o, so_b, so_h, HQ, D, N_SPLIT, p_xq, p_xd, p_xs,
     BLOCK_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
+    ROWS: tl.constexpr = False, p_rows=None, SPARSE: tl.constexpr = False,
 ):  # fmt: skip
+    """Row b, head h: the merge of its N_SPLIT partials at [(b * HQ + h) * N_SPLIT + j]; a
+    split whose max is -inf (nothing visible) adds nothing. ROWS: rows b >= *p_rows (read on
+    the device) are left alone. SPARSE: such a split's acc is not read (its stage 1 need not
+    write it), at the price of the acc loads waiting for the max loads. (Both for the paged
+    prefill: its rows past cu_q[B], and the many empty splits of short prefixes.)"""
     pdl_start(PDL)
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
     o_j = tl.arange(0, BLOCK_SPLIT)
     o_d = tl.arange(0, BLOCK_D)
-    m_j = o_j < N_SPLIT
-    m_d = o_d < D
+    n_j = N_SPLIT
+    n_d = D
+    if ROWS:  # a row past the bound: no split read, no column stored
+        live = i_b < tl.load(p_rows)
+        n_j = tl.where(live, N_SPLIT, 0)
+        n_d = tl.where(live, D, 0)
+    m_j = o_j < n_j
+    m_d = o_d < n_d
     base = (i_b * HQ + i_h) * N_SPLIT
     b_m = tl.load(p_m + base + o_j, mask=m_j, other=float("-inf"))
     b_l = tl.load(p_l + base + o_j, mask=m_j, other=0.0)
-    # the key at q_pos itself is always visible, so some split has a finite max
+    if ROWS:  # a row past the bound merges dummies (max 0, sum 1, acc 0): no 0/0 (not stored)
+        b_m = tl.where(live, b_m, 0.0)
+        b_l = tl.where(live, b_l, 1.0)
+    # the query's own key is always visible, so some split of a real row has a finite max.
+    # (Guarding the max and the sum here instead took 87 -> 168 registers at D = 256.)
     w = tl.exp2(b_m - tl.max(b_m, axis=0))
+    m_a = m_j
+    if SPARSE:
+        m_a = m_j & (b_m > float("-inf"))
     p_a = p_acc + (base + o_j)[:, None].to(tl.int64) * D + o_d[None, :]
-    b_acc = tl.load(p_a, mask=m_j[:, None] & m_d[None, :], other=0.0)
+    b_acc = tl.load(p_a, mask=m_a[:, None] & m_d[None, :], other=0.0)
     out = tl.sum(b_acc * w[:, None], axis=0) / tl.sum(b_l * w, axis=0)
     p_out = p_o + i_b.to(tl.int64) * so_b + i_h * so_h + o_d
     b_o = out.to(p_o.dtype.element_ty)
@@ -212,18 +233,49 @@ class DecodeConfig(NamedTuple):
     num_warps: int
 
 
+def split_count(programs: int, s: int, block_s: int, d: int) -> int:
+    """Key splits for a grid of ``programs`` (row or tile, kv head) programs over at most
+    ``s`` keys in tiles of ``block_s``: programs * n_split ~ TARGET_PROGRAMS, at least 1, at
+    most a tile each of s, and at most 16K // D (the combine holds [n_split, D] fp32 partials
+    in 4 warps' registers: D = 256 takes 64 splits; 128 splits took all 255 registers, sm_90
+    compile). Shapes only: a captured graph stays valid. The paged prefill uses it too."""
+    want = max(1, TARGET_PROGRAMS // max(1, programs))
+    want = min(want, max(1, 16384 // max(16, triton.next_power_of_2(d))))
+    return max(1, min(want, triton.cdiv(s, block_s)))
+
+
 def decode_config(s: int, b: int, hkv: int, d: int) -> DecodeConfig:
     """BLOCK_S = 64 keys (32 at D = 256: a K and a V tile of 16 KB fp16 each stay in registers
-    of 4 warps); n_split so B * Hkv * n_split ~ TARGET_PROGRAMS, at most a tile each of S. Each
+    of 4 warps); n_split so B * Hkv * n_split ~ TARGET_PROGRAMS (``split_count``). Each
     program then takes 1/n_split of its row's visible keys (whole tiles), whatever the row's
     length: B = 16 rows of 550 keys in a 4096-key table run 4 splits of 3 tiles each, where
     splits of fixed keys (S / n_split) left one split of 9 tiles per row with work."""
     block_s = 32 if d > 128 else 64
-    want = max(1, TARGET_PROGRAMS // max(1, b * hkv))
-    # the combine holds [n_split, D] partials in 4 warps' registers: at most 16K of them
-    # (D = 256: 64 splits; 128 splits took all 255 registers, sm_90 compile)
-    want = min(want, max(1, 16384 // max(16, triton.next_power_of_2(d))))
-    return DecodeConfig(block_s, max(1, min(want, triton.cdiv(s, block_s))), 4)
+    return DecodeConfig(block_s, split_count(b * hkv, s, block_s, d), 4)
+
+
+def combine_splits(part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Tensor,
+                   out: torch.Tensor, quantized=None, n_rows: torch.Tensor | None = None,
+                   sparse: bool = False, pdl: bool = False) -> None:
+    """Stage 2 of a split-K attention: ``out[b, h]`` (``[B, Hq, D]``, last dim contiguous)
+    = sum_j 2^(m_j - M) acc_j / sum_j 2^(m_j - M) l_j over the partials ``part_m``, ``part_l``
+    fp32 ``[B, Hq, n_split]`` and ``part_acc`` fp32 ``[B, Hq, n_split, D]`` (contiguous; max
+    in base 2, acc unnormalized; a split with max -inf adds nothing). ``quantized``: a
+    QuantizedX ``[B, Hq * D]`` that also gets the rows. ``n_rows``: an int32 device tensor
+    whose first element bounds the rows written (the rest are left alone). ``sparse``: the acc
+    of a split with max -inf may be unwritten (it is not read)."""
+    n_b, hq, n_split = part_m.shape
+    d = out.shape[2]
+    qx = quantized if quantized is not None else (out, out, out)
+    rows = {} if n_rows is None else {"ROWS": True, "p_rows": n_rows}
+    if sparse:
+        rows["SPARSE"] = True
+    _decode_combine_kernel[(n_b, hq)](
+        part_m, part_l, part_acc, out, out.stride(0), out.stride(1), hq, d, n_split,
+        qx[0], qx[1], qx[2],
+        BLOCK_SPLIT=triton.next_power_of_2(n_split), BLOCK_D=max(16, triton.next_power_of_2(d)),
+        QUANT=quantized is not None, num_warps=4, **rows, **launch_options(pdl),
+    )  # fmt: skip
 
 
 class NewToken(NamedTuple):
@@ -354,7 +406,6 @@ def decode_attention(
     if quantized is not None and (d % 32 or tuple(quantized.shape) != (n_b, hq * d)):
         raise ValueError(f"decode_attention: quantized output {tuple(quantized.shape)} does not "
                          f"fit [{n_b}, {hq * d}] (D a multiple of 32)")
-    qx = quantized if quantized is not None else (out, out, out)
     _decode_split_kernel[(n_b * hkv, cfg.n_split)](
         q, k, v, q_pos, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -362,10 +413,5 @@ def decode_attention(
         G=hq // hkv, G_PAD=GROUP_ROWS, BLOCK_S=cfg.block_s, BLOCK_D=block_d,
         num_warps=cfg.num_warps, **new_kw, **paged_kw, **launch_options(pdl_on(q.device)),
     )  # fmt: skip
-    _decode_combine_kernel[(n_b, hq)](
-        part_m, part_l, part_acc, out, out.stride(0), out.stride(1), hq, d, cfg.n_split,
-        qx[0], qx[1], qx[2],
-        BLOCK_SPLIT=triton.next_power_of_2(cfg.n_split), BLOCK_D=block_d,
-        QUANT=quantized is not None, num_warps=4, **launch_options(pdl_on(q.device)),
-    )  # fmt: skip
+    combine_splits(part_m, part_l, part_acc, out, quantized, pdl=pdl_on(q.device))
     return out

@@ -36,21 +36,54 @@ q_start[b] + t - s < W.
 Tiles as above: a program owns BLOCK_M rows of one kv head, the rows being
 (token, group head) pairs ``r = t * G + g`` of ONE sequence (G = Hq / Hkv), so each K/V byte
 is loaded once per group. The host's ``prefill_tile_map`` lists the (sequence, M tile) pairs
-from the chunk lengths; the grid is (n_tiles, Hkv), and a program reads its sequence, tile,
-rows, start and table on the device, so a CUDA graph captured for one tile map replays for
-any starts and tables (and for device lengths up to the ones the map was made for: the
+from the chunk lengths; the grid is (n_tiles, Hkv, n_split), and a program reads its sequence,
+tile, rows, start and table on the device, so a CUDA graph captured for one tile map replays
+for any starts and tables (and for device lengths up to the ones the map was made for: the
 tiles past a sequence's device length do nothing). Each key tile's slots come from a
 vectorized load of the table entries of its keys (key_slots, shared with decode), so
 block_size (a power of two) and BLOCK_N need not divide each other. Online softmax in base 2,
 fp32 accumulators, ``tl.dot`` on the pool's dtype with ``out_dtype=float32``; every key tile
 is masked (causal and window).
 
+Key split (flash-decoding): a short chunk after a long prefix has few tiles (150 tokens of
+llama 8B: 5 tiles x 8 kv heads = 40 programs on 132 SMs), each over all the prefix's keys.
+The n_split programs of a (tile, kv head) each take 1/n_split of THAT tile's visible keys
+[lo, hi) (computed on the device from its start, rows and window), in runs of whole key
+tiles, so every split has work at any prefix length while the grid stays the captured one.
+n_split comes from the tile count alone (``paged_prefill_split``: decode attention's rule,
+~4 programs per SM). n_split = 1 is the one-launch kernel that writes the output; above it,
+each program writes its rows' partials (max, sum, unnormalized acc; fp32) to a workspace and
+decode attention's combine (``combine_splits``, sparse, its rows bounded by cu_q[B] on the
+device) merges them into q's dtype. A split with no visible key for a row (a short prefix:
+most splits of a 150-token chunk with nothing cached) writes max -inf and sum 0 and no acc,
+which the combine skips: no NaN, and little traffic.
+Within a launch the programs of the same (kv head, split) for all tiles are neighbours in the
+grid order, so they run together and share the K/V run through L2. Results depend on n_split
+in the last bits (the sums' order): a chunk run eagerly (tiles of its length) and on a padded
+graph (tiles of the bucket) may pick different counts.
+
 Cost (to compare with the H200): FLOPs 4 * Hq * D * sum over rows of their visible keys
-(about 4 * Hq * D * len_b * (q_start[b] + len_b / 2) per sequence without a window), on the
-tensor cores at fp16 (~790 TFLOP/s dense measured for bf16 here). Bytes: q and the output
-(2 * T * Hq * D * 2) and each sequence's K/V once from DRAM, 4 * Hkv * D * (q_start[b] +
-len_b); the M tiles of a sequence re-read its keys, (len_b * G / BLOCK_M) times in all, mostly
-from L2. The table adds 4 bytes per key per tile (L1 hits after the first).
+(about 4 * Hq * D * len_b * (q_start[b] + len_b / 2) per sequence without a window; the M
+tiles pad each sequence's rows to BLOCK_M / G tokens), on the tensor cores at fp16 (~790
+TFLOP/s dense measured for bf16 here). Bytes: q and the output (2 * T * Hq * D * 2) and each
+sequence's K/V once from DRAM, 4 * Hkv * D * (q_start[b] + len_b); the M tiles of a sequence
+re-read its keys, (len_b * G / BLOCK_M) times in all, mostly from L2. The table adds 4 bytes
+per key per tile (L1 hits after the first). With n_split > 1 the workspace adds T * Hq *
+n_split * (D + 2) * 4 bytes written (less where splits are empty) and read back once.
+
+The case that set the split (llama 8B Q4_K_M, Hq 32, Hkv 8, D 128, fp16 cache; 150 new
+tokens after a 30,000-token cached prefix; per layer): 4 * 32 * 128 * 150 * 30,075 = 73.9
+GFLOP (78.8 with the tile padding: 5 tiles of 32 tokens), K/V 4 * 8 * 128 * 30,150 = 123 MB
+from DRAM (L2 serves the 5 tiles' re-reads), q and out 2.5 MB; 13 splits add 32 MB of
+partials written and read. Unsplit: 40 programs, 45 ms for 32 layers (H200), 52 TFLOP/s,
+1.3 TFLOP/s per busy SM. Split: 13 splits, 520 programs in 4 waves of 132 (one program per
+SM: 212 registers x 256 threads fit once in an SM's 64K, sm_90 compile), each 1/13 of the
+keys: predicted ~4 x 45 / 13 = 13.8 ms at the same per-SM rate, plus the partials (~64 MB a
+layer, ~0.5 ms in all) and 32 combine launches: ~14-15 ms (~170 TFLOP/s, ~3x). On the
+256-token prefill graph (8 tiles, 3 idle past the chunk: 8 splits, 320 working programs, 3
+waves of 1/8 of the keys): ~17-18 ms. The roof is far: 2.5 TFLOP at 790 TFLOP/s is 3.2 ms,
+4 GB of K/V at 4.8 TB/s 0.8 ms; what is left is the per-SM rate (a Q tile of 128 rows,
+masked K/V tiles of 64, 8 warps, one program per SM).
 
 Shared memory: as above (the same tiles).
 """
@@ -65,7 +98,12 @@ import triton.language as tl
 
 from deimos.kernels.triton._attention_io import check_attention_io
 from deimos.kernels.triton._softmax import online_softmax_step
-from deimos.kernels.triton.decode_attention import check_block_tables, key_slots
+from deimos.kernels.triton.decode_attention import (
+    check_block_tables,
+    combine_splits,
+    key_slots,
+    split_count,
+)
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -145,7 +183,13 @@ def _paged_prefill_kernel(
     sq_t, sq_h, sk_s, sk_h, sv_s, sv_h, so_t, so_h, stab_b,
     D, scale, window, bs_shift,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr = False, n_split=1, p_m=None, p_l=None, p_acc=None,
 ):  # fmt: skip
+    """Grid (n_tiles, Hkv) or, with SPLIT, (n_tiles, Hkv, n_split): program (tile, kv head,
+    j) then takes the j-th of n_split runs of whole key tiles of its tile's keys and writes
+    its rows' partials (base-2 max, sum, unnormalized acc; fp32) at [(row * Hq + head) *
+    n_split + j] of p_m, p_l, p_acc (the acc only where the max is finite) for
+    decode_attention's combine; without SPLIT it writes the normalized output."""
     i_tile = tl.program_id(0)
     i_kv = tl.program_id(1)
     i_seq = tl.load(p_map + 2 * i_tile)
@@ -176,6 +220,10 @@ def _paged_prefill_kernel(
         lo = tl.maximum(0, start + t_first - window + 1)
         lo = lo - lo % BLOCK_N
     hi = tl.where(t_first < n_t, start + t_last + 1, lo)
+    if SPLIT:  # this program's run: lo stays tile-aligned; past hi the loop is empty
+        span = tl.cdiv(tl.cdiv(hi - lo, n_split), BLOCK_N) * BLOCK_N
+        lo = lo + tl.program_id(2) * span
+        hi = tl.minimum(hi, lo + span)
 
     qk_scale = scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -198,10 +246,17 @@ def _paged_prefill_kernel(
             ok = ok & (delta < window)
         qk = tl.where(ok, qk, float("-inf"))
         m_i, l_i, acc = online_softmax_step(qk, b_v, m_i, l_i, acc)
-    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only
-    out = acc / l_i[:, None]
-    p_ob = p_o + o_q[:, None] * so_t + o_h[:, None] * so_h + o_d[None, :]
-    tl.store(p_ob, out.to(p_o.dtype.element_ty), mask=m_qd)
+    if SPLIT:
+        o_part = (o_q * (tl.num_programs(1) * G) + o_h) * n_split + tl.program_id(2)
+        tl.store(p_m + o_part, m_i, mask=m_r)
+        tl.store(p_l + o_part, l_i, mask=m_r)
+        m_acc = m_qd & (m_i > float("-inf"))[:, None]  # a row with no key here: m, l only
+        tl.store(p_acc + o_part[:, None] * D + o_d[None, :], acc, mask=m_acc)
+    else:
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only
+        out = acc / l_i[:, None]
+        p_ob = p_o + o_q[:, None] * so_t + o_h[:, None] * so_h + o_d[None, :]
+        tl.store(p_ob, out.to(p_o.dtype.element_ty), mask=m_qd)
 
 
 def paged_prefill_config(d: int) -> PrefillConfig:
@@ -232,6 +287,17 @@ def prefill_tile_map(q_lens: list[int], n_head: int, n_head_kv: int, head_dim: i
     return torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2).to(device)
 
 
+def paged_prefill_split(n_tiles: int, n_head_kv: int, s: int, head_dim: int) -> int:
+    """Key splits of a paged prefill of ``n_tiles`` M tiles (``prefill_tile_map``'s length)
+    over tables of ``s`` = MAXB * block_size positions: decode's rule
+    (decode_attention.split_count), n_tiles * Hkv * n_split ~ TARGET_PROGRAMS (~4 programs
+    per SM of an H200), at most a key tile each of s; 1 once the grid alone is that large
+    (n_tiles * Hkv > TARGET_PROGRAMS / 2). Shapes only: a graph's captured count stays valid
+    for any starts. llama 8B (Hkv 8, D 128): 5 tiles (150 tokens) -> 13; 8 (the 256-token
+    graph) -> 8; 34 or more (1,057 tokens or more) -> 1."""
+    return split_count(n_tiles * n_head_kv, s, paged_prefill_config(head_dim).block_n, head_dim)
+
+
 def _check_int(op: str, name: str, t: torch.Tensor, shape: tuple, device: torch.device) -> None:
     if t.dtype != torch.int32 or tuple(t.shape) != shape or t.device != device:
         raise ValueError(f"{op}: {name} must be int32 {list(shape)} on {device}, got {t.dtype} "
@@ -252,6 +318,8 @@ def paged_prefill_attention(
     scale: float,
     window: int = 0,
     out: torch.Tensor | None = None,
+    *,
+    n_split: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of B sequences' prefill chunks, packed, over a paged KV cache.
 
@@ -264,6 +332,10 @@ def paged_prefill_attention(
     ``prefill_tile_map(lens, Hq, Hkv, D, device)``. Everything but the tile map's length is
     read on the device: nothing is read back. window: sliding window W (0 = none). Returns
     ``[T, Hq, D]`` in q's dtype (or ``out``); rows past cu_q[B] are not written.
+    ``n_split``: the key splits per (tile, kv head); None: ``paged_prefill_split``'s rule from
+    the tile count (1: one launch writing the output; more: partials in an fp32 workspace of
+    T * Hq * n_split * (D + 2) * 4 bytes, then the combine launch; under the rule, which keeps
+    n_tiles * Hkv * n_split <= 528, that is at most BLOCK_M * (D + 2) * 4 * 528 ~ 35 MB).
     """
     op = "paged_prefill_attention"
     out = check_attention_io(op, q, k, v, window, out, q.device, "T")
@@ -280,16 +352,30 @@ def paged_prefill_attention(
     if tile_map.dim() != 2 or tile_map.shape[1] != 2:
         raise ValueError(f"{op}: tile_map must be [n_tiles, 2], got {list(tile_map.shape)}")
     _check_int(op, "tile_map", tile_map, tuple(tile_map.shape), q.device)
-    if n_t == 0 or tile_map.shape[0] == 0:
+    n_tiles = tile_map.shape[0]
+    if n_split is None:
+        n_split = paged_prefill_split(n_tiles, hkv, block_tables.shape[1] * block_size, d)
+    if not isinstance(n_split, int) or n_split < 1:
+        raise ValueError(f"{op}: n_split must be an int >= 1, got {n_split!r}")
+    if n_t == 0 or n_tiles == 0:
         return out
     g = hq // hkv
     cfg = paged_prefill_config(d)
-    _paged_prefill_kernel[(tile_map.shape[0], hkv)](
+    split = {}
+    if n_split > 1:
+        f32 = dict(dtype=torch.float32, device=q.device)
+        part_m = torch.empty((n_t, hq, n_split), **f32)
+        part_l = torch.empty((n_t, hq, n_split), **f32)
+        part_acc = torch.empty((n_t, hq, n_split, d), **f32)
+        split = dict(SPLIT=True, n_split=n_split, p_m=part_m, p_l=part_l, p_acc=part_acc)
+    _paged_prefill_kernel[(n_tiles, hkv, n_split)](
         q, k, v, out, block_tables, cu_q, q_start, tile_map,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0),
         d, scale, window, bs_shift,
         G=g, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **split,
     )  # fmt: skip
+    if n_split > 1:  # rows past cu_q[B] (a padded graph's) are neither merged nor written
+        combine_splits(part_m, part_l, part_acc, out, n_rows=cu_q[n_b:], sparse=True)
     return out
