@@ -34,15 +34,18 @@ SESSION = Path(__file__).resolve().parent / "sessions" / "multi-turn.jsonl.gz"
 
 def encode_times(llm: LLM) -> list[tuple[int, float]]:
     """(prompt tokens, ms to prepare, render and tokenize) for the multi-turn session's turns
-    (the server's path with the tools in the system prompt), every 8th turn."""
+    in order (the server's path, the tools as a field), every 8th reported: the tokenizer's
+    cache holds the turns before, as in a served session."""
     turns = [json.loads(line) for line in gzip.open(SESSION, "rt")]
+    style = tools.tool_call_style(llm.template.source, llm.tokenizer)
     out = []
-    for turn in turns[::8]:
-        msgs = request_body(turn, "m", tools_in_system=True)["messages"]
+    for i, turn in enumerate(turns):
+        body = request_body(turn, "m")
         t0 = time.perf_counter()
-        m2, tt = tools.prepare_chat(msgs, None, llm.template.source, "llama3")
+        m2, tt = tools.prepare_chat(body["messages"], body.get("tools"), llm.template.source, style)
         ids = llm.encode_chat(m2, tools=tt)
-        out.append((len(ids), (time.perf_counter() - t0) * 1e3))
+        if i % 8 == 0:
+            out.append((len(ids), (time.perf_counter() - t0) * 1e3))
     return out
 
 
