@@ -105,13 +105,15 @@ def test_kernel_path_block_equals_the_reference(paths, models, preset):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", PRESETS)
-def test_gpu_whole_model_equals_the_reference(paths, preset, tmp_path):
+def test_gpu_whole_model_equals_the_reference(preset, tmp_path):
     """The whole model on CUDA (packed Q8_0 weights, the routed and shared experts' kernels, the
     gated delta kernels) against the CPU reference of the same Q8_0 file: 65 prompt tokens and
-    3 greedy decode steps (tests/test_qwen35_gpu.py's comparison, qwen35moe's bound: the
-    8-bit/fp16 activations move a few router choices). Under the interpreter (kernels=True on
-    the CPU, 80 s): relative RMS error 1.5e-2, every greedy pick equal."""
-    from test_qwen35_gpu import _run
+    3 decode steps, the routing apart (tests/moe_routing.py: the reference's routing forced,
+    then the kernels' own). Under the interpreter (kernels on the CPU, 4 min a preset), forced:
+    7.1e-3 / 1.0e-2 (qwen3next-tiny / ssmin), ssmin's decode 2.9e-2 (positions 64-65 amplify
+    the prefill's fp16 roundings: the reference with those roundings gives the same); own
+    routing 1.4e-2 / 5.8e-2, 1 / 11 positions flipped (ssmin's first at a gap of 0.0018)."""
+    from moe_routing import compare_hybrid_moe
     from testdata import data_file
 
     from deimos.synth import write_model
@@ -119,17 +121,7 @@ def test_gpu_whole_model_equals_the_reference(paths, preset, tmp_path):
     s = ref_file(preset)["synth"]
     path = write_model(tmp_path / f"{preset}-Q8_0.gguf", s["arch"], s["preset"], "Q8_0",
                        data_file(s["vocab_from"]), s["seed"])
-    f = GGUFFile(path)
-    ref, ker = load_model(f), load_model(f, device="cuda")
-    prompt = list(range(3, 3 + 65 * 7, 7))
-    want, tokens, _ = _run(ref, "cpu", prompt)
-    got, _, _ = _run(ker, "cuda", prompt, tokens)
-    rel = float((got - want).norm() / want.norm())
-    print(f"{preset} Q8_0 on CUDA: logits relative RMS error {rel:.2e}")
-    assert rel < 3e-2
-    top2 = want[64:].topk(2, dim=1).values
-    for i, (a, b) in enumerate(zip(want[64:].argmax(1).tolist(), got[64:].argmax(1).tolist())):
-        assert a == b or float(top2[i, 0] - top2[i, 1]) < 0.1, f"step {i}: picks {b}, reference {a}"
+    compare_hybrid_moe(GGUFFile(path), f"{preset} Q8_0", list(range(3, 3 + 65 * 7, 7)))
 
 
 # ---- config and malformed files --------------------------------------------------------------
