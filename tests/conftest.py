@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import os
+
+# Under pytest-xdist each worker gets its share of the CPUs for torch's (and OpenMP's) thread
+# pools, and so do the servers and tools the tests start (they inherit the environment):
+# two workers on two cores each spinning two OpenMP threads ran some tests 90x slower.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_SHARE = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+if _WORKERS > 1:
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, str(_SHARE))
+
 import pytest
 import torch
+
+if _WORKERS > 1:
+    torch.set_num_threads(_SHARE)
 
 
 @pytest.fixture(scope="module")
