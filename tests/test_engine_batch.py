@@ -43,17 +43,23 @@ def _alone(llm: LLM, ids: list[int], n: int) -> Request:
     return req
 
 
-def _assert_same_or_tie(alone: Request, together: Request, label: str) -> None:
+def _assert_same_or_tie(alone: Request, together: Request, label: str, tie: float = TIE,
+                        names: tuple[str, str] = ("alone", "together"),
+                        same_finish: bool = False) -> None:
+    """``together``'s tokens are ``alone``'s (run with top_logprobs >= 2) up to the first
+    difference, which must be at a near-tie of ``alone`` (top-2 margin < ``tie`` nats); with no
+    difference the lengths (and, with ``same_finish``, the finish reasons) agree too."""
     a, b = alone.output_ids, together.output_ids
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             lp = alone.token_logprobs[i]
             margin = lp.top_logprobs[0] - lp.top_logprobs[1]
-            assert margin < TIE, (f"{label}: token {i} differs ({x} alone, {y} together) with a "
-                                  f"margin of {margin:.4f} nats alone")
+            assert margin < tie, (f"{label}: token {i} differs ({x} {names[0]}, {y} {names[1]}) "
+                                  f"with a margin of {margin:.4f} nats {names[0]}")
             print(f"{label}: token {i} flipped at a near-tie, margin {margin:.2e}")
             return
-    assert len(a) == len(b), f"{label}: {len(a)} tokens alone, {len(b)} together"
+    assert len(a) == len(b), f"{label}: {len(a)} tokens {names[0]}, {len(b)} {names[1]}"
+    assert not same_finish or alone.finish_reason == together.finish_reason, label
 
 
 @pytest.mark.parametrize("name,n_prompts", [(SMOL, 6), (GEMMA, 3)])

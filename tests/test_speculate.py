@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from test_engine_batch import TIE, _assert_same_or_tie
 from testdata import llama_cpp_path, model_path
 
 from deimos.engine import LLM
@@ -32,7 +33,6 @@ from deimos.synth import write_model
 SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA = "gemma-3-270m-q4_k_m.gguf"
 DONOR = "models/ggml-vocab-llama-spm.gguf"
-TIE = 1e-3  # nats: a gap this small between the top two tokens may flip with summation order
 GREEDY = SamplingParams(temperature=0)
 CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
         "def mul(a, b):\n    return a * b\n\n\ndef div(a, b):\n    return a / b\n")
@@ -73,16 +73,7 @@ def _plain(llm: LLM, ids: list[int], n: int, **kw) -> Request:
 
 
 def _same_or_tie(plain: Request, spec: Request, label: str, tie: float = TIE) -> None:
-    a, b = plain.output_ids, spec.output_ids
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            lp = plain.token_logprobs[i]
-            margin = lp.top_logprobs[0] - lp.top_logprobs[1]
-            assert margin < tie, (f"{label}: token {i} differs ({x} plain, {y} speculative) with "
-                                  f"a margin of {margin:.4f} nats in the plain run")
-            print(f"{label}: token {i} flipped at a near-tie, margin {margin:.2e}")
-            return
-    assert len(a) == len(b) and plain.finish_reason == spec.finish_reason, label
+    _assert_same_or_tie(plain, spec, label, tie, ("plain", "speculative"), same_finish=True)
 
 
 def _all_free(engine: Engine) -> None:
