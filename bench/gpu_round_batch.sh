@@ -10,7 +10,7 @@
 case "${1:-}" in
 setup)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  mkdir -p /tmp/lc && tar xJf .peer/llama-cuda-sm90.tar.xz -C /tmp/lc
+  mkdir -p /tmp/lc && tar xJf .peer/lc/llama-cuda-sm90.tar.xz -C /tmp/lc
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv ;;
 tests)
   python3 -m pytest -q -x -rfE tests/test_triton_paged_attention.py tests/test_triton_gemm_q.py \

@@ -25,7 +25,7 @@ from deimos.engine.request import Request  # noqa: E402
 from deimos.kernels.sampling import SamplingParams  # noqa: E402
 
 
-def profile(llm: LLM, b: int, steps: int, prompt: int, greedy: bool) -> None:
+def profile(llm: LLM, b: int, steps: int, prompt: int, greedy: bool, top: int = 18) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     eng = llm.engine
@@ -60,7 +60,7 @@ def profile(llm: LLM, b: int, steps: int, prompt: int, greedy: bool) -> None:
     print(f"\nB={b} {'greedy' if greedy else 'default'}: {n_steps:.0f} steps in {wall * 1e3:.1f} ms = "
           f"{wall * 1e3 / n_steps:.3f} ms a step; kernels {gpu / n_steps:.3f} ms a step")
     print("| kernel | us a step | launches a step |\n|---|---:|---:|")
-    for name, (us, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:18]:
+    for name, (us, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"| {name} | {us / n_steps:.1f} | {n / n_steps:.1f} |")
 
 
@@ -72,13 +72,14 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("-p", "--prompt", type=int, default=512)
     ap.add_argument("--greedy", action="store_true")
+    ap.add_argument("--top", type=int, default=24, help="kernels listed")
     ap.add_argument("--dense-weights", default="auto", choices=("auto", "on", "off"))
     args = ap.parse_args()
     levels = [int(x) for x in args.batches.split(",")]
     llm = LLM(args.model, n_ctx=args.ctx, device="cuda", max_seqs=max(levels),
               dense_weights=args.dense_weights)
     for b in levels:
-        profile(llm, b, args.steps, args.prompt, args.greedy)
+        profile(llm, b, args.steps, args.prompt, args.greedy, args.top)
     return 0
 
 
