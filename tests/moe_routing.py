@@ -140,15 +140,15 @@ def reference_routing(model, log: list[Routed]):
 
 @contextmanager
 def kernel_routing(replay: list[Routed] | None = None, log: list[Routed] | None = None):
-    """The kernel model's router (moe_ops.route, which moe_step calls): ``replay``: each call
-    returns the next recorded routing instead (the same layer and token count, all consumed);
-    ``log``: each call's own routing is appended."""
+    """The kernel model's router (moe_ops.route, which moe_step calls, fused or not):
+    ``replay``: each call returns the next recorded routing instead (the same layer and token
+    count, all consumed); ``log``: each call's own routing is appended."""
     own = moe_ops.route
     calls = []
 
-    def routing(x, block):
+    def routing(x, block, scratch=None):
         if replay is None:
-            w, i = own(x, block)
+            w, i = own(x, block, scratch)
             log.append(Routed(block.layer, x.float().cpu(), w.cpu(), i.long().cpu()))
             return w, i
         assert len(calls) < len(replay), "more MoE calls than the reference made"

@@ -44,6 +44,7 @@ from testdata import llama_cpp_path
 
 from deimos.gguf import GGUFFile
 from deimos.models import ARCHITECTURES, load_model
+from deimos.kernels.triton.moe_router import RouterScratch
 from deimos.models.gpu.moe_ops import ResidentSlots, moe_step
 from deimos.models.moe import moe_reference
 from deimos.models.weights import WeightSource
@@ -66,14 +67,18 @@ def _blocks(f: GGUFFile, layer: int):
     return ref.layers[layer].moe, ker.layers[layer].moe
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_moe_step_matches_the_reference_block(moe_file, tokens):
+def test_moe_step_matches_the_reference_block(moe_file, tokens, fused):
+    """fused: with the router's scratch, one token runs the three fused launches
+    (moe_router, moe_gate_up, moe_down_combine); several tokens the grouped GEMM either way."""
     ref_block, ker_block = _blocks(moe_file, 1)
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, ref_block.router.shape[1], generator=g)
     want = moe_reference(x, ref_block)
     slots = ResidentSlots()(ker_block.n_expert, torch.device(DEVICE))
-    got = moe_step(x.to(DEVICE), ker_block, slots).cpu()
+    router = RouterScratch() if fused else None
+    got = moe_step(x.to(DEVICE), ker_block, slots, router=router).cpu()
     assert got.shape == want.shape and got.dtype == torch.float32
     rel = ((got - want).norm() / want.norm()).item()
     # int8 activations at one token (gemv_q8), fp16 activations for several (moe_gemm)
@@ -86,7 +91,8 @@ def test_an_expert_off_the_device_contributes_nothing(moe_file):
     x = torch.randn(3, ker_block.router.shape[1], generator=torch.Generator().manual_seed(2)).to(DEVICE)
     none = torch.full((ker_block.n_expert,), -1, dtype=torch.int32, device=DEVICE)
     for t in (1, 3):
-        assert bool((moe_step(x[:t], ker_block, none) == 0).all())
+        for router in (None, RouterScratch()):
+            assert bool((moe_step(x[:t], ker_block, none, router=router) == 0).all())
 
 
 @pytest.mark.gpu

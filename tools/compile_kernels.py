@@ -526,6 +526,40 @@ def _moe_jobs() -> list[Job]:
                                            XB=cfg.xb, EVEN=even, SCALE16=scale16(sample),
                                            PAIR_ROWS=pair, CHUNKED=chunked,
                                            num_warps=cfg.num_warps, **PDL_KW)))
+    # the fused one-token step (quant.triton.moe_decode, kernels.triton.moe_router)
+    md = importlib.import_module("deimos.quant.triton.moe_decode")
+    mr = importlib.import_module("deimos.kernels.triton.moe_router")
+    for e, k in ((n_exp, top_k), (512, 10)):
+        jobs.append(Job("moe_router", f"E={e} D={d_model} k={k}",
+                        _warm(mr._router_kernel, [f32, f32, f32, i32, f32, i32, e, d_model, e // mr.RouterTile().block_e],
+                              TOP_K=k, K_PAD=triton.next_power_of_2(k), BLOCK_E=mr.RouterTile().block_e,
+                              BLOCK_D=512, BLOCK_ALL=triton.next_power_of_2(e), RENORM=True,
+                              num_warps=4, **PDL_KW)))
+    for t in [*FMT_ID, GGMLType.IQ4_XS, GGMLType.IQ2_XS]:
+        kt = KERNEL_TYPE.get(t, t)
+        gate = _packed_sample(t, d_model)
+        ga = weight_arrays(gate)
+        cfg = md.gate_up_tile(kt, n_ff, d_model)
+        args = [MockTensor(a.dtype) for a in ga] * 2 + [MockTensor(i32), MockTensor(f32), MockTensor(i32)] * 2
+        args += [MockTensor(i32), MockTensor(i32), n_ff, d_model, n_exp, top_k] + [a.stride(0) for a in ga] * 2
+        jobs.append(Job("moe_gate_up_" + t.name, f"{n_ff}x{d_model} " + _describe(cfg),
+                        _warm_args(md._moe_gate_up_kernel, args, FMT_G=FMT_ID[kt], FMT_U=FMT_ID[kt],
+                                   SCALE16_G=scale16(gate), SCALE16_U=scale16(gate), ACT=0,
+                                   BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s, ASM=True, XB=cfg.xb,
+                                   EVEN=d_model // 32 % cfg.block_s == 0, num_warps=cfg.num_warps,
+                                   **PDL_KW)))
+        down = _packed_sample(t, n_ff)
+        da = weight_arrays(down)
+        cfg = q.q8_config(kt, d_model, n_ff, 1)
+        args = [MockTensor(a.dtype) for a in da] + [MockTensor(i32), MockTensor(f32), MockTensor(i32),
+                                                    MockTensor(f32), MockTensor(i32), MockTensor(i32),
+                                                    MockTensor(f32), d_model, n_ff, n_exp]
+        args += [a.stride(0) for a in da]
+        jobs.append(Job("moe_down_combine_" + t.name, f"{d_model}x{n_ff} k={top_k} " + _describe(cfg),
+                        _warm_args(md._moe_down_combine_kernel, args, TOP_K=top_k, FMT=FMT_ID[kt],
+                                   SCALE16=scale16(down), BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
+                                   ASM=True, XB=cfg.xb, EVEN=n_ff // 32 % cfg.block_s == 0,
+                                   num_warps=cfg.num_warps, **PDL_KW)))
     block_ms = sorted({mg.moe_block_m(t * top_k, n_exp) for t in tokens})
     for t in tokens:
         p = t * top_k

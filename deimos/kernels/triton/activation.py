@@ -21,6 +21,20 @@ _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit
+def gated_value(g, u, ACT: tl.constexpr):
+    """act(g) * u in float32 (``ACT``: ``ACTIVATIONS``' code); the MoE decode kernels call it
+    too."""
+    if ACT == 0:
+        # exp's argument capped at 80: past it a is ~0 either way, and nothing overflows
+        a = g / (1.0 + tl.exp(tl.minimum(-g, 80.0)))
+    else:
+        # 0.5 * (1 + tanh(y)) == sigmoid(2y)
+        z = 2.0 * _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
+        a = g / (1.0 + tl.exp(tl.minimum(-z, 80.0)))
+    return a * u
+
+
+@triton.jit
 def _gated_act_kernel(
     p_g, p_u, p_y, stride_g, stride_u, stride_y, F, p_xq, p_xd, p_xs,
     ACT: tl.constexpr, BLOCK_F: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
@@ -31,14 +45,7 @@ def _gated_act_kernel(
     m_f = o_f < F
     b_g = tl.load(p_g + i_t * stride_g + o_f, mask=m_f, other=0.0).to(tl.float32)
     b_u = tl.load(p_u + i_t * stride_u + o_f, mask=m_f, other=0.0).to(tl.float32)
-    if ACT == 0:
-        # exp's argument capped at 80: past it a is ~0 either way, and nothing overflows
-        a = b_g / (1.0 + tl.exp(tl.minimum(-b_g, 80.0)))
-    else:
-        # 0.5 * (1 + tanh(y)) == sigmoid(2y)
-        z = 2.0 * _SQRT_2_OVER_PI * (b_g + 0.044715 * b_g * b_g * b_g)
-        a = b_g / (1.0 + tl.exp(tl.minimum(-z, 80.0)))
-    b_y = (a * b_u).to(p_y.dtype.element_ty)
+    b_y = gated_value(b_g, b_u, ACT).to(p_y.dtype.element_ty)
     tl.store(p_y + i_t * stride_y + o_f, b_y, mask=m_f)
     if QUANT:  # also as the GEMV's integer activation (gemv_q8.quantize_groups)
         G: tl.constexpr = BLOCK_F // 32

@@ -32,15 +32,10 @@ _BIG_ID = tl.constexpr(2147483647)
 
 
 @triton.jit
-def _route_kernel(p_logits, p_w, p_ids, E, stride_t, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                  BLOCK_E: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
-    """Token i_t: softmax over its E logits, the TOP_K largest (ties: lowest id), weights
-    renormalized over them when RENORM."""
-    pdl_start(PDL)
-    i_t = tl.program_id(0).to(tl.int64)
-    o_e = tl.arange(0, BLOCK_E)
-    m_e = o_e < E
-    b_l = tl.load(p_logits + i_t * stride_t + o_e, mask=m_e, other=float("-inf")).to(tl.float32)
+def _topk_store(b_l, o_e, m_e, p_w, p_ids, i_t, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                RENORM: tl.constexpr):
+    """Token i_t's logits ``b_l`` (``m_e``: the experts that exist): softmax, the TOP_K
+    largest (ties: lowest id), weights renormalized over them when RENORM; stored."""
     mx = tl.max(b_l, axis=0)
     total = tl.sum(tl.where(m_e, tl.exp(b_l - mx), 0.0), axis=0)
     o_k = tl.arange(0, K_PAD)
@@ -60,6 +55,18 @@ def _route_kernel(p_logits, p_w, p_ids, E, stride_t, TOP_K: tl.constexpr, K_PAD:
     m_k = o_k < TOP_K
     tl.store(p_w + i_t * TOP_K + o_k, b_w, mask=m_k)
     tl.store(p_ids + i_t * TOP_K + o_k, b_i, mask=m_k)
+
+
+@triton.jit
+def _route_kernel(p_logits, p_w, p_ids, E, stride_t, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                  BLOCK_E: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
+    """Token i_t: ``_topk_store`` of its E logits."""
+    pdl_start(PDL)
+    i_t = tl.program_id(0).to(tl.int64)
+    o_e = tl.arange(0, BLOCK_E)
+    m_e = o_e < E
+    b_l = tl.load(p_logits + i_t * stride_t + o_e, mask=m_e, other=float("-inf")).to(tl.float32)
+    _topk_store(b_l, o_e, m_e, p_w, p_ids, i_t, TOP_K, K_PAD, RENORM)
 
 
 def moe_route(logits: torch.Tensor, k: int, renorm: bool,

@@ -1,11 +1,14 @@
 """A routed-expert MLP step on the GPU kernels (``TritonOps.moe``), every expert on the device.
 
-One token (a batch-1 decode step): the router's logits, ``moe_route`` (softmax, top-k,
-renormalized), then the chosen experts' GEMVs, one launch per projection with the expert ids
-read on the device (``moe_gemv``; the SwiGLU between them writes the down projection's integer
-activation itself), then ``moe_combine``. More tokens (prefill, batched decode): the pairs
-grouped by expert on the device (``moe_align``), the grouped GEMM (``moe_gemm``, x in element
-order) for gate, up and down, then the combine. No host synchronisation: a step is a graph.
+One token (a batch-1 decode step): the router's float32 logits (torch) then ``moe_route``
+(softmax, top-k, renormalized), ``moe_gemv`` per projection (expert ids read on the device),
+``gated_act`` (writing the down projection's integer activation), ``moe_combine``. With
+DEIMOS_MOE_FUSED=1 (read once; experts resident) three launches instead: ``moe_router`` (the
+logits and the routing in one), ``moe_gate_up`` (gate and up with the gated activation between
+them) and ``moe_down_combine`` (down with the weighted combine), quant.triton.moe_decode.
+More tokens (prefill, batched decode): the pairs grouped by expert on the device
+(``moe_align``), the grouped GEMM (``moe_gemm``, x in element order) for gate, up and down,
+then the combine. No host synchronisation: a step is a graph.
 
 The router's logits are float32 products (torch.mm in float32, TF32 off): routing decides
 discrete choices, and an fp16 product would flip near-ties against the float32 reference.
@@ -15,14 +18,22 @@ next part, gives a table of its own, -1 for the experts it does not hold).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from deimos.kernels.triton.activation import gated_act
 from deimos.kernels.triton.moe_route import moe_combine, moe_route
+from deimos.kernels.triton.moe_router import MAX_TOKENS, RouterScratch, moe_router
 from deimos.quant.triton.gemv_q8 import empty_quantized, quantize_x
+from deimos.quant.triton.moe_decode import moe_down_combine, moe_gate_up
 from deimos.quant.triton.moe_gemm import moe_align, moe_block_m, moe_gemm
 from deimos.quant.triton.moe_gemv import moe_gemv
 from deimos.quant.triton.dequant_gemv import MAX_BATCH
+
+# read once: whether TritonOps runs one-token steps through the fused kernels (a profile's
+# switch; the default is what was measured faster on the H200)
+FUSED = os.environ.get("DEIMOS_MOE_FUSED", "0") == "1"
 
 
 class ResidentSlots:
@@ -39,9 +50,15 @@ class ResidentSlots:
         return t
 
 
-def route(x: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router: float32 logits of x ``[T, D]``, then ``moe_route`` -> (weights, ids)."""
-    logits = torch.mm(x.float(), block.router.t())
+def route(x: torch.Tensor, block, scratch: RouterScratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router -> (weights, ids): with the ops' ``scratch`` and at most MAX_TOKENS tokens
+    one launch (``moe_router``), else float32 logits of x ``[T, D]`` (torch) then
+    ``moe_route``."""
+    r = block.router
+    if (scratch is not None and x.shape[0] <= MAX_TOKENS and r.dtype == torch.float32
+            and r.is_contiguous() and x.is_contiguous()):  # fmt: skip
+        return moe_router(x, r, block.n_expert_used, block.normalize, scratch(block.n_expert, x.device))
+    logits = torch.mm(x.float(), r.t())
     return moe_route(logits, block.n_expert_used, block.normalize)
 
 
@@ -74,9 +91,28 @@ def expert_products(x: torch.Tensor, block, ids: torch.Tensor, slot_of: torch.Te
     return moe_gemm(a, w["down"], d, tiles, slot_of, "pair", x_permuted=False, chunks=c.get("down"))
 
 
-def moe_step(x: torch.Tensor, block, slot_of: torch.Tensor, quantized=None) -> torch.Tensor:
+def fused_decode(x: torch.Tensor, block, slot_of: torch.Tensor, router: RouterScratch,
+                 quantized=None) -> torch.Tensor | None:
+    """One token's routed experts in three launches (module docstring), or None when the
+    step does not fit them (more tokens, k > MAX_BATCH, F not whole groups of 32)."""
+    k, f = block.n_expert_used, block.n_ff
+    if x.shape[0] != 1 or k > MAX_BATCH or f % 32:
+        return None
+    weights, ids = route(x, block, router)
+    qx = quantized if quantized is not None else quantize_x(x)
+    qa = moe_gate_up(block.gate.weight, block.up.weight, f, qx, ids, slot_of, block.activation)
+    return moe_down_combine(block.down.weight, x.shape[1], qa, ids, weights, slot_of)
+
+
+def moe_step(x: torch.Tensor, block, slot_of: torch.Tensor, quantized=None,
+             router: RouterScratch | None = None) -> torch.Tensor:
     """x float32 ``[T, D]`` -> float32 ``[T, D]``: ``block``'s routed experts (a
     deimos.models.moe.MoE holding PackedExperts). ``quantized``: x's integer activation when
-    the norm kernel made it (one token)."""
+    the norm kernel made it (one token). ``router``: the ops' scratch for the fused router
+    (one token in three launches: ``fused_decode``); None: the unfused chain."""
+    if router is not None:
+        y = fused_decode(x, block, slot_of, router, quantized)
+        if y is not None:
+            return y
     weights, ids = route(x, block)
     return moe_combine(expert_products(x, block, ids, slot_of, quantized=quantized), weights)

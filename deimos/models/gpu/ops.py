@@ -24,7 +24,8 @@ from deimos.kernels.triton.rope import apply_rope, rope_inv_freq
 from deimos.models.batch import Batch
 from deimos.models.config import ModelConfig
 from deimos.models.gpu.linear import InputCache
-from deimos.models.gpu.moe_ops import ResidentSlots, moe_step
+from deimos.kernels.triton.moe_router import RouterScratch
+from deimos.models.gpu.moe_ops import FUSED, ResidentSlots, moe_step
 from deimos.models.ops import StepState
 from deimos.quant.triton.gemv_q8 import empty_quantized
 
@@ -42,6 +43,8 @@ class TritonOps:
         self.inv_freq = {b: rope_inv_freq(cfg.rope_dim, b, cfg.rope_scale, freq_factors, device)
                          for b in bases}  # fmt: skip
         self.slots = ResidentSlots()
+        # the fused MoE decode's router scratch (None: the unfused chain; moe_ops.FUSED)
+        self.router = RouterScratch() if FUSED else None
         self.offload = None  # deimos.models.gpu.offload.ExpertOffload, for experts kept on the host
 
     def begin(self, batch: Batch) -> StepState:
@@ -138,4 +141,4 @@ class TritonOps:
         if self.offload is not None:
             return self.offload.moe(x, block)
         qx = self.inputs.quantized(x) if self.inputs is not None and x.shape[0] == 1 else None
-        return moe_step(x, block, self.slots(block.n_expert, x.device), quantized=qx)
+        return moe_step(x, block, self.slots(block.n_expert, x.device), quantized=qx, router=self.router)

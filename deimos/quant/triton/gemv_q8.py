@@ -117,21 +117,36 @@ def _gemv_q8_kernel(
     XB: tl.constexpr = False, EVEN: tl.constexpr = False, PDL: tl.constexpr = False,
     SCALE16: tl.constexpr = False,
 ):  # fmt: skip
-    """EVEN: BLOCK_S divides the groups of a row, so nothing is masked but the stores (rows past
-    N are clamped to row N - 1 for loading and never stored). PDL: deimos.quant.triton.pdl.
-    SCALE16 (Q8_0's layout): a scale per 16 elements; bytes 0-1 of a word are the group's
-    first 16 elements (32u + 8b + w), 2-3 its last, dotted apart as Q6_K's halves."""
+    """Program (i_n, i_b): rows i_n BLOCK_N .. of y row i_b (``gemv_q8_rows``). PDL:
+    deimos.quant.triton.pdl."""
     pdl_start(PDL)
+    i_n = tl.program_id(0)  # row tiles on axis 0: a 262144-row vocabulary is 65536 tiles,
+    i_b = tl.program_id(1)  # past CUDA's 65535 limit of the other axes
+    y = gemv_q8_rows(p_qw, p_qh, p_s, p_d, p_m, p_xq, p_xd, p_xs, i_n, i_b, N, K, FMT=FMT,
+                     BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S, ASM=ASM, XB=XB, EVEN=EVEN, SCALE16=SCALE16)
+    o_y = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(p_y + i_b * N + o_y, y, mask=o_y < N)
+
+
+@triton.jit
+def gemv_q8_rows(
+    p_qw, p_qh, p_s, p_d, p_m, p_xq, p_xd, p_xs, i_n, i_b, N, K,
+    FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ASM: tl.constexpr,
+    XB: tl.constexpr, EVEN: tl.constexpr, SCALE16: tl.constexpr,
+):  # fmt: skip
+    """float32 ``[BLOCK_N]``: rows i_n BLOCK_N .. of W times x row i_b (rows past N: row N - 1's
+    value, for the caller to mask). The body every integer-activation GEMV runs (the MoE
+    kernels too). EVEN: BLOCK_S divides the groups of a row, so nothing is masked (rows past
+    N are clamped to row N - 1 for loading). SCALE16 (Q8_0's layout): a scale per 16
+    elements; bytes 0-1 of a word are the group's first 16 elements (32u + 8b + w), 2-3 its
+    last, dotted apart as Q6_K's halves."""
     W: tl.constexpr = 8 if FMT == Q8_0 else (2 if FMT == Q2_K else 4)  # weight words per group
     HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1 or FMT == Q5_1
     OFFSET: tl.constexpr = 8 if FMT == Q4_0 else (16 if FMT == Q5_0 else (32 if FMT == Q6_K else 0))
-    i_n = tl.program_id(0)  # row tiles on axis 0: a 262144-row vocabulary is 65536 tiles,
-    i_b = tl.program_id(1)  # past CUDA's 65535 limit of the other axes
     S_TOTAL = K // 32
     MASKED: tl.constexpr = not EVEN
     o_y = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_y = o_y < N
-    o_n = tl.minimum(o_y, N - 1).to(tl.int64)  # rows that are loaded (the stored ones: m_y)
+    o_n = tl.minimum(o_y, N - 1).to(tl.int64)  # rows that are loaded (the caller stores o_y < N)
     m_n = o_n >= 0  # every loaded row exists (all true; the shape the masks broadcast from)
     o_s = tl.arange(0, BLOCK_S)
     o_w = tl.arange(0, W)
@@ -222,7 +237,7 @@ def _gemv_q8_kernel(
             if HAS_MIN:
                 dot += mn * (xs_lo + xs_hi).to(tl.float32)
         acc += xd * dot
-    tl.store(p_y + i_b * N + o_y, tl.sum(acc, axis=1), mask=m_y)
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit

@@ -14,13 +14,12 @@ device (it is updated in place, so a captured graph follows the cache) and ``w_s
 only says the format, K and each array's dtype and row width.
 
 Program (i_n, i_p): rows i_n BLOCK_N .. of pair i_p = t k + j, expert ids[t, j]. It finds the
-slot and runs gemv_q8's kernel body itself (``_gemv_q8_kernel`` called as a device function:
-the same dp4a dot, tiles and launch rule, nothing copied) on pointers moved to the slot's rows
-and to the activation row the pair reads: x row t (``x_rows="token"``: gate/up, every pair of
-a token reads its normed hidden state) or row p (``"pair"``: down, each pair reads its own
-gated activation). gemv_q8's program offsets x and y by its second program id, here the pair:
-y row p as wanted, and x moved back by p - t rows in token mode. An expert id outside [0, E)
-counts as not on the device (its row is 0): nothing is read out of bounds.
+slot and runs gemv_q8's body (``gemv_q8_rows``: the same dp4a dot, tiles and launch rule,
+nothing copied) on pointers moved to the slot's rows, for the activation row the pair reads:
+x row t (``x_rows="token"``: gate/up, every pair of a token reads its normed hidden state) or
+row p (``"pair"``: down, each pair reads its own gated activation); it stores y row p. An
+expert id outside [0, E) counts as not on the device (its row is 0): nothing is read out of
+bounds.
 
 Oracle: deimos.kernels.moe.moe_experts_reference on the dequantized stack
 (naive.dequantize_packed) and the dequantized activation (gemv_q8.quantize_x_reference).
@@ -40,7 +39,7 @@ from deimos.quant.triton.gemv_q8 import (
     INTERPRETER_TILE,
     Q8Config,
     QuantizedX,
-    _gemv_q8_kernel,
+    gemv_q8_rows,
     q8_config,
 )
 from deimos.quant.triton.layout import PackedWeight
@@ -93,18 +92,16 @@ def _moe_gemv_kernel(
         o_y = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(p_y + i_p.to(tl.int64) * N + o_y, tl.zeros([BLOCK_N], dtype=tl.float32), mask=o_y < N)
     else:
-        if PAIR_ROWS:
-            dx = i_p * 0
-        else:
-            dx = i_p // TOP_K - i_p  # gemv_q8 adds i_p rows: x row i_p // TOP_K
-        _gemv_q8_kernel(slot_base(p_qw, t_qw, slot, N, r_qw, SPC, CHUNKED),
-                        slot_base(p_qh, t_qh, slot, N, r_qh, SPC, CHUNKED),
-                        slot_base(p_s, t_s, slot, N, r_s, SPC, CHUNKED),
-                        slot_base(p_d, t_d, slot, N, r_d, SPC, CHUNKED),
-                        slot_base(p_m, t_m, slot, N, r_m, SPC, CHUNKED),
-                        p_xq + dx * (K // 2), p_xd + dx * (K // 32), p_xs + dx * (K // 16), p_y,
-                        N, K, FMT=FMT, BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S, ASM=ASM, XB=XB,
-                        EVEN=EVEN, PDL=False, SCALE16=SCALE16)
+        x_row = i_p if PAIR_ROWS else i_p // TOP_K
+        y = gemv_q8_rows(slot_base(p_qw, t_qw, slot, N, r_qw, SPC, CHUNKED),
+                         slot_base(p_qh, t_qh, slot, N, r_qh, SPC, CHUNKED),
+                         slot_base(p_s, t_s, slot, N, r_s, SPC, CHUNKED),
+                         slot_base(p_d, t_d, slot, N, r_d, SPC, CHUNKED),
+                         slot_base(p_m, t_m, slot, N, r_m, SPC, CHUNKED),
+                         p_xq, p_xd, p_xs, i_n, x_row, N, K, FMT=FMT, BLOCK_N=BLOCK_N,
+                         BLOCK_S=BLOCK_S, ASM=ASM, XB=XB, EVEN=EVEN, SCALE16=SCALE16)
+        o_y = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(p_y + i_p.to(tl.int64) * N + o_y, y, mask=o_y < N)
 
 
 def moe_gemv_config(w_stack: PackedWeight, n: int) -> Q8Config:
