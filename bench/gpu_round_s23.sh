@@ -25,7 +25,11 @@ sweep)
   # the one-token MoE kernels' tiles (bench/sweep_moe.py), then the probe below
   (synth llama-8b $M8 Q4_K_M llama-bpe) &
   idle; timeout 330 python3 bench/sweep_moe.py --quick 2>&1 | grep -v Warn | tee "$OUT/sweep-moe.txt" | grep -v "^  "
-  wait ;&
+  wait
+  if [ -n "${ATTN:-}" ]; then  # the 30B's attention GEMVs (gemv_q8 on its shapes)
+    synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2
+    timeout 200 python3 bench/sweep_gemv.py $M30 --quick 2>&1 | grep -v Warn | tee "$OUT/sweep-gemv-30b.txt" | tail -20
+  fi ;&
 probe)
   idle
   for m in ${PROBE_MODELS:-$M8}; do

@@ -216,6 +216,25 @@ def test_the_profile_step_is_a_valid_largest_step(tiny):
     assert llm.engine.blocks.n_used == 0
 
 
+def test_the_warm_up_steps_cover_a_first_requests_shapes(tiny):
+    """ModelRunner.warm_shapes (run at load on a GPU so a server's first requests compile
+    nothing): a whole budget from position 0, its continuation at an odd count and position
+    past the prefill graphs, a chunk beside decode rows at an odd total; every position inside
+    the context, on the scratch block; they run on the reference with finite logits."""
+    llm = LLM(tiny, n_ctx=1500, max_seqs=8, max_batch_tokens=600)
+    runner = llm.engine.runner
+    shapes = runner.warm_shapes(600)
+    assert [(x.q_lens[-1], x.q_starts[-1], x.n_decode) for x in shapes] == [(600, 0, 0), (599, 599, 0), (594, 0, 3)]
+    for x in shapes:
+        assert int(x.positions.max()) < 1500 and not x.tables.any()
+        logits = runner._eager(x)
+        assert logits.shape == (len(x.q_lens), llm.config.n_vocab) and bool(logits.isfinite().all())
+    assert sum(shapes[2].q_lens) % 2 == 1 and shapes[1].q_lens[0] % 2 == 1
+    assert all(int(x.positions.max()) < 1500 for x in runner.warm_shapes(4096))  # a budget past the context
+    assert LLM(tiny, n_ctx=96, max_batch_tokens=128).engine.runner.warm_shapes(128) == []  # too short a context
+    assert llm.engine.blocks.n_used == 0
+
+
 def test_a_hybrid_model_decodes_together_as_alone(tmp_path):
     """qwen35 (Gated DeltaNet + attention) through the engine: each sequence keeps its own
     recurrent state (Sequence.state), so sequences decoded together give each one's tokens

@@ -170,7 +170,8 @@ class Engine:
 
     def warm(self, progress=None) -> None:
         """Capture the graphs, then one eager step of the largest shape (its activations'
-        memory reserved now, not while serving)."""
+        memory reserved now, not while serving), then the eager shapes of a server's first
+        requests (``ModelRunner.warm_shapes``: their kernels compiled now, not in a request)."""
         self.runner.warm(progress)
         if not self.model.graph_safe:
             # a model whose steps read host state (an offloaded MoE: the profile would route
@@ -182,6 +183,7 @@ class Engine:
         if peak:
             log.info("the largest eager step (%d tokens) peaks at %.2f GiB of activations",
                      self.cfg.max_batch_tokens, peak / 2**30)
+        self.runner.warm_eager(self.cfg.max_batch_tokens)  # the first requests' kernel variants
 
     # ---- requests ----------------------------------------------------------------------
 

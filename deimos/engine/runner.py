@@ -33,6 +33,7 @@ from deimos.engine.sequence import Sequence
 from deimos.models.batch import Batch, SeqLayout
 from deimos.models.blocks import DecoderModel
 from deimos.models.deltanet import HybridKV, RecurrentState, StateError
+from deimos.runtime.graph import PREFILL_BUCKETS
 from deimos.runtime.kv_pool import KVPool
 from deimos.runtime.state_pool import SCRATCH_SLOT, SlotState, StatePool, StepSlots, state_pool_for
 
@@ -131,7 +132,7 @@ class ModelRunner:
                            and model.graph_safe)  # fmt: skip
         if self.use_graphs:
             from deimos.kernels.triton.prefill_attention import prefill_tile_map
-            from deimos.runtime.graph import DECODE_BUCKETS, PREFILL_BUCKETS, StepGraph
+            from deimos.runtime.graph import DECODE_BUCKETS, StepGraph
 
             mempool = torch.cuda.graph_pool_handle()  # the graphs never run at once
             cfg = model.config
@@ -183,13 +184,50 @@ class ModelRunner:
         n_dec = max(0, min(self.max_seqs - 1, max_batch_tokens - 1))
         left = max(1, max_batch_tokens - n_dec)
         chunks = [min(left - i, self.n_ctx) for i in range(0, left, self.n_ctx)]
-        pos = [np.zeros(n_dec, np.int64)] + [np.arange(c, dtype=np.int64) for c in chunks]
+        return self.scratch_inputs(n_dec, chunks, [0] * len(chunks))
+
+    def scratch_inputs(self, n_dec: int, chunks: list[int], starts: list[int]) -> StepInputs:
+        """A step on the scratch block: ``n_dec`` decode rows at position 0, then prompt chunks
+        of ``chunks`` tokens starting at positions ``starts`` (every table all block 0), each
+        row's logits wanted."""
+        pos = [np.zeros(n_dec, np.int64)] + [np.arange(s, s + c, dtype=np.int64) for c, s in zip(chunks, starts)]
         positions = np.concatenate(pos)
         ends = np.cumsum([1] * n_dec + chunks) - 1
         b = n_dec + len(chunks)
         return StepInputs(np.zeros(len(positions), np.int64), positions, positions % self.block_size,
-                          np.zeros((b, self.max_blocks), np.int32), [1] * n_dec + chunks, [0] * b,
-                          n_dec, ends.astype(np.int64), [])
+                          np.zeros((b, self.max_blocks), np.int32), [1] * n_dec + chunks,
+                          [0] * n_dec + list(starts), n_dec, ends.astype(np.int64), [])
+
+    def warm_shapes(self, max_batch_tokens: int) -> list[StepInputs]:
+        """The eager steps a server's first requests make beyond the graphs and the profile
+        step, run once at load so that they compile their kernel variants there (Triton
+        specializes on whether a size is a multiple of 16, and the tiles follow the row
+        count): a long prompt's first chunk alone (a whole budget) and its next chunk (an odd
+        count at an odd position: a cached prefix's continuation), and a chunk beside a few
+        decode rows at an odd total. Empty when the context is too short to hold them."""
+        n = min(max_batch_tokens, self.n_ctx)
+        prefill_max = max(PREFILL_BUCKETS)
+        big = max(prefill_max + 1, n - 1) | 1  # past the prefill graphs, odd
+        if big + 1 > self.n_ctx or big > max_batch_tokens:
+            return []
+        rest = min(big, self.n_ctx - big)
+        shapes = [self.scratch_inputs(0, [n], [0])]
+        if rest > prefill_max:
+            shapes.append(self.scratch_inputs(0, [rest], [big]))
+        n_dec = min(3, self.max_seqs - 1)
+        if n_dec:  # an odd total: 3 rows beside an even chunk
+            shapes.append(self.scratch_inputs(n_dec, [big - n_dec - 2], [0]))
+        return shapes
+
+    @torch.inference_mode()
+    def warm_eager(self, max_batch_tokens: int) -> None:
+        """Run ``warm_shapes`` (GPU only; their outputs are dropped, their keys written to the
+        scratch block)."""
+        if self.device.type != "cuda":
+            return
+        for x in self.warm_shapes(max_batch_tokens):
+            self._eager(x)
+        torch.cuda.synchronize(self.device)
 
     def decode_graph_for(self, n: int):
         for b in sorted(self.decode_graphs):
