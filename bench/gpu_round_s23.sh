@@ -17,7 +17,7 @@ moe)
   timeout ${TEST_S:-240} python3 -m pytest -q -rfE -m "not gpu" -p no:cacheprovider tests/test_triton_moe_decode.py tests/test_triton_moe.py > "$OUT/tests-cuda.txt" 2>&1
   tail -3 "$OUT/tests-cuda.txt"
   wait; idle
-  for fused in 1 0; do
+  for fused in ${FUSED_MODES:-1 router 0}; do
     DEIMOS_MOE_FUSED=$fused timeout 200 python3 bench/profile_step.py $M30 -b 1 --greedy --steps 64 --top 4 2>&1 | grep -E "^B=" | sed "s/^/fused=$fused PDL on: /"
     DEIMOS_PDL=0 DEIMOS_MOE_FUSED=$fused timeout 200 python3 bench/profile_step.py $M30 -b 1 --greedy --steps 20 --top 30 2>&1 | grep -v Warn | tee "$OUT/profile-30b-fused$fused.txt" | tail -32
   done; idle ;;

@@ -161,8 +161,11 @@ def main() -> int:
     t_router_torch = time_graph(lambda: moe_route(torch.mm(x, router_w.t()), K, True), calls=64)
     print(f"{'torch.mm + moe_route':28} {t_router_torch * 1e6:7.2f} us")
 
-    def unfused(i, gcfg, dcfg):
-        w_, ids_ = moe_route(torch.mm(x, router_w.t()), K, True)
+    def unfused(i, gcfg, dcfg, rtile=None):
+        if rtile is None:
+            w_, ids_ = moe_route(torch.mm(x, router_w.t()), K, True)
+        else:
+            w_, ids_ = moe_router(x, router_w, K, True, scratch, tile=rtile)
         g = moe_gemv(gate, F, qx, ids[i], slot_of, "token", out=g_out, cfg=gcfg)
         u = moe_gemv(up, F, qx, ids[i], slot_of, "token", out=u_out, cfg=gcfg)
         gated_act(g, u, "silu", quantized=qa)
@@ -178,6 +181,8 @@ def main() -> int:
     for name, fn, rule, best in (
         ("unfused: mm, route, gate, up, act, down, combine", unfused,
          (gate_best[0], down_best[0]), (gate_best[1], down_best[1])),
+        ("fused router, then unfused", unfused,
+         (gate_best[0], down_best[0], r_best[0]), (gate_best[1], down_best[1], r_best[1])),
         ("fused: router, gate_up, down_combine", fused,
          (gu_best[0], dc_best[0], r_best[0]), (gu_best[1], dc_best[1], r_best[1])),
     ):

@@ -3,7 +3,8 @@
 One token (a batch-1 decode step): the router's float32 logits (torch) then ``moe_route``
 (softmax, top-k, renormalized), ``moe_gemv`` per projection (expert ids read on the device),
 ``gated_act`` (writing the down projection's integer activation), ``moe_combine``. With
-DEIMOS_MOE_FUSED=1 (read once; experts resident) three launches instead: ``moe_router`` (the
+DEIMOS_MOE_FUSED=router (read once) the router is one launch (``moe_router``); with
+DEIMOS_MOE_FUSED=1 (experts resident) the whole step is three launches: ``moe_router`` (the
 logits and the routing in one), ``moe_gate_up`` (gate and up with the gated activation between
 them) and ``moe_down_combine`` (down with the weighted combine), quant.triton.moe_decode.
 More tokens (prefill, batched decode): the pairs grouped by expert on the device
@@ -31,9 +32,11 @@ from deimos.quant.triton.moe_gemm import moe_align, moe_block_m, moe_gemm
 from deimos.quant.triton.moe_gemv import moe_gemv
 from deimos.quant.triton.dequant_gemv import MAX_BATCH
 
-# read once: whether TritonOps runs one-token steps through the fused kernels (a profile's
-# switch; the default is what was measured faster on the H200)
-FUSED = os.environ.get("DEIMOS_MOE_FUSED", "0") == "1"
+# read once: which one-token steps TritonOps fuses (a profile's switch; the default is what was
+# measured fastest on the H200): "0" none, "router" the router only, "1" all three launches
+FUSED = os.environ.get("DEIMOS_MOE_FUSED", "0")
+if FUSED not in ("0", "router", "1"):
+    raise ValueError(f"DEIMOS_MOE_FUSED must be 0, router or 1, got {FUSED!r}")
 
 
 class ResidentSlots:
@@ -105,14 +108,15 @@ def fused_decode(x: torch.Tensor, block, slot_of: torch.Tensor, router: RouterSc
 
 
 def moe_step(x: torch.Tensor, block, slot_of: torch.Tensor, quantized=None,
-             router: RouterScratch | None = None) -> torch.Tensor:
+             router: RouterScratch | None = None, experts_fused: bool = True) -> torch.Tensor:
     """x float32 ``[T, D]`` -> float32 ``[T, D]``: ``block``'s routed experts (a
     deimos.models.moe.MoE holding PackedExperts). ``quantized``: x's integer activation when
     the norm kernel made it (one token). ``router``: the ops' scratch for the fused router
-    (one token in three launches: ``fused_decode``); None: the unfused chain."""
-    if router is not None:
+    (a few tokens: ``moe_router``); with ``experts_fused`` one token then runs in three
+    launches (``fused_decode``). None: the unfused chain."""
+    if router is not None and experts_fused:
         y = fused_decode(x, block, slot_of, router, quantized)
         if y is not None:
             return y
-    weights, ids = route(x, block)
+    weights, ids = route(x, block, router)
     return moe_combine(expert_products(x, block, ids, slot_of, quantized=quantized), weights)

@@ -44,7 +44,7 @@ class TritonOps:
                          for b in bases}  # fmt: skip
         self.slots = ResidentSlots()
         # the fused MoE decode's router scratch (None: the unfused chain; moe_ops.FUSED)
-        self.router = RouterScratch() if FUSED else None
+        self.router = RouterScratch() if FUSED != "0" else None
         self.offload = None  # deimos.models.gpu.offload.ExpertOffload, for experts kept on the host
 
     def begin(self, batch: Batch) -> StepState:
@@ -141,4 +141,5 @@ class TritonOps:
         if self.offload is not None:
             return self.offload.moe(x, block)
         qx = self.inputs.quantized(x) if self.inputs is not None and x.shape[0] == 1 else None
-        return moe_step(x, block, self.slots(block.n_expert, x.device), quantized=qx, router=self.router)
+        return moe_step(x, block, self.slots(block.n_expert, x.device), quantized=qx, router=self.router,
+                        experts_fused=FUSED == "1")
