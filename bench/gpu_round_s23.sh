@@ -5,6 +5,7 @@
 #   bench/gpu_round_s23.sh moe       # synth the 30B-A3B (and 8B) files; the MoE gpu tests; the
 #                                    # 30B's batch-1 decode step, fused and unfused (PDL on: wall
 #                                    # time; then PDL off: each kernel's own time)
+#   bench/gpu_round_s23.sh final     # sweep + probe + the 30B's step with the router fused / not
 #   bench/gpu_round_s23.sh profile   # llama 8B's decode step at 1, 16 and 64 (PDL off)
 . bench/gpu_env.sh
 bench/gpu_round_batch.sh setup > /dev/null 2>&1
@@ -36,9 +37,21 @@ probe)
     rm -rf /tmp/fresh-cache; TRITON_CACHE_DIR=/tmp/fresh-cache timeout 240 python3 bench/first_request.py $m \
       ${PROBE_ARGS:-} 2>&1 | grep -v Warn | tee "$OUT/first-$(basename $m).txt" | tail -8
   done; idle ;;
+final)
+  # one call: the MoE tiles' sweep, the first requests' probe (8B), the 30B's decode step with
+  # the router fused and unfused (PDL on: wall time a step)
+  (synth llama-8b $M8 Q4_K_M llama-bpe; synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2) &
+  idle; timeout 230 python3 bench/sweep_moe.py --quick 2>&1 | grep -v Warn | tee "$OUT/sweep-moe.txt" | grep -v "^  " | grep -v "^    top"
+  wait
+  rm -rf /tmp/fresh-cache; TRITON_CACHE_DIR=/tmp/fresh-cache timeout 130 python3 bench/first_request.py $M8 2>&1 \
+    | grep -v Warn | tee "$OUT/first-8b.txt" | tail -7
+  for fused in ${FUSED_MODES:-router 0}; do
+    DEIMOS_MOE_FUSED=$fused timeout 70 python3 bench/profile_step.py $M30 -b 1 --greedy --steps 64 --top 3 2>&1 \
+      | grep -E "^B=" | sed "s/^/fused=$fused PDL on: /"
+  done; idle ;;
 profile)
   idle
   DEIMOS_PDL=0 timeout 200 python3 bench/profile_step.py $M8 -b ${B8:-1,16,64} --steps 20 2>&1 | grep -v Warn | tee "$OUT/profile-8b.txt" | tail -66
   idle ;;
-*) echo "usage: $0 moe|sweep|probe|profile" >&2; exit 2 ;;
+*) echo "usage: $0 moe|sweep|probe|final|profile" >&2; exit 2 ;;
 esac
