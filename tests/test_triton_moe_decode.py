@@ -21,14 +21,14 @@ from deimos.kernels.moe import moe_combine_reference, moe_experts_reference, moe
 from deimos.kernels.triton.activation import gated_act
 from deimos.kernels.triton.moe_route import moe_combine, moe_route
 from deimos.kernels.triton.moe_router import RouterScratch, moe_router
-from deimos.quant.triton.gemv_q8 import empty_quantized, quantize_x, quantize_x_reference
+from deimos.quant.triton.gemv_q8 import empty_quantized, q8_config, quantize_x, quantize_x_reference
 from deimos.quant.triton.moe_decode import (
     down_config,
     gate_up_config,
     moe_down_combine,
     moe_gate_up,
 )
-from deimos.quant.triton.moe_gemv import moe_gemv
+from deimos.quant.triton.moe_gemv import moe_gemv, moe_gemv_tile
 from deimos.quant.triton.naive import dequantize_packed
 
 PAIRS = [(GGMLType.Q4_K, GGMLType.Q4_K), (GGMLType.Q6_K, GGMLType.Q6_K), (GGMLType.Q8_0, GGMLType.Q8_0),
@@ -187,3 +187,20 @@ def test_moe_router_bad_input() -> None:
         moe_router(torch.zeros(1, 64, device=DEVICE), w, 9, True, scratch)
     with pytest.raises(ValueError, match="scratch for E = 8"):
         moe_router(torch.zeros(1, 64, device=DEVICE), torch.zeros(4, 64, device=DEVICE), 2, True, scratch)
+
+
+@pytest.mark.parametrize("case", [(GGMLType.Q4_K, 40, 2048, "token"), (GGMLType.Q6_K, 48, 768, "pair")],
+                         ids=["Q4_K-gate", "Q6_K-down"])
+def test_moe_gemv_swept_tiles(case) -> None:
+    """The tiles moe_gemv's GPU rule takes from the sweep (moe_gemv_tile) give the reference's
+    products: 2 tokens x 3 experts, a part tile of rows."""
+    t, n, k, x_rows = case
+    w = _stack(t, n, k, seed=21)
+    ids = _ids(2, 3, seed=22).to(DEVICE)
+    rows = 2 if x_rows == "token" else 6
+    x = _x(rows, k, seed=23)
+    cfg = moe_gemv_tile(t, n, k)
+    assert cfg != q8_config(t, n, k, 1)  # the swept tile, not gemv_q8's rule
+    y = moe_gemv(w, n, quantize_x(x.to(DEVICE)), ids, _slot_of(), x_rows, cfg=cfg)
+    ref = moe_experts_reference(dequantize_packed(w), n, quantize_x_reference(x), ids, _slot_of(), x_rows)
+    close(f"moe_gemv {t.name} at {tuple(cfg)}", y, ref, 1e-5)

@@ -509,7 +509,7 @@ def _moe_jobs() -> list[Job]:
         for n, k, pair in gemv_shapes:
             sample = _packed_sample(t, k)
             arrays = weight_arrays(sample)
-            cfg = q.q8_config(kt, n, k, 1)
+            cfg = mv.moe_gemv_tile(kt, n, k)
             even = k // 32 % cfg.block_s == 0
             # one stack; slots in the expert cache's chunks (only their base addresses differ:
             # three formats)

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deimos.gguf.constants import GGMLType
 from deimos.quant.triton.dequant_gemv import FMT_ID, gemv_grid, gemv_out, scale16, weight_arrays
 from deimos.quant.triton.gemv_q8 import (
     _INTERPRETED,
@@ -104,12 +105,25 @@ def _moe_gemv_kernel(
         tl.store(p_y + i_p.to(tl.int64) * N + o_y, y, mask=o_y < N)
 
 
+def moe_gemv_tile(ggml_type, n: int, k: int) -> Q8Config:
+    """The tile on a GPU, from bench/sweep_moe.py on the H200 (2026-12-02, qwen3moe 30B-A3B's
+    shapes, 8 of 128 experts from memory, in a graph with PDL): Q4_K gate/up (768 x 2048)
+    4 rows x 64 groups on one warp, 6.77 -> 5.38 us; Q6_K down (2048 x 768) 8 rows x 16
+    groups on two warps, 8.84 -> 7.12 us. Other formats and shapes: gemv_q8's rule for one
+    slot's matrix (not swept on MoE shapes)."""
+    groups = k // 32
+    if ggml_type == GGMLType.Q4_K and groups >= 64:
+        return Q8Config(4, 64, 1)
+    if ggml_type == GGMLType.Q6_K and groups <= 32:
+        return Q8Config(8, 16, 2)
+    return q8_config(ggml_type, n, k, 1)
+
+
 def moe_gemv_config(w_stack: PackedWeight, n: int) -> Q8Config:
-    """The tile: gemv_q8's launch rule for one slot's ``[n, k]`` matrix (not yet measured on
-    MoE shapes; the interpreter's tile for a stack on the CPU)."""
+    """``moe_gemv_tile`` for the stack (the interpreter's tile on the CPU)."""
     if w_stack.device.type == "cpu":
         return INTERPRETER_TILE
-    return q8_config(w_stack.ggml_type, n, w_stack.k, 1)
+    return moe_gemv_tile(w_stack.ggml_type, n, w_stack.k)
 
 
 def slot_arrays(w_stack: PackedWeight, chunks: ExpertChunks | None, who: str) -> tuple:
