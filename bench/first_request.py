@@ -80,14 +80,15 @@ def main() -> int:
     rows = []
     for label in ("first", "again"):
         p1 = torch.randint(0, llm.config.n_vocab, (args.prompt,), generator=g).tolist()
-        for turn, ids in (("turn 1", p1), ("turn 2", None)):
-            if ids is None:
-                ids = p1 + out + torch.randint(0, llm.config.n_vocab, (args.turn,), generator=g).tolist()
+        new_part = torch.randint(0, llm.config.n_vocab, (args.turn,), generator=g).tolist()
+        ids = p1
+        for turn in (1, 2):
             ttft, out = first_token(llm, ids, args.new)
             now = cache_entries(root)
             new = sorted({now[k] for k in now.keys() - seen.keys()})
             seen = now
-            rows.append((f"{label} {turn}", len(ids), ttft, new))
+            rows.append((f"{label} turn {turn}", len(ids), ttft, new))
+            ids = p1 + out + new_part  # the next turn: the cached prompt, its answer, new tokens
     print("\n| request | prompt tokens | TTFT ms | kernels compiled during it |\n|---|---:|---:|---|")
     for label, n, ttft, new in rows:
         names = ", ".join(new) if new else "-"

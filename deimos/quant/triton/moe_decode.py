@@ -42,18 +42,8 @@ from deimos.quant.triton.gemv_q8 import (
     quantize_groups,
 )
 from deimos.quant.triton.layout import PackedWeight
-from deimos.quant.triton.moe_gemv import check_expert_inputs, slot_base
+from deimos.quant.triton.moe_gemv import check_expert_inputs, expert_slot, slot_base
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
-
-
-@triton.jit
-def _expert_slot(p_ids, p_slot, i_p, E):
-    """Pair i_p's slot: slot_of[ids[i_p]], -1 for an id outside [0, E) or an expert off the
-    device."""
-    e = tl.load(p_ids + i_p)
-    known = (e >= 0) & (e < E)
-    slot = tl.load(p_slot + tl.where(known, e, 0))
-    return tl.where(known, slot, -1)
 
 
 @triton.jit
@@ -83,7 +73,7 @@ def _moe_gate_up_kernel(
     pdl_start(PDL)
     i_n = tl.program_id(0)
     i_p = tl.program_id(1)
-    slot = _expert_slot(p_ids, p_slot, i_p, E)
+    slot = expert_slot(p_ids, p_slot, i_p, E)
     o_y = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if slot < 0:
         a = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -118,7 +108,7 @@ def _moe_down_combine_kernel(
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         i_p = i_t * TOP_K + j
-        slot = _expert_slot(p_ids, p_slot, i_p, E)
+        slot = expert_slot(p_ids, p_slot, i_p, E)
         w = tl.where(slot >= 0, tl.load(p_w + i_p), 0.0)
         y = _slot_rows(p_qw, p_qh, p_s, p_d, p_m, r_qw, r_qh, r_s, r_d, r_m, tl.maximum(slot, 0), D,
                        p_aq, p_ad, p_as, i_n, i_p, F, FMT=FMT, BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S,

@@ -71,6 +71,16 @@ def slot_base(p_a, t_a, slot, N, r_a, SPC, CHUNKED: tl.constexpr):
 
 
 @triton.jit
+def expert_slot(p_ids, p_slot, i_p, E):
+    """Pair i_p's slot: slot_of[ids[i_p]], -1 for an id outside [0, E) or an expert off the
+    device (nothing read out of bounds)."""
+    e = tl.load(p_ids + i_p)
+    known = (e >= 0) & (e < E)
+    slot = tl.load(p_slot + tl.where(known, e, 0))
+    return tl.where(known, slot, -1)
+
+
+@triton.jit
 def _moe_gemv_kernel(
     p_qw, p_qh, p_s, p_d, p_m,  # the stack's arrays (unused ones get any pointer)
     t_qw, t_qh, t_s, t_d, t_m,  # CHUNKED: their chunk address tables
@@ -85,10 +95,7 @@ def _moe_gemv_kernel(
     pdl_start(PDL)
     i_n = tl.program_id(0)
     i_p = tl.program_id(1)
-    e = tl.load(p_ids + i_p)
-    known = (e >= 0) & (e < E)
-    slot = tl.load(p_slot + tl.where(known, e, 0))
-    slot = tl.where(known, slot, -1)
+    slot = expert_slot(p_ids, p_slot, i_p, E)
     if slot < 0:
         o_y = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(p_y + i_p.to(tl.int64) * N + o_y, tl.zeros([BLOCK_N], dtype=tl.float32), mask=o_y < N)
