@@ -204,3 +204,15 @@ def test_moe_gemv_swept_tiles(case) -> None:
     y = moe_gemv(w, n, quantize_x(x.to(DEVICE)), ids, _slot_of(), x_rows, cfg=cfg)
     ref = moe_experts_reference(dequantize_packed(w), n, quantize_x_reference(x), ids, _slot_of(), x_rows)
     close(f"moe_gemv {t.name} at {tuple(cfg)}", y, ref, 1e-5)
+
+
+def test_a_bad_fusion_switch_is_named() -> None:
+    """DEIMOS_MOE_FUSED other than 0, router or 1: a named error when the ops are imported."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DEIMOS_MOE_FUSED": "yes"}
+    r = subprocess.run([sys.executable, "-c", "import deimos.models.gpu.moe_ops"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "DEIMOS_MOE_FUSED must be 0, router or 1, got 'yes'" in r.stderr
