@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# This session's GPU rounds (run from the repository root on the GPU machine):
+#   bench/gpu_round_s24.sh offload   # qwen3moe 30B-A3B with its experts on the host: the CPU's
+#                                    # expert throughput (bench/cpu_experts.py), then where an
+#                                    # offloaded decode token goes at 0 / 46 / 128 slots a layer
+#                                    # (bench/profile_offload.py)
+# Carry .whl (the server stack) and .whl-ggml/{avx2,avx512} (ggml-python built both ways: the
+# one the host's CPU flags allow is installed), .peer/td (the vocabularies). Logs under $OUT.
+. bench/gpu_env.sh
+bench/gpu_round_batch.sh setup > /dev/null 2>&1
+F=$(grep -m1 ^flags /proc/cpuinfo)
+if [[ $F == *avx512f* && $F == *avx512_vnni* && $F == *avx512vbmi* && $F == *avx512_bf16* ]] && ls .whl-ggml/avx512/*.whl > /dev/null 2>&1; then G=avx512; else G=avx2; fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ggml/$G/*.whl
+echo "ggml-python: $G build; $(python3 -c 'import ggml; print("imports")' 2>&1 | tail -1)"
+lscpu | grep -E "^Model name|^CPU\(s\)|^Thread|^NUMA node\(s\)" | tr -s ' '
+case "${1:-}" in
+offload)
+  t0=$(date +%s); synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2; echo "synth 30B: $(( $(date +%s) - t0 )) s"
+  idle
+  timeout 150 python3 bench/cpu_experts.py --quick --reps 3 --threads ${THREADS:-15} 2>&1 | grep -v Warn | tee "$OUT/cpu-experts.txt" | tail -14
+  timeout ${PROF_S:-330} python3 bench/profile_offload.py $M30 --slots ${SLOTS:-0,46,128} -n ${NTOK:-16} --top 25 2>&1 \
+    | grep -v Warn | tee "$OUT/profile-offload.txt" | grep -E "^(offload|slots|  [a-z ]|[ 0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$)|Error|error" | tail -60
+  idle ;;
+*) echo "usage: $0 offload" >&2; exit 2 ;;
+esac

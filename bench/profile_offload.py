@@ -1,0 +1,115 @@
+"""Where an offloaded MoE decode token goes: the model loaded once with its routed experts on
+the host (deimos.models.gpu.offload), then for each cache size of ``--slots`` (experts a layer
+on the GPU; the cache fixed there, warmed by the decode before the timing) greedy decode
+tokens timed plainly, then again under cProfile: the host time of the offload's parts (the
+wait for the route, the CPU experts and their ggml graphs, the activation quantization, the
+hits' launches, promotions, the combine) per token, and the hit rate of the timed tokens.
+
+    python bench/profile_offload.py MODEL.gguf [--slots 0,46,128] [-n 32] [-p 64] [--top 25]
+
+A measurement, not a test. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from deimos.engine import LLM  # noqa: E402
+from deimos.engine.request import Request  # noqa: E402
+from deimos.kernels.sampling import SamplingParams  # noqa: E402
+
+# (label, function name as cProfile names it, a file it is in)
+PARTS = (("offload.moe (all)", "moe", "offload.py"),
+         ("wait for route + copies", "synchronize", "~"),
+         ("cpu experts (all)", "__call__", "cpu_experts.py"),
+         ("  ggml compute", "_compute", "cpu_experts.py"),
+         ("  activation planes", "quantize_planes", "cpu_experts.py"),
+         ("hits enqueue", "_hits", "offload.py"),
+         ("route enqueue", "route", "moe_ops.py"),
+         ("to host", "_to_host", "offload.py"),
+         ("record", "record", "expert_cache.py"),
+         ("promote", "promote_many", "expert_cache.py"),
+         ("combine", "moe_combine", "moe_route.py"),
+         ("between steps", "between_steps", "offload.py"))
+
+
+def decode(llm: LLM, prompt: int, n: int, seed: int) -> tuple[float, int]:
+    """(seconds, tokens) of n greedy decode tokens after a prompt of ``prompt`` tokens."""
+    eng = llm.engine
+    g = torch.Generator().manual_seed(seed)
+    req = Request(torch.randint(0, llm.config.n_vocab, (prompt,), generator=g).tolist(), n + 2,
+                  SamplingParams(temperature=0))
+    eng.add(req)
+    while len(req.output_ids) < 2:  # the prompt and the first token
+        eng.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    n0 = len(req.output_ids)
+    while eng.has_work:
+        eng.step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, len(req.output_ids) - n0
+
+
+def parts(stats: pstats.Stats, tokens: int) -> list[tuple[str, float, int]]:
+    out = []
+    for label, fn, where in PARTS:
+        cum, calls = 0.0, 0
+        for (file, _, name), (_, nc, _, ct, _) in stats.stats.items():
+            if (name == fn and file.endswith(where)) or (file == where == "~" and f"'{fn}'" in name):
+                cum += ct
+                calls += nc
+        out.append((label, cum * 1e3 / tokens, calls // max(tokens, 1)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--slots", default="0,46,128", help="experts a layer on the GPU, one run each")
+    ap.add_argument("-n", type=int, default=32, help="decode tokens a run")
+    ap.add_argument("-p", type=int, default=64, help="prompt tokens")
+    ap.add_argument("--top", type=int, default=20, help="cProfile's top functions by own time")
+    a = ap.parse_args()
+    llm = LLM(a.model, device="cuda", experts="cpu", expert_cache_gib=0, n_ctx=a.p + a.n + 64,
+              max_seqs=1, max_batch_tokens=512, prefix_cache=False)
+    off = llm.offload
+    print(f"offload: {len(off.blocks)} layers, {off.n_expert} experts, cpu backend "
+          f"{off.cpu.backend(0)}, {off.cpu.n_threads} ggml threads, slot {off.cache.slot_nbytes / 2**20:.1f} MiB")
+    rows = []
+    for n_slots in [int(s) for s in a.slots.split(",")]:
+        off.cache.resize(min(n_slots, off.n_expert))
+        decode(llm, a.p, a.n, 1)  # warm: the cache fills, the plans for each miss count exist
+        c0 = off.cache.stats()
+        sec, made = decode(llm, a.p, a.n, 2)
+        c1 = off.cache.stats()
+        looked = (c1["hits"] - c0["hits"]) + (c1["misses"] - c0["misses"])
+        hit = (c1["hits"] - c0["hits"]) / looked if looked else 0.0
+        prof = cProfile.Profile()
+        prof.enable()
+        psec, pmade = decode(llm, a.p, a.n, 3)
+        prof.disable()
+        st = pstats.Stats(prof)
+        ms = sec * 1e3 / made
+        rows.append((off.cache.n_slots, ms, hit))
+        print(f"\nslots {off.cache.n_slots}: {ms:.2f} ms a token ({1e3 / ms:.1f} tok/s), hit rate "
+              f"{hit:.3f}; under cProfile {psec * 1e3 / pmade:.2f} ms a token; per token:")
+        for label, v, calls in parts(st, pmade):
+            print(f"  {label:28s} {v:8.2f} ms  {calls:5d} calls")
+        st.sort_stats("tottime").print_stats(a.top)
+    print("\nslots  ms/token  tok/s  hit rate")
+    for n_slots, ms, hit in rows:
+        print(f"{n_slots:5d}  {ms:8.2f}  {1e3 / ms:5.1f}  {hit:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
