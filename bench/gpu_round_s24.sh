@@ -4,6 +4,8 @@
 #                                    # expert throughput (bench/cpu_experts.py), then where an
 #                                    # offloaded decode token goes at 0 / 46 / 128 slots a layer
 #                                    # (bench/profile_offload.py)
+#   bench/gpu_round_s24.sh graphs    # the offload's decode graphs: GPU tests, the profile again,
+#                                    # the whole card's decode step
 # Carry .whl (the server stack) and .whl-ggml/{avx2,avx512} (ggml-python built both ways: the
 # one the host's CPU flags allow is installed), .peer/td (the vocabularies). Logs under $OUT.
 . bench/gpu_env.sh
@@ -21,5 +23,18 @@ offload)
   timeout ${PROF_S:-330} python3 bench/profile_offload.py $M30 --slots ${SLOTS:-0,46,128} -n ${NTOK:-16} --top 25 2>&1 \
     | grep -v Warn | tee "$OUT/profile-offload.txt" | grep -E "^(offload|slots|  [a-z ]|[ 0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$)|Error|error" | tail -60
   idle ;;
-*) echo "usage: $0 offload" >&2; exit 2 ;;
+graphs)
+  # the offload's decode graphs: the GPU tests of the handshake and the offload (and the MoE
+  # whole-model checks), then the profile by cache size, then the whole card's decode step
+  synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2
+  timeout ${TEST_S:-200} python3 -m pytest -q -rfE -m gpu --timeout 150 -p no:cacheprovider ${TESTS:-tests/test_host_link.py \
+    tests/test_offload.py tests/test_moe_gpu.py} > "$OUT/tests.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | cut -c1-240 | tail -20
+  timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_host_link.py 2>&1 | tail -2
+  idle
+  timeout ${PROF_S:-240} python3 bench/profile_offload.py $M30 --slots ${SLOTS:-0,46,128} -n ${NTOK:-32} --top 25 2>&1 \
+    | grep -v Warn | tee "$OUT/profile-offload.txt" | grep -E "^(offload|slots|  [a-z ]|[ 0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$)|Error|error" | tail -60
+  [ -n "${WHOLE:-1}" ] && timeout 120 python3 bench/profile_step.py $M30 -b 1 --greedy --steps 64 --top 3 2>&1 | grep -E "^B=" | sed "s/^/whole card PDL on: /"
+  idle ;;
+*) echo "usage: $0 offload|graphs" >&2; exit 2 ;;
 esac

@@ -28,11 +28,14 @@ from deimos.engine.request import Request  # noqa: E402
 from deimos.kernels.sampling import SamplingParams  # noqa: E402
 
 # (label, function name as cProfile names it, a file it is in)
-PARTS = (("offload.moe (all)", "moe", "offload.py"),
-         ("wait for route + copies", "synchronize", "~"),
+PARTS = (("offload.moe (eager steps)", "moe", "offload.py"),
+         ("serve_step (graph steps)", "serve_step", "offload.py"),
+         ("  wait for the device's post", "wait_posted", "host_mailbox.py"),
+         ("  answer a layer", "_answer", "offload.py"),
+         ("wait for route + copies", "synchronize", "streams.py"),
          ("cpu experts (all)", "__call__", "cpu_experts.py"),
          ("  ggml compute", "_compute", "cpu_experts.py"),
-         ("  activation planes", "quantize_planes", "cpu_experts.py"),
+         ("  activation planes", "quantize", "cpu_experts.py"),
          ("hits enqueue", "_hits", "offload.py"),
          ("route enqueue", "route", "moe_ops.py"),
          ("to host", "_to_host", "offload.py"),
@@ -61,13 +64,15 @@ def decode(llm: LLM, prompt: int, n: int, seed: int) -> tuple[float, int]:
 
 
 def parts(stats: pstats.Stats, tokens: int) -> list[tuple[str, float, int]]:
+    """(label, ms a token, calls a token) of each of PARTS: the outermost function of that name
+    (nested ones of the same name are inside its time)."""
     out = []
     for label, fn, where in PARTS:
         cum, calls = 0.0, 0
         for (file, _, name), (_, nc, _, ct, _) in stats.stats.items():
-            if (name == fn and file.endswith(where)) or (file == where == "~" and f"'{fn}'" in name):
-                cum += ct
-                calls += nc
+            if ((name == fn and file.endswith(where)) or (file == where == "~" and f"'{fn}'" in name)) \
+                    and ct > cum:
+                cum, calls = ct, nc
         out.append((label, cum * 1e3 / tokens, calls // max(tokens, 1)))
     return out
 

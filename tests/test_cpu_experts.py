@@ -140,6 +140,22 @@ def test_one_plane_is_ggmls_own_quantization(act):
         assert theirs.tobytes() == ours[r].tobytes(), f"row {r}"
 
 
+@needs_ggml
+@pytest.mark.parametrize("act", [15, 8], ids=["Q8_K", "Q8_0"])
+@pytest.mark.parametrize("planes", [1, 2, 3])
+def test_the_c_quantizer_gives_the_planes_of_quantize_planes(act, planes):
+    """The engine's planes (_Planes: ggml's from_float a plane, the residual in numpy) are
+    quantize_planes' byte for byte, rows of every scale."""
+    from deimos.runtime.cpu_experts import _Planes
+
+    rng = np.random.default_rng(act * 10 + planes)
+    x = (rng.standard_normal((4, 512)) * np.array([[1.0], [1e-3], [40.0], [3.0]])).astype(np.float32)
+    x[0, :256] = 0
+    want = quantize_planes(x, act, planes)
+    got = _Planes(ggml, act, planes).quantize(x, np.empty_like(want))
+    assert got.tobytes() == want.tobytes()
+
+
 def test_bad_input():
     lay = make_layer(GGMLType.Q8_0, GGMLType.Q8_0)
     cpu = CpuExperts([lay], backend="exact")

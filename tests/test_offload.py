@@ -147,3 +147,29 @@ def test_gpu_greedy_tokens_with_none_some_and_all_slots(moe_file):
                 gap = lp.top_logprobs[0] - lp.top_logprobs[1]
                 assert gap < TIE, f"{gib} GiB: step {i} gives {b}, the reference {a} (gap {gap:.3f})"
                 break
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gib", [0.0, 0.006])
+def test_gpu_decode_graphs_answer_as_the_eager_steps(moe_file, gib):
+    """Decode steps captured as graphs (the host answering each layer through the mailbox
+    after the launch) give the eager steps' tokens exactly, one sequence and three at once
+    (a bucket of 4: a padding row), with misses computed on the CPU in both."""
+    from deimos.engine import LLM
+    from deimos.engine.request import Request
+    from deimos.kernels.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 30000, (n,), generator=g).tolist() for n in (13, 5, 22)]
+    got = {}
+    for graphs in (False, True):
+        llm = LLM(moe_file.path, n_ctx=128, device="cuda", experts="cpu", expert_cache_gib=gib,
+                  max_seqs=4, cuda_graphs=graphs)
+        one = llm.run_many([Request(prompts[0], 12, greedy)])[0].output_ids
+        many = [r.output_ids for r in llm.run_many([Request(p, 12, greedy) for p in prompts])]
+        replays = sum(gr.replays for gr in llm.engine.runner.decode_graphs.values())
+        assert (replays > 0) == graphs
+        assert llm.offload.stats.cpu_experts > 0
+        got[graphs] = (one, many)
+    assert got[True] == got[False]

@@ -72,7 +72,7 @@ class _StubDriver:
 def _jobs() -> list[Job]:
     """Every (kernel, constexpr config) the wrappers launch on a GPU."""
     return (_q8_jobs() + _rows_jobs() + _gemm_q_jobs() + _layer_jobs() + _paged_jobs()
-            + _sample_batch_jobs() + _moe_jobs() + _gated_delta_jobs())
+            + _sample_batch_jobs() + _moe_jobs() + _gated_delta_jobs() + _host_link_jobs())
 
 
 def _q8_jobs() -> list[Job]:
@@ -609,6 +609,26 @@ def _moe_jobs() -> list[Job]:
                                        X_PERMUTED=perm, EVEN=even, SCALE16=scale16(sample),
                                        CHUNKED=chunked, num_warps=c.num_warps,
                                        num_stages=c.num_stages, **PDL_KW)))
+    return jobs
+
+
+def _host_link_jobs() -> list[Job]:
+    """The offload's device-host handshake (kernels.triton.host_link) at qwen3moe's k = 8."""
+    import importlib
+
+    import torch
+
+    hl = importlib.import_module("deimos.kernels.triton.host_link")
+    i32, f32 = torch.int32, torch.float32
+    jobs = []
+    for bump in (True, False):
+        jobs.append(Job("host_post", f"k=8 bump={int(bump)}",
+                        _warm(hl._post_kernel, [i32, f32, f32, i32, f32, f32, i32, i32, i32, 1, 8, 2048],
+                              BUMP=bump, BLOCK_K=8, BLOCK_D=1024, N_THREADS=128, ASM=True,
+                              num_warps=4)))
+    jobs.append(Job("host_wait", "D=2048",
+                    _warm(hl._wait_kernel, [i32, i32, i32, f32, f32, 2048, 3, hl.MAX_SPIN],
+                          BLOCK_D=1024, ASM=True, num_warps=4)))
     return jobs
 
 

@@ -173,7 +173,7 @@ class Engine:
         memory reserved now, not while serving), then the eager shapes of a server's first
         requests (``ModelRunner.warm_shapes``: their kernels compiled now, not in a request)."""
         self.runner.warm(progress)
-        if not self.model.graph_safe:
+        if not self.model.graph_safe or getattr(self.model.ops, "offload", None) is not None:
             # a model whose steps read host state (an offloaded MoE: the profile would route
             # 2048 tokens through the CPU and fill the expert cache's statistics; a hybrid off
             # the state pool: each sequence's recurrent state) gets no profile step: its memory

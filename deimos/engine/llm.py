@@ -208,7 +208,8 @@ class LLM:
 
         model = load_model(self.file, device=device, expert_device="cpu")
         self.offload = ExpertOffload(model, self.file, torch.device(device), reserve_bytes=reserve,
-                                     cache_bytes=None if cache_gib is None else int(cache_gib * 2**30))
+                                     cache_bytes=None if cache_gib is None else int(cache_gib * 2**30),
+                                     max_rows=seqs)
         model.ops.attach_offload(self.offload)
         if engine.get("kv_tokens") is None and engine.get("kv_gib") is None:
             engine["kv_tokens"] = 2 * ctx  # the rest of the memory is the cache's

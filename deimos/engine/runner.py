@@ -146,7 +146,9 @@ class ModelRunner:
                     kv = HybridKV(pool, [], self.states, self._graph_slots[b].dev)
                 self.decode_graphs[b] = StepGraph(model, kv, b, b, self.max_blocks, after, mempool)
             for n in PREFILL_BUCKETS:
-                if n > n_ctx or cfg.is_hybrid:  # a padded chunk would advance the states
+                # a padded chunk would advance a hybrid's states; an offloaded MoE's chunks
+                # wait for the host
+                if n > n_ctx or cfg.is_hybrid or not getattr(model.ops, "prefill_graphs", True):
                     break
                 tiles = prefill_tile_map([n], cfg.n_head, cfg.n_head_kv, cfg.head_dim, self.device)
                 self.prefill_graphs[n] = StepGraph(model, pool, n, 1, self.max_blocks, None, mempool,
@@ -256,6 +258,7 @@ class ModelRunner:
             if graph.decode and self.decode_before is not None:
                 self.decode_before(graph.n_seqs, x.wanting)
             logits = self._replay(graph, x)
+            self._serve(graph, len(x.tokens))
             ticket = None
             if graph.decode:
                 self.last_decode = graph
@@ -280,6 +283,7 @@ class ModelRunner:
         if self.decode_before is not None:
             self.decode_before(graph.n_seqs, seqs)
         logits = graph.replay(chained=True)
+        self._serve(graph, len(seqs))
         if self.states is not None:  # the same rows on the same slots, one token further
             for seq in seqs:
                 self._slots[seq].length += 1
@@ -291,6 +295,12 @@ class ModelRunner:
         g = result.graph
         return g is not None and g.decode and g.chainable and result.ticket is not None \
             and self.last_decode is g
+
+    def _serve(self, graph, n_rows: int) -> None:
+        """The host's part of a decode graph just launched (an offloaded MoE's misses)."""
+        serve = getattr(self.model.ops, "serve_replay", None)
+        if serve is not None and graph.decode:
+            serve(n_rows)
 
     def _replay(self, g, x: StepInputs) -> torch.Tensor:
         h64, h32 = g.host_buffers()

@@ -23,8 +23,22 @@ when another process takes memory the cache shrinks at once and gives whole chun
 the driver; when it leaves, the cache grows after a second. ``--expert-cache-gib`` fixes the
 size instead. Memory that vanishes between the reading and the allocation never fails a step:
 a growth that cannot allocate stays at the old size, a prompt chunk whose staging stacks
-cannot be allocated has its misses computed on the CPU. A step of this kind synchronises the host once a layer, so it is not captured
-in a CUDA graph (the engine runs these models eagerly).
+cannot be allocated has its misses computed on the CPU.
+
+Decode steps are CUDA graphs all the same (``moe`` while a graph is being captured): no host
+synchronisation there, the host and the device meet in pinned host memory instead
+(runtime.host_mailbox, kernels.triton.host_link). A captured layer routes on the device, posts
+the ids, weights and x to the host's mailbox (``post_rows``: plain stores over PCIe, then the
+layer's flag), computes the hits, then waits for the host's answer (``wait_rows``, spinning
+on the layer's done flag) and combines. After launching the graph the engine calls
+``serve_step``: for each layer in turn the host spins until it is posted, computes the misses
+on the CPU into the mailbox, answers, then starts the layer's promotions (their copies wait
+for the step: the side stream follows the current one). The table the device reads
+(``slot_of``) is the one published before the launch, which is the host's mirror while the
+step runs: a layer's promotions change it only after its answer. A graph's kernels read
+every cache address from the chunk tables, so a graph captured with any number of slots
+serves every later size. Prefill chunks (``STREAM_TOKENS`` and more: streamed experts) and
+other eager steps keep the synchronous path above.
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from deimos.kernels.triton.host_link import post_rows, wait_rows
 from deimos.kernels.triton.moe_route import moe_combine
 from deimos.models.gpu.moe_ops import expert_products, route
 from deimos.quant.triton.layout import PackedWeight
@@ -42,6 +57,7 @@ from deimos.quant.triton.moe_gemv import ExpertChunks
 from deimos.runtime.cpu_experts import CpuExperts, LayerExperts
 from deimos.runtime.expert_cache import ExpertCache, HostExperts
 from deimos.runtime.gpu_memory import FreeMemory, SlotSizer, nvml_reader, torch_reader
+from deimos.runtime.host_mailbox import HostMailbox
 
 log = logging.getLogger("deimos")
 
@@ -66,11 +82,13 @@ class ExpertOffload:
 
     ``n_slots`` or ``cache_bytes`` (``--expert-cache-gib``): a fixed size, never resized; else
     from free memory, less ``reserve_bytes`` for what is allocated after (the KV pool), elastic.
-    ``memory``: the free-memory reader (default NVML, else torch)."""
+    ``memory``: the free-memory reader (default NVML, else torch). ``max_rows``: the most rows
+    a captured (decode) step routes: the mailbox's size."""
 
     def __init__(self, model, file, device: torch.device, *, n_slots: int | None = None,
                  cache_bytes: int | None = None, reserve_bytes: int = 0,
-                 memory: FreeMemory | None = None, cpu: CpuExperts | None = None):
+                 memory: FreeMemory | None = None, cpu: CpuExperts | None = None,
+                 max_rows: int = 64):
         self.device = torch.device(device)
         self.blocks = [layer.moe for layer in model.layers if getattr(layer, "moe", None) is not None]
         if not self.blocks:
@@ -106,6 +124,10 @@ class ExpertOffload:
         pin = cuda
         self._host = {}  # (rows, cols, dtype) -> pinned host buffer
         self._pin = pin
+        # made now, not while a graph is captured (an allocation there would be replayed)
+        self.mailbox = (HostMailbox(len(self.blocks), max_rows, self.blocks[0].n_expert_used,
+                                    model.config.n_embd, self.device) if cuda else None)
+        self._templates = [self._template(i) for i in range(len(self.blocks))]
         log.info("expert offload: %d MoE layers, %d of %d experts a layer on the GPU (%.2f GiB), "
                  "misses on the CPU (%s)", len(self.blocks), self.cache.n_slots, self.n_expert,
                  self.cache.nbytes / 2**30, self.cpu.backend(0))
@@ -176,8 +198,76 @@ class ExpertOffload:
         table[torch.from_numpy(missed)] = torch.arange(missed.size, dtype=torch.int32)
         return expert_products(x, block, ids, table.to(dev), stacks)
 
+    def _template(self, i: int) -> dict[str, PackedWeight]:
+        """Layer i's parts as one-row device weights: what the expert kernels take from a stack
+        whose slots live in chunks (formats, K, the arrays' dtypes and row widths), whether or
+        not a chunk exists when a graph is captured."""
+        host = self.cache.layers[i].host
+        return {p: PackedWeight(host.parts[p][0], 1, host.parts[p][1],
+                                {a: torch.zeros((1, *t.shape[2:]), dtype=t.dtype, device=self.device)
+                                 for a, t in host.arrays[p].items()})
+                for p in PARTS}
+
+    def _moe_captured(self, x: torch.Tensor, block) -> torch.Tensor:
+        """``moe`` inside a graph being captured (module docstring): route, post, hits, wait
+        for the host's misses, combine; nothing here waits on the host."""
+        box = self.mailbox
+        i = self.index[block.layer]
+        lay = self.cache.layers[i]
+        t = x.shape[0]
+        if t > box.rows:
+            raise ValueError(f"expert offload: a captured step of {t} rows, the mailbox holds {box.rows}")
+        xf = x.float().contiguous()
+        weights, ids = route(xf, block)
+        post_rows(ids, weights, xf, box.ids[i], box.weights[i], box.x[i], box.flag(i, 0), box.seq,
+                  box.count, bump=i == 0)
+        chunks = {p: self._chunks(lay, p) for p in PARTS}
+        y = expert_products(xf, block, ids, lay.slot_of, self._templates[i], chunks)
+        add = wait_rows(box.flag(i, 1), box.seq, box.error, box.out[i],
+                        torch.empty((t, x.shape[1]), dtype=torch.float32, device=x.device), i)
+        return moe_combine(y, weights, add=add)
+
+    def serve_step(self, n_rows: int) -> None:
+        """The host's side of a captured step just launched, whose first ``n_rows`` rows are
+        real (the rest padding): every layer's misses, in order (module docstring)."""
+        box = self.mailbox
+        if box is None:
+            raise RuntimeError("expert offload: serve_step before any step was captured")
+        box.begin_step()
+        try:
+            for i in range(len(self.blocks)):
+                box.wait_posted(i)
+                self._answer(i, n_rows)
+        finally:
+            box.release_all()  # after a failure: the device's step still ends
+
+    def _answer(self, i: int, n: int) -> None:
+        box, lay = self.mailbox, self.cache.layers[i]
+        ids = box.np_ids[i, :n]
+        lay.record(ids)
+        rows, slots = np.nonzero(lay.slot_of_host[ids] < 0)  # the table the device reads
+        self.stats.tokens += n
+        out = box.np_out[i, :n]
+        out.fill(0)
+        experts = None
+        if rows.size:
+            experts = ids[rows, slots]
+            self.cpu(i, torch.from_numpy(box.np_x[i, :n]), rows, experts,
+                     box.np_weights[i, :n][rows, slots], out=torch.from_numpy(out))
+            self.stats.cpu_experts += int(rows.size)
+        box.answer(i)
+        if experts is not None and lay.n_slots:  # the copies wait for this step on the side stream
+            self._promote(lay, experts)
+
+    def _promote(self, lay, experts: np.ndarray) -> None:
+        """The layer's most used misses of a step into the cache (a few: the PCIe budget)."""
+        uniq, counts = np.unique(experts, return_counts=True)
+        lay.promote_many(uniq[np.argsort(-counts, kind="stable")][:PROMOTE_PER_STEP].tolist(), self.stream)
+
     def moe(self, x: torch.Tensor, block) -> torch.Tensor:
         """x float32 ``[T, D]`` -> float32 ``[T, D]``: ``block``'s routed experts."""
+        if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return self._moe_captured(x, block)
         i = self.index[block.layer]
         lay = self.cache.layers[i]
         t, k = x.shape[0], block.n_expert_used
@@ -219,9 +309,7 @@ class ExpertOffload:
             self.stats.cpu_experts += int(rows.size)
             add = part.to(x.device, non_blocking=self._pin) if x.device.type != "cpu" else part
             if lay.n_slots:
-                uniq, counts = np.unique(experts, return_counts=True)
-                lay.promote_many(uniq[np.argsort(-counts, kind="stable")][:PROMOTE_PER_STEP].tolist(),
-                                 self.stream)
+                self._promote(lay, experts)
         return moe_combine(y, weights, add=add)
 
     def numbers(self) -> dict[str, float]:

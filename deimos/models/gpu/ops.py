@@ -32,6 +32,7 @@ from deimos.quant.triton.gemv_q8 import empty_quantized
 
 class TritonOps:
     graph_safe = True  # a one-token step can be captured (deimos.runtime.graph)
+    prefill_graphs = True  # and a padded prompt chunk
 
     def __init__(self, cfg: ModelConfig, freq_factors: torch.Tensor | None, device: str | torch.device,
                  inputs: InputCache | None = None):
@@ -123,9 +124,17 @@ class TritonOps:
 
     def attach_offload(self, offload) -> None:
         """Route every MoE block through ``offload`` (its experts on the host, a GPU cache of
-        slots): its steps synchronise the host once a layer, so no CUDA graph captures them."""
+        slots). Its decode steps are still graphs (the host answers through a mailbox after
+        the launch: ``serve_replay``); its prompt chunks synchronise the host once a layer, so
+        no prefill graph captures them."""
         self.offload = offload
-        self.graph_safe = False
+        self.prefill_graphs = False
+
+    def serve_replay(self, n_rows: int) -> None:
+        """A decode graph was launched (its first ``n_rows`` rows real): the host's part of it
+        (an offloaded MoE's misses), before the step's outputs are read."""
+        if self.offload is not None:
+            self.offload.serve_step(n_rows)
 
     def numbers(self) -> dict | None:
         """The expert cache's numbers for /metrics and the dashboard (None: no offload)."""

@@ -155,13 +155,14 @@ def slot_arrays(w_stack: PackedWeight, chunks: ExpertChunks | None, who: str) ->
 
 
 def check_expert_inputs(w_stack: PackedWeight, n: int, slot_of: torch.Tensor, x_rows: str,
-                        who: str, ids: torch.Tensor | None = None) -> None:
-    """The expert kernels' shared checks: a stack of whole slots of n rows in a format with a
-    kernel, slot_of contiguous int32 ``[E]`` (and ids contiguous int32 ``[T, k]``) on the
-    stack's device, x_rows one of ``X_ROWS``."""
+                        who: str, ids: torch.Tensor | None = None, chunked: bool = False) -> None:
+    """The expert kernels' shared checks: a stack of whole slots of n rows (any rows when
+    ``chunked``: the slots live in chunks) in a format with a kernel, slot_of contiguous int32
+    ``[E]`` (and ids contiguous int32 ``[T, k]``) on the stack's device, x_rows one of
+    ``X_ROWS``."""
     if w_stack.ggml_type not in FMT_ID:
         raise ValueError(f"{who}: no kernel for {w_stack.ggml_type.name}")
-    if not (isinstance(n, int) and n > 0 and w_stack.n % n == 0):
+    if not (isinstance(n, int) and n > 0 and (chunked or w_stack.n % n == 0)):
         raise ValueError(f"{who}: the stack's {w_stack.n} rows are not whole slots of n = {n} rows")
     if any(t.dim() < 2 or not t.is_contiguous() for t in w_stack.tensors.values()):
         raise ValueError(f"{who}: the stack's arrays must be contiguous [rows, ...] tensors")
@@ -193,7 +194,7 @@ def moe_gemv(w_stack: PackedWeight, n: int, qx: QuantizedX, ids: torch.Tensor,
     slot or -1 (its pairs' rows are 0; an id outside [0, E) too). ``out``: optional
     contiguous float32 ``[T * k, n]``, written in full. ``cfg``: gemv_q8's tile (default
     ``moe_gemv_config``)."""
-    check_expert_inputs(w_stack, n, slot_of, x_rows, "moe_gemv", ids)
+    check_expert_inputs(w_stack, n, slot_of, x_rows, "moe_gemv", ids, chunked=chunks is not None)
     t, k = ids.shape
     rows, kx = qx.shape
     want = t if x_rows == "token" else t * k
