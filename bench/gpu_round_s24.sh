@@ -33,7 +33,9 @@ graphs)
   timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_host_link.py 2>&1 | tail -2
   idle
   timeout ${PROF_S:-240} python3 bench/profile_offload.py $M30 --slots ${SLOTS:-0,46,128} -n ${NTOK:-32} --top 25 2>&1 \
-    | grep -v Warn | tee "$OUT/profile-offload.txt" | grep -E "^(offload|slots|  [a-z ]|[ 0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$)|Error|error" | tail -60
+    | grep -v Warn | tee "$OUT/profile-offload.txt" | grep -E "^(offload|slots|  [a-z ]|[ 0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$)|Error|error" | tail -80
+  [ -n "${GPUMEM:-}" ] && idle && timeout 300 python3 -m deimos bench $M30 -p 512 -n 128 -r 3 --gpu-mem 8 \
+    --json "$OUT/moe-8g.json" 2>&1 | grep -v Warn | tee "$OUT/moe-8g.txt" | tail -22
   [ -n "${WHOLE:-1}" ] && timeout 120 python3 bench/profile_step.py $M30 -b 1 --greedy --steps 64 --top 3 2>&1 | grep -E "^B=" | sed "s/^/whole card PDL on: /"
   idle ;;
 *) echo "usage: $0 offload|graphs" >&2; exit 2 ;;

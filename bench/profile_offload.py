@@ -32,6 +32,7 @@ PARTS = (("offload.moe (eager steps)", "moe", "offload.py"),
          ("serve_step (graph steps)", "serve_step", "offload.py"),
          ("  wait for the device's post", "wait_posted", "host_mailbox.py"),
          ("  answer a layer", "_answer", "offload.py"),
+         ("  the device's share", "_device_share", "offload.py"),
          ("wait for route + copies", "synchronize", "streams.py"),
          ("cpu experts (all)", "__call__", "cpu_experts.py"),
          ("  ggml compute", "_compute", "cpu_experts.py"),
@@ -84,14 +85,20 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=32, help="decode tokens a run")
     ap.add_argument("-p", type=int, default=64, help="prompt tokens")
     ap.add_argument("--top", type=int, default=20, help="cProfile's top functions by own time")
+    ap.add_argument("--shares", default="auto,0", help="the device's share of the misses a run "
+                    "(auto: the load's calibration)")
     a = ap.parse_args()
     llm = LLM(a.model, device="cuda", experts="cpu", expert_cache_gib=0, n_ctx=a.p + a.n + 64,
               max_seqs=1, max_batch_tokens=512, prefix_cache=False)
     off = llm.offload
+    auto = off.gpu_share
     print(f"offload: {len(off.blocks)} layers, {off.n_expert} experts, cpu backend "
-          f"{off.cpu.backend(0)}, {off.cpu.n_threads} ggml threads, slot {off.cache.slot_nbytes / 2**20:.1f} MiB")
+          f"{off.cpu.backend(0)}, {off.cpu.n_threads} ggml threads, slot {off.cache.slot_nbytes / 2**20:.1f} MiB, "
+          f"calibrated device share {auto:.2f}")
     rows = []
-    for n_slots in [int(s) for s in a.slots.split(",")]:
+    runs = [(int(n), auto if sh == "auto" else float(sh)) for n in a.slots.split(",") for sh in a.shares.split(",")]
+    for n_slots, share in runs:
+        off.gpu_share = share
         off.cache.resize(min(n_slots, off.n_expert))
         decode(llm, a.p, a.n, 1)  # warm: the cache fills, the plans for each miss count exist
         c0 = off.cache.stats()
@@ -105,15 +112,15 @@ def main() -> None:
         prof.disable()
         st = pstats.Stats(prof)
         ms = sec * 1e3 / made
-        rows.append((off.cache.n_slots, ms, hit))
-        print(f"\nslots {off.cache.n_slots}: {ms:.2f} ms a token ({1e3 / ms:.1f} tok/s), hit rate "
+        rows.append((off.cache.n_slots, share, ms, hit))
+        print(f"\nslots {off.cache.n_slots}, device share {share:.2f}: {ms:.2f} ms a token ({1e3 / ms:.1f} tok/s), hit rate "
               f"{hit:.3f}; under cProfile {psec * 1e3 / pmade:.2f} ms a token; per token:")
         for label, v, calls in parts(st, pmade):
             print(f"  {label:28s} {v:8.2f} ms  {calls:5d} calls")
         st.sort_stats("tottime").print_stats(a.top)
-    print("\nslots  ms/token  tok/s  hit rate")
-    for n_slots, ms, hit in rows:
-        print(f"{n_slots:5d}  {ms:8.2f}  {1e3 / ms:5.1f}  {hit:8.3f}")
+    print("\nslots  share  ms/token  tok/s  hit rate")
+    for n_slots, share, ms, hit in rows:
+        print(f"{n_slots:5d}  {share:5.2f}  {ms:8.2f}  {1e3 / ms:5.1f}  {hit:8.3f}")
 
 
 if __name__ == "__main__":

@@ -166,6 +166,8 @@ def test_gpu_decode_graphs_answer_as_the_eager_steps(moe_file, gib):
     for graphs in (False, True):
         llm = LLM(moe_file.path, n_ctx=128, device="cuda", experts="cpu", expert_cache_gib=gib,
                   max_seqs=4, cuda_graphs=graphs)
+        assert 0 < llm.offload.gpu_share < 1  # calibrated at load
+        llm.offload.gpu_share = 0.0  # every miss on the CPU, as the eager steps
         one = llm.run_many([Request(prompts[0], 12, greedy)])[0].output_ids
         many = [r.output_ids for r in llm.run_many([Request(p, 12, greedy) for p in prompts])]
         replays = sum(gr.replays for gr in llm.engine.runner.decode_graphs.values())
@@ -173,3 +175,29 @@ def test_gpu_decode_graphs_answer_as_the_eager_steps(moe_file, gib):
         assert llm.offload.stats.cpu_experts > 0
         got[graphs] = (one, many)
     assert got[True] == got[False]
+
+
+@pytest.mark.gpu
+def test_gpu_misses_read_from_host_memory_by_the_device(moe_file):
+    """A captured step's misses read by the device's kernels from the pinned host copy (every
+    miss: gpu_share 1) give the CPU reference's tokens up to a near-tie, none on the CPU."""
+    from deimos.engine import LLM
+    from deimos.engine.request import Request
+    from deimos.kernels.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0)
+    prompt = torch.randint(0, 30000, (17,), generator=torch.Generator().manual_seed(5)).tolist()
+    want = LLM(moe_file.path, n_ctx=128).run_many([Request(prompt, 16, greedy, top_logprobs=2)])[0]
+    llm = LLM(moe_file.path, n_ctx=128, device="cuda", experts="cpu", expert_cache_gib=0.0, max_seqs=1)
+    llm.offload.gpu_share = 1.0
+    s = llm.offload.stats
+    before = s.cpu_experts  # the graphs' eager warm-up
+    ids = llm.run_many([Request(prompt, 16, greedy)])[0].output_ids
+    # the prompt (STREAM_TOKENS or more) streamed, every decode miss read by the device
+    assert s.host_read_experts > 0 and s.cpu_experts == before
+    for i, (a, b) in enumerate(zip(want.output_ids, ids)):
+        if a != b:
+            lp = want.token_logprobs[i]
+            gap = lp.top_logprobs[0] - lp.top_logprobs[1]
+            assert gap < TIE, f"step {i} gives {b}, the reference {a} (gap {gap:.3f})"
+            break

@@ -211,6 +211,7 @@ class LLM:
                                      cache_bytes=None if cache_gib is None else int(cache_gib * 2**30),
                                      max_rows=seqs)
         model.ops.attach_offload(self.offload)
+        self.offload.calibrate()  # how a step's misses split between the CPU and the device
         if engine.get("kv_tokens") is None and engine.get("kv_gib") is None:
             engine["kv_tokens"] = 2 * ctx  # the rest of the memory is the cache's
         return model

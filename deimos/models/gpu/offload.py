@@ -44,6 +44,7 @@ other eager steps keep the synchronous path above.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -73,6 +74,7 @@ STREAM_TOKENS = 16
 class OffloadStats:
     cpu_experts: int = 0  # (token, expert) pairs computed on the CPU
     streamed_experts: int = 0  # experts copied to the GPU for one long step
+    host_read_experts: int = 0  # missed experts a captured step's kernels read from host memory
     tokens: int = 0  # token-layers routed
     resizes: int = 0
 
@@ -126,8 +128,14 @@ class ExpertOffload:
         self._pin = pin
         # made now, not while a graph is captured (an allocation there would be replayed)
         self.mailbox = (HostMailbox(len(self.blocks), max_rows, self.blocks[0].n_expert_used,
-                                    model.config.n_embd, self.device) if cuda else None)
+                                    model.config.n_embd, self.n_expert, self.device) if cuda else None)
         self._templates = [self._template(i) for i in range(len(self.blocks))]
+        # every layer's host copy as one chunk of E slots: kernels read a miss's rows over PCIe
+        self._host_chunks = [{p: ExpertChunks({a: torch.tensor([t.data_ptr()], dtype=torch.int64,
+                                                               device=self.device)
+                                               for a, t in sorted(h.arrays[p].items())}, self.n_expert)
+                              for p in PARTS} for h in hosts] if cuda else []
+        self.gpu_share = 0.0  # of a layer's missed experts, the share the device reads (calibrate)
         log.info("expert offload: %d MoE layers, %d of %d experts a layer on the GPU (%.2f GiB), "
                  "misses on the CPU (%s)", len(self.blocks), self.cache.n_slots, self.n_expert,
                  self.cache.nbytes / 2**30, self.cpu.backend(0))
@@ -223,7 +231,12 @@ class ExpertOffload:
                   box.count, bump=i == 0)
         chunks = {p: self._chunks(lay, p) for p in PARTS}
         y = expert_products(xf, block, ids, lay.slot_of, self._templates[i], chunks)
-        add = wait_rows(box.flag(i, 1), box.seq, box.error, box.out[i],
+        # the host's split: the misses the device reads from host memory (its table, as rows)
+        table = wait_rows(box.flag(i, box.DECIDED), box.seq, box.error, box.table_rows(i),
+                          torch.empty((1, self.n_expert), dtype=torch.float32, device=x.device), i)
+        y = y + expert_products(xf, block, ids, table.view(torch.int32)[0], self._templates[i],
+                                self._host_chunks[i])
+        add = wait_rows(box.flag(i, box.DONE), box.seq, box.error, box.out[i],
                         torch.empty((t, x.shape[1]), dtype=torch.float32, device=x.device), i)
         return moe_combine(y, weights, add=add)
 
@@ -235,9 +248,10 @@ class ExpertOffload:
             raise RuntimeError("expert offload: serve_step before any step was captured")
         box.begin_step()
         try:
-            for i in range(len(self.blocks)):
-                box.wait_posted(i)
-                self._answer(i, n_rows)
+            with torch.inference_mode():  # the cache's tables were made in it (the engine's steps)
+                for i in range(len(self.blocks)):
+                    box.wait_posted(i)
+                    self._answer(i, n_rows)
         finally:
             box.release_all()  # after a failure: the device's step still ends
 
@@ -250,14 +264,84 @@ class ExpertOffload:
         out = box.np_out[i, :n]
         out.fill(0)
         experts = None
+        table = box.np_table[i]
+        table.fill(-1)
         if rows.size:
             experts = ids[rows, slots]
+            gpu = self._device_share(experts)
+            if gpu.size:
+                table[gpu] = gpu
+                cpu = table[experts] < 0
+                rows, slots, experts = rows[cpu], slots[cpu], experts[cpu]
+                self.stats.host_read_experts += int(gpu.size)
+        box.decide(i)
+        if rows.size:
             self.cpu(i, torch.from_numpy(box.np_x[i, :n]), rows, experts,
                      box.np_weights[i, :n][rows, slots], out=torch.from_numpy(out))
             self.stats.cpu_experts += int(rows.size)
         box.answer(i)
+        experts = ids[np.nonzero(lay.slot_of_host[ids] < 0)] if experts is not None else None
         if experts is not None and lay.n_slots:  # the copies wait for this step on the side stream
             self._promote(lay, experts)
+
+    def _device_share(self, experts: np.ndarray) -> np.ndarray:
+        """Of a layer's missed (token, expert) pairs, the experts the device reads from host
+        memory itself: ``gpu_share`` of the distinct experts, the most used first."""
+        if self.gpu_share <= 0:
+            return experts[:0]
+        uniq, counts = np.unique(experts, return_counts=True)
+        n = int(uniq.size * self.gpu_share + 0.5)
+        return uniq[np.argsort(-counts, kind="stable")[:n]]
+
+    def calibrate(self, reps: int = 5) -> float:
+        """Measure the rate of each side on one layer's 8 experts: the CPU's (ggml) and the
+        device's reading them from host memory (the second pass of a captured step), and set
+        ``gpu_share`` so that both finish together: g / (g + c) experts a step go to the
+        device. Returns it. Measured at load, on this machine's bus and cores: a desktop's
+        PCIe and CPU give another split than a server's."""
+        if self.device.type != "cuda" or not self.blocks:
+            return 0.0
+        block, lay = self.blocks[0], self.cache.layers[0]
+        k = min(block.n_expert_used, self.n_expert)
+        d = self.mailbox.d
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(1, d, generator=g)
+        experts = torch.randperm(self.n_expert, generator=g)[:k].numpy()
+        ids = torch.from_numpy(experts.astype(np.int32)).view(1, k).to(self.device)
+        table = torch.full((self.n_expert,), -1, dtype=torch.int32, device=self.device)
+        table[ids[0].long()] = ids[0]
+        xd = x.to(self.device)
+
+        def device_pass() -> None:
+            expert_products(xd, block, ids, table, self._templates[0], self._host_chunks[0])
+
+        device_pass()  # compiles
+        torch.cuda.synchronize(self.device)
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            device_pass()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        t_dev = sorted(times)[len(times) // 2]
+        rows = np.zeros(k, dtype=np.int64)
+        w = np.full(k, 1.0 / k, dtype=np.float32)
+        self.cpu(0, x, rows, experts, w)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            self.cpu(0, x, rows, experts, w)
+            times.append(time.perf_counter() - t0)
+        t_cpu = sorted(times)[len(times) // 2]
+        gr, cr = k / t_dev, k / t_cpu
+        self.gpu_share = gr / (gr + cr)
+        nbytes = k * lay.host.expert_nbytes
+        log.info("expert offload: the device reads misses from host memory at %.1f GB/s, the CPU "
+                 "computes them at %.1f GB/s: %.0f%% of a step's missed experts go to the device",
+                 nbytes / t_dev / 1e9, nbytes / t_cpu / 1e9, 100 * self.gpu_share)
+        return self.gpu_share
 
     def _promote(self, lay, experts: np.ndarray) -> None:
         """The layer's most used misses of a step into the cache (a few: the PCIe budget)."""
@@ -319,4 +403,5 @@ class ExpertOffload:
         return {"expert_slots": s["slots"], "expert_cache_bytes": s["bytes"],
                 "expert_hit_rate": s["hit_rate"], "cpu_experts_per_token": per_token,
                 "expert_promotions": s["promotions"], "expert_resizes": self.stats.resizes,
-                "streamed_experts": self.stats.streamed_experts}
+                "streamed_experts": self.stats.streamed_experts,
+                "host_read_experts": self.stats.host_read_experts, "gpu_share": self.gpu_share}
