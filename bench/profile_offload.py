@@ -99,7 +99,8 @@ def main() -> None:
     runs = [(int(n), auto if sh == "auto" else float(sh)) for n in a.slots.split(",") for sh in a.shares.split(",")]
     for n_slots, share in runs:
         off.gpu_share = share
-        off.cache.resize(min(n_slots, off.n_expert))
+        with torch.inference_mode():  # the cache's tables were made in the engine's steps
+            off.cache.resize(min(n_slots, off.n_expert))
         decode(llm, a.p, a.n, 1)  # warm: the cache fills, the plans for each miss count exist
         c0 = off.cache.stats()
         sec, made = decode(llm, a.p, a.n, 2)

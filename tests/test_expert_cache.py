@@ -334,9 +334,9 @@ def test_free_memory_rereads_at_most_every_interval():
 
 @pytest.mark.parametrize("total,step,want", [
     (8 * GiB, 0, 512 * MiB),  # 5% = 410 MiB: the floor
-    (24 * GiB, 100 * MiB, 100 * MiB + int(0.05 * 24 * GiB)),
-    (141 * 10**9, 0, 2 * GiB),  # H200: the cap
-], ids=["8GiB", "24GiB", "H200"])
+    (16 * GiB, 100 * MiB, 100 * MiB + int(0.05 * 16 * GiB)),
+    (141 * 10**9, 0, 1 * GiB),  # H200 (and from 20 GiB): the cap
+], ids=["8GiB", "16GiB", "H200"])
 def test_headroom(total, step, want):
     assert headroom(total, step) == want
 
@@ -394,8 +394,9 @@ def test_caps_at_max_slots_and_zero():
     card.now = 2.0
     assert s.target(0) == 30
     card.free, card.now = 0, 2.2
-    # free 0: keep what leaves headroom (2 GiB cap) + band (400 MiB) free once the rest is given back
-    assert s.target(30) == 4
+    # free 0: keep what leaves headroom (1 GiB cap) + band (400 MiB) free once the rest is given
+    # back: 3000 - 1024 - 400 MiB = 15 slots, whole chunks of 4
+    assert s.target(30) == 12
     assert s.target(0) == 0
 
 

@@ -15,10 +15,11 @@ E) that fit in ``free + what the cache holds - headroom - band``, with hysteresi
 
 Headroom = the step's own transient bytes (``step_bytes``: what a step allocates outside the
 cache and the CUDA-graph pool, e.g. an eager prefill chunk's activations; the engine knows
-it) + 5% of the card, at least 512 MiB and at most 2 GiB: what the process allocates lazily
+it) + 5% of the card, at least 512 MiB and at most 1 GiB: what the process allocates lazily
 (cuBLAS/cuBLASLt workspaces, Triton's launch scratch, the caching allocator's rounding and
 fragmentation) and what another process can take between two reads. 8 GiB card: 512 MiB;
-24 GiB: 1.2 GiB; H200: 2 GiB. Band = max(one chunk of every layer, 256 MiB).
+from 20 GiB: 1 GiB (an H200 with 8 GiB left to the engine kept 2.6 GiB free at 2 GiB: room
+for 8 more slots a layer of qwen3moe 30B-A3B). Band = max(one chunk of every layer, 256 MiB).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 MIN_INTERVAL = 0.1  # seconds between two NVML reads
 HEADROOM_FRACTION = 0.05
 HEADROOM_MIN = 512 << 20
-HEADROOM_MAX = 2 << 30
+HEADROOM_MAX = 1 << 30
 BAND_MIN = 256 << 20
 GROW_AFTER = 1.0  # seconds free memory must stay above headroom + band before growing
 

@@ -64,6 +64,10 @@ log = logging.getLogger("deimos")
 
 PARTS = ("gate", "up", "down")
 PROMOTE_PER_STEP = 2  # experts a layer copies in per step (the hit-rate study's PCIe budget)
+# a captured step promotes one miss in each of this many layers (in turn: every layer's cache
+# fills over the steps): each promotion costs the host ~0.1-0.3 ms of copy launches on the
+# step's critical path (measured on the H200: 2 a layer took 35 ms of a 46-slot token)
+PROMOTE_LAYERS_PER_STEP = 8
 # from this many tokens a step (prefill), a layer's missed experts are streamed to the GPU for the
 # step (host-to-device copies, then the grouped GEMM) instead of computed on the CPU: a prompt
 # chunk routes to most experts of a layer, each for many tokens (GPU work, not CPU work)
@@ -246,16 +250,18 @@ class ExpertOffload:
         box = self.mailbox
         if box is None:
             raise RuntimeError("expert offload: serve_step before any step was captured")
-        box.begin_step()
+        step = box.begin_step()
+        n_layer = len(self.blocks)
+        first = step * PROMOTE_LAYERS_PER_STEP % n_layer  # the layers that promote this step
         try:
             with torch.inference_mode():  # the cache's tables were made in it (the engine's steps)
-                for i in range(len(self.blocks)):
+                for i in range(n_layer):
                     box.wait_posted(i)
-                    self._answer(i, n_rows)
+                    self._answer(i, n_rows, (i - first) % n_layer < PROMOTE_LAYERS_PER_STEP)
         finally:
             box.release_all()  # after a failure: the device's step still ends
 
-    def _answer(self, i: int, n: int) -> None:
+    def _answer(self, i: int, n: int, promote: bool) -> None:
         box, lay = self.mailbox, self.cache.layers[i]
         ids = box.np_ids[i, :n]
         lay.record(ids)
@@ -280,9 +286,8 @@ class ExpertOffload:
                      box.np_weights[i, :n][rows, slots], out=torch.from_numpy(out))
             self.stats.cpu_experts += int(rows.size)
         box.answer(i)
-        experts = ids[np.nonzero(lay.slot_of_host[ids] < 0)] if experts is not None else None
-        if experts is not None and lay.n_slots:  # the copies wait for this step on the side stream
-            self._promote(lay, experts)
+        if promote and experts is not None and lay.n_slots:  # the copy waits for this step (side stream)
+            self._promote(lay, ids[np.nonzero(lay.slot_of_host[ids] < 0)], 1)
 
     def _device_share(self, experts: np.ndarray) -> np.ndarray:
         """Of a layer's missed (token, expert) pairs, the experts the device reads from host
@@ -343,10 +348,10 @@ class ExpertOffload:
                  nbytes / t_dev / 1e9, nbytes / t_cpu / 1e9, 100 * self.gpu_share)
         return self.gpu_share
 
-    def _promote(self, lay, experts: np.ndarray) -> None:
-        """The layer's most used misses of a step into the cache (a few: the PCIe budget)."""
+    def _promote(self, lay, experts: np.ndarray, most: int = PROMOTE_PER_STEP) -> None:
+        """The layer's ``most`` most used misses of a step into the cache."""
         uniq, counts = np.unique(experts, return_counts=True)
-        lay.promote_many(uniq[np.argsort(-counts, kind="stable")][:PROMOTE_PER_STEP].tolist(), self.stream)
+        lay.promote_many(uniq[np.argsort(-counts, kind="stable")][:most].tolist(), self.stream)
 
     def moe(self, x: torch.Tensor, block) -> torch.Tensor:
         """x float32 ``[T, D]`` -> float32 ``[T, D]``: ``block``'s routed experts."""
