@@ -87,6 +87,28 @@ def test_a_long_step_streams_its_misses_to_the_device(moe_file, models, slots):
     assert off.stats.cpu_experts == 0 and off.stats.streamed_experts > 0
 
 
+def test_a_long_step_fills_the_free_slots_with_its_misses(moe_file, models):
+    """A prompt chunk's missed experts go into the cache's free slots (no eviction), computed
+    there: the answer is the same, the cache is full after it, and the next token hits."""
+    from deimos.models.gpu.offload import STREAM_TOKENS
+
+    ref, ker = models
+    off = ExpertOffload(ker, moe_file, torch.device(DEVICE), n_slots=4)
+    lay = off.cache.layers[0]
+    assert len(lay.resident) == 0
+    x = _x(STREAM_TOKENS + 5, ref.config.n_embd, 8)
+    want = moe_reference(x, ref.layers[0].moe)
+    got = off.moe(x.to(DEVICE), ker.layers[0].moe).cpu()
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
+    assert off.stats.filled_experts == len(lay.resident) == 4 and off.stats.streamed_experts == 0
+    x1 = _x(1, ref.config.n_embd, 9)
+    misses = lay.misses
+    got1 = off.moe(x1.to(DEVICE), ker.layers[0].moe).cpu()
+    want1 = moe_reference(x1, ref.layers[0].moe)
+    assert ((got1 - want1).norm() / want1.norm()).item() < 2e-2
+    assert off.stats.cpu_experts == 0 and lay.misses == misses  # every expert resident: no miss
+
+
 def test_the_cache_follows_free_memory(moe_file, models):
     ref, ker = models
     state = {"free": 0, "t": 0.0}

@@ -15,7 +15,9 @@ deimos.quant.triton.layout ``PackedWeight`` parts, e.g. gate, up, down), and
 - a policy (``POLICIES``) fed by ``record(layer, ids)`` (a step's routed ids, host) that picks
   the victim of ``promote(layer, expert)`` and what ``resize`` keeps.
 
-Promotion copies from a host copy of every expert (``HostExperts``; pinned when CUDA is
+``fill`` places experts into free slots on the current stream (a prompt chunk's misses, which
+it copies to the device anyway: the first prompt fills the cache). Promotion copies from a
+host copy of every expert (``HostExperts``; pinned when CUDA is
 present) asynchronously on a side stream when one is given: ``promote`` evicts the victim
 (its -1 published on the current stream first), makes the side stream wait for the current
 one (a kernel still reading the old slot finishes before the copy overwrites it), starts the
@@ -303,6 +305,34 @@ class LayerCache:
             self.pending[slot] = (e, copy_expert(self.host, e, self.slot_arrays(slot), stream))
             self.promotions += 1
         return [e for e, _ in claimed]
+
+    def fill(self, experts: Sequence[int]) -> list[int]:
+        """Place ``experts`` (in order) into free slots, no eviction, the copies enqueued on the
+        current stream (non-blocking from the pinned host copy) so that kernels enqueued after
+        read them, and published at once. For a prompt chunk's missed experts, which the chunk
+        copies to the device anyway. Returns the experts placed."""
+        free = [int(s) for s in np.flatnonzero(self.expert_in[: self.n_slots] < 0) if int(s) not in self.pending]
+        coming = {e for e, _ in self.pending.values()}
+        placed: list[int] = []
+        for e in experts:
+            e = int(e)
+            if not free:
+                break
+            if not 0 <= e < self.n_expert:
+                raise ValueError(f"expert cache: expert {e} outside [0, {self.n_expert})")
+            if self.slot_of_host[e] >= 0 or e in coming or e in placed:
+                continue
+            slot = free.pop(0)
+            src, dst = self.host.expert(e), self.slot_arrays(slot)
+            for p, arrays in dst.items():
+                for a, t in arrays.items():
+                    t.copy_(src[p][a], non_blocking=self.device.type == "cuda")
+            self.slot_of_host[e] = slot
+            self.expert_in[slot] = e
+            placed.append(e)
+        if placed:
+            self._publish()
+        return placed
 
     def _claim(self, expert: int, claimed: list[tuple[int, int]]) -> tuple[int, bool] | None:
         """(slot, whether a victim was evicted) for ``expert``, or None; ``claimed``: (expert,

@@ -14,8 +14,10 @@ A MoE layer's step (``ExpertOffload.moe``):
 5. the missed experts are promoted into the cache on a side stream (a few a layer and step:
    the PCIe budget), published between steps.
 From ``STREAM_TOKENS`` tokens a step (prompt chunks) the misses are not computed on the CPU:
-the layer's missed experts are copied to a staging stack on the GPU for the step and computed
-there by the same grouped GEMM (its slot table maps the missed experts to the staged ones).
+the layer's missed experts go into the cache's free slots (``LayerCache.fill``: the first
+prompt fills the cache) and the rest are copied to a staging stack on the GPU for the step,
+all computed there by the same grouped GEMM (its slot table maps the missed experts to the
+staged ones).
 
 Between steps (``between_steps``) finished promotions are published and the slot count is
 re-derived from the card's free memory (NVML, at most every 100 ms: ``runtime.gpu_memory``):
@@ -79,6 +81,7 @@ class OffloadStats:
     cpu_experts: int = 0  # (token, expert) pairs computed on the CPU
     streamed_experts: int = 0  # experts copied to the GPU for one long step
     host_read_experts: int = 0  # missed experts a captured step's kernels read from host memory
+    filled_experts: int = 0  # a long step's missed experts placed into free slots
     tokens: int = 0  # token-layers routed
     resizes: int = 0
 
@@ -182,11 +185,17 @@ class ExpertOffload:
         arrays = sorted(lay.host.arrays[part])
         return ExpertChunks({a: lay.chunk_ptrs[(part, a)] for a in arrays}, lay.spc)
 
-    def _hits(self, x, block, lay, ids) -> torch.Tensor:
-        """The resident experts' share on the GPU ([T * k, D] float32, misses' rows 0)."""
+    def _hits(self, x, block, lay, ids, only: np.ndarray | None = None) -> torch.Tensor:
+        """The resident experts' share on the GPU ([T * k, D] float32, misses' rows 0); with
+        ``only``, just those (resident) experts' pairs."""
         stacks = {p: lay.slot_weight(0, p) for p in PARTS}  # formats, K, arrays (chunk tables address)
         chunks = {p: self._chunks(lay, p) for p in PARTS}
-        return expert_products(x, block, ids, lay.slot_of, stacks, chunks)
+        table = lay.slot_of
+        if only is not None:
+            host = torch.full((lay.n_expert,), -1, dtype=torch.int32)
+            host[torch.from_numpy(only)] = torch.from_numpy(lay.slot_of_host[only])
+            table = host.to(x.device)
+        return expert_products(x, block, ids, table, stacks, chunks)
 
     def _streamed(self, x, block, lay, ids, missed: np.ndarray) -> torch.Tensor:
         """The ``missed`` experts' share of a long step, on the GPU: their packed rows copied
@@ -385,13 +394,21 @@ class ExpertOffload:
         streamed = False
         if rows.size and t >= STREAM_TOKENS:
             experts = ids_np[rows, slots]
+            missed = np.unique(experts)
+            placed = np.asarray(lay.fill(missed.tolist()), dtype=np.int64) if lay.n_slots else missed[:0]
+            if placed.size:  # into free slots: computed there, resident from now on
+                y = y + self._hits(xf, block, lay, ids, only=placed)
+                self.stats.filled_experts += int(placed.size)
+                keep = ~np.isin(experts, placed)
+                rows, slots, missed = rows[keep], slots[keep], np.setdiff1d(missed, placed)
             try:
-                y = y + self._streamed(xf, block, lay, ids, np.unique(experts))
-                self.stats.streamed_experts += int(np.unique(experts).size)
+                if missed.size:
+                    y = y + self._streamed(xf, block, lay, ids, missed)
+                    self.stats.streamed_experts += int(missed.size)
                 streamed = True
             except torch.cuda.OutOfMemoryError:  # no room for the staging stacks: the CPU computes them
                 log.warning("expert offload: no GPU memory to stream %d experts: computed on the CPU",
-                            np.unique(experts).size)
+                            missed.size)
         if rows.size and not streamed:
             experts = ids_np[rows, slots]
             part = self.cpu(i, x_h, rows, experts, w_h.numpy()[rows, slots])
