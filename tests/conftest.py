@@ -19,6 +19,13 @@ import torch
 if _WORKERS > 1:
     torch.set_num_threads(_SHARE)
 
+# Triton reads TRITON_INTERPRET when a kernel is defined: set here, before any test module
+# imports a kernel module, so that the order of the modules in a worker cannot leave some
+# kernels compiled for a GPU and others interpreted (kernel_device says the same; a module
+# that imported deimos.quant.triton first broke the next module's kernels).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="module")
 def module_one_thread():
