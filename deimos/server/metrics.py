@@ -290,6 +290,8 @@ EXPERT_HELP = {
     "expert_promotions": "experts copied into the GPU cache",
     "expert_resizes": "times the expert cache changed size (free GPU memory)",
     "streamed_experts": "experts copied to the GPU for one prompt chunk (not cached)",
+    "host_read_experts": "missed experts a decode step's kernels read from host memory over PCIe",
+    "gpu_share": "share of a decode step's missed experts the GPU reads (calibrated at load)",
 }
 
 
