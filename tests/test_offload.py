@@ -162,13 +162,18 @@ def test_gpu_greedy_tokens_with_none_some_and_all_slots(moe_file):
         assert llm.offload is not None
         got[gib] = llm.run_many([Request(prompt, 16, greedy)])[0].output_ids
         print(gib, llm.offload.numbers(), got[gib])
-    for gib, ids in got.items():  # the reference's tokens, up to a near-tie (its margin shown)
-        for i, (a, b) in enumerate(zip(want.output_ids, ids)):
-            if a != b:
-                lp = want.token_logprobs[i]
-                gap = lp.top_logprobs[0] - lp.top_logprobs[1]
-                assert gap < TIE, f"{gib} GiB: step {i} gives {b}, the reference {a} (gap {gap:.3f})"
-                break
+    for gib, ids in got.items():
+        same_up_to_a_tie(want, ids, f"{gib} GiB")
+
+
+def same_up_to_a_tie(want, ids: list[int], who: str) -> None:
+    """The reference's tokens, up to its first near-tie (the reference's margin shown)."""
+    for i, (a, b) in enumerate(zip(want.output_ids, ids)):
+        if a != b:
+            lp = want.token_logprobs[i]
+            gap = lp.top_logprobs[0] - lp.top_logprobs[1]
+            assert gap < TIE, f"{who}: step {i} gives {b}, the reference {a} (gap {gap:.3f})"
+            break
 
 
 @pytest.mark.gpu
@@ -217,9 +222,4 @@ def test_gpu_misses_read_from_host_memory_by_the_device(moe_file):
     ids = llm.run_many([Request(prompt, 16, greedy)])[0].output_ids
     # the prompt (STREAM_TOKENS or more) streamed, every decode miss read by the device
     assert s.host_read_experts > 0 and s.cpu_experts == before
-    for i, (a, b) in enumerate(zip(want.output_ids, ids)):
-        if a != b:
-            lp = want.token_logprobs[i]
-            gap = lp.top_logprobs[0] - lp.top_logprobs[1]
-            assert gap < TIE, f"step {i} gives {b}, the reference {a} (gap {gap:.3f})"
-            break
+    same_up_to_a_tie(want, ids, "every miss read by the device")
