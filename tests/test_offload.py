@@ -87,6 +87,39 @@ def test_a_long_step_streams_its_misses_to_the_device(moe_file, models, slots):
     assert off.stats.cpu_experts == 0 and off.stats.streamed_experts > 0
 
 
+def test_without_room_to_stage_the_kernels_read_the_host_copy(moe_file, models, monkeypatch):
+    """A prompt chunk whose staging stacks cannot be allocated: its missed experts are read by
+    the kernels from the (pinned) host copy through a one-chunk address table, the same
+    answer, none computed on the CPU."""
+    from deimos.models.gpu.offload import STREAM_TOKENS
+
+    ref, ker = models
+    off = ExpertOffload(ker, moe_file, torch.device(DEVICE), n_slots=0)
+
+    def no_room(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("test: no room for the staging stacks")
+
+    monkeypatch.setattr(off, "_streamed", no_room)
+    x = _x(STREAM_TOKENS + 2, ref.config.n_embd, 6)
+    want = moe_reference(x, ref.layers[1].moe)
+    got = off.moe(x.to(DEVICE), ker.layers[1].moe).cpu()
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
+    assert off.stats.host_read_experts > 0 and off.stats.cpu_experts == 0
+    # one token through the decode GEMVs on the same table: a captured step's device share
+    import numpy as np
+
+    from deimos.kernels.triton.moe_route import moe_combine
+    from deimos.models.gpu.moe_ops import route
+
+    block = ker.layers[1].moe
+    x1 = _x(1, ref.config.n_embd, 7)
+    weights, ids = route(x1.to(DEVICE), block)
+    chosen = np.unique(ids.cpu().numpy()).astype(np.int64)
+    got1 = moe_combine(off._host_read(x1.to(DEVICE), block, off.index[block.layer], ids, chosen), weights)
+    want1 = moe_reference(x1, ref.layers[1].moe)
+    assert ((got1.cpu() - want1).norm() / want1.norm()).item() < 2e-2
+
+
 def test_a_long_step_fills_the_free_slots_with_its_misses(moe_file, models):
     """A prompt chunk's missed experts go into the cache's free slots (no eviction), computed
     there: the answer is the same, the cache is full after it, and the next token hits."""

@@ -118,6 +118,32 @@ def test_gpu_whole_model_equals_reference(tmp_path):
     compare_hybrid_moe(f, f"{PRESET} Q8_0", prompt)
 
 
+@pytest.mark.gpu
+def test_gpu_offloaded_decode_graphs_answer_as_the_eager_steps(tmp_path):
+    """The hybrid MoE with its routed experts on the host (deimos.models.gpu.offload): decode
+    steps captured as graphs (the recurrent states in the state pool, the host answering each
+    MoE layer through the mailbox) give the eager steps' tokens exactly, every miss on the CPU
+    in both."""
+    from testdata import llama_cpp_path
+
+    from deimos.engine import LLM
+    from deimos.engine.request import Request
+    from deimos.kernels.sampling import SamplingParams
+    from deimos.synth import write_model
+
+    path = write_model(tmp_path / "q8.gguf", "qwen35moe", PRESET, "Q8_0",
+                       llama_cpp_path("models/ggml-vocab-llama-spm.gguf"), seed=12)
+    prompt = torch.randint(0, 30000, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+    got = {}
+    for graphs in (False, True):
+        llm = LLM(path, n_ctx=128, device="cuda", experts="cpu", expert_cache_gib=0.0, max_seqs=2,
+                  cuda_graphs=graphs)
+        llm.offload.gpu_share = 0.0
+        got[graphs] = llm.run_many([Request(prompt, 10, SamplingParams(temperature=0))])[0].output_ids
+        assert (sum(g.replays for g in llm.engine.runner.decode_graphs.values()) > 0) == graphs
+    assert got[True] == got[False]
+
+
 # ---- the blocks ------------------------------------------------------------------------------
 
 def _f64(f: GGUFFile, name: str) -> torch.Tensor:

@@ -141,7 +141,7 @@ class ExpertOffload:
         self._host_chunks = [{p: ExpertChunks({a: torch.tensor([t.data_ptr()], dtype=torch.int64,
                                                                device=self.device)
                                                for a, t in sorted(h.arrays[p].items())}, self.n_expert)
-                              for p in PARTS} for h in hosts] if cuda else []
+                              for p in PARTS} for h in hosts]
         self.gpu_share = 0.0  # of a layer's missed experts, the share the device reads (calibrate)
         log.info("expert offload: %d MoE layers, %d of %d experts a layer on the GPU (%.2f GiB), "
                  "misses on the CPU (%s)", len(self.blocks), self.cache.n_slots, self.n_expert,
@@ -211,13 +211,21 @@ class ExpertOffload:
             arrays = {}
             for a, src in host.arrays[p].items():  # [E, r, ...] on the host (pinned on CUDA)
                 dst = torch.empty((missed.size * r, *src.shape[2:]), dtype=src.dtype, device=dev)
-                for j, e in enumerate(missed.tolist()):
-                    dst[j * r:(j + 1) * r].copy_(src[e], non_blocking=self._pin)
+                # one dispatch for the array's copies (a 512-token chunk copies ~128 experts a layer)
+                torch._foreach_copy_(list(dst.view(missed.size, r, *src.shape[2:]).unbind(0)),
+                                     [src[e] for e in missed.tolist()], non_blocking=self._pin)
                 arrays[a] = dst
             stacks[p] = PackedWeight(t_, missed.size * r, kk, arrays)
         table = torch.full((lay.n_expert,), -1, dtype=torch.int32)
         table[torch.from_numpy(missed)] = torch.arange(missed.size, dtype=torch.int32)
         return expert_products(x, block, ids, table.to(dev), stacks)
+
+    def _host_read(self, x, block, i: int, ids, experts: np.ndarray) -> torch.Tensor:
+        """``experts``' share of the step, the kernels reading their rows from the pinned host
+        copy (layer i's one-chunk table). [T * k, D] float32, rows of the other experts 0."""
+        table = torch.full((self.n_expert,), -1, dtype=torch.int32)
+        table[torch.from_numpy(experts)] = torch.from_numpy(experts.astype(np.int32))
+        return expert_products(x, block, ids, table.to(x.device), self._templates[i], self._host_chunks[i])
 
     def _template(self, i: int) -> dict[str, PackedWeight]:
         """Layer i's parts as one-row device weights: what the expert kernels take from a stack
@@ -320,14 +328,12 @@ class ExpertOffload:
         d = self.mailbox.d
         g = torch.Generator().manual_seed(0)
         x = torch.randn(1, d, generator=g)
-        experts = torch.randperm(self.n_expert, generator=g)[:k].numpy()
+        experts = torch.randperm(self.n_expert, generator=g)[:k].numpy().astype(np.int64)
         ids = torch.from_numpy(experts.astype(np.int32)).view(1, k).to(self.device)
-        table = torch.full((self.n_expert,), -1, dtype=torch.int32, device=self.device)
-        table[ids[0].long()] = ids[0]
         xd = x.to(self.device)
 
         def device_pass() -> None:
-            expert_products(xd, block, ids, table, self._templates[0], self._host_chunks[0])
+            self._host_read(xd, block, 0, ids, experts)
 
         device_pass()  # compiles
         torch.cuda.synchronize(self.device)
@@ -406,9 +412,16 @@ class ExpertOffload:
                     y = y + self._streamed(xf, block, lay, ids, missed)
                     self.stats.streamed_experts += int(missed.size)
                 streamed = True
-            except torch.cuda.OutOfMemoryError:  # no room for the staging stacks: the CPU computes them
-                log.warning("expert offload: no GPU memory to stream %d experts: computed on the CPU",
-                            missed.size)
+            except torch.cuda.OutOfMemoryError:  # no room for the staging stacks
+                try:  # the kernels read the missed experts from the host copy: no staging
+                    y = y + self._host_read(xf, block, i, ids, missed)
+                    self.stats.host_read_experts += int(missed.size)
+                    streamed = True
+                    log.warning("expert offload: no GPU memory to stage %d experts: the kernels "
+                                "read them from host memory", missed.size)
+                except torch.cuda.OutOfMemoryError:  # not even the products' rows: the CPU
+                    log.warning("expert offload: no GPU memory for %d experts: computed on the "
+                                "CPU", missed.size)
         if rows.size and not streamed:
             experts = ids_np[rows, slots]
             part = self.cpu(i, x_h, rows, experts, w_h.numpy()[rows, slots])
