@@ -248,8 +248,8 @@ class ExpertOffload:
             raise ValueError(f"expert offload: a captured step of {t} rows, the mailbox holds {box.rows}")
         xf = x.float().contiguous()
         weights, ids = route(xf, block)
-        post_rows(ids, weights, xf, box.ids[i], box.weights[i], box.x[i], box.flag(i, box.POSTED), box.seq,
-                  box.count, bump=i == 0)
+        post_rows(ids, weights, xf, box.ids[i], box.weights[i], box.x[i], box.flag(i, box.POSTED),
+                  box.seq, box.count, bump=i == 0)
         chunks = {p: self._chunks(lay, p) for p in PARTS}
         y = expert_products(xf, block, ids, lay.slot_of, self._templates[i], chunks)
         # the host's split: the misses the device reads from host memory (its table, as rows)
