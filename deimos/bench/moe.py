@@ -5,7 +5,8 @@ no tuning flag.
 
 Beside the speeds of the usual pp/tg rounds (deimos.bench.run.time_round) the report gives the
 expert cache's numbers of each phase (slots, hit rate, CPU-computed experts per token-layer,
-experts streamed for prefill, promotions, resizes), counted over the timed rounds only; the
+the missed experts the GPU read from host memory per token-layer, experts streamed for prefill,
+promotions, resizes), counted over the timed rounds only; the
 memory the engine saw (``--gpu-mem``: a helper process holds the rest of the card,
 deimos.bench.memhold); with ``--vs-llama`` llama.cpp's best ``-ncmoe`` under the same limit
 (deimos.bench.ncmoe); with ``--squeeze`` the replay of deimos.bench.squeeze.
@@ -29,8 +30,8 @@ log = logging.getLogger("deimos")
 
 GIB = 1 << 30
 # counters of the expert offload, summed over a phase (the rest are levels: slots, bytes)
-COUNTERS = ("hits", "misses", "promotions", "cpu_experts", "streamed_experts", "tokens",
-            "resizes")
+COUNTERS = ("hits", "misses", "promotions", "cpu_experts", "host_read_experts", "streamed_experts",
+            "tokens", "resizes")
 
 
 def is_moe(file) -> bool:
@@ -58,7 +59,8 @@ def snapshot(offload) -> dict[str, float]:
     s = offload.stats
     return {"slots": c["slots"], "bytes": c["bytes"], "hits": c["hits"], "misses": c["misses"],
             "promotions": c["promotions"], "cpu_experts": s.cpu_experts,
-            "streamed_experts": s.streamed_experts, "tokens": s.tokens, "resizes": s.resizes}
+            "host_read_experts": s.host_read_experts, "streamed_experts": s.streamed_experts,
+            "tokens": s.tokens, "resizes": s.resizes}
 
 
 def phase_numbers(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -70,6 +72,7 @@ def phase_numbers(before: dict[str, float], after: dict[str, float]) -> dict[str
     looked = d["hits"] + d["misses"]
     d["hit_rate"] = d["hits"] / looked if looked else 0.0
     d["cpu_experts_per_token"] = d["cpu_experts"] / d["tokens"] if d["tokens"] else 0.0
+    d["host_read_per_token"] = d["host_read_experts"] / d["tokens"] if d["tokens"] else 0.0
     d["slots"] = after["slots"]
     d["cache_gib"] = after["bytes"] / GIB
     return d
@@ -85,6 +88,7 @@ def add_phase(total: dict[str, float], part: dict[str, float]) -> dict[str, floa
     looked = out["hits"] + out["misses"]
     out["hit_rate"] = out["hits"] / looked if looked else 0.0
     out["cpu_experts_per_token"] = out["cpu_experts"] / out["tokens"] if out["tokens"] else 0.0
+    out["host_read_per_token"] = out["host_read_experts"] / out["tokens"] if out["tokens"] else 0.0
     out["slots"], out["cache_gib"] = part["slots"], part["cache_gib"]
     return out
 
@@ -155,12 +159,13 @@ def render_moe(r: MoeBenchReport) -> list:
         out.append(mem)
     if r.experts:
         t = Table(title="expert cache over the timed rounds (per layer; rates of the phase)")
-        for col in ("phase", "slots", "GiB", "hit rate", "CPU experts/token", "streamed",
-                    "promotions", "resizes"):
+        for col in ("phase", "slots", "GiB", "hit rate", "CPU experts/token", "GPU-read/token",
+                    "streamed", "promotions", "resizes"):
             t.add_column(col, justify="left" if col == "phase" else "right")
         for phase, n in r.experts.items():
             t.add_row(phase, str(int(n["slots"])), f"{n['cache_gib']:.2f}", f"{n['hit_rate']:.1%}",
-                      f"{n['cpu_experts_per_token']:.2f}", str(int(n["streamed_experts"])),
+                      f"{n['cpu_experts_per_token']:.2f}", f"{n.get('host_read_per_token', 0.0):.2f}",
+                      str(int(n["streamed_experts"])),
                       str(int(n["promotions"])), str(int(n["resizes"])))
         out.append(t)
     if r.ncmoe:
