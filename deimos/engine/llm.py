@@ -211,7 +211,12 @@ class LLM:
                                      cache_bytes=None if cache_gib is None else int(cache_gib * 2**30),
                                      max_rows=seqs)
         model.ops.attach_offload(self.offload)
-        self.offload.calibrate()  # how a step's misses split between the CPU and the device
+        try:  # how a step's misses split between the CPU and the device
+            self.offload.calibrate()
+        except Exception as e:  # noqa: BLE001 - an optimisation: the load goes on without it
+            log.warning("expert offload: the CPU/device split could not be measured (%s: %s): "
+                        "every miss is computed on the CPU", type(e).__name__, e)
+            self.offload.gpu_share = 0.0
         if engine.get("kv_tokens") is None and engine.get("kv_gib") is None:
             engine["kv_tokens"] = 2 * ctx  # the rest of the memory is the cache's
         return model
