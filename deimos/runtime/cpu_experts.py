@@ -125,6 +125,11 @@ class LayerExperts:
         return cls(*(ExpertMatrix.from_gguf(f, f"{p}{w}_exps.weight") for w in ("gate", "up", "down")))
 
 
+def one_row(rows: np.ndarray) -> bool:
+    """Whether every miss is the same token's (a decode step): no grouping needed."""
+    return bool(rows[0] == rows[-1] and (rows == rows[0]).all())
+
+
 def moe_misses_reference(x: torch.Tensor, layer: LayerExperts, rows, experts, weights) -> torch.Tensor:
     """The oracle, float64: deimos.quant's decode of each expert, products and sums in float64.
     x [T, D] -> [T, D] float64."""
@@ -207,7 +212,7 @@ class CpuExperts:
         y = g(x.numpy(), rows, experts) if g is not None else self._exact(layer, x.numpy()[rows], experts)
         # numpy, one thread: a torch op here would wake its thread pool right after ggml's
         o = out.numpy()
-        if rows[0] == rows[-1] and (rows == rows[0]).all():  # one token's misses (decode)
+        if one_row(rows):  # one token's misses (decode)
             o[rows[0]] += weights @ y
         else:
             np.add.at(o, rows, y * weights[:, None])
@@ -355,6 +360,7 @@ class _GgmlLayer:
         self.g, self.lay, self.planes, self.n_threads = ggml, lay, planes, n_threads
         self.act = {i: _act_type(ggml, m.ggml_type) for i, m in enumerate((lay.gate, lay.up, lay.down))}
         self.quant = {a: _Planes(ggml, a, planes) for a in set(self.act.values())}
+        self.pow2 = _Q8_0 in self.act.values()  # x's rows scaled into Q8_0's float16 range
         self._plans: OrderedDict[int, _GgmlPlan] = OrderedDict()
 
     def __call__(self, x: np.ndarray, rows: np.ndarray, experts: np.ndarray) -> np.ndarray:
@@ -430,13 +436,13 @@ class _GgmlPlan:
     def run(self, x: np.ndarray, rows: np.ndarray, experts: np.ndarray) -> np.ndarray:
         lay = self.layer
         self.ids_buf[:] = experts[:, None]
-        if rows[0] == rows[-1] and (rows == rows[0]).all():  # one token's misses (decode)
+        if one_row(rows):  # one token's misses (decode)
             uniq, inv = rows[:1], np.zeros(rows.size, dtype=np.intp)
         else:  # a token's misses share its planes
             uniq, inv = np.unique(rows, return_inverse=True)
         # Q8_0's float16 scales want rows scaled into range (exactly, by powers of two); Q8_K's
         # scales are float32
-        pow2 = _Q8_0 in lay.act.values()
+        pow2 = lay.pow2
         xu, sx = _pow2_rows(x[uniq]) if pow2 else (x[uniq], None)
         for a, (_, buf) in self.x_in.items():
             q = lay.quant[a].quantize(xu, np.empty((uniq.size, *buf.shape[1:]), dtype=buf.dtype))

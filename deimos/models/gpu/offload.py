@@ -76,6 +76,22 @@ PROMOTE_LAYERS_PER_STEP = 8
 STREAM_TOKENS = 16
 
 
+def slot_table(n_expert: int, experts: np.ndarray, slots: np.ndarray, device) -> torch.Tensor:
+    """int32 [E] on ``device``: ``slots[j]`` for expert ``experts[j]``, -1 for the others (what
+    the expert kernels read as ``slot_of``)."""
+    table = torch.full((n_expert,), -1, dtype=torch.int32)
+    experts, slots = np.asarray(experts, dtype=np.int64), np.asarray(slots, dtype=np.int32)
+    table[torch.from_numpy(experts)] = torch.from_numpy(slots)
+    return table.to(device)
+
+
+def by_use(experts: np.ndarray) -> np.ndarray:
+    """The distinct experts of ``experts`` (a step's missed pairs), the most used first (ties:
+    the lower id)."""
+    uniq, counts = np.unique(experts, return_counts=True)
+    return uniq[np.argsort(-counts, kind="stable")]
+
+
 @dataclass
 class OffloadStats:
     cpu_experts: int = 0  # (token, expert) pairs computed on the CPU
@@ -190,11 +206,8 @@ class ExpertOffload:
         ``only``, just those (resident) experts' pairs."""
         stacks = {p: lay.slot_weight(0, p) for p in PARTS}  # formats, K, arrays (chunk tables address)
         chunks = {p: self._chunks(lay, p) for p in PARTS}
-        table = lay.slot_of
-        if only is not None:
-            host = torch.full((lay.n_expert,), -1, dtype=torch.int32)
-            host[torch.from_numpy(only)] = torch.from_numpy(lay.slot_of_host[only])
-            table = host.to(x.device)
+        table = (lay.slot_of if only is None
+                 else slot_table(lay.n_expert, only, lay.slot_of_host[only], x.device))
         return expert_products(x, block, ids, table, stacks, chunks)
 
     def _streamed(self, x, block, lay, ids, missed: np.ndarray) -> torch.Tensor:
@@ -216,16 +229,14 @@ class ExpertOffload:
                                      [src[e] for e in missed.tolist()], non_blocking=self._pin)
                 arrays[a] = dst
             stacks[p] = PackedWeight(t_, missed.size * r, kk, arrays)
-        table = torch.full((lay.n_expert,), -1, dtype=torch.int32)
-        table[torch.from_numpy(missed)] = torch.arange(missed.size, dtype=torch.int32)
-        return expert_products(x, block, ids, table.to(dev), stacks)
+        return expert_products(x, block, ids, slot_table(lay.n_expert, missed, np.arange(missed.size), dev),
+                               stacks)
 
     def _host_read(self, x, block, i: int, ids, experts: np.ndarray) -> torch.Tensor:
         """``experts``' share of the step, the kernels reading their rows from the pinned host
         copy (layer i's one-chunk table). [T * k, D] float32, rows of the other experts 0."""
-        table = torch.full((self.n_expert,), -1, dtype=torch.int32)
-        table[torch.from_numpy(experts)] = torch.from_numpy(experts.astype(np.int32))
-        return expert_products(x, block, ids, table.to(x.device), self._templates[i], self._host_chunks[i])
+        return expert_products(x, block, ids, slot_table(self.n_expert, experts, experts, x.device),
+                               self._templates[i], self._host_chunks[i])
 
     def _template(self, i: int) -> dict[str, PackedWeight]:
         """Layer i's parts as one-row device weights: what the expert kernels take from a stack
@@ -289,10 +300,12 @@ class ExpertOffload:
         experts = None
         table = box.np_table[i]
         table.fill(-1)
+        ranked = None
         if rows.size:
             experts = ids[rows, slots]
-            gpu = self._device_share(experts)
-            if gpu.size:
+            ranked = by_use(experts)  # the missed experts, the most used first
+            gpu = ranked[: int(ranked.size * self.gpu_share + 0.5)] if self.gpu_share > 0 else ranked[:0]
+            if gpu.size:  # the device's share (module docstring)
                 table[gpu] = gpu
                 cpu = table[experts] < 0
                 rows, slots, experts = rows[cpu], slots[cpu], experts[cpu]
@@ -303,17 +316,8 @@ class ExpertOffload:
                      box.np_weights[i, :n][rows, slots], out=torch.from_numpy(out))
             self.stats.cpu_experts += int(rows.size)
         box.answer(i)
-        if promote and experts is not None and lay.n_slots:  # the copy waits for this step (side stream)
-            self._promote(lay, ids[np.nonzero(lay.slot_of_host[ids] < 0)], 1)
-
-    def _device_share(self, experts: np.ndarray) -> np.ndarray:
-        """Of a layer's missed (token, expert) pairs, the experts the device reads from host
-        memory itself: ``gpu_share`` of the distinct experts, the most used first."""
-        if self.gpu_share <= 0:
-            return experts[:0]
-        uniq, counts = np.unique(experts, return_counts=True)
-        n = int(uniq.size * self.gpu_share + 0.5)
-        return uniq[np.argsort(-counts, kind="stable")[:n]]
+        if promote and ranked is not None and lay.n_slots:  # the copy waits for this step (side stream)
+            lay.promote_many(ranked[:1].tolist(), self.stream)
 
     def calibrate(self, reps: int = 5) -> float:
         """Measure the rate of each side on a token's experts (8 for qwen3moe): the CPU's (ggml)
@@ -360,10 +364,9 @@ class ExpertOffload:
                  nbytes / td / 1e9, nbytes / tc / 1e9, 100 * self.gpu_share)
         return self.gpu_share
 
-    def _promote(self, lay, experts: np.ndarray, most: int = PROMOTE_PER_STEP) -> None:
-        """The layer's ``most`` most used misses of a step into the cache."""
-        uniq, counts = np.unique(experts, return_counts=True)
-        lay.promote_many(uniq[np.argsort(-counts, kind="stable")][:most].tolist(), self.stream)
+    def _promote(self, lay, experts: np.ndarray) -> None:
+        """The layer's PROMOTE_PER_STEP most used misses of a step into the cache."""
+        lay.promote_many(by_use(experts)[:PROMOTE_PER_STEP].tolist(), self.stream)
 
     def moe(self, x: torch.Tensor, block) -> torch.Tensor:
         """x float32 ``[T, D]`` -> float32 ``[T, D]``: ``block``'s routed experts."""
