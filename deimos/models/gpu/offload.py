@@ -55,6 +55,7 @@ import torch
 from deimos.kernels.triton.host_link import post_rows, wait_rows
 from deimos.kernels.triton.moe_route import moe_combine
 from deimos.models.gpu.moe_ops import expert_products, route
+from deimos.quant.triton.gemv_q8 import quantize_x
 from deimos.quant.triton.layout import PackedWeight
 from deimos.quant.triton.moe_gemv import ExpertChunks
 from deimos.runtime.cpu_experts import CpuExperts, LayerExperts
@@ -201,14 +202,16 @@ class ExpertOffload:
         arrays = sorted(lay.host.arrays[part])
         return ExpertChunks({a: lay.chunk_ptrs[(part, a)] for a in arrays}, lay.spc)
 
-    def _hits(self, x, block, lay, ids, only: np.ndarray | None = None) -> torch.Tensor:
+    def _hits(self, x, block, lay, ids, only: np.ndarray | None = None,
+              quantized=None) -> torch.Tensor:
         """The resident experts' share on the GPU ([T * k, D] float32, misses' rows 0); with
-        ``only``, just those (resident) experts' pairs."""
+        ``only``, just those (resident) experts' pairs. ``quantized``: x's integer activation
+        (one token), when made already."""
         stacks = {p: lay.slot_weight(0, p) for p in PARTS}  # formats, K, arrays (chunk tables address)
         chunks = {p: self._chunks(lay, p) for p in PARTS}
         table = (lay.slot_of if only is None
                  else slot_table(lay.n_expert, only, lay.slot_of_host[only], x.device))
-        return expert_products(x, block, ids, table, stacks, chunks)
+        return expert_products(x, block, ids, table, stacks, chunks, quantized=quantized)
 
     def _streamed(self, x, block, lay, ids, missed: np.ndarray) -> torch.Tensor:
         """The ``missed`` experts' share of a long step, on the GPU: their packed rows copied
@@ -248,7 +251,7 @@ class ExpertOffload:
                                  for a, t in host.arrays[p].items()})
                 for p in PARTS}
 
-    def _moe_captured(self, x: torch.Tensor, block) -> torch.Tensor:
+    def _moe_captured(self, x: torch.Tensor, block, quantized=None) -> torch.Tensor:
         """``moe`` inside a graph being captured (module docstring): route, post, hits, wait
         for the host's misses, combine; nothing here waits on the host."""
         box = self.mailbox
@@ -262,12 +265,14 @@ class ExpertOffload:
         post_rows(ids, weights, xf, box.ids[i], box.weights[i], box.x[i], box.flag(i, box.POSTED),
                   box.seq, box.count, bump=i == 0)
         chunks = {p: self._chunks(lay, p) for p in PARTS}
-        y = expert_products(xf, block, ids, lay.slot_of, self._templates[i], chunks)
+        # one token: x's integer activation once, for both passes (the norm's, when it made it)
+        qx = quantized if quantized is not None or t != 1 else quantize_x(xf)
+        y = expert_products(xf, block, ids, lay.slot_of, self._templates[i], chunks, quantized=qx)
         # the host's split: the misses the device reads from host memory (its table, as rows)
         table = wait_rows(box.flag(i, box.DECIDED), box.seq, box.error, box.table_rows(i),
                           torch.empty((1, self.n_expert), dtype=torch.float32, device=x.device), i)
         y = y + expert_products(xf, block, ids, table.view(torch.int32)[0], self._templates[i],
-                                self._host_chunks[i])
+                                self._host_chunks[i], quantized=qx)
         add = wait_rows(box.flag(i, box.DONE), box.seq, box.error, box.out[i],
                         torch.empty((t, x.shape[1]), dtype=torch.float32, device=x.device), i)
         return moe_combine(y, weights, add=add)
@@ -368,10 +373,11 @@ class ExpertOffload:
         """The layer's PROMOTE_PER_STEP most used misses of a step into the cache."""
         lay.promote_many(by_use(experts)[:PROMOTE_PER_STEP].tolist(), self.stream)
 
-    def moe(self, x: torch.Tensor, block) -> torch.Tensor:
-        """x float32 ``[T, D]`` -> float32 ``[T, D]``: ``block``'s routed experts."""
+    def moe(self, x: torch.Tensor, block, quantized=None) -> torch.Tensor:
+        """x float32 ``[T, D]`` -> float32 ``[T, D]``: ``block``'s routed experts. ``quantized``:
+        x's integer activation (one token) when the norm kernel made it."""
         if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return self._moe_captured(x, block)
+            return self._moe_captured(x, block, quantized)
         i = self.index[block.layer]
         lay = self.cache.layers[i]
         t, k = x.shape[0], block.n_expert_used
@@ -386,7 +392,7 @@ class ExpertOffload:
         # the table the GPU reads is the published one: what slot_of_host says now
         resident = lay.slot_of_host.copy()
         if lay.n_slots and (resident >= 0).any():
-            y = self._hits(xf, block, lay, ids)
+            y = self._hits(xf, block, lay, ids, quantized=quantized)
         else:
             y = torch.zeros((t * k, x.shape[1]), dtype=torch.float32, device=x.device)
         if ready is not None:

@@ -147,8 +147,8 @@ class TritonOps:
     def moe(self, x, block):
         """The routed experts of ``block``: all on the device (deimos.models.gpu.moe_ops), or
         through the offload's cache and the CPU."""
-        if self.offload is not None:
-            return self.offload.moe(x, block)
         qx = self.inputs.quantized(x) if self.inputs is not None and x.shape[0] == 1 else None
+        if self.offload is not None:
+            return self.offload.moe(x, block, quantized=qx)
         return moe_step(x, block, self.slots(block.n_expert, x.device), quantized=qx, router=self.router,
                         experts_fused=FUSED == "1")
