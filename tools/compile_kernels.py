@@ -7,7 +7,12 @@ and compile time; exits 1 if any kernel fails to compile or needs more shared me
 H200 block may have (232,448 bytes). Registers and spills come from the cuobjdump that ships
 with Triton.
 
-    python tools/compile_kernels.py [--verbose] [--match NAME_PART]
+    python tools/compile_kernels.py [--verbose] [--match NAME_PART] [--cover]
+
+``--cover`` (the test suite's run) compiles each kernel's every distinct configuration once,
+in one of the formats that use it (the formats taken in turn), and every format of a kernel at
+least once: about a third of the jobs. A kernel's tiles decide its shared memory and most of
+its registers; a format changes only the block decoding inside the tile.
 """
 
 from __future__ import annotations
@@ -685,15 +690,48 @@ def _resources(cubin: bytes) -> tuple[str, str]:
     return (reg.group(1) if reg else "?", local.group(1) if local else "?")
 
 
-def _compile_share(index: int, of: int, verbose: bool, match: str = "") -> list[Row]:
+def _family(name: str) -> tuple[str, str]:
+    """A job's kernel and format: ("gemv_rows", "Q4_K") for gemv_rows_Q4_K, (name, "") for a
+    kernel without one."""
+    from deimos.gguf.constants import GGMLType
+
+    for t in GGMLType:
+        if name.endswith("_" + t.name):
+            return name[: -len(t.name) - 1], t.name
+    return name, ""
+
+
+def cover(jobs: list[Job]) -> list[Job]:
+    """Each (kernel, config) once, its format chosen in turn among the formats with that config,
+    plus a job of every (kernel, format) the first pass left out; the job list's order kept."""
+    by_config: dict[tuple[str, str], list[int]] = {}
+    for i, job in enumerate(jobs):
+        by_config.setdefault((_family(job.name)[0], job.config), []).append(i)
+    turn: dict[str, int] = {}
+    keep = set()
+    for (family, _), idx in by_config.items():
+        k = turn.get(family, 0)
+        keep.add(idx[k % len(idx)])
+        turn[family] = k + 1
+    seen = {jobs[i].name for i in keep}
+    for i, job in enumerate(jobs):
+        if job.name not in seen:
+            keep.add(i)
+            seen.add(job.name)
+    return [job for i, job in enumerate(jobs) if i in keep]
+
+
+def _compile_share(index: int, of: int, verbose: bool, match: str = "",
+                   covering: bool = False) -> list[Row]:
     """Compile jobs index, index + of, ... of the job list (in a worker process, or all of it);
-    ``match``: only the kernels whose name contains it."""
+    ``match``: only the kernels whose name contains it; ``covering``: the list's cover()."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 
     driver.set_active(_StubDriver(GPUTarget("cuda", TARGET_ARCH, 32)))
     rows = []
-    for job in [j for j in _jobs() if match in j.name][index::of]:
+    jobs = [j for j in _jobs() if match in j.name]
+    for job in (cover(jobs) if covering else jobs)[index::of]:
         t0 = time.perf_counter()
         try:
             kernel = job.run()
@@ -716,6 +754,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
     ap.add_argument("--match", default="", help="only the kernels whose name contains this")
+    ap.add_argument("--cover", action="store_true",
+                    help="each kernel's every config once, in one of its formats (see above)")
     ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
                     help="worker processes (default: the CPUs this process may use)")
     args = ap.parse_args(argv)
@@ -727,19 +767,20 @@ def main(argv: list[str] | None = None) -> int:
 
     jobs = max(1, args.jobs)
     if jobs == 1:
-        rows = _compile_share(0, 1, args.verbose, args.match)
+        rows = _compile_share(0, 1, args.verbose, args.match, args.cover)
     else:  # worker processes, each with every job list and its share of it (spawned: fresh JIT state)
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
             parts = list(ex.map(_compile_share, range(jobs), [jobs] * jobs, [args.verbose] * jobs,
-                                [args.match] * jobs))
+                                [args.match] * jobs, [args.cover] * jobs))
         rows = [None] * sum(len(p) for p in parts)
         for i, part in enumerate(parts):
             rows[i::jobs] = part
 
-    print(f"triton {triton.__version__}, target sm_{TARGET_ARCH}")
+    print(f"triton {triton.__version__}, target sm_{TARGET_ARCH}"
+          + (" (--cover: each config once)" if args.cover else ""))
     head = f"{'kernel':<15} {'config':<34} {'regs':>5} {'spill':>6} {'shared':>7} {'time s':>7}"
     print(head + "  status")
     for r in rows:
