@@ -6,6 +6,11 @@ wait for the route, the CPU experts and their ggml graphs, the activation quanti
 hits' launches, promotions, the combine) per token, and the hit rate of the timed tokens.
 
     python bench/profile_offload.py MODEL.gguf [--slots 0,46,128] [-n 32] [-p 64] [--top 25]
+        [--shares auto,0] [--pools on,off]
+
+``--pools off``: the CPU experts' ggml graphs computed without the persistent thread pool
+(ggml makes its threads each compute: the engine before it had one); "auto" shares are then
+calibrated again for that CPU side.
 
 A measurement, not a test. Needs a CUDA GPU.
 """
@@ -26,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from deimos.engine import LLM  # noqa: E402
 from deimos.engine.request import Request  # noqa: E402
 from deimos.kernels.sampling import SamplingParams  # noqa: E402
+from deimos.runtime.cpu_experts import CpuExperts  # noqa: E402
 
 # (label, function name as cProfile names it, a file it is in)
 PARTS = (("offload.moe (eager steps)", "moe", "offload.py"),
@@ -86,6 +92,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=20, help="cProfile's top functions by own time")
     ap.add_argument("--shares", default="auto,0", help="the device's share of the misses a run "
                     "(auto: the load's calibration)")
+    ap.add_argument("--pools", default="on", help="ggml's persistent thread pool on, off or both (on,off)")
     a = ap.parse_args()
     llm = LLM(a.model, device="cuda", experts="cpu", expert_cache_gib=0, n_ctx=a.p + a.n + 64,
               max_seqs=1, max_batch_tokens=512, prefix_cache=False)
@@ -95,9 +102,19 @@ def main() -> None:
           f"{off.cpu.backend(0)}, {off.cpu.n_threads} ggml threads, slot {off.cache.slot_nbytes / 2**20:.1f} MiB, "
           f"calibrated device share {auto:.2f}")
     rows = []
-    runs = [(int(n), auto if sh == "auto" else float(sh)) for n in a.slots.split(",") for sh in a.shares.split(",")]
-    for n_slots, share in runs:
-        off.gpu_share = share
+    cpus = {"on": off.cpu}
+    if "off" in a.pools.split(","):
+        cpus["off"] = CpuExperts(off.cpu.layers, planes=off.cpu.planes, n_threads=off.cpu.n_threads, pool=False)
+    shares = {}
+    runs = [(pool, int(n), sh) for pool in a.pools.split(",") for n in a.slots.split(",")
+            for sh in a.shares.split(",")]
+    for pool, n_slots, share in runs:
+        off.cpu = cpus[pool]
+        if share == "auto":
+            if pool not in shares:
+                shares[pool] = auto if pool == "on" else off.calibrate()
+            share = shares[pool]
+        off.gpu_share = share = float(share)
         with torch.inference_mode():  # the cache's tables were made in the engine's steps
             off.cache.resize(min(n_slots, off.n_expert))
         decode(llm, a.p, a.n, 1)  # warm: the cache fills, the plans for each miss count exist
@@ -112,15 +129,15 @@ def main() -> None:
         prof.disable()
         st = pstats.Stats(prof)
         ms = sec * 1e3 / made
-        rows.append((off.cache.n_slots, share, ms, hit))
-        print(f"\nslots {off.cache.n_slots}, device share {share:.2f}: {ms:.2f} ms a token ({1e3 / ms:.1f} tok/s), hit rate "
+        rows.append((pool, off.cache.n_slots, share, ms, hit))
+        print(f"\npool {pool}, slots {off.cache.n_slots}, device share {share:.2f}: {ms:.2f} ms a token ({1e3 / ms:.1f} tok/s), hit rate "
               f"{hit:.3f}; under cProfile {psec * 1e3 / pmade:.2f} ms a token; per token:")
         for label, v, calls in parts(st, pmade):
             print(f"  {label:28s} {v:8.2f} ms  {calls:5d} calls")
         st.sort_stats("tottime").print_stats(a.top)
-    print("\nslots  share  ms/token  tok/s  hit rate")
-    for n_slots, share, ms, hit in rows:
-        print(f"{n_slots:5d}  {share:5.2f}  {ms:8.2f}  {1e3 / ms:5.1f}  {hit:8.3f}")
+    print("\npool  slots  share  ms/token  tok/s  hit rate")
+    for pool, n_slots, share, ms, hit in rows:
+        print(f"{pool:4s}  {n_slots:5d}  {share:5.2f}  {ms:8.2f}  {1e3 / ms:5.1f}  {hit:8.3f}")
 
 
 if __name__ == "__main__":

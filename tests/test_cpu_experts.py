@@ -174,3 +174,17 @@ def test_bad_input():
         LayerExperts(lay.gate, lay.up, lay.gate)
     with pytest.raises(ValueError, match="want uint8"):
         ExpertMatrix(lay.gate.raw[:, :, :-1], GGMLType.Q8_0, F, D)
+
+
+@needs_ggml
+def test_ggml_thread_pool_gives_the_disposable_pools_answer():
+    """The persistent pool (made once, 3 threads) computes what ggml's per-compute threads
+    compute, bit for bit, call after call (two layers, the same plans reused)."""
+    layers = [make_layer(GGMLType.Q4_K, GGMLType.Q6_K, seed=s) for s in (0, 1)]
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(4))
+    pooled = CpuExperts(layers, backend="ggml", n_threads=3)
+    plain = CpuExperts(layers, backend="ggml", n_threads=3, pool=False)
+    assert pooled._pool is not None and pooled._pool.n_threads == 3 and plain._pool is None
+    for _ in range(3):
+        for i in (0, 1):
+            assert torch.equal(pooled(i, x, *MISSES), plain(i, x, *MISSES))

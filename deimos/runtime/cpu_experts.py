@@ -157,11 +157,13 @@ class CpuExperts:
     - ``layers``: every MoE layer's ``LayerExperts`` (index = the layer number used in calls);
     - ``backend``: "auto", "ggml" or "exact" (module docstring); ``planes``: ggml's activation
       planes (1 = llama.cpp's arithmetic, 2 = 7e-5, 3 = 4e-7 relative error); ``n_threads``: ggml's
-      threads (``default_threads()``); ``cache_bytes``: the exact backend's cache.
+      threads (``default_threads()``); ``cache_bytes``: the exact backend's cache; ``pool``:
+      ggml's threads made once (``_ThreadPool``), else made by each compute (for comparison).
     """
 
     def __init__(self, layers: Sequence[LayerExperts], *, backend: str = "auto", planes: int = 2,
-                 n_threads: int | None = None, cache_bytes: int = EXACT_CACHE_BYTES):
+                 n_threads: int | None = None, cache_bytes: int = EXACT_CACHE_BYTES,
+                 pool: bool = True):
         if backend not in BACKENDS:
             raise ValueError(f"CpuExperts: backend must be one of {BACKENDS}, got {backend!r}")
         if planes not in (1, 2, 3):
@@ -174,12 +176,15 @@ class CpuExperts:
         if backend == "ggml" and ggml is None:
             raise ValueError("CpuExperts: backend 'ggml' needs the ggml-python package")
         self._ggml: list[_GgmlLayer | None] = []
+        self._pool = None
         for i, lay in enumerate(self.layers):
             fit = ggml is not None and all(_act_type(ggml, m.ggml_type) is not None
                                            for m in (lay.gate, lay.up, lay.down))
             if backend == "ggml" and not fit:
                 raise ValueError(f"CpuExperts: layer {i}'s formats have no 8-bit activation type in ggml")
-            self._ggml.append(_GgmlLayer(ggml, lay, planes, self.n_threads) if fit else None)
+            if fit and pool and self._pool is None:
+                self._pool = _ThreadPool(ggml, self.n_threads)
+            self._ggml.append(_GgmlLayer(ggml, lay, planes, self.n_threads, self._pool) if fit else None)
 
     def backend(self, layer: int) -> str:
         return "ggml" if self._ggml[layer] is not None else "exact"
@@ -352,12 +357,34 @@ def _pow2_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ldexp(x, shift[:, None]), shift
 
 
+class _ThreadPool:
+    """ggml's worker threads, made once for every layer's graphs. Without one each
+    ``ggml_graph_compute`` makes and joins its own threads (a disposable pool): two computes a
+    layer, 96 a decode token of qwen3moe, each starting n_threads - 1 threads. ggml's default
+    parameters: the workers poll for the next graph a while (its "hybrid polling") before they
+    sleep, as llama.cpp's do between a token's graphs."""
+
+    def __init__(self, ggml, n_threads: int):
+        self.g, self.n_threads = ggml, n_threads
+        params = ggml.ggml_threadpool_params_default(n_threads)
+        self.ptr = ggml.ggml_threadpool_new(ctypes.byref(params))
+        if not self.ptr:
+            raise RuntimeError(f"ggml_threadpool_new failed for {n_threads} threads")
+
+    def __del__(self) -> None:
+        if getattr(self, "ptr", None):
+            self.g.ggml_threadpool_free(self.ptr)
+            self.ptr = None
+
+
 class _GgmlLayer:
     """One layer's graphs: stage 1 (gate and up on the activation planes of x), stage 2 (down on
-    the planes of silu(g) * u), kept per miss count M."""
+    the planes of silu(g) * u), kept per miss count M; computed by ``pool``'s threads (None:
+    ggml's disposable pool a compute)."""
 
-    def __init__(self, ggml, lay: LayerExperts, planes: int, n_threads: int):
-        self.g, self.lay, self.planes, self.n_threads = ggml, lay, planes, n_threads
+    def __init__(self, ggml, lay: LayerExperts, planes: int, n_threads: int,
+                 pool: _ThreadPool | None):
+        self.g, self.lay, self.planes, self.n_threads, self.pool = ggml, lay, planes, n_threads, pool
         self.act = {i: _act_type(ggml, m.ggml_type) for i, m in enumerate((lay.gate, lay.up, lay.down))}
         self.quant = {a: _Planes(ggml, a, planes) for a in set(self.act.values())}
         self.pow2 = _Q8_0 in self.act.values()  # x's rows scaled into Q8_0's float16 range
@@ -423,7 +450,7 @@ class _GgmlPlan:
         graph = g.ggml_new_graph_custom(self.ctx, 16, False)
         for o in outs:
             g.ggml_build_forward_expand(graph, o)
-        plan = g.ggml_graph_plan(graph, self.layer.n_threads, None)
+        plan = g.ggml_graph_plan(graph, self.layer.n_threads, self.layer.pool.ptr if self.layer.pool else None)
         work = np.empty(max(plan.work_size, 1), np.uint8)
         self._keep.append(work)
         plan.work_data = ctypes.cast(work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
