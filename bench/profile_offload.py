@@ -51,13 +51,20 @@ PARTS = (("offload.moe (eager steps)", "moe", "offload.py"),
          ("between steps", "between_steps", "offload.py"))
 
 
-def decode(llm: LLM, prompt: int, n: int, seed: int) -> tuple[float, int]:
-    """(seconds, tokens) of n greedy decode tokens after a prompt of ``prompt`` tokens."""
+def decode(llm: LLM, prompt: int, n: int, seed: int) -> tuple[float, int, float]:
+    """(seconds, tokens) of n greedy decode tokens after a prompt of ``prompt`` tokens, and the
+    prompt's seconds (to its first token)."""
     eng = llm.engine
     g = torch.Generator().manual_seed(seed)
     req = Request(torch.randint(0, llm.config.n_vocab, (prompt,), generator=g).tolist(), n + 2,
                   SamplingParams(temperature=0))
+    torch.cuda.synchronize()
+    tp = time.perf_counter()
     eng.add(req)
+    while len(req.output_ids) < 1:
+        eng.step()
+    torch.cuda.synchronize()
+    tp = time.perf_counter() - tp
     while len(req.output_ids) < 2:  # the prompt and the first token
         eng.step()
     torch.cuda.synchronize()
@@ -66,7 +73,7 @@ def decode(llm: LLM, prompt: int, n: int, seed: int) -> tuple[float, int]:
     while eng.has_work:
         eng.step()
     torch.cuda.synchronize()
-    return time.perf_counter() - t0, len(req.output_ids) - n0
+    return time.perf_counter() - t0, len(req.output_ids) - n0, tp
 
 
 def parts(stats: pstats.Stats, tokens: int) -> list[tuple[str, float, int]]:
@@ -119,25 +126,25 @@ def main() -> None:
             off.cache.resize(min(n_slots, off.n_expert))
         decode(llm, a.p, a.n, 1)  # warm: the cache fills, the plans for each miss count exist
         c0 = off.cache.stats()
-        sec, made = decode(llm, a.p, a.n, 2)
+        sec, made, tp = decode(llm, a.p, a.n, 2)
         c1 = off.cache.stats()
         looked = (c1["hits"] - c0["hits"]) + (c1["misses"] - c0["misses"])
         hit = (c1["hits"] - c0["hits"]) / looked if looked else 0.0
         prof = cProfile.Profile()
         prof.enable()
-        psec, pmade = decode(llm, a.p, a.n, 3)
+        psec, pmade, _ = decode(llm, a.p, a.n, 3)
         prof.disable()
         st = pstats.Stats(prof)
         ms = sec * 1e3 / made
-        rows.append((pool, off.cache.n_slots, share, ms, hit))
+        rows.append((pool, off.cache.n_slots, share, ms, hit, a.p / tp))
         print(f"\npool {pool}, slots {off.cache.n_slots}, device share {share:.2f}: {ms:.2f} ms a token ({1e3 / ms:.1f} tok/s), hit rate "
-              f"{hit:.3f}; under cProfile {psec * 1e3 / pmade:.2f} ms a token; per token:")
+              f"{hit:.3f}; prompt {a.p} tokens {tp * 1e3:.0f} ms ({a.p / tp:.0f} tok/s); under cProfile {psec * 1e3 / pmade:.2f} ms a token; per token:")
         for label, v, calls in parts(st, pmade):
             print(f"  {label:28s} {v:8.2f} ms  {calls:5d} calls")
         st.sort_stats("tottime").print_stats(a.top)
-    print("\npool  slots  share  ms/token  tok/s  hit rate")
-    for pool, n_slots, share, ms, hit in rows:
-        print(f"{pool:4s}  {n_slots:5d}  {share:5.2f}  {ms:8.2f}  {1e3 / ms:5.1f}  {hit:8.3f}")
+    print("\npool  slots  share  ms/token  tok/s  hit rate  prompt tok/s")
+    for pool, n_slots, share, ms, hit, pp in rows:
+        print(f"{pool:4s}  {n_slots:5d}  {share:5.2f}  {ms:8.2f}  {1e3 / ms:5.1f}  {hit:8.3f}  {pp:12.0f}")
 
 
 if __name__ == "__main__":
