@@ -23,8 +23,8 @@ tests)
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_experts.py 2>&1 | tail -1
   idle
   timeout ${PROF_S:-250} python3 bench/profile_offload.py $M30 --slots ${SLOTS:-0,24} --shares ${SHARES:-auto,0} \
-    --pools ${POOLS:-on,off} -n ${NTOK:-32} -p 512 --top 12 2>&1 | grep -v Warn | tee "$OUT/profile-offload.txt" \
-    | grep -E "^(offload|pool|  [a-z ]|[a-z]+ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9]+$)|Error|error" | tail -70
+    --cpu ${CPUS:-pool,planes1} -n ${NTOK:-32} -p 512 --top 12 2>&1 | grep -v Warn | tee "$OUT/profile-offload.txt" \
+    | grep -E "^(offload|cpu side|  [a-z ]|[a-z0-9]+ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9]+$)|Error|error" | tail -80
   idle ;;
 bench)
   synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2

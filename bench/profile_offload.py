@@ -6,11 +6,12 @@ wait for the route, the CPU experts and their ggml graphs, the activation quanti
 hits' launches, promotions, the combine) per token, and the hit rate of the timed tokens.
 
     python bench/profile_offload.py MODEL.gguf [--slots 0,46,128] [-n 32] [-p 64] [--top 25]
-        [--shares auto,0] [--pools on,off]
+        [--shares auto,0] [--cpu pool,nopool,planes1]
 
-``--pools off``: the CPU experts' ggml graphs computed without the persistent thread pool
-(ggml makes its threads each compute: the engine before it had one); "auto" shares are then
-calibrated again for that CPU side.
+``--cpu``: the CPU side of each run: "pool" the engine's (ggml's threads made once, 2
+activation planes), "nopool" ggml making its threads each compute (the engine before the
+pool), "planes1" / "planes3" one or three activation planes (llama.cpp's arithmetic; more
+exact); "auto" shares are calibrated again for each.
 
 A measurement, not a test. Needs a CUDA GPU.
 """
@@ -49,6 +50,45 @@ PARTS = (("offload.moe (eager steps)", "moe", "offload.py"),
          ("promote", "promote_many", "expert_cache.py"),
          ("combine", "moe_combine", "moe_route.py"),
          ("between steps", "between_steps", "offload.py"))
+
+
+class Timers:
+    """Wall time of a few offload functions (perf_counter around each call, ~1 us a call: far
+    less than cProfile's cost on every Python call), patched in for one timed run."""
+
+    TARGETS = (("host: wait for the device's post", "deimos.runtime.host_mailbox", "HostMailbox", "wait_posted"),
+               ("host: answer a layer", "deimos.models.gpu.offload", "ExpertOffload", "_answer"),
+               ("  cpu experts (all)", "deimos.runtime.cpu_experts", "CpuExperts", "__call__"),
+               ("    ggml compute", "deimos.runtime.cpu_experts", "_GgmlPlan", "_compute"),
+               ("    activation planes", "deimos.runtime.cpu_experts", "_Planes", "quantize"),
+               ("  promote", "deimos.runtime.expert_cache", "LayerCache", "promote_many"),
+               ("eager moe (prompt)", "deimos.models.gpu.offload", "ExpertOffload", "moe"))
+
+    def __init__(self):
+        import importlib
+
+        self.total = {label: 0.0 for label, *_ in self.TARGETS}
+        self.calls = dict.fromkeys(self.total, 0)
+        self._saved = []
+        for label, mod, cls, name in self.TARGETS:
+            c = getattr(importlib.import_module(mod), cls)
+            fn = getattr(c, name)
+            self._saved.append((c, name, fn))
+            setattr(c, name, self._wrap(label, fn))
+
+    def _wrap(self, label, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total[label] += time.perf_counter() - t0
+                self.calls[label] += 1
+        return timed
+
+    def close(self) -> None:
+        for c, name, fn in self._saved:
+            setattr(c, name, fn)
 
 
 def decode(llm: LLM, prompt: int, n: int, seed: int) -> tuple[float, int, float]:
@@ -99,7 +139,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=20, help="cProfile's top functions by own time")
     ap.add_argument("--shares", default="auto,0", help="the device's share of the misses a run "
                     "(auto: the load's calibration)")
-    ap.add_argument("--pools", default="on", help="ggml's persistent thread pool on, off or both (on,off)")
+    ap.add_argument("--cpu", default="pool", help="CPU sides to run: pool, nopool, planes1, planes3")
     a = ap.parse_args()
     llm = LLM(a.model, device="cuda", experts="cpu", expert_cache_gib=0, n_ctx=a.p + a.n + 64,
               max_seqs=1, max_batch_tokens=512, prefix_cache=False)
@@ -109,17 +149,22 @@ def main() -> None:
           f"{off.cpu.backend(0)}, {off.cpu.n_threads} ggml threads, slot {off.cache.slot_nbytes / 2**20:.1f} MiB, "
           f"calibrated device share {auto:.2f}")
     rows = []
-    cpus = {"on": off.cpu}
-    if "off" in a.pools.split(","):
-        cpus["off"] = CpuExperts(off.cpu.layers, planes=off.cpu.planes, n_threads=off.cpu.n_threads, pool=False)
+    c = off.cpu
+    cpus = {"pool": lambda: c,
+            "nopool": lambda: CpuExperts(c.layers, planes=c.planes, n_threads=c.n_threads, pool=False),
+            "planes1": lambda: CpuExperts(c.layers, planes=1, n_threads=c.n_threads),
+            "planes3": lambda: CpuExperts(c.layers, planes=3, n_threads=c.n_threads)}
+    made = {}
     shares = {}
-    runs = [(pool, int(n), sh) for pool in a.pools.split(",") for n in a.slots.split(",")
+    runs = [(pool, int(n), sh) for pool in a.cpu.split(",") for n in a.slots.split(",")
             for sh in a.shares.split(",")]
     for pool, n_slots, share in runs:
-        off.cpu = cpus[pool]
+        if pool not in made:
+            made[pool] = cpus[pool]()
+        off.cpu = made[pool]
         if share == "auto":
             if pool not in shares:
-                shares[pool] = auto if pool == "on" else off.calibrate()
+                shares[pool] = auto if pool == "pool" else off.calibrate()
             share = shares[pool]
         off.gpu_share = share = float(share)
         with torch.inference_mode():  # the cache's tables were made in the engine's steps
@@ -130,6 +175,11 @@ def main() -> None:
         c1 = off.cache.stats()
         looked = (c1["hits"] - c0["hits"]) + (c1["misses"] - c0["misses"])
         hit = (c1["hits"] - c0["hits"]) / looked if looked else 0.0
+        timers = Timers()
+        try:
+            tsec, tmade, _ = decode(llm, a.p, a.n, 4)
+        finally:
+            timers.close()
         prof = cProfile.Profile()
         prof.enable()
         psec, pmade, _ = decode(llm, a.p, a.n, 3)
@@ -137,14 +187,19 @@ def main() -> None:
         st = pstats.Stats(prof)
         ms = sec * 1e3 / made
         rows.append((pool, off.cache.n_slots, share, ms, hit, a.p / tp))
-        print(f"\npool {pool}, slots {off.cache.n_slots}, device share {share:.2f}: {ms:.2f} ms a token ({1e3 / ms:.1f} tok/s), hit rate "
+        print(f"\ncpu side {pool}, slots {off.cache.n_slots}, device share {share:.2f}: {ms:.2f} ms a token ({1e3 / ms:.1f} tok/s), hit rate "
               f"{hit:.3f}; prompt {a.p} tokens {tp * 1e3:.0f} ms ({a.p / tp:.0f} tok/s); under cProfile {psec * 1e3 / pmade:.2f} ms a token; per token:")
+        print(f"  timed (perf_counter, {tsec * 1e3 / tmade:.2f} ms a token; the prompt's eager "
+              f"steps included, so per decode token):")
+        for label, v in timers.total.items():
+            print(f"  {label:34s} {v * 1e3 / tmade:8.2f} ms  {timers.calls[label] // max(tmade, 1):5d} calls")
+        print("  cProfile:")
         for label, v, calls in parts(st, pmade):
             print(f"  {label:28s} {v:8.2f} ms  {calls:5d} calls")
         st.sort_stats("tottime").print_stats(a.top)
-    print("\npool  slots  share  ms/token  tok/s  hit rate  prompt tok/s")
+    print("\ncpu side  slots  share  ms/token  tok/s  hit rate  prompt tok/s")
     for pool, n_slots, share, ms, hit, pp in rows:
-        print(f"{pool:4s}  {n_slots:5d}  {share:5.2f}  {ms:8.2f}  {1e3 / ms:5.1f}  {hit:8.3f}  {pp:12.0f}")
+        print(f"{pool:8s}  {n_slots:5d}  {share:5.2f}  {ms:8.2f}  {1e3 / ms:5.1f}  {hit:8.3f}  {pp:12.0f}")
 
 
 if __name__ == "__main__":

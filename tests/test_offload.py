@@ -99,7 +99,7 @@ def test_without_room_to_stage_the_kernels_read_the_host_copy(moe_file, models, 
     def no_room(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("test: no room for the staging stacks")
 
-    monkeypatch.setattr(off, "_streamed", no_room)
+    monkeypatch.setattr(off.stager, "stage", no_room)
     x = _x(STREAM_TOKENS + 2, ref.config.n_embd, 6)
     want = moe_reference(x, ref.layers[1].moe)
     got = off.moe(x.to(DEVICE), ker.layers[1].moe).cpu()
@@ -140,6 +140,54 @@ def test_a_long_step_fills_the_free_slots_with_its_misses(moe_file, models):
     want1 = moe_reference(x1, ref.layers[0].moe)
     assert ((got1 - want1).norm() / want1.norm()).item() < 2e-2
     assert off.stats.cpu_experts == 0 and lay.misses == misses  # every expert resident: no miss
+
+
+def test_staging_runs_are_the_consecutive_ids():
+    import numpy as np
+
+    from deimos.runtime.expert_stream import runs
+
+    assert runs(np.array([0, 1, 2, 5, 7, 8], dtype=np.int64)) == [(0, 3, 0), (5, 1, 3), (7, 2, 4)]
+    assert runs(np.array([3], dtype=np.int64)) == [(3, 1, 0)] and runs(np.array([], dtype=np.int64)) == []
+
+
+def test_a_long_step_stages_each_layer_a_layer_ahead(tmp_path):
+    """A prompt chunk through MoE layers 2 and 3, then the last, of a Q4_K_M file (its layers'
+    down projections Q4_K or Q6_K: one byte ring carved per layer): each layer staged once,
+    the next layer's staging made while the layer before runs (none past the last), every
+    answer the reference's; the routing is recorded for the cache's policy at the next
+    between_steps, which also drops the staging of a layer the step never ran (layer 4)."""
+    from deimos.models.gpu.offload import STREAM_TOKENS
+
+    path = tmp_path / "qwen3moe-tiny-Q4_K_M.gguf"
+    write_model(path, "qwen3moe", "qwen3moe-tiny", "Q4_K_M", llama_cpp_path(DONOR), seed=5)
+    f = GGUFFile(path)
+    ref = load_model(f)
+    ker = ARCHITECTURES[ref.config.arch](ref.config, WeightSource(f, DEVICE, kernels=True, expert_device="cpu"))
+    off = ExpertOffload(ker, f, torch.device(DEVICE), n_slots=1)
+    n = len(off.blocks)
+    downs = [off.cache.layers[i].host.parts["down"][0].name for i in (2, 3, n - 1)]
+    assert downs == ["Q4_K", "Q6_K", "Q6_K"]
+    staged_for = []
+    stage = off.stager.stage
+    off.stager.stage = lambda lay, fill=True: staged_for.append(off.cache.layers.index(lay)) or stage(lay, fill)
+    t = STREAM_TOKENS + 1
+    for i, after in ((2, [3]), (3, [4]), (n - 1, [4])):
+        block = off.blocks[i]
+        x = _x(t, ref.config.n_embd, 40 + i)
+        want = moe_reference(x, ref.layers[block.layer].moe)
+        got = off.moe(x.to(DEVICE), block).cpu()
+        assert ((got - want).norm() / want.norm()).item() < 2e-2, f"layer {block.layer}"
+        assert sorted(off._staged) == after
+    assert staged_for == [2, 3, 4, n - 1]
+    assert off.stats.filled_experts == 3 and off.stats.streamed_experts == 3 * (off.n_expert - 1)  # layers run
+    assert off.stats.cpu_experts == 0
+    layers = off.cache.layers
+    assert all(lay.hits + lay.misses == 0 for lay in layers)  # recorded after the step
+    off.between_steps()
+    k = off.blocks[0].n_expert_used
+    assert [lay.hits + lay.misses for lay in layers] == [t * k if i in (2, 3, n - 1) else 0 for i in range(n)]
+    assert not off._staged and len(layers[4].resident) == 1  # its free slot was filled
 
 
 def test_the_cache_follows_free_memory(moe_file, models):

@@ -13,19 +13,24 @@ A MoE layer's step (``ExpertOffload.moe``):
 4. the CPU's weighted sum goes back to the device and ``moe_combine`` adds it to the hits';
 5. the missed experts are promoted into the cache on a side stream (a few a layer and step:
    the PCIe budget), published between steps.
-From ``STREAM_TOKENS`` tokens a step (prompt chunks) the misses are not computed on the CPU:
-the layer's missed experts go into the cache's free slots (``LayerCache.fill``: the first
-prompt fills the cache) and the rest are copied to a staging stack on the GPU for the step,
-all computed there by the same grouped GEMM (its slot table maps the missed experts to the
-staged ones).
+From ``STREAM_TOKENS`` tokens a step (prompt chunks) nothing is computed on the CPU and the
+host does not wait for the routing: a chunk routes to nearly every expert of a layer, so the
+experts the layer's cache does not hold are staged on the device whatever the routing
+(runtime.expert_stream: the cache's free slots filled first, so the first prompt fills the
+cache; the rest into a ring of two staging buffers on a copy stream of their own, the next
+layer's copies enqueued while this layer computes), then the hits and the staged experts
+are computed by the grouped GEMM. The chunk's routing reaches the cache's policy at the next
+``between_steps``. Without memory for the staging the kernels read the missed experts from the
+pinned host copy instead (after a synchronisation on the routing), and without even that the
+CPU computes them.
 
 Between steps (``between_steps``) finished promotions are published and the slot count is
 re-derived from the card's free memory (NVML, at most every 100 ms: ``runtime.gpu_memory``):
 when another process takes memory the cache shrinks at once and gives whole chunks back to
 the driver; when it leaves, the cache grows after a second. ``--expert-cache-gib`` fixes the
 size instead. Memory that vanishes between the reading and the allocation never fails a step:
-a growth that cannot allocate stays at the old size, a prompt chunk whose staging stacks
-cannot be allocated has its misses computed on the CPU.
+a growth that cannot allocate stays at the old size, a prompt chunk whose staging buffers
+cannot be allocated reads its misses from host memory (above).
 
 Decode steps are CUDA graphs all the same (``moe`` while a graph is being captured): no host
 synchronisation there, the host and the device meet in pinned host memory instead
@@ -39,8 +44,8 @@ for the step: the side stream follows the current one). The table the device rea
 (``slot_of``) is the one published before the launch, which is the host's mirror while the
 step runs: a layer's promotions change it only after its answer. A graph's kernels read
 every cache address from the chunk tables, so a graph captured with any number of slots
-serves every later size. Prefill chunks (``STREAM_TOKENS`` and more: streamed experts) and
-other eager steps keep the synchronous path above.
+serves every later size. Prefill chunks (``STREAM_TOKENS`` and more: staged experts) and
+other eager steps are not captured (their staging is decided by the host at each call).
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from deimos.quant.triton.layout import PackedWeight
 from deimos.quant.triton.moe_gemv import ExpertChunks
 from deimos.runtime.cpu_experts import CpuExperts, LayerExperts
 from deimos.runtime.expert_cache import ExpertCache, HostExperts
+from deimos.runtime.expert_stream import ExpertStager, Staged
 from deimos.runtime.gpu_memory import FreeMemory, SlotSizer, nvml_reader, torch_reader
 from deimos.runtime.host_mailbox import HostMailbox
 
@@ -71,9 +77,9 @@ PROMOTE_PER_STEP = 2  # experts a layer copies in per step (the hit-rate study's
 # fills over the steps): each promotion costs the host ~0.1-0.3 ms of copy launches on the
 # step's critical path (measured on the H200: 2 a layer took 35 ms of a 46-slot token)
 PROMOTE_LAYERS_PER_STEP = 8
-# from this many tokens a step (prefill), a layer's missed experts are streamed to the GPU for the
-# step (host-to-device copies, then the grouped GEMM) instead of computed on the CPU: a prompt
-# chunk routes to most experts of a layer, each for many tokens (GPU work, not CPU work)
+# from this many tokens a step (prefill), a layer's non-resident experts are staged on the GPU for
+# the step (host-to-device copies a layer ahead, then the grouped GEMM) instead of computed on
+# the CPU: a prompt chunk routes to most experts of a layer, each for many tokens (GPU work)
 STREAM_TOKENS = 16
 
 
@@ -160,6 +166,9 @@ class ExpertOffload:
                                                for a, t in sorted(h.arrays[p].items())}, self.n_expert)
                               for p in PARTS} for h in hosts]
         self.gpu_share = 0.0  # of a layer's missed experts, the share the device reads (calibrate)
+        self.stager = ExpertStager(self.device)  # long steps' staging (runtime.expert_stream)
+        self._staged: dict[int, Staged] = {}  # layer -> its staging, enqueued a layer ahead
+        self._records: list = []  # (layer, pinned ids, event): a long step's routing, recorded after
         log.info("expert offload: %d MoE layers, %d of %d experts a layer on the GPU (%.2f GiB), "
                  "misses on the CPU (%s)", len(self.blocks), self.cache.n_slots, self.n_expert,
                  self.cache.nbytes / 2**30, self.cpu.backend(0))
@@ -173,6 +182,14 @@ class ExpertOffload:
             self.sizer.step_bytes = step_bytes
 
     def between_steps(self) -> None:
+        for i, ids, ev in self._records:  # the last long step's routing, for the cache's policy
+            if ev is not None:
+                ev.synchronize()
+            self.cache.layers[i].record(ids.numpy())
+        self._records.clear()
+        for staged in self._staged.values():  # staged for a layer the step never ran
+            self.stager.wait(staged)  # their free-slot copies and tables precede what reads them
+        self._staged.clear()
         self.cache.poll()
         if self.fixed or self.sizer is None:
             return
@@ -213,27 +230,46 @@ class ExpertOffload:
                  else slot_table(lay.n_expert, only, lay.slot_of_host[only], x.device))
         return expert_products(x, block, ids, table, stacks, chunks, quantized=quantized)
 
-    def _streamed(self, x, block, lay, ids, missed: np.ndarray) -> torch.Tensor:
-        """The ``missed`` experts' share of a long step, on the GPU: their packed rows copied
-        from the host copy into a staging stack for this step (expert missed[j] = slot j of a
-        table of its own), then the grouped GEMM as for the hits. [T * k, D] float32, rows of
-        the other experts 0."""
-        host = lay.host
-        dev = x.device
-        stacks = {}
-        for p in PARTS:
-            t_, kk = host.parts[p]
-            r = host.rows[p]
-            arrays = {}
-            for a, src in host.arrays[p].items():  # [E, r, ...] on the host (pinned on CUDA)
-                dst = torch.empty((missed.size * r, *src.shape[2:]), dtype=src.dtype, device=dev)
-                # one dispatch for the array's copies (a 512-token chunk copies ~128 experts a layer)
-                torch._foreach_copy_(list(dst.view(missed.size, r, *src.shape[2:]).unbind(0)),
-                                     [src[e] for e in missed.tolist()], non_blocking=self._pin)
-                arrays[a] = dst
-            stacks[p] = PackedWeight(t_, missed.size * r, kk, arrays)
-        return expert_products(x, block, ids, slot_table(lay.n_expert, missed, np.arange(missed.size), dev),
-                               stacks)
+    def _moe_long(self, xf, block, i: int, weights, ids) -> torch.Tensor | None:
+        """A long step's layer ``i`` (module docstring): the layer's non-resident experts
+        staged on the copy stream (prefetched while the layer before ran, else now), the next
+        layer's staging enqueued, then the hits and the staged experts on the device; no host
+        synchronisation. None when the staging has no memory (the caller's fallback)."""
+        lay = self.cache.layers[i]
+        staged = self._staged.pop(i, None)
+        try:
+            if staged is None:
+                staged = self.stager.stage(lay)
+        except torch.cuda.OutOfMemoryError:
+            self.stager.release()
+            return None
+        j = i + 1
+        if j < len(self.blocks) and j not in self._staged:
+            try:
+                self._staged[j] = self.stager.stage(self.cache.layers[j])
+            except torch.cuda.OutOfMemoryError:  # that layer stages at its turn (or falls back)
+                pass
+        self.stager.wait(staged)
+        t = xf.shape[0]
+        if lay.n_slots and (lay.slot_of_host >= 0).any():
+            y = self._hits(xf, block, lay, ids)
+        else:
+            y = torch.zeros((t * block.n_expert_used, xf.shape[1]), dtype=torch.float32, device=xf.device)
+        if staged.experts.size:
+            y = y + expert_products(xf, block, ids, staged.table, staged.stacks)
+        self.stager.done(staged)
+        self.stats.tokens += t
+        self.stats.streamed_experts += int(staged.experts.size)
+        self.stats.filled_experts += int(staged.placed.size)
+        self._records.append((i, self._to_host(ids, f"record{i}"), self._event()))
+        return moe_combine(y, weights)
+
+    def _event(self) -> torch.cuda.Event | None:
+        if self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
 
     def _host_read(self, x, block, i: int, ids, experts: np.ndarray) -> torch.Tensor:
         """``experts``' share of the step, the kernels reading their rows from the pinned host
@@ -383,6 +419,10 @@ class ExpertOffload:
         t, k = x.shape[0], block.n_expert_used
         xf = x.float().contiguous()
         weights, ids = route(xf, block)
+        if t >= STREAM_TOKENS:
+            y = self._moe_long(xf, block, i, weights, ids)
+            if y is not None:
+                return y
         ids_h = self._to_host(ids, "ids")
         w_h = self._to_host(weights, "weights")
         x_h = self._to_host(xf, "x")
@@ -404,30 +444,17 @@ class ExpertOffload:
         self.stats.tokens += t
         add = None
         streamed = False
-        if rows.size and t >= STREAM_TOKENS:
-            experts = ids_np[rows, slots]
-            missed = np.unique(experts)
-            placed = np.asarray(lay.fill(missed.tolist()), dtype=np.int64) if lay.n_slots else missed[:0]
-            if placed.size:  # into free slots: computed there, resident from now on
-                y = y + self._hits(xf, block, lay, ids, only=placed)
-                self.stats.filled_experts += int(placed.size)
-                keep = ~np.isin(experts, placed)
-                rows, slots, missed = rows[keep], slots[keep], np.setdiff1d(missed, placed)
+        if rows.size and t >= STREAM_TOKENS:  # no memory to stage: the kernels read the host copy
+            missed = np.unique(ids_np[rows, slots])
             try:
-                if missed.size:
-                    y = y + self._streamed(xf, block, lay, ids, missed)
-                    self.stats.streamed_experts += int(missed.size)
+                y = y + self._host_read(xf, block, i, ids, missed)
+                self.stats.host_read_experts += int(missed.size)
                 streamed = True
-            except torch.cuda.OutOfMemoryError:  # no room for the staging stacks
-                try:  # the kernels read the missed experts from the host copy: no staging
-                    y = y + self._host_read(xf, block, i, ids, missed)
-                    self.stats.host_read_experts += int(missed.size)
-                    streamed = True
-                    log.warning("expert offload: no GPU memory to stage %d experts: the kernels "
-                                "read them from host memory", missed.size)
-                except torch.cuda.OutOfMemoryError:  # not even the products' rows: the CPU
-                    log.warning("expert offload: no GPU memory for %d experts: computed on the "
-                                "CPU", missed.size)
+                log.warning("expert offload: no GPU memory to stage %d experts: the kernels "
+                            "read them from host memory", missed.size)
+            except torch.cuda.OutOfMemoryError:  # not even the products' rows: the CPU
+                log.warning("expert offload: no GPU memory for %d experts: computed on the "
+                            "CPU", missed.size)
         if rows.size and not streamed:
             experts = ids_np[rows, slots]
             part = self.cpu(i, x_h, rows, experts, w_h.numpy()[rows, slots])

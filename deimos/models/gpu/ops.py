@@ -125,8 +125,8 @@ class TritonOps:
     def attach_offload(self, offload) -> None:
         """Route every MoE block through ``offload`` (its experts on the host, a GPU cache of
         slots). Its decode steps are still graphs (the host answers through a mailbox after
-        the launch: ``serve_replay``); its prompt chunks synchronise the host once a layer, so
-        no prefill graph captures them."""
+        the launch: ``serve_replay``); its prompt chunks' staging is decided by the host at each
+        layer, so no prefill graph captures them."""
         self.offload = offload
         self.prefill_graphs = False
 
