@@ -33,6 +33,7 @@ from deimos.engine import LLM  # noqa: E402
 from deimos.engine.request import Request  # noqa: E402
 from deimos.kernels.sampling import SamplingParams  # noqa: E402
 from deimos.runtime.cpu_experts import CpuExperts  # noqa: E402
+from deimos.runtime.share_tuner import ShareTuner  # noqa: E402
 
 # (label, function name as cProfile names it, a file it is in)
 PARTS = (("offload.moe (eager steps)", "moe", "offload.py"),
@@ -138,7 +139,7 @@ def main() -> None:
     ap.add_argument("-p", type=int, default=64, help="prompt tokens")
     ap.add_argument("--top", type=int, default=20, help="cProfile's top functions by own time")
     ap.add_argument("--shares", default="auto,0", help="the device's share of the misses a run "
-                    "(auto: the load's calibration)")
+                    "(auto: the load's calibration; tune: the engine's tuner from there)")
     ap.add_argument("--cpu", default="pool", help="CPU sides to run: pool, nopool, planes1, planes3")
     a = ap.parse_args()
     llm = LLM(a.model, device="cuda", experts="cpu", expert_cache_gib=0, n_ctx=a.p + a.n + 64,
@@ -154,18 +155,23 @@ def main() -> None:
             "nopool": lambda: CpuExperts(c.layers, planes=c.planes, n_threads=c.n_threads, pool=False),
             "planes1": lambda: CpuExperts(c.layers, planes=1, n_threads=c.n_threads),
             "planes3": lambda: CpuExperts(c.layers, planes=3, n_threads=c.n_threads)}
-    made = {}
+    built = {}
     shares = {}
     runs = [(pool, int(n), sh) for pool in a.cpu.split(",") for n in a.slots.split(",")
             for sh in a.shares.split(",")]
     for pool, n_slots, share in runs:
-        if pool not in made:
-            made[pool] = cpus[pool]()
-        off.cpu = made[pool]
+        if pool not in built:
+            built[pool] = cpus[pool]()
+        off.cpu = built[pool]
         if share == "auto":
             if pool not in shares:
                 shares[pool] = auto if pool == "pool" else off.calibrate()
             share = shares[pool]
+        if share == "tune":  # the engine's: the tuner from the calibrated share
+            off.tuner = ShareTuner(shares.get(pool, auto))
+            share = off.tuner.share
+        else:
+            off.tuner = None  # fixed for this run
         off.gpu_share = share = float(share)
         with torch.inference_mode():  # the cache's tables were made in the engine's steps
             off.cache.resize(min(n_slots, off.n_expert))
@@ -186,6 +192,8 @@ def main() -> None:
         prof.disable()
         st = pstats.Stats(prof)
         ms = sec * 1e3 / made
+        if off.tuner is not None:
+            share = off.gpu_share  # where the tuner ended
         rows.append((pool, off.cache.n_slots, share, ms, hit, a.p / tp))
         print(f"\ncpu side {pool}, slots {off.cache.n_slots}, device share {share:.2f}: {ms:.2f} ms a token ({1e3 / ms:.1f} tok/s), hit rate "
               f"{hit:.3f}; prompt {a.p} tokens {tp * 1e3:.0f} ms ({a.p / tp:.0f} tok/s); under cProfile {psec * 1e3 / pmade:.2f} ms a token; per token:")

@@ -68,6 +68,7 @@ from deimos.runtime.expert_cache import ExpertCache, HostExperts
 from deimos.runtime.expert_stream import ExpertStager, Staged
 from deimos.runtime.gpu_memory import FreeMemory, SlotSizer, nvml_reader, torch_reader
 from deimos.runtime.host_mailbox import HostMailbox
+from deimos.runtime.share_tuner import ShareTuner
 
 log = logging.getLogger("deimos")
 
@@ -166,6 +167,8 @@ class ExpertOffload:
                                                for a, t in sorted(h.arrays[p].items())}, self.n_expert)
                               for p in PARTS} for h in hosts]
         self.gpu_share = 0.0  # of a layer's missed experts, the share the device reads (calibrate)
+        self.tuner: ShareTuner | None = None  # tunes gpu_share while decoding (made by calibrate)
+        self._step_misses = 0
         self.stager = ExpertStager(self.device)  # long steps' staging (runtime.expert_stream)
         self._staged: dict[int, Staged] = {}  # layer -> its staging, enqueued a layer ahead
         self._records: list = []  # (layer, pinned ids, event): a long step's routing, recorded after
@@ -320,6 +323,8 @@ class ExpertOffload:
         if box is None:
             raise RuntimeError("expert offload: serve_step before any step was captured")
         step = box.begin_step()
+        t0 = time.perf_counter()
+        self._step_misses = 0
         n_layer = len(self.blocks)
         first = step * PROMOTE_LAYERS_PER_STEP % n_layer  # the layers that promote this step
         try:
@@ -329,6 +334,8 @@ class ExpertOffload:
                     self._answer(i, n_rows, (i - first) % n_layer < PROMOTE_LAYERS_PER_STEP)
         finally:
             box.release_all()  # after a failure: the device's step still ends
+        if self.tuner is not None:
+            self.gpu_share = self.tuner.observe(time.perf_counter() - t0, self._step_misses)
 
     def _answer(self, i: int, n: int, promote: bool) -> None:
         box, lay = self.mailbox, self.cache.layers[i]
@@ -343,6 +350,7 @@ class ExpertOffload:
         table.fill(-1)
         ranked = None
         if rows.size:
+            self._step_misses += int(rows.size)
             experts = ids[rows, slots]
             ranked = by_use(experts)  # the missed experts, the most used first
             gpu = ranked[: int(ranked.size * self.gpu_share + 0.5)] if self.gpu_share > 0 else ranked[:0]
@@ -368,7 +376,8 @@ class ExpertOffload:
         with experts no earlier call touched (misses come from memory, not from the CPU's
         caches), after a call on other experts of that layer (the kernels compiled, ggml's
         plan made). Measured at load, on this machine's bus and cores: a desktop's PCIe and
-        CPU give another split than a server's."""
+        CPU give another split than a server's. Each side measured alone: the decode steps
+        then tune it (``tuner``, runtime.share_tuner), both sides reading host memory at once."""
         if self.device.type != "cuda" or not self.blocks:
             return 0.0
         k = min(self.blocks[0].n_expert_used, self.n_expert)
@@ -400,6 +409,7 @@ class ExpertOffload:
             nbytes = k * self.cache.layers[li].host.expert_nbytes
         td, tc = sorted(t_dev)[reps // 2], sorted(t_cpu)[reps // 2]
         self.gpu_share = tc / (td + tc)  # rates k / td and k / tc: g / (g + c)
+        self.tuner = ShareTuner(self.gpu_share)  # the start: decoding tunes it (runtime.share_tuner)
         log.info("expert offload: the device reads misses from host memory at %.1f GB/s, the CPU "
                  "computes them at %.1f GB/s: %.0f%% of a step's missed experts go to the device",
                  nbytes / td / 1e9, nbytes / tc / 1e9, 100 * self.gpu_share)
