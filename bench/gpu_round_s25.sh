@@ -7,9 +7,15 @@
 #   bench/gpu_round_s25.sh bench     # deimos bench --gpu-mem 8 (and --vs-llama with the llama.cpp
 #                                    # build: carry .peer/lc in this call; over 64 MiB with .peer/td,
 #                                    # which an earlier call left there)
-# Carry .whl, .whl-ggml, .peer/td (vocabularies). Logs under $OUT.
+#   bench/gpu_round_s25.sh all       # the profile (the tuner, fixed shares) then the bench with
+#                                    # llama.cpp at -ncmoe 33 (the best) beside it
+# Carry .whl, .whl-ggml, .peer/td (vocabularies). With the llama.cpp build (.peer/lc, 41 MiB) the
+# tree is over 64 MiB: carry .whl-min (gguf, llguidance, jsonschema: what the engine imports)
+# instead of .whl, and .peer/td with the qwen2 vocabulary only. Logs under $OUT.
 . bench/gpu_env.sh
 bench/gpu_round_batch.sh setup > /dev/null 2>&1
+ls .whl/*.whl > /dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --upgrade --target /tmp/site .whl-min/*.whl
 F=$(grep -m1 ^flags /proc/cpuinfo)
 if [[ $F == *avx512f* && $F == *avx512_vnni* && $F == *avx512vbmi* && $F == *avx512_bf16* ]] && ls .whl-ggml/avx512/*.whl > /dev/null 2>&1; then G=avx512; else G=avx2; fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ggml/$G/*.whl
@@ -32,5 +38,16 @@ bench)
   timeout ${BENCH_S:-540} python3 -m deimos bench $M30 -p 512 -n 128 -r 3 --gpu-mem 8 $L --json "$OUT/moe-8g.json" 2>&1 \
     | grep -v Warn | tee "$OUT/moe-8g.txt" | tail -30
   idle ;;
-*) echo "usage: $0 tests|bench" >&2; exit 2 ;;
+all)
+  synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2
+  idle
+  timeout ${PROF_S:-230} python3 bench/profile_offload.py $M30 --slots ${SLOTS:-0,24} --shares ${SHARES:-auto,tune,0.8,1} \
+    --cpu ${CPUS:-pool} -n ${NTOK:-48} -p 512 --top 8 2>&1 | grep -v Warn > "$OUT/profile-offload.txt"
+  grep -E "^(offload|cpu side)|^  (timed|host|    cpu|      ggml|      act)" "$OUT/profile-offload.txt" | cut -c1-160 | tail -50
+  idle; L=""; [ -x /tmp/lc/llama-bench ] && L="--vs-llama /tmp/lc/llama-bench"
+  timeout ${BENCH_S:-300} python3 -m deimos bench $M30 -p 512 -n 128 -r 3 --gpu-mem 8 $L --llama-args "${LARGS:--ngl 99 -fa 1 -t 16 -ncmoe 33}" \
+    --json "$OUT/moe-8g.json" 2>&1 | grep -v Warn | tee "$OUT/moe-8g.txt" | tail -30
+  idle
+  sed -n '/^cpu side  slots/,$p' "$OUT/profile-offload.txt" ;;
+*) echo "usage: $0 tests|bench|all" >&2; exit 2 ;;
 esac
