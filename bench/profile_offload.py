@@ -142,6 +142,16 @@ def main() -> None:
                     "(auto: the load's calibration; tune: the engine's tuner from there)")
     ap.add_argument("--cpu", default="pool", help="CPU sides to run: pool, nopool, planes1, planes3")
     a = ap.parse_args()
+    bad = [c for c in a.cpu.split(",") if c not in ("pool", "nopool", "planes1", "planes3")]
+    if bad:
+        ap.error(f"--cpu: unknown CPU side {bad[0]!r} (pool, nopool, planes1, planes3)")
+    for sh in a.shares.split(","):
+        if sh not in ("auto", "tune"):
+            try:
+                if not 0 <= float(sh) <= 1:
+                    raise ValueError
+            except ValueError:
+                ap.error(f"--shares: {sh!r} is not auto, tune or a share in [0, 1]")
     llm = LLM(a.model, device="cuda", experts="cpu", expert_cache_gib=0, n_ctx=a.p + a.n + 64,
               max_seqs=1, max_batch_tokens=512, prefix_cache=False)
     off = llm.offload

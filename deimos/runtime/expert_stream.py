@@ -31,7 +31,7 @@ from deimos.quant.triton.layout import PackedWeight
 from deimos.runtime.expert_cache import LayerCache
 
 RING = 2  # staging buffers: a layer's copies overlap the compute of the layer before
-CAPACITY_STEP = 8  # a buffer grows in steps of 8 x 64 x ALIGN bytes (8 MiB)
+GROW_BYTES = 8 << 20  # a buffer grows in whole steps of this
 ALIGN = 256  # bytes: each array's region in a buffer starts aligned
 
 
@@ -52,7 +52,6 @@ class Staged:
     through ``table``), ``placed`` into the cache's free slots; the compute waits for ``ready``
     (None: done already)."""
 
-    layer: LayerCache
     experts: np.ndarray
     placed: np.ndarray
     table: torch.Tensor  # int32 [E]: staged index of each staged expert, -1 elsewhere
@@ -106,8 +105,8 @@ class ExpertStager:
         if self.free[k] is not None:  # the old buffer's last reader
             self.free[k].synchronize()
         self.buffers[k] = None
-        grow = CAPACITY_STEP * ALIGN * 64
-        self.buffers[k] = torch.empty(-(-nbytes // grow) * grow, dtype=torch.uint8, device=self.device)
+        self.buffers[k] = torch.empty(-(-nbytes // GROW_BYTES) * GROW_BYTES, dtype=torch.uint8,
+                                      device=self.device)
         return self.buffers[k]
 
     def stage(self, lay: LayerCache, fill: bool = True) -> Staged:
@@ -147,7 +146,7 @@ class ExpertStager:
             t_, kk = host.parts[p]
             stacks[p] = PackedWeight(t_, experts.size * host.rows[p], kk,
                                      {a: views[(p, a)] for a in host.arrays[p]})
-        return Staged(lay, experts, placed, table, stacks, ready, k)
+        return Staged(experts, placed, table, stacks, ready, k)
 
     def _table(self, k: int, n_expert: int, experts: np.ndarray) -> torch.Tensor:
         """Buffer k's slot table on the device, copied on the current (copy) stream from a

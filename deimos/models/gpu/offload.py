@@ -168,7 +168,6 @@ class ExpertOffload:
                               for p in PARTS} for h in hosts]
         self.gpu_share = 0.0  # of a layer's missed experts, the share the device reads (calibrate)
         self.tuner: ShareTuner | None = None  # tunes gpu_share while decoding (made by calibrate)
-        self._step_misses = 0
         self.stager = ExpertStager(self.device)  # long steps' staging (runtime.expert_stream)
         self._staged: dict[int, Staged] = {}  # layer -> its staging, enqueued a layer ahead
         self._records: list = []  # (layer, pinned ids, event): a long step's routing, recorded after
@@ -222,16 +221,12 @@ class ExpertOffload:
         arrays = sorted(lay.host.arrays[part])
         return ExpertChunks({a: lay.chunk_ptrs[(part, a)] for a in arrays}, lay.spc)
 
-    def _hits(self, x, block, lay, ids, only: np.ndarray | None = None,
-              quantized=None) -> torch.Tensor:
-        """The resident experts' share on the GPU ([T * k, D] float32, misses' rows 0); with
-        ``only``, just those (resident) experts' pairs. ``quantized``: x's integer activation
-        (one token), when made already."""
+    def _hits(self, x, block, lay, ids, quantized=None) -> torch.Tensor:
+        """The resident experts' share on the GPU ([T * k, D] float32, misses' rows 0).
+        ``quantized``: x's integer activation (one token), when made already."""
         stacks = {p: lay.slot_weight(0, p) for p in PARTS}  # formats, K, arrays (chunk tables address)
         chunks = {p: self._chunks(lay, p) for p in PARTS}
-        table = (lay.slot_of if only is None
-                 else slot_table(lay.n_expert, only, lay.slot_of_host[only], x.device))
-        return expert_products(x, block, ids, table, stacks, chunks, quantized=quantized)
+        return expert_products(x, block, ids, lay.slot_of, stacks, chunks, quantized=quantized)
 
     def _moe_long(self, xf, block, i: int, weights, ids) -> torch.Tensor | None:
         """A long step's layer ``i`` (module docstring): the layer's non-resident experts
@@ -324,20 +319,22 @@ class ExpertOffload:
             raise RuntimeError("expert offload: serve_step before any step was captured")
         step = box.begin_step()
         t0 = time.perf_counter()
-        self._step_misses = 0
+        misses = 0
         n_layer = len(self.blocks)
         first = step * PROMOTE_LAYERS_PER_STEP % n_layer  # the layers that promote this step
         try:
             with torch.inference_mode():  # the cache's tables were made in it (the engine's steps)
                 for i in range(n_layer):
                     box.wait_posted(i)
-                    self._answer(i, n_rows, (i - first) % n_layer < PROMOTE_LAYERS_PER_STEP)
+                    misses += self._answer(i, n_rows, (i - first) % n_layer < PROMOTE_LAYERS_PER_STEP)
         finally:
             box.release_all()  # after a failure: the device's step still ends
         if self.tuner is not None:
-            self.gpu_share = self.tuner.observe(time.perf_counter() - t0, self._step_misses)
+            self.gpu_share = self.tuner.observe(time.perf_counter() - t0, misses)
 
-    def _answer(self, i: int, n: int, promote: bool) -> None:
+    def _answer(self, i: int, n: int, promote: bool) -> int:
+        """Layer i's misses of the step: the device's share decided, the CPU's computed, the
+        layer answered, a promotion started. Returns the layer's missed pairs."""
         box, lay = self.mailbox, self.cache.layers[i]
         ids = box.np_ids[i, :n]
         lay.record(ids)
@@ -349,8 +346,8 @@ class ExpertOffload:
         table = box.np_table[i]
         table.fill(-1)
         ranked = None
+        missed = int(rows.size)
         if rows.size:
-            self._step_misses += int(rows.size)
             experts = ids[rows, slots]
             ranked = by_use(experts)  # the missed experts, the most used first
             gpu = ranked[: int(ranked.size * self.gpu_share + 0.5)] if self.gpu_share > 0 else ranked[:0]
@@ -367,6 +364,7 @@ class ExpertOffload:
         box.answer(i)
         if promote and ranked is not None and lay.n_slots:  # the copy waits for this step (side stream)
             lay.promote_many(ranked[:1].tolist(), self.stream)
+        return missed
 
     def calibrate(self, reps: int = 5) -> float:
         """Measure the rate of each side on a token's experts (8 for qwen3moe): the CPU's (ggml)
