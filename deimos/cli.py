@@ -118,9 +118,11 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="do not reuse the KV blocks of earlier prompts' shared prefixes")
     g.add_argument("--speculative", default=None, metavar="METHOD",
                    help="speculative decoding: ngram (prompt lookup: drafts copied from the "
-                        "prompt and the answer so far) or draft (a draft model's greedy "
-                        "drafts, --draft-model), verified several at a time in one batched "
-                        "step; greedy output unchanged, sampled output the same distribution")
+                        "prompt and the answer so far), draft (a draft model's greedy "
+                        "drafts, --draft-model) or mtp (the model's own MTP layers, in qwen35 "
+                        "family files that have them; CPU only), verified several at a time in "
+                        "one batched step; greedy output unchanged, sampled output the same "
+                        "distribution")
     g.add_argument("--spec-k", type=positive, default=None, metavar="N",
                    help="with --speculative: the most drafts one step verifies (default 6; "
                         "each sequence adapts it to its acceptance)")

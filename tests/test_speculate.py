@@ -617,11 +617,57 @@ def test_the_llm_flags_reach_the_engine_and_the_chain_check_leaves_drafters_out(
         LLM(tiny, n_ctx=64, speculative="ngram", spec=SpecConfig())
 
 
-def test_a_hybrid_model_refuses_speculation(tmp_path):
-    path = tmp_path / "qwen35-tiny-F32.gguf"
-    write_model(path, "qwen35", "qwen35-tiny", "F32", llama_cpp_path(DONOR), seed=2)
-    with pytest.raises(ValueError, match="not supported for qwen35 .*hybrid"):
-        LLM(path, n_ctx=64, speculative="ngram")
+def _hybrid_rollback(path, right: int, tie: float = TIE, **llm_kw) -> None:
+    """Two prompts decoded together with drafts that are a plain run's next tokens then wrong
+    ones (FutureDrafter, 6 at most a verification): greedy tokens equal the plain run's (or
+    differ at a near-tie); after every step each state holds exactly the tokens the cache
+    holds; a rejection restored a state (none when every draft is right); every block is free
+    at the end."""
+    llm = LLM(path, n_ctx=256, max_seqs=4, **llm_kw)
+    engine = _spec_engine(llm, n_ctx=256)
+    prompts = [llm.encode_raw(t) for t in REPEATING]
+    plains = [_plain(llm, p, 48) for p in prompts]
+    ds = [FutureDrafter(p, r.output_ids, right=right) for p, r in zip(prompts, plains)]
+    engine.scheduler.propose = lambda seq, room: ds[seq.id % 2].propose(seq, min(room, 6))
+    reqs = [Request(list(p), 48, GREEDY, top_logprobs=2) for p in prompts]
+    seqs = [engine.add(r) for r in reqs]
+    assert [s.id % 2 for s in seqs] == [0, 1]
+    restored = 0
+    restore = engine.runner.restore_state
+
+    def counting(seq, snap):  # instrumentation: the real restore runs
+        nonlocal restored
+        restored += 1
+        restore(seq, snap)
+
+    engine.runner.restore_state = counting
+    while engine.has_work:
+        for out in engine.step():
+            assert out.error is None, out.error
+        for s in seqs:
+            if not s.finished and s.state is not None:
+                assert s.state.length == s.n_computed
+    st = engine.stats()
+    print(f"{path.name} right={right}: {st.spec_accepted} of {st.spec_drafted} drafts accepted, "
+          f"{restored} states restored")
+    if right < 6:
+        assert st.spec_accepted > 0 and restored > 0
+    else:  # every draft accepted: nothing to restore (the state stands after the last draft)
+        assert st.spec_accepted == st.spec_drafted > 0 and restored == 0
+    for text, plain, req in zip(REPEATING, plains, reqs):
+        _same_or_tie(plain, req, f"{path.name} right={right} {text[:20]!r}", tie=tie)
+    _all_free(engine)
+
+
+@pytest.mark.parametrize(("arch", "right"), [("qwen35", 2), ("qwen35", 99), ("qwen3next", 2)],
+                         ids=["qwen35-two-right-four-wrong", "qwen35-all-right", "qwen3next-two-right"])
+def test_a_hybrid_model_rolls_its_recurrent_state_back(tmp_path, arch, right):
+    """qwen35 and qwen3next (Gated DeltaNet layers and full attention) on the CPU reference: a
+    verification advances the recurrent state over every draft, so a rejection restores the
+    state saved before it and feeds the accepted tokens again (``_hybrid_rollback``)."""
+    path = tmp_path / f"{arch}-tiny-F32.gguf"
+    write_model(path, arch, f"{arch}-tiny", "F32", llama_cpp_path(DONOR), seed=2)
+    _hybrid_rollback(path, right)
 
 
 def test_the_cli_flags_make_the_serve_config():
@@ -700,3 +746,14 @@ def test_gpu_speculation_keeps_the_greedy_tokens():
     assert a.output_ids == b.output_ids
     assert spec.engine.blocks.n_used == 0
     spec.engine.blocks.check()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("right", [2, 99])
+def test_gpu_hybrid_speculation_restores_state_pool_slots(tmp_path, right):
+    """On a GPU (not run on the CPU machine): the kernel path keeps a hybrid's states in the
+    state pool; a rejection writes the saved copy back into the sequence's slot
+    (``_hybrid_rollback``, fp16 sums: a wider near-tie)."""
+    path = tmp_path / "qwen35-tiny-Q8_0.gguf"
+    write_model(path, "qwen35", "qwen35-tiny", "Q8_0", llama_cpp_path(DONOR), seed=2)
+    _hybrid_rollback(path, right, tie=0.05, device="cuda")

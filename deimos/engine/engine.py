@@ -15,6 +15,10 @@ back at once; full blocks stay in the prefix cache for the next request that sha
 With speculative decoding (``EngineConfig.spec``, deimos.engine.speculate) a decoding sequence
 may verify drafts of its next tokens in a step (eagerly, beside the others' rows): the accepted
 ones and one more come out of that step, each through ``_emit``; the rest are rolled back.
+A hybrid model's recurrent state cannot forget a rejected draft's row: the state is saved before
+the verification, and after a rejection it is restored and the sequence's accepted tokens and
+the correction are fed again as a chunk of the next step (whose last row gives the next token),
+the way a preempted sequence is recomputed.
 
 One thread owns an engine (the server's worker, or the ``LLM`` API's caller).
 """
@@ -137,10 +141,6 @@ class Engine:
         self.n_vocab = model.config.n_vocab
         self.drafter = None
         if cfg.spec is not None:  # before the KV pool: a draft model's memory is taken first
-            if model.config.is_hybrid:
-                raise ValueError(
-                    f"speculative decoding is not supported for {model.config.arch} (a hybrid "
-                    "model: its recurrent state cannot be rolled back past rejected drafts yet)")
             self.drafter = make_drafter(cfg.spec, model, cfg.n_ctx, cfg.max_seqs)
         # a hybrid model's recurrent states on the kernel path: a slot per running sequence,
         # allocated before the KV pool is sized from the memory left
@@ -158,6 +158,7 @@ class Engine:
                                   decode_after=self.sampler.graph_hook,
                                   decode_before=self.sampler.prepare,
                                   decode_launched=self.sampler.launched, states=self.states)
+        self.runner.want_hidden = bool(getattr(self.drafter, "wants_hidden", False))
         self._ids = itertools.count()
         self._inflight = None  # a launched step not read yet (deimos.engine.runner.StepResult)
         self.steps = 0
@@ -242,11 +243,16 @@ class Engine:
             self.runner.release(seq)
         if plan.empty:
             return []
+        if self.hybrid:  # the states the verifications start from (restored after a rejection)
+            for seq, _ in plan.verify:
+                seq.spec.rollback = self.runner.save_state(seq)
         try:
             result = self.runner.run(plan)
         except Exception as e:  # noqa: BLE001 - a fault of the engine: every sequence of the step fails
             return self._failed(plan.decode + [s for s, _ in plan.verify + plan.prefill], e)
         self.steps += 1
+        for seq, start, rows in result.hidden:  # the main model's rows for an MTP drafter
+            self.drafter.observe(seq, start, rows)
         for seq in plan.decode:
             seq.n_computed += 1
         for seq, _ in plan.verify:  # its last token; a draft's row counts once it is accepted
@@ -390,6 +396,12 @@ class Engine:
         self.spec_accepted += accepted
         self.token_rows += 1
         self.tokens_chosen += sum(o.token is not None for o in outs)
+        snap, seq.spec.rollback = seq.spec.rollback, None
+        if not seq.finished and snap is not None and accepted < len(drafts):
+            # a hybrid's state went over the rejected drafts too: back to where the verification
+            # started; the accepted tokens and the correction are the next step's chunk
+            self.runner.restore_state(seq, snap)
+            seq.n_computed = snap.length
         if not seq.finished:
             keep = self.blocks.blocks_for(len(seq.tokens))  # up to the next token's position
             if len(seq.table) > keep:  # blocks that held only rejected drafts

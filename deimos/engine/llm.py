@@ -118,7 +118,8 @@ class LLM:
         with a GPU cache of slots (deimos.models.gpu.offload), sized from free memory and
         elastic, or fixed at ``expert_cache_gib``. ``speculative``: "ngram" (prompt lookup drafts,
         deimos.engine.speculate), "draft" (greedy drafts of ``draft_model``, a GGUF path or known
-        name with this model's vocabulary) or None (off); ``spec_k``: the most drafts a step
+        name with this model's vocabulary), "mtp" (greedy drafts of the file's MTP layers,
+        deimos.engine.mtp_draft; the CPU reference only) or None (off); ``spec_k``: the most drafts a step
         verifies (default: SpecConfig's). A SpecConfig may also come as ``spec``."""
         check_device(device)
         if draft_model is not None:

@@ -100,6 +100,8 @@ class StepResult:
     graph: object | None = None  # the graph that ran (its captured sampler outputs), or None
     ticket: int | None = None  # the decode graph's sampled choices (BatchSampler.launched)
     verify: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # (sequence, drafts): rows after wanting's
+    # with ``ModelRunner.want_hidden``: (sequence, first position, post-norm hidden rows [n, D])
+    hidden: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -123,6 +125,7 @@ class ModelRunner:
         self.decode_before = decode_before
         self.decode_launched = decode_launched
         self.last_decode = None  # the graph of the last decode replay
+        self.want_hidden = False  # every row's hidden state too (MTP drafting; eager steps only)
         self.decode_graphs: dict[int, object] = {}
         self.prefill_graphs: dict[int, object] = {}
         self.states = states if states is not None else state_pool_for(model, max_seqs)
@@ -246,7 +249,7 @@ class ModelRunner:
         if not len(x.logits_at) and not len(x.tokens):
             return StepResult(None, [])
         graph = None
-        if self.use_graphs and not x.verify:
+        if self.use_graphs and not x.verify and not self.want_hidden:
             if x.n_decode == len(x.q_lens):
                 graph = self.decode_graph_for(x.n_decode)
             elif x.n_decode == 0 and len(x.q_lens) == 1 and len(x.logits_at) <= 1:
@@ -268,7 +271,14 @@ class ModelRunner:
             elif not len(x.logits_at):
                 logits = None
             return StepResult(logits, x.wanting, graph, ticket)
-        return StepResult(self._eager(x), x.wanting, verify=x.verify)
+        if not self.want_hidden:
+            return StepResult(self._eager(x), x.wanting, verify=x.verify)
+        logits, rows = self._eager(x, hidden=True)
+        hidden, t = [], 0
+        for seq, start, n in zip(x.seqs, x.q_starts, x.q_lens):
+            hidden.append((seq, start, rows[t : t + n]))
+            t += n
+        return StepResult(logits, x.wanting, verify=x.verify, hidden=hidden)
 
     def run_chained(self, seqs: list[Sequence]) -> StepResult:
         """The decode step after the last one, on the same graph and rows, its tokens fed on
@@ -354,6 +364,23 @@ class ModelRunner:
                              f"recurrent state of {st.length} tokens")  # fmt: skip
         return st
 
+    def save_state(self, seq: Sequence):
+        """A copy of ``seq``'s recurrent state now (queued on the stream after the steps
+        launched so far), for ``restore_state``."""
+        if seq.state is None:
+            raise StateError(f"sequence {seq.id} has no recurrent state to save")
+        return seq.state.clone()
+
+    def restore_state(self, seq: Sequence, snap) -> None:
+        """``seq``'s recurrent state becomes ``snap`` (from ``save_state``): written into the
+        slot it holds, or (off the state pool, or before it holds one) taken as its state."""
+        held = self._slots.get(seq)
+        if held is not None and held is seq.state:
+            self.states.load(held.slot, snap)
+            held.length = snap.length
+        else:
+            seq.state = snap
+
     def release(self, seq: Sequence) -> None:
         """``seq`` left the running sequences (finished, cancelled, failed or preempted): its
         state slot goes back to the pool (work queued on it still runs first: the stream's
@@ -372,7 +399,9 @@ class ModelRunner:
             seq.state = make() if make is not None else RecurrentState.zeros(self.model.config, self.device)
         return seq.state
 
-    def _eager(self, x: StepInputs) -> torch.Tensor | None:
+    def _eager(self, x: StepInputs, hidden: bool = False):
+        """The step run eagerly: its logits (None when no row wants any); with ``hidden``
+        (logits, every row's post-norm hidden state [T, D])."""
         dev = self.device
 
         def put(a: np.ndarray) -> torch.Tensor:
@@ -392,5 +421,8 @@ class ModelRunner:
         elif self.model.config.is_hybrid:  # the recurrent layers' state: each sequence's own
             kv = HybridKV(self.pool, [self._state(seq) for seq in x.seqs])
         batch = Batch(put(x.tokens), put(x.positions), kv, layout, put(at))
+        if hidden:
+            logits, rows = self.model.step(batch, hidden_at=torch.arange(len(x.tokens), device=dev))
+            return (logits if len(x.logits_at) else None), rows
         logits = self.model.step(batch)
         return logits if len(x.logits_at) else None

@@ -25,7 +25,8 @@ asks for adapts to what it accepted (``SpecState``). A sequence asking for none 
 Drafters: ``NgramDrafter`` (prompt lookup: the tokens that followed the most recent earlier
 occurrence of the sequence's last n tokens, n from ``ngram_max`` down to ``ngram_min``, in its
 own prompt and outputs); ``DraftModelDrafter`` (greedy drafts of a smaller model with the same
-vocabulary, on a KV pool of its own). MTP heads would implement the same ``propose``.
+vocabulary, on a KV pool of its own); ``MTPDrafter`` (deimos.engine.mtp_draft: greedy drafts of
+the model's own MTP layers, fed the main model's hidden rows of each step).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from deimos.engine.sequence import Sequence
     from deimos.models.blocks import DecoderModel
 
-METHODS = ("ngram", "draft")
+METHODS = ("ngram", "draft", "mtp")
 K_LIMIT = 16  # drafts a verification may carry
 NGRAM_LIMIT = 16
 BACKOFF_MIN, BACKOFF_MAX = 4, 64  # plain tokens after a failed probe of one draft (doubling)
@@ -56,7 +57,7 @@ DRAFT_CHUNK = 512  # tokens a draft model's catch-up step feeds at most
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding's settings: ``method`` (ngram: prompt lookup; draft: a draft model,
-    the GGUF file ``draft_model``, with the target's vocabulary), ``k_max`` (the most drafts one
+    the GGUF file ``draft_model``, with the target's vocabulary; mtp: the model's MTP layers), ``k_max`` (the most drafts one
     verification carries), the n-gram lengths the lookup tries (longest first)."""
 
     method: str = "ngram"
@@ -88,13 +89,17 @@ class SpecState:
     state for it (the n-gram index). The rule: after k accepted drafts ask for one more (up to
     k_max); after a partial run, one more than it accepted; after none, half as many; at zero,
     decode ``backoff`` tokens plainly (doubling while probes of one draft keep failing), then
-    probe with one. A lookup that finds nothing waits 1, 2, 4, ... tokens before the next."""
+    probe with one. A lookup that finds nothing waits 1, 2, 4, ... tokens before the next.
+    ``rollback``: a hybrid model's recurrent state as it was before the verification in flight
+    (its step advances the state over every draft; after a rejection it goes back to this one
+    and the accepted tokens are recomputed, deimos.engine.engine)."""
 
     k: int
     resume_at: int = 0
     backoff: int = BACKOFF_MIN
     miss_skip: int = 1
     drafter: object | None = None
+    rollback: object | None = None  # a hybrid's recurrent state before its verification
 
     def wanted(self, n_out: int) -> int:
         """Drafts to ask for when the output holds ``n_out`` tokens (0: decode plainly)."""
@@ -295,4 +300,8 @@ def make_drafter(cfg: SpecConfig, model: DecoderModel, n_ctx: int, max_seqs: int
                              f"tokens, the model {model.config.n_vocab}: a draft model needs "
                              "the model's vocabulary")
         return DraftModelDrafter(draft, n_ctx, DraftModelDrafter.pool_tokens(draft, n_ctx, max_seqs))
+    if cfg.method == "mtp":
+        from deimos.engine.mtp_draft import MTPDrafter
+
+        return MTPDrafter(model, n_ctx, cfg.k_max)
     raise ValueError(f"speculative method {cfg.method!r} has no drafter")

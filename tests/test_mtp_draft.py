@@ -1,0 +1,118 @@
+"""Speculative decoding with the model's MTP layers (deimos.engine.mtp_draft) on the CPU reference.
+
+Oracles: the same model without speculation (greedy tokens equal, or different only at a
+near-tie); for every proposal the engine asked for, the drafts computed from scratch the way
+tests/test_mtp.py checks against llama.cpp's draft-mtp driver (the main model over the
+sequence's computed tokens on a fresh cache, the MTP head's catch-up on all of them with the
+hidden rows shifted by one, then greedy draft steps): the drafter's incremental state (its
+catch-up across steps, rejected drafts, restored recurrent states, a prefix served from the
+cache) must give the same tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hybrid_support import rebuild
+from test_speculate import GREEDY, REPEATING, _all_free, _plain, _same_or_tie, _spec_engine
+
+from deimos.engine import LLM
+from deimos.engine.request import Request
+from deimos.engine.speculate import SpecConfig
+from deimos.models.deltanet import HybridKV, RecurrentState
+from deimos.runtime.kv_cache import KVCache
+
+PRESETS = ("qwen35-tiny-mtp", "qwen3next-tiny-mtp")
+
+pytestmark = pytest.mark.usefixtures("module_one_thread")  # tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("mtp-draft")
+    return {p: rebuild(p, tmp) for p in PRESETS}
+
+
+def _from_scratch(model, tokens: list[int], k: int) -> list[int]:
+    """k greedy MTP drafts after ``tokens`` (its last one not yet run by the main model)."""
+    cfg, n = model.config, len(tokens) - 1
+    kv, st = KVCache(cfg, n), RecurrentState.zeros(cfg)
+    b = kv.batch(torch.tensor(tokens[:-1]), torch.tensor([n - 1]))
+    b.kv = HybridKV(b.kv, [st])
+    with torch.inference_mode():
+        _, h = model.step(b, hidden_at=torch.arange(n))
+        state = model.mtp.new_state(n + k + 1)
+        model.mtp.forward(state, torch.tensor(tokens[:-1]), torch.cat((torch.zeros_like(h[:1]), h[:-1])))
+        tok, hid, out = tokens[-1], h[-1], []
+        for _ in range(k):
+            d = model.mtp.draft(hid, tok, state)
+            tok, hid = int(d.logits.argmax()), d.hidden
+            out.append(tok)
+    return out
+
+
+def _recording(engine) -> list[tuple[list[int], int, list[int]]]:
+    """Every proposal the drafter makes: (the sequence's tokens, k, the drafts)."""
+    got = []
+    propose = engine.drafter.propose
+
+    def wrapped(seq, k):  # instrumentation: the real drafter runs
+        drafts = propose(seq, k)
+        got.append((list(seq.tokens), k, list(drafts)))
+        return drafts
+
+    engine.drafter.propose = wrapped
+    return got
+
+
+def _run(engine, reqs) -> None:
+    for r in reqs:
+        engine.add(r)
+    while engine.has_work:
+        for out in engine.step():
+            assert out.error is None, out.error
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_mtp_drafts_are_the_heads_and_change_nothing(paths, preset):
+    """Two prompts decoded together with MTP drafts, then the first prompt again (its prefix
+    from the cache: the drafter computes that prefix's hidden rows itself): greedy tokens equal
+    a plain run's; every proposal equals the from-scratch drafts; drafts were verified and
+    rejected (the recurrent state restored: the random weights' head guesses wrong); every
+    block is free at the end."""
+    llm = LLM(paths[preset], n_ctx=256, max_seqs=4)
+    engine = _spec_engine(llm, n_ctx=256, spec=SpecConfig("mtp", k_max=4))
+    assert engine.runner.want_hidden
+    got = _recording(engine)
+    prompts = [llm.encode_raw(t) for t in REPEATING]
+    plains = [_plain(llm, p, 32) for p in prompts]
+    reqs = [Request(list(p), 32, GREEDY, top_logprobs=2) for p in prompts]
+    _run(engine, reqs)
+    n_first = len(got)
+    again = Request(list(prompts[0]), 32, GREEDY, top_logprobs=2)
+    _run(engine, [again])
+    assert len(got) > n_first  # it drafted on the cached prefix's hidden rows
+    assert again.cached_tokens > 0  # the prefix came from the cache
+    for plain, req in zip(plains + plains[:1], reqs + [again]):
+        _same_or_tie(plain, req, preset)
+    st = engine.stats()
+    print(f"{preset}: {len(got)} proposals, {st.spec_accepted} of {st.spec_drafted} drafts "
+          f"accepted in {st.spec_verify_steps} verify steps")
+    # random weights: the head's guesses are mostly wrong (its drafts are checked below)
+    assert st.spec_drafted > st.spec_accepted and st.spec_verify_steps > 0
+    assert len(got) >= 10
+    for tokens, k, drafts in got:
+        assert len(drafts) == k
+        assert drafts == _from_scratch(llm.model, tokens, k), f"{preset}: at {len(tokens)} tokens"
+    _all_free(engine)
+
+
+def test_mtp_needs_the_layers(paths):
+    """A file without MTP layers: a named error, before any memory is taken."""
+    from deimos.synth import write_model
+    from testdata import llama_cpp_path
+
+    path = paths[PRESETS[0]].parent / "qwen35-tiny-F32.gguf"
+    write_model(path, "qwen35", "qwen35-tiny", "F32", llama_cpp_path("models/ggml-vocab-llama-spm.gguf"), seed=2)
+    with pytest.raises(ValueError, match="speculative method mtp needs MTP .nextn. layers"):
+        LLM(path, n_ctx=64, speculative="mtp")
