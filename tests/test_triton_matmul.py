@@ -11,10 +11,12 @@ import torch
 from deimos.kernels.triton.matmul import (
     GemvConfig,
     MatmulConfig,
+    SplitScratch,
     gemv_f16,
     matmul_config,
     matmul_f16,
     matmul_reference,
+    split_count,
 )
 
 
@@ -35,6 +37,49 @@ def test_matmul_f16(cfg: MatmulConfig | None, k: int) -> None:
     out = torch.full((21, 37), float("nan"), device=DEVICE)
     got = matmul_f16(a.to(DEVICE), b.to(DEVICE), out=out, cfg=cfg).cpu()
     torch.testing.assert_close(got, matmul_reference(a, b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("k", [256, 96, 160], ids=["even-k", "ragged-k", "empty-last-split"])
+@pytest.mark.parametrize("splits", [2, 3, 5])
+def test_matmul_f16_split_k(splits: int, k: int) -> None:
+    """K split over programs, the partials summed in split order by each tile's last program:
+    the oracle's product; the same bits twice (the order never depends on which finishes
+    last); the shared scratch's counters back at zero after each launch (the next reuses
+    them); a split with no K steps (5 splits of 5 steps) adds zeros."""
+    a, b = _inputs(21, 37, k, seed=7)
+    a, b = a.to(DEVICE), b.to(DEVICE)
+    scratch = SplitScratch(DEVICE)
+    cfg = MatmulConfig(16, 16, 32, 4, 2, splits)
+    outs = []
+    for _ in range(2):
+        out = torch.full((21, 37), float("nan"), device=DEVICE)
+        outs.append(matmul_f16(a, b, out=out, cfg=cfg, scratch=scratch).cpu())
+        assert not scratch.counters.any()
+    torch.testing.assert_close(outs[0], matmul_reference(a.cpu(), b.cpu()), rtol=1e-4, atol=1e-4)
+    assert torch.equal(outs[0], outs[1])
+    alone = matmul_f16(a, b, cfg=cfg).cpu()  # a scratch of its own
+    assert torch.equal(alone, outs[0])
+
+
+def test_split_count_fills_the_sms() -> None:
+    """The rule at 132 SMs and 16-row tiles (16 x 64, 128-column K steps): llama 8B's narrow
+    matrices get splits, the wide ones none; K bounds the count."""
+    assert split_count(448, 4096, 128, 132) == 1  # gate+up: 28672 rows
+    assert split_count(64, 14336, 128, 132) == 5  # down
+    assert split_count(64, 4096, 128, 132) == 5  # o
+    assert split_count(16, 4096, 128, 132) == 8  # v
+    assert split_count(16, 1024, 128, 132) == 2  # 8 K steps: 4 a split at least
+    assert split_count(16, 256, 128, 132) == 1
+
+
+def test_matmul_f16_rule_splits_with_a_scratch() -> None:
+    """Without a cfg, a scratch lets the rule split (its 4 SMs on the CPU: 21 x 37 at 16 x 64
+    tiles is 2 tiles, 8 K steps: 2 splits); the result is the oracle's."""
+    a, b = _inputs(21, 37, 1024, seed=8)
+    scratch = SplitScratch(DEVICE)
+    got = matmul_f16(a.to(DEVICE), b.to(DEVICE), scratch=scratch).cpu()
+    torch.testing.assert_close(got, matmul_reference(a, b), rtol=1e-4, atol=1e-4)
+    assert not scratch.counters.any()
 
 
 @pytest.mark.parametrize("k", [256, 96], ids=["even-k", "ragged-k"])
@@ -76,6 +121,10 @@ def test_matmul_f16_bad_input() -> None:
         matmul_f16(a.float(), b)
     with pytest.raises(ValueError, match="unit column stride"):
         matmul_f16(a.T.contiguous().T, b)
+    with pytest.raises(ValueError, match="1..8 splits"):
+        matmul_f16(a, b, cfg=MatmulConfig(16, 16, 32, 4, 2, 9))
+    with pytest.raises(ValueError, match="exceed the split scratch"):
+        matmul_f16(a, b, cfg=MatmulConfig(128, 64, 32, 4, 2, 2))
     with pytest.raises(ValueError, match=r"out must be float32 \[3, 5\]"):
         matmul_f16(a, b, out=torch.zeros(3, 4, device=DEVICE))
     with pytest.raises(ValueError, match="bad tile"):
@@ -96,3 +145,26 @@ def test_matmul_f16_gpu(m: int, n: int, k: int) -> None:
         got = gemv_f16(a.to(DEVICE), b.to(DEVICE)).cpu()
         rel = ((got - want).norm() / want.norm()).item()
         assert rel < 1e-4, f"gemv_f16: relative RMS error {rel:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED, reason="real shapes need the GPU")
+@pytest.mark.parametrize("m,n,k", [(16, 4096, 14336), (16, 1024, 4096), (64, 4096, 4096), (4, 5120, 4096)])
+def test_matmul_f16_split_gpu(m: int, n: int, k: int) -> None:
+    """The rule with the model's scratch at llama 8B's narrow matrices (K split on the GPU, the
+    programs racing for each tile's counter): the oracle's product, the same bits on every one
+    of 20 launches, the counters back at zero."""
+    a, b = _inputs(m, n, k, seed=9)
+    a, b = a.to(DEVICE), b.to(DEVICE)
+    scratch = SplitScratch(DEVICE)
+    cfg = matmul_config(m, n, k)
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    assert split_count(tiles, k, cfg.block_k, scratch.n_sm) > 1
+    first = matmul_f16(a, b, scratch=scratch)
+    for _ in range(20):
+        assert torch.equal(matmul_f16(a, b, scratch=scratch), first)
+    torch.cuda.synchronize()
+    assert not scratch.counters.any()
+    want = matmul_reference(a.cpu(), b.cpu())
+    rel = ((first.cpu() - want).norm() / want.norm()).item()
+    assert rel < 1e-4, f"relative RMS error {rel:.2e}"

@@ -29,13 +29,43 @@ class MatmulConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    splits: int = 1  # K ranges computed by separate programs, summed in order by the last
+
+
+MAX_SPLITS = 8
+MAX_SPLIT_PROGRAMS = 1024  # tiles x splits of a split launch: what SplitScratch holds
+
+
+class SplitScratch:
+    """What split-K launches on one device need: a counter a tile (zeros between launches:
+    each tile's last program resets its own) and room for the partial tiles. One per model
+    (its InputCache), made before any graph capture; launches on one stream in turn share it
+    (matmul_f16 is launched without PDL, so two launches never overlap)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        device = torch.device(device)
+        self.device = device
+        self.counters = torch.zeros(MAX_SPLIT_PROGRAMS, dtype=torch.int32, device=device)
+        self.partials = torch.empty(MAX_SPLIT_PROGRAMS * 64 * 64, dtype=torch.float32, device=device)
+        self.n_sm = (torch.cuda.get_device_properties(device).multi_processor_count
+                     if device.type == "cuda" else 4)  # fmt: skip
+
+
+def split_count(tiles: int, k: int, block_k: int, n_sm: int) -> int:
+    """K splits for a launch of ``tiles`` programs on ``n_sm`` SMs: none when the tiles fill
+    the SMs; else enough for ~2 programs an SM, each split at least 4 K steps, at most
+    MAX_SPLITS (a 16-row step's narrow matrices: 64 tiles of 4096 x 4096 on 132 SMs leave half
+    the SMs idle and the rest short of loads in flight)."""
+    if tiles >= n_sm:
+        return 1
+    return max(1, min(MAX_SPLITS, -(-2 * n_sm // tiles), k // (4 * block_k), MAX_SPLIT_PROGRAMS // tiles))
 
 
 @triton.jit
 def _matmul_kernel(
-    p_a, p_b, p_y, M, N, K, stride_am, stride_bn, stride_ym,
+    p_a, p_b, p_y, p_part, p_count, M, N, K, K_SPLIT, stride_am, stride_bn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -50,10 +80,16 @@ def _matmul_kernel(
     o_k = tl.arange(0, BLOCK_K)
     r_m = tl.minimum(o_m, M - 1).to(tl.int64)
     r_n = tl.minimum(o_n, N - 1).to(tl.int64)
-    p_at = p_a + r_m[:, None] * stride_am + o_k[None, :]
-    p_bt = p_b + r_n[:, None] * stride_bn + o_k[None, :]
+    if SPLITS == 1:
+        k_lo = 0
+        k_hi = K
+    else:
+        k_lo = tl.program_id(1) * K_SPLIT
+        k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    p_at = p_a + r_m[:, None] * stride_am + (k_lo + o_k)[None, :]
+    p_bt = p_b + r_n[:, None] * stride_bn + (k_lo + o_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             b_a = tl.load(p_at)
             b_b = tl.load(p_bt)
@@ -65,7 +101,24 @@ def _matmul_kernel(
         p_at += BLOCK_K
         p_bt += BLOCK_K
     p_out = p_y + o_m[:, None].to(tl.int64) * stride_ym + o_n[None, :]
-    tl.store(p_out, acc, mask=(o_m < M)[:, None] & (o_n < N)[None, :])
+    m_out = (o_m < M)[:, None] & (o_n < N)[None, :]
+    if SPLITS == 1:
+        tl.store(p_out, acc, mask=m_out)
+    else:
+        # this split's partial tile; the tile's last program to finish sums all of them in
+        # split order (the same sum whichever finishes last) and resets the tile's counter
+        tile: tl.constexpr = BLOCK_M * BLOCK_N
+        o_t = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        p_tile = p_part + pid.to(tl.int64) * (SPLITS * tile) + o_t
+        tl.store(p_tile + tl.program_id(1) * tile, acc, cache_modifier=".cg")
+        tl.debug_barrier()  # every thread's partial stored before the count says so
+        done = tl.atomic_add(p_count + pid, 1, sem="acq_rel", scope="gpu")
+        if done == SPLITS - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for i in range(SPLITS):
+                total += tl.load(p_tile + i * tile, cache_modifier=".cg")
+            tl.store(p_out, total, mask=m_out)
+            tl.atomic_xchg(p_count + pid, 0, sem="relaxed", scope="gpu")
 
 
 def matmul_config(m: int, n: int, k: int) -> MatmulConfig:
@@ -85,10 +138,12 @@ def matmul_config(m: int, n: int, k: int) -> MatmulConfig:
 
 
 def matmul_f16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
-               cfg: MatmulConfig | None = None) -> torch.Tensor:
+               cfg: MatmulConfig | None = None, scratch: SplitScratch | None = None) -> torch.Tensor:
     """float32 ``[M, N]`` = a ``[M, K]`` @ b ``[N, K]``^T, both fp16 with unit column stride
     (rows may be strided), on the same CUDA device (or the interpreter). ``out``: optional
-    float32 ``[M, N]`` with unit column stride."""
+    float32 ``[M, N]`` with unit column stride. ``scratch``: the device's SplitScratch; with
+    it the rule may split K (``split_count``; a ``cfg`` with splits > 1 makes a scratch of its
+    own without). Deterministic: a split tile's partials are summed in split order."""
     m, k, n = _check(a, b, "matmul_f16")
     out = _out(out, m, n, a.device, "matmul_f16")
     if m == 0 or n == 0:
@@ -97,15 +152,33 @@ def matmul_f16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None
         return out.zero_()
     if cfg is None:
         cfg = matmul_config(m, n, k)
+        if scratch is not None and m <= 64:
+            tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+            cfg = cfg._replace(splits=split_count(tiles, k, cfg.block_k, scratch.n_sm))
     elif not (all(pow2_at_most(v, 256) and v >= 16 for v in cfg[:3])
-              and cfg.num_warps in (1, 2, 4, 8) and 1 <= cfg.num_stages <= 5):  # fmt: skip
+              and cfg.num_warps in (1, 2, 4, 8) and 1 <= cfg.num_stages <= 5
+              and 1 <= cfg.splits <= MAX_SPLITS):  # fmt: skip
         raise ValueError(f"matmul_f16: bad tile {cfg} (block_m, block_n, block_k powers of two in "
-                         "16..256, num_warps 1, 2, 4 or 8, 1..5 stages)")
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _matmul_kernel[grid](
-        a, b, out, m, n, k, a.stride(0), b.stride(0), out.stride(0),
+                         f"16..256, num_warps 1, 2, 4 or 8, 1..5 stages, 1..{MAX_SPLITS} splits)")
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    k_split = k
+    part, count = out, out  # unused without splits
+    if cfg.splits > 1:
+        if tiles * cfg.splits > MAX_SPLIT_PROGRAMS or cfg.block_m * cfg.block_n > 64 * 64:
+            raise ValueError(f"matmul_f16: {tiles} tiles x {cfg.splits} splits of {cfg.block_m}x"
+                             f"{cfg.block_n} outputs exceed the split scratch ({MAX_SPLIT_PROGRAMS} "
+                             "programs of at most 64x64)")
+        if scratch is None:
+            scratch = SplitScratch(a.device)
+        elif scratch.device != a.device:
+            raise ValueError(f"matmul_f16: the split scratch is on {scratch.device}, a on {a.device}")
+        k_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.splits) * cfg.block_k
+        part, count = scratch.partials, scratch.counters
+    _matmul_kernel[(tiles, cfg.splits)](
+        a, b, out, part, count, m, n, k, k_split, a.stride(0), b.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP=GROUP_M,
-        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_K=k % cfg.block_k == 0, SPLITS=cfg.splits, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 

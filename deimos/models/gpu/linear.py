@@ -21,10 +21,12 @@ fp32 but round x to fp16 (range 65504: an activation past that would overflow).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from deimos.gguf.constants import GGMLType
-from deimos.kernels.triton.matmul import gemv_f16, matmul_f16
+from deimos.kernels.triton.matmul import SplitScratch, gemv_f16, matmul_f16
 from deimos.models.gpu.dequant import dequantize_fp16, gather_rows, permuted_columns
 from deimos.models.gpu.notices import Notices
 from deimos.quant.triton.dequant_gemv import words_per_group
@@ -40,9 +42,14 @@ class InputCache:
     again (the same memory, shape, strides and dtype: a new view of it counts): q/k/v read one
     input, gate/up another, each prepared once. The kernel that makes an activation may
     ``put`` its quantized form here directly (fused norm / activation / attention). One per
-    model; holding the tensor keeps its memory alive, so its address cannot be recycled."""
+    model; holding the tensor keeps its memory alive, so its address cannot be recycled.
+    ``split``: the scratch of the fp16 matmul's split-K launches on the model's device (made
+    here, before any graph is captured; the steps' matmuls use it in turn; none with
+    DEIMOS_SPLIT_K=0, for A/B measurements, as DEIMOS_PDL=0)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        on = device is not None and os.environ.get("DEIMOS_SPLIT_K", "1") != "0"
+        self.split = SplitScratch(device) if on else None
         self._x: torch.Tensor | None = None
         self._quantized: QuantizedX | None = None
         self._half: torch.Tensor | None = None
@@ -141,12 +148,12 @@ class QuantLinear:
         elif t <= GEMV_ROWS and (self.dense is None or t < DENSE_ROWS):
             y = gemv_rows(self.packed, self.inputs.quantized(x))
         elif self.dense is not None:
-            y = matmul_f16(self.inputs.half(x), self.dense)
+            y = matmul_f16(self.inputs.half(x), self.dense, scratch=self.inputs.split)
         elif t <= GEMM_ROWS:
             y = gemm_q(self.packed, self.inputs.permuted(x, self._words, self._columns()))
         else:
             w16 = dequantize_fp16(self.packed, permuted=True)
-            y = matmul_f16(self.inputs.half(x)[:, self._columns()], w16)
+            y = matmul_f16(self.inputs.half(x)[:, self._columns()], w16, scratch=self.inputs.split)
         return y if self.bias is None else y + self.bias
 
 
@@ -174,7 +181,7 @@ class DenseLinear:
         if x.shape[0] == 1:
             y = gemv_f16(self.inputs.half(x), self.weight)
         else:
-            y = matmul_f16(self.inputs.half(x), self.weight)
+            y = matmul_f16(self.inputs.half(x), self.weight, scratch=self.inputs.split)
         return y if self.bias is None else y + self.bias
 
 

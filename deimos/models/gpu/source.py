@@ -64,7 +64,7 @@ class GpuWeights:
         self.file = file
         self.device = torch.device(device)
         self.expert_device = torch.device(expert_device) if expert_device is not None else self.device
-        self.inputs = InputCache()  # shared by every linear of the model
+        self.inputs = InputCache(self.device)  # shared by every linear of the model
         self.notices = Notices()
         self._packed_all = self._pack_all()
 
