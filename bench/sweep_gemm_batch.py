@@ -206,7 +206,7 @@ def sweep(args) -> None:
     types = [GGMLType[s] for s in args.types.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
     shapes = TINY if args.tiny else (LLAMA_8B if args.shapes == "8b" else LLAMA_8B + QWEN3_06B)
-    tiles = TILES[:3] if args.tiny else TILES
+    tiles = TILES[:3] if args.tiny else (parse_tiles(args.tiles) if args.tiles else TILES)
     if args.quick:
         shapes = shapes[::2]
 
@@ -327,12 +327,25 @@ def summarize(results: dict, baseline: dict, types: list, rows: list) -> None:
           "shape's best; else the per-shape best tiles above, keyed by n / block_n programs and K")
 
 
+def parse_tiles(text: str) -> list[tuple[int, int, int, int]]:
+    """``--tiles "64x256x4x3,128x128x8x3"`` -> [(weight rows, K columns a step, warps, stages)]."""
+    tiles = []
+    for part in text.split(","):
+        fields = part.strip().split("x")
+        if len(fields) != 4 or not all(f.isdigit() for f in fields):
+            raise SystemExit(f"sweep_gemm_batch: bad tile {part!r} (want ROWSxCOLUMNSxWARPSxSTAGES)")
+        tiles.append(tuple(int(f) for f in fields))
+    return tiles
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="activation rows M to sweep")
     ap.add_argument("--quick", action="store_true", help="every other shape")
     ap.add_argument("--shapes", default="all", choices=("all", "8b"), help="8b: llama 8B's matrices only")
+    ap.add_argument("--tiles", default="", help="candidate tiles instead of the built-in list: "
+                    "ROWSxCOLUMNSxWARPSxSTAGES,... (weight rows, K columns a step)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (runs under the interpreter)")
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
                     help="processes that compile the kernels first (1: compile in the sweep)")
