@@ -47,7 +47,7 @@ class ServeConfig:
     dense_weights: str | None = None  # auto, on, off (None: LLM's default, auto)
     experts: str | None = None  # auto, gpu, cpu (MoE models; None: auto)
     expert_cache_gib: float | None = None  # a fixed expert cache (None: elastic, from free memory)
-    speculative: str | None = None  # speculative decoding: "ngram" (None: off)
+    speculative: str | None = None  # speculative decoding: "ngram", "draft" or "mtp" (None: off)
     spec_k: int | None = None  # the most drafts a step verifies (None: SpecConfig's default)
     draft_model: str | None = None  # speculative "draft": the draft model's GGUF (or name)
 
