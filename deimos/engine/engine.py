@@ -157,7 +157,8 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, cfg.n_ctx, cfg.max_seqs, cfg.cuda_graphs,
                                   decode_after=self.sampler.graph_hook,
                                   decode_before=self.sampler.prepare,
-                                  decode_launched=self.sampler.launched, states=self.states)
+                                  decode_launched=self.sampler.launched, states=self.states,
+                                  verify_graphs=self.drafter is not None)
         self.runner.want_hidden = bool(getattr(self.drafter, "wants_hidden", False))
         self._ids = itertools.count()
         self._inflight = None  # a launched step not read yet (deimos.engine.runner.StepResult)

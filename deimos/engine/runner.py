@@ -11,7 +11,8 @@ prefill chunk of at most 512 tokens) and runs the model eagerly otherwise (the C
 always). Logits are computed only for the sequences whose step reaches the end of their
 tokens (a decode, or a prompt's last chunk), and at every row of a sequence verifying drafts
 (speculative decoding, deimos.engine.speculate: its last token and its drafts, packed after the
-decodes like a prefill chunk; such a step always runs eagerly): those rows follow the others'.
+decodes like a prefill chunk; such a step runs eagerly, or on a verify graph when it verifies
+one sequence and nothing else, an agent's usual step): those rows follow the others'.
 
 A hybrid model on the kernel path keeps its recurrent states in a state pool (the engine's,
 deimos.runtime.state_pool): a running sequence holds a slot from its first step (``_bind``:
@@ -110,11 +111,13 @@ class ModelRunner:
                  decode_after: Callable[[int], Callable[[torch.Tensor], None] | None] | None = None,
                  decode_before: Callable[[int, list[Sequence]], None] | None = None,
                  decode_launched: Callable[[int], int | None] | None = None,
-                 states: StatePool | None = None) -> None:
+                 states: StatePool | None = None, verify_graphs: bool = False) -> None:
         """``decode_after(B)``: what a decode graph of B rows captures after the model step
         (the batch's sampling), made once per bucket; None: logits only. ``decode_before(B,
         sequences)``: called before such a graph replays (the sampling's inputs). ``states``:
-        a hybrid model's state pool on the kernel path (default: one of ``max_seqs`` slots)."""
+        a hybrid model's state pool on the kernel path (default: one of ``max_seqs`` slots).
+        ``verify_graphs``: graphs for a step that only verifies one sequence's drafts
+        (speculative decoding; the models that have prefill graphs)."""
         self.model = model
         self.pool = pool
         self.n_ctx = n_ctx
@@ -128,6 +131,7 @@ class ModelRunner:
         self.want_hidden = False  # every row's hidden state too (MTP drafting; eager steps only)
         self.decode_graphs: dict[int, object] = {}
         self.prefill_graphs: dict[int, object] = {}
+        self.verify_graphs: dict[int, object] = {}
         self.states = states if states is not None else state_pool_for(model, max_seqs)
         self._slots: dict[Sequence, SlotState] = {}  # the running sequences' state slots
         self._graph_slots: dict[int, StepSlots] = {}  # a decode graph's slot ids, by bucket
@@ -135,7 +139,7 @@ class ModelRunner:
                            and model.graph_safe)  # fmt: skip
         if self.use_graphs:
             from deimos.kernels.triton.prefill_attention import prefill_tile_map
-            from deimos.runtime.graph import DECODE_BUCKETS, StepGraph
+            from deimos.runtime.graph import DECODE_BUCKETS, VERIFY_BUCKETS, StepGraph
 
             mempool = torch.cuda.graph_pool_handle()  # the graphs never run at once
             cfg = model.config
@@ -156,11 +160,16 @@ class ModelRunner:
                 tiles = prefill_tile_map([n], cfg.n_head, cfg.n_head_kv, cfg.head_dim, self.device)
                 self.prefill_graphs[n] = StepGraph(model, pool, n, 1, self.max_blocks, None, mempool,
                                                    tile_map=tiles)
+            for n in VERIFY_BUCKETS if verify_graphs and self.prefill_graphs else ():
+                tiles = prefill_tile_map([n], cfg.n_head, cfg.n_head_kv, cfg.head_dim, self.device)
+                self.verify_graphs[n] = StepGraph(model, pool, n, 1, self.max_blocks, None, mempool,
+                                                  tile_map=tiles, n_logits=n)
 
     def warm(self, progress=None) -> None:
         """Capture every graph now (compiling every kernel): GPU memory is taken once, before
         the first request, and no request pays a capture."""
-        for label, graphs in (("prefill graph", self.prefill_graphs), ("decode graph", self.decode_graphs)):
+        for label, graphs in (("prefill graph", self.prefill_graphs), ("decode graph", self.decode_graphs),
+                              ("verify graph", self.verify_graphs)):
             for n, g in sorted(graphs.items()):
                 if progress is not None:
                     progress(f"{label} {n}")
@@ -271,6 +280,13 @@ class ModelRunner:
             elif not len(x.logits_at):
                 logits = None
             return StepResult(logits, x.wanting, graph, ticket)
+        if x.verify and len(x.q_lens) == 1 and self.verify_graphs and not self.want_hidden:
+            n = len(x.tokens)  # one sequence verifying its drafts, nothing else in the step
+            graph = next((g for m, g in sorted(self.verify_graphs.items()) if m >= n), None)
+            if graph is not None:
+                if not graph.captured:
+                    graph.capture()
+                return StepResult(self._replay(graph, x)[:n], [], verify=x.verify)
         if not self.want_hidden:
             return StepResult(self._eager(x), x.wanting, verify=x.verify)
         logits, rows = self._eager(x, hidden=True)
@@ -330,7 +346,10 @@ class ModelRunner:
             pad = np.arange(t, n)
             h64[n + t : 2 * n] = x.q_starts[0] + pad  # padding: later positions, scratch slots
             h64[2 * n + t : 3 * n] = pad % self.block_size
-            h64[3 * n] = t - 1
+            if g.n_logits == 1:
+                h64[3 * n] = t - 1
+            else:  # every real row's logits (a verification), the padding repeating the last
+                h64[3 * n :] = np.minimum(np.arange(g.n_logits), t - 1)
             h32[:mb] = x.tables[0]
             h32[mb] = x.q_starts[0]
             # the chunk is its t real rows: the attention's keys end at its last real position.

@@ -5,7 +5,9 @@ once and replayed.
   ``max_seqs``; a batch is padded up to the next bucket), the batch's sampling captured in the
   same graph (deimos.kernels.triton.sample_batch) so a replay hands back token ids;
 - prefill buckets: one sequence's prompt chunk padded up to 16, 32, ... 512 tokens, the logits
-  of its last real token. Without them a short prefill is bound by the host: ~700 kernel
+  of its last real token;
+- verify buckets (speculative decoding): one sequence's last token and its drafts padded up to
+  VERIFY_BUCKETS rows, the logits of every row (rows past the real ones repeat the last). Without them a short prefill is bound by the host: ~700 kernel
   launches for a 0.6B model at ~35 us of Python each (measured on the H200), against ~4 ms of
   GPU work.
 
@@ -32,11 +34,13 @@ from deimos.models.blocks import DecoderModel
 
 DECODE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
+VERIFY_BUCKETS = (8, 17)  # a verification's rows: 1 + drafts (up to speculate.K_LIMIT = 16)
 
 
 class StepGraph:
     """A step of ``n_seqs`` sequences and ``n_tokens`` tokens: decode (every sequence one
-    token, ``n_seqs == n_tokens``) or one prefill chunk (``n_seqs == 1``).
+    token, ``n_seqs == n_tokens``) or one prefill chunk (``n_seqs == 1``), the logits of
+    ``n_logits`` rows (default: one a sequence; a verification's chunk: every row).
 
     Inputs (``load``): int64 tokens, positions, slots [n_tokens] and logits rows [n_logits];
     int32 block tables [n_seqs, max_blocks], first positions [n_seqs], token offsets
@@ -49,7 +53,8 @@ class StepGraph:
 
     def __init__(self, model: DecoderModel, pool, n_tokens: int, n_seqs: int, max_blocks: int,
                  after: Callable[[torch.Tensor], None] | None = None, mempool: tuple | None = None,
-                 warmup: int = 2, tile_map: torch.Tensor | None = None) -> None:
+                 warmup: int = 2, tile_map: torch.Tensor | None = None,
+                 n_logits: int | None = None) -> None:
         device = model.device
         if device.type != "cuda":
             raise ValueError(f"StepGraph: the model is on {device}, CUDA graphs need a CUDA device")
@@ -57,7 +62,9 @@ class StepGraph:
         self.pool = pool
         self.n_tokens, self.n_seqs, self.max_blocks = n_tokens, n_seqs, max_blocks
         self.decode = n_seqs == n_tokens
-        self.n_logits = n_seqs
+        self.n_logits = n_seqs if n_logits is None else n_logits
+        if self.decode and self.n_logits != n_seqs:
+            raise ValueError("StepGraph: a decode graph has one logits row a sequence")
         self.after = after
         self.mempool = mempool
         self.warmup = warmup
@@ -114,7 +121,7 @@ class StepGraph:
             h64[n : 2 * n] = np.arange(n)
             h64[2 * n : 3 * n] = np.arange(n) % self.pool.block_size  # scratch slots
             h32[-1] = n
-            h64[3 * n :] = n - 1
+            h64[3 * n :] = np.minimum(np.arange(self.n_logits), n - 1) if self.n_logits > 1 else n - 1
         self._upload()
         batch = Batch(self.tokens, self.positions, self.pool, self.layout, self.logits_at)
         side = torch.cuda.Stream()
