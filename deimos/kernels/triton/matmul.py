@@ -44,6 +44,8 @@ class SplitScratch:
 
     def __init__(self, device: torch.device | str) -> None:
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" is the current one: cuda:N
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.counters = torch.zeros(MAX_SPLIT_PROGRAMS, dtype=torch.int32, device=device)
         self.partials = torch.empty(MAX_SPLIT_PROGRAMS * 64 * 64, dtype=torch.float32, device=device)
