@@ -642,8 +642,9 @@ def _host_link_jobs() -> list[Job]:
 def _gated_delta_jobs() -> list[Job]:
     """The gated delta rule (kernels.triton.gated_delta_decode / gated_delta_prefill) at Qwen3.5 /
     Qwen3-Next heads (Dk = Dv = 128; 16 key heads for 32 value heads, grouped and tiled),
-    bf16 and float32 inputs; the prefill's dots in ieee and tf32; the causal convolution's
-    decode step (kernels.triton.causal_conv_decode) over those heads' 8192 channels, K = 4."""
+    bf16 and float32 inputs; the prefill's dots in ieee and tf32; the block's fused inputs
+    (kernels.triton.gdn_inputs: conv, norms, gates over those heads' 8192 channels, K = 4) and
+    its gated output norm (kernels.triton.gated_norm)."""
     import importlib
 
     import torch
@@ -660,13 +661,19 @@ def _gated_delta_jobs() -> list[Job]:
                             _warm(dec._decode_kernel, [x, x, x, x, x, x, f32, i32, d**-0.5],
                                   HK=hk, HV=hv, DK=d, DV=d, BLOCK_V=bv, TILED=tiled,
                                   num_warps=4, **PDL_KW)))
-    conv = importlib.import_module("deimos.kernels.triton.causal_conv_decode")
     c = (2 * hk + hv) * d  # the convolution's channels: q, k and v
-    for x in (f32, bf16):
-        bc = conv.conv_block_c(c)
-        jobs.append(Job("conv_update", f"C={c} K=4 BC={bc} {str(x)[6:]}",
-                        _warm(conv._conv_update_kernel, [x, f32, f32, i32, f32], C=c, K=4,
-                              BLOCK_C=bc, num_warps=4, **PDL_KW)))
+    gi = importlib.import_module("deimos.kernels.triton.gdn_inputs")
+    for x, one in ((f32, True), (f32, False), (bf16, False)):
+        jobs.append(Job("gdn_inputs", f"H={hv}/{hk} D={d} K=4 {str(x)[6:]} one_row={int(one)}",
+                        _warm(gi._inputs_kernel, [x, c, f32, f32, i32, i32, x, 2 * hv, 0, x,
+                                                  2 * hv, 0, f32, f32, f32, 512, f32, f32, 1e-6],
+                              HK=hk, HV=hv, DH=d, K=4, R=hv, BLOCK_H=hv, BLOCK_T=1 if one else gi.BLOCK_T,
+                              ONE_ROW=one, num_warps=8, **PDL_KW)))
+    gn = importlib.import_module("deimos.kernels.triton.gated_norm")
+    for z in (f32, bf16):
+        jobs.append(Job("gated_norm", f"H={hv} D={d} z={str(z)[6:]}",
+                        _warm(gn._gated_norm_kernel, [f32, z, hv * d, f32, f32, 512 * hv, 1e-6],
+                              HV=hv, DH=d, BLOCK_R=32, num_warps=4, **PDL_KW)))
     bv, warps = pre.prefill_config(d, d)
     for x, prec in ((bf16, "ieee"), (f32, "ieee"), (bf16, "tf32")):
         jobs.append(Job("gdn_prefill", f"H={hv}/{hk} D={d} BV={bv} w={warps} {str(x)[6:]} {prec}",

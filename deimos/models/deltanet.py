@@ -238,8 +238,17 @@ class GatedDeltaNet:
     def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> (conv input [T, (2 Hk + Hv) Dh] as [q | k | v], z [T, Hv, Dh],
         beta [T, Hv], g [T, Hv])."""
+        mixed, z, b, alpha = self.raw_projections(x)
+        n = x.shape[0]
+        beta = torch.sigmoid(b.reshape(n, self.hv))
+        return mixed, z, beta, F.softplus(alpha.reshape(n, self.hv) + self.dt_bias) * self.a
+
+    def raw_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (conv input [T, (2 Hk + Hv) Dh], z [T, Hv, Dh], b, alpha): the linears'
+        outputs as views, b and alpha (beta's and g's inputs) ``[T, H1, R]`` with value head
+        h = i R + j at [t, i, j] (here H1 = 1, R = Hv)."""
         mixed, z = self.qkv(x), self.gate(x).view(x.shape[0], self.hv, self.dh)
-        return mixed, z, torch.sigmoid(self.beta(x)), F.softplus(self.alpha(x) + self.dt_bias) * self.a
+        return mixed, z, self.beta(x)[:, None, :], self.alpha(x)[:, None, :]
 
     def _value_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[T, Hk, Dh] key-head rows -> [T, Hv, Dh], by ``head_map``: tiled (value head h reads

@@ -25,7 +25,6 @@ MTP layers as qwen35's (``model.mtp``, deimos.models.mtp): this model's full-att
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from deimos.models.config import ModelConfig
 from deimos.models.deltanet import GatedDeltaNet
@@ -53,9 +52,10 @@ class Qwen3NextDeltaNet(GatedDeltaNet):
                 [(f"{p}.attn_qkv", cfg.ssm_conv_dim), (f"{p}.attn_gate", hv * dh)], d)
         self.beta_alpha = w.linear(f"{p}.ssm_ba", 2 * hv, d, bias=None)
 
-    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, D] -> (conv input [T, (2 Hk + Hv) Dh] as [q | k | v], z [T, Hv, Dh],
-        beta [T, Hv], g [T, Hv]), every head in the grouped order."""
+    def raw_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (conv input [T, (2 Hk + Hv) Dh] as [q | k | v], z [T, Hv, Dh], b,
+        alpha [T, Hk, Hv / Hk]: ssm_ba's per-key-head betas and alphas, as views), every head
+        in the grouped order."""
         n, hk, hv, dh = x.shape[0], self.hk, self.hv, self.dh
         r = hv // hk
         if self.legacy:
@@ -67,9 +67,7 @@ class Qwen3NextDeltaNet(GatedDeltaNet):
         else:
             mixed, z = self.qkv(x), self.gate(x).view(n, hv, dh)
         ba = self.beta_alpha(x).view(n, hk, 2, r)  # per key head: its r betas, then its r alphas
-        beta = torch.sigmoid(ba[:, :, 0].reshape(n, hv))
-        g = F.softplus(ba[:, :, 1].reshape(n, hv) + self.dt_bias) * self.a
-        return mixed, z, beta, g
+        return mixed, z, ba[:, :, 0], ba[:, :, 1]
 
 
 class Qwen3NextModel(Qwen35Model):

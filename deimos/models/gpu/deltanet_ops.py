@@ -2,14 +2,16 @@
 deimos.models.deltanet.GatedDeltaNet, itself checked against llama.cpp).
 
 For a step of B sequences (the first ``n_decode`` one token each, then prefill chunks):
-- the four projections of x through the block's linears (QuantLinear / LinearGroup on the GPU);
-- the short causal convolution with each sequence's K - 1 carried inputs, then SiLU: the decode
-  rows in one launch (kernels.triton.causal_conv_decode: the window of each row's slot shifted
-  in place), each prefill chunk by deimos.kernels.deltanet.causal_conv1d on its slot's rows
-  (gathered and scattered by the device slot ids); then the q/k head l2-norms, g and beta;
+- the four projections of x through the block's linears (QuantLinear / LinearGroup on the GPU),
+  read as views of their outputs (``raw_projections``);
+- one launch (kernels.triton.gdn_inputs) for what the rule reads: the short causal convolution
+  of every sequence with its slot's K - 1 carried inputs (advanced in place), SiLU, the q/k
+  head l2 norms, g and beta (a decode step's rows one a sequence, no cu_seqlens: its graph
+  reads nothing from the host);
 - the gated delta rule on the same slots: gated_delta_decode for the decode rows and
   gated_delta_prefill for the chunks (cu_seqlens from the batch);
-- the per-head RMS norm (the Triton kernel), times SiLU(z), the output projection.
+- the per-head RMS norm times SiLU(z) in one launch (kernels.triton.gated_norm), the output
+  projection.
 
 The states live in a pool by slot (``[n_slots, Hv, Dk, Dv]`` and ``[n_slots, C, K - 1]`` per
 layer): the engine's persistent one (``HybridKV.store``, slots ``HybridKV.slots`` on the device:
@@ -27,12 +29,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-from deimos.kernels.deltanet import causal_conv1d
-from deimos.kernels.triton.causal_conv_decode import causal_conv_update
 from deimos.kernels.triton.gated_delta_decode import gated_delta_decode
 from deimos.kernels.triton.gated_delta_prefill import gated_delta_prefill
+from deimos.kernels.triton.gated_norm import rms_norm_gated
+from deimos.kernels.triton.gdn_inputs import gdn_inputs
 from deimos.models.batch import Batch
 
 
@@ -46,13 +47,11 @@ def gated_delta_net(block, x: torch.Tensor, batch: Batch, states: list) -> torch
     hk, hv, dh = block.hk, block.hv, block.dh
     ssm, conv, slots, write_back = _state_rows(batch.kv, states, block, x.device)
     head_map = block.head_map  # qwen35's tiled, qwen3next's grouped
-    mixed, z, beta, g = block.projections(x)  # the block's own layouts (qwen3next: ssm_ba, ssm_in)
-    mixed, z = mixed.float(), z.float()
-    beta, g = beta.float().contiguous(), g.float().contiguous()
-    y = _conv(mixed.contiguous(), block.conv, conv, slots, seqs.q_lens, nd)
-    q = _l2_norm(y[:, : hk * dh].reshape(n, hk, dh), block.eps)
-    k = _l2_norm(y[:, hk * dh : 2 * hk * dh].reshape(n, hk, dh), block.eps)
-    v = y[:, 2 * hk * dh :].reshape(n, hv, dh).contiguous()
+    mixed, z, b, alpha = block.raw_projections(x)  # views of the linears' outputs
+    # a decode step: one row a sequence (no cu_seqlens, so a CUDA graph replays it)
+    cu = None if nd == n_seq else seqs.cu_q
+    q, k, v, g, beta = gdn_inputs(mixed, block.conv, conv, slots[:n_seq], cu, b, alpha,
+                                  block.dt_bias, block.a, hk, hv, dh, block.eps)  # fmt: skip
     out = torch.empty(n, hv, dh, dtype=torch.float32, device=x.device)
     scale = dh**-0.5
     if nd:
@@ -64,8 +63,7 @@ def gated_delta_net(block, x: torch.Tensor, batch: Batch, states: list) -> torch
                             precision=PREFILL_PRECISION if x.is_cuda else "ieee")  # fmt: skip
     if write_back is not None:
         write_back()
-    o = block.ops.rms_norm(out.view(n * hv, dh), block.norm, block.eps).view(n, hv, dh)
-    return block.out((o * F.silu(z)).reshape(n, hv * dh))
+    return block.out(rms_norm_gated(out, z, block.norm, block.eps))
 
 
 # the chunk kernel's fp32 dots: tf32 on the tensor cores (qwen35 4B's 512-token prompt: 5.3 ms a
@@ -105,29 +103,3 @@ def _state_rows(kv, states: list, block, device: torch.device
         torch._foreach_copy_([st.conv[layer] for st in states], [t.t() for t in conv.unbind(0)])
 
     return ssm, conv, slots, write_back
-
-
-def _conv(mixed: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
-          q_lens: list[int], nd: int) -> torch.Tensor:
-    """SiLU of the causal convolution of every sequence's rows of ``mixed [T, C]`` (float32)
-    with the carried inputs of its slot of ``pool [S, C, K - 1]``, which it advances.
-    Returns ``[T, C]`` float32."""
-    y = torch.empty_like(mixed)
-    if nd:  # one token each: one launch, the windows shifted in place
-        causal_conv_update(mixed[:nd], weight, pool, slots[:nd], out=y[:nd])
-    if nd < len(q_lens):  # prefill chunks (eager steps): each from its slot's rows
-        at = slots[nd:].long()
-        carried = pool.index_select(0, at)  # [P, C, K - 1]
-        t0 = nd
-        for i, m in enumerate(q_lens[nd:]):
-            y[t0 : t0 + m], state = causal_conv1d(mixed[t0 : t0 + m], weight, carried[i].t())
-            carried[i] = state.t()
-            t0 += m
-        pool.index_copy_(0, at, carried)
-        y[nd:] = F.silu(y[nd:])
-    return y
-
-
-def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """As the reference (ggml's build_gdn_l2_norm): x / sqrt(sum x^2 + eps), contiguous."""
-    return (x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)).contiguous()

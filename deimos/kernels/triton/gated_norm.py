@@ -1,0 +1,71 @@
+"""The Gated DeltaNet block's output norm (Triton): y = rms_norm(o) * weight * SiLU(z) per
+value head, in one launch instead of a norm, a SiLU, a product and the casts around them.
+Oracle: ``rms_norm_gated_reference`` below (deimos.kernels.norm.rms_norm, then SiLU(z) in
+float32, as the CPU block).
+
+Program: BLOCK_R (token, head) rows of Dh elements; o's rows are contiguous, z's are read
+through its strides (the gate projection's columns of a packed linear's output).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from deimos.kernels.norm import rms_norm
+from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
+
+
+@triton.jit
+def _gated_norm_kernel(p_o, p_z, stride_zt, p_w, p_y, n_rows, eps, HV: tl.constexpr,
+                       DH: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
+    o_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    m_r = o_r < n_rows
+    o_d = tl.arange(0, DH)
+    b_o = tl.load(p_o + o_r[:, None] * DH + o_d[None, :], mask=m_r[:, None], other=0.0)
+    b_o = b_o.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(b_o * b_o, axis=1) / DH + eps)
+    b_w = tl.load(p_w + o_d).to(tl.float32)
+    p_zr = p_z + (o_r // HV) * stride_zt + (o_r % HV) * DH
+    b_z = tl.load(p_zr[:, None] + o_d[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
+    b_y = b_o * rstd[:, None] * b_w[None, :] * (b_z * tl.sigmoid(b_z))
+    tl.store(p_y + o_r[:, None] * DH + o_d[None, :], b_y, mask=m_r[:, None])
+
+
+def rms_norm_gated(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+                   ) -> torch.Tensor:
+    """``rms_norm(o) * weight * silu(z)`` over each head's Dh elements: o ``[T, Hv, Dh]``
+    contiguous, z ``[T, Hv, Dh]`` with heads Dh apart and contiguous elements (any row
+    stride), weight ``[Dh]``; Dh a power of two. Returns ``[T, Hv * Dh]`` float32."""
+    if o.dim() != 3 or not o.is_contiguous():
+        raise ValueError(f"rms_norm_gated: o {tuple(o.shape)} is not a contiguous [T, Hv, Dh]")
+    t, hv, dh = o.shape
+    if z.shape != o.shape or z.stride(2) != 1 or z.stride(1) != dh:
+        raise ValueError(f"rms_norm_gated: z {tuple(z.shape)} (strides {z.stride()}) is not "
+                         f"[{t}, {hv}, {dh}] with heads {dh} apart")  # fmt: skip
+    if weight.shape != (dh,) or dh & (dh - 1):
+        raise ValueError(f"rms_norm_gated: weight {tuple(weight.shape)} is not [{dh}] with "
+                         "Dh a power of two")  # fmt: skip
+    if z.device != o.device or weight.device != o.device:
+        raise ValueError(f"rms_norm_gated: o on {o.device}, z on {z.device}, weight on "
+                         f"{weight.device}")  # fmt: skip
+    y = torch.empty(t, hv * dh, dtype=torch.float32, device=o.device)
+    rows = t * hv
+    if rows:
+        block_r = max(1, min(32, 4096 // dh))
+        _gated_norm_kernel[(triton.cdiv(rows, block_r),)](
+            o, z, z.stride(0), weight, y, rows, float(eps), HV=hv, DH=dh, BLOCK_R=block_r,
+            num_warps=4, **launch_options(pdl_on(o.device)),
+        )  # fmt: skip
+    return y
+
+
+def rms_norm_gated_reference(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+                             ) -> torch.Tensor:
+    """``rms_norm_gated`` in torch: the CPU block's ``rms_norm(out) * silu(z)``."""
+    t, hv, dh = o.shape
+    y = rms_norm(o.float(), weight.float(), eps) * F.silu(z.float())
+    return y.reshape(t, hv * dh)

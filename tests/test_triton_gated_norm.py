@@ -1,0 +1,36 @@
+"""The Gated DeltaNet block's output norm (kernels.triton.gated_norm) against its reference
+(rms_norm then SiLU(z), the CPU block's): z as the strided columns of a wider matrix, a row
+count that leaves the last program part empty, float32 and fp16 gates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_device import DEVICE  # sets TRITON_INTERPRET without a GPU: before the kernels
+
+from deimos.kernels.triton.gated_norm import rms_norm_gated, rms_norm_gated_reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_gated_norm_equals_the_reference(dtype):
+    g = torch.Generator().manual_seed(3)
+    t, hv, dh = 7, 5, 32
+    o = torch.randn(t, hv, dh, generator=g) * 3
+    wide = torch.randn(t, hv * dh + 40, generator=g).to(dtype)
+    z = wide[:, 16 : 16 + hv * dh].view(t, hv, dh)
+    w = torch.randn(dh, generator=g)
+    want = rms_norm_gated_reference(o, z, w, 1e-6)
+    wd = wide.to(DEVICE)
+    got = rms_norm_gated(o.to(DEVICE), wd[:, 16 : 16 + hv * dh].view(t, hv, dh), w.to(DEVICE), 1e-6)
+    assert got.shape == (t, hv * dh) and got.dtype == torch.float32
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_shapes_are_named():
+    o = torch.randn(2, 3, 16)
+    with pytest.raises(ValueError, match="z"):
+        rms_norm_gated(o, torch.randn(2, 3, 8), torch.randn(16), 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm_gated(o, torch.randn(2, 3, 16), torch.randn(8), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        rms_norm_gated(o.transpose(0, 1), torch.randn(3, 2, 16), torch.randn(16), 1e-6)

@@ -1,0 +1,119 @@
+"""The Gated DeltaNet block's fused inputs (kernels.triton.gdn_inputs) against its reference
+(gdn_inputs_reference: causal_conv1d, SiLU, the l2 norm, sigmoid and softplus in torch, as the
+CPU block), and the reference against the decode conv's. Packed sequences of 0, 1, 2, 3, 40
+and 70 rows (shorter than the carried window, one token block, several), decode rows
+(cu_seqlens None), strided conv input, qwen3next's interleaved ssm_ba views, big gate inputs
+(softplus's linear branch), and a sequence one row at a time against all at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_device import DEVICE  # sets TRITON_INTERPRET without a GPU: before the kernels
+
+from deimos.kernels.triton.gdn_inputs import gdn_inputs, gdn_inputs_reference
+
+HK, HV, DH, EPS = 2, 4, 16, 1e-6
+C = (2 * HK + HV) * DH
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _case(t: int, k: int, seed: int, interleaved: bool):
+    """(x as a strided view, weight, pool, b, alpha, dt_bias, ssm_a) on the CPU."""
+    wide = torch.randn(t, C + 24, generator=_gen(seed))  # x: columns 8 .. 8 + C of each row
+    x = wide[:, 8 : 8 + C]
+    w = torch.randn(C, k, generator=_gen(seed + 1))
+    pool = torch.randn(7, C, k - 1, generator=_gen(seed + 2))
+    if interleaved:  # qwen3next's ssm_ba: per key head its r betas, then its r alphas
+        r = HV // HK
+        ba = torch.randn(t, HK, 2, r, generator=_gen(seed + 3)) * 4
+        b, alpha = ba[:, :, 0], ba[:, :, 1]
+    else:
+        proj = torch.randn(t, 2 * HV + 3, generator=_gen(seed + 3)) * 4
+        b, alpha = proj[:, None, 0:HV], proj[:, None, HV + 3 : 2 * HV + 3]
+    alpha[0] = 30.0  # softplus(x) = x past 20
+    dt_bias = torch.randn(HV, generator=_gen(seed + 4))
+    decay = -torch.rand(HV, generator=_gen(seed + 5)) * 3
+    return x, w, pool, b, alpha, dt_bias, decay
+
+
+def _run(args, slots, cu):
+    x, w, pool, b, alpha, dt_bias, decay = args
+    want_pool = pool.clone()
+    cu_cpu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    want = gdn_inputs_reference(x, w, want_pool, torch.tensor(slots, dtype=torch.int32), cu_cpu,
+                                b, alpha, dt_bias, decay, HK, HV, DH, EPS)  # fmt: skip
+    d = [a.to(DEVICE) for a in args]
+    if DEVICE != "cpu":  # keep the views' strides on the device
+        d[0] = args[0].base.to(DEVICE)[:, 8 : 8 + C] if args[0].base is not None else d[0]
+    got_pool = d[2] = pool.clone().to(DEVICE)  # args' pool stays as it was
+    i32 = {"dtype": torch.int32, "device": DEVICE}
+    got = gdn_inputs(d[0], d[1], got_pool, torch.tensor(slots, **i32),
+                     None if cu is None else torch.tensor(cu, **i32), d[3], d[4], d[5], d[6],
+                     HK, HV, DH, EPS)  # fmt: skip
+    return want, want_pool, [u.cpu() for u in got], got_pool.cpu()
+
+
+@pytest.mark.parametrize("k", [2, 4], ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("interleaved", [False, True], ids=["qwen35", "qwen3next"])
+def test_packed_sequences_equal_the_reference(k, interleaved):
+    """Sequences of 3, 0, 70, 1, 2 and 40 rows into slots 5, 6, 1, 0, 3, 2: q, k, v, g and
+    beta within float32 rounding, every named slot's carried inputs bit for bit (copies of
+    inputs or of the old slot), slot 4 untouched."""
+    lens = [3, 0, 70, 1, 2, 40]
+    cu = [0]
+    for m in lens:
+        cu.append(cu[-1] + m)
+    args = _case(cu[-1], k, 10 + k, interleaved)
+    slots = [5, 6, 1, 0, 3, 2]
+    want, want_pool, got, got_pool = _run(args, slots, cu)
+    for name, a, b in zip("qkvgb", want, got):
+        err = (a - b).abs().max().item()
+        print(f"K={k} {name}: max diff {err:.2e}")
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"{name} differs")
+    torch.testing.assert_close(got_pool, want_pool, rtol=0, atol=0)
+    assert torch.equal(got_pool[4], args[2][4]), "an unnamed slot changed"
+    norms = got[0].norm(dim=-1)
+    assert ((norms - 1).abs() < 1e-3).all(), "q rows are not unit vectors"
+
+
+def test_decode_rows_equal_the_reference_and_the_whole_sequence():
+    """cu_seqlens None (one row a sequence, rows sharing nothing): equal to the reference; and
+    9 one-row steps of one sequence equal the 9 rows in one packed call from the same slot
+    (the carried window shifted row by row ends where the packed call leaves it)."""
+    args = _case(3, 4, 40, False)
+    want, want_pool, got, got_pool = _run(args, [4, 1, 2], None)
+    for name, a, b in zip("qkvgb", want, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"{name} differs")
+    torch.testing.assert_close(got_pool, want_pool, rtol=0, atol=0)
+    x, w, pool, b, alpha, dt_bias, decay = (u.to(DEVICE) for u in _case(9, 4, 41, False))
+    i32 = {"dtype": torch.int32, "device": DEVICE}
+    one = torch.tensor([3], **i32)
+    step_pool, whole_pool = pool.clone(), pool.clone()
+    steps = [gdn_inputs(x[t : t + 1], w, step_pool, one, None, b[t : t + 1], alpha[t : t + 1],
+                        dt_bias, decay, HK, HV, DH, EPS) for t in range(9)]  # fmt: skip
+    whole = gdn_inputs(x, w, whole_pool, one, torch.tensor([0, 9], **i32), b, alpha, dt_bias,
+                       decay, HK, HV, DH, EPS)  # fmt: skip
+    for i, name in enumerate("qkvgb"):
+        torch.testing.assert_close(torch.cat([s[i] for s in steps]), whole[i], rtol=1e-6,
+                                   atol=1e-6, msg=f"{name} differs")  # fmt: skip
+    torch.testing.assert_close(step_pool, whole_pool, rtol=0, atol=0)
+
+
+def test_bad_arguments_are_named():
+    x, w, pool, b, alpha, dt_bias, decay = _case(4, 4, 50, False)
+    slots = torch.zeros(1, dtype=torch.int32)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="x"):
+        gdn_inputs(x[:, :-1], w, pool, slots, cu, b, alpha, dt_bias, decay, HK, HV, DH, EPS)
+    with pytest.raises(ValueError, match="conv pool"):
+        gdn_inputs(x, w, pool[:, :, :2], slots, cu, b, alpha, dt_bias, decay, HK, HV, DH, EPS)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        gdn_inputs(x, w, pool, slots, cu[:1], b, alpha, dt_bias, decay, HK, HV, DH, EPS)
+    with pytest.raises(ValueError, match="one-row"):
+        gdn_inputs(x, w, pool, slots, None, b, alpha, dt_bias, decay, HK, HV, DH, EPS)
+    with pytest.raises(ValueError, match="alpha"):
+        gdn_inputs(x, w, pool, slots, cu, b, alpha[:, :, :3], dt_bias, decay, HK, HV, DH, EPS)
