@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Session 30's GPU rounds (from the repository root on the GPU machine; carry .whl .peer/td
+# .peer/lc):
+#   bench/gpu_round_s30.sh fused    # the Gated DeltaNet block's fused inputs and output norm:
+#                                   # their GPU tests and the hybrids'; qwen35 4B Q4_K_M against
+#                                   # llama-bench (run alone first, its own warm-up, -r 5); where
+#                                   # the prompt and a decode step go
+. bench/gpu_env.sh
+export DEIMOS_TEST_DATA=/tmp/td
+Q4=/tmp/m/qwen35-4b-Q4_K_M.gguf
+setup() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  [ -d /tmp/td ] || cp -r .peer/td /tmp/td
+  [ -x /tmp/lc/llama-bench ] || { mkdir -p /tmp/lc && tar xJf .peer/lc/llama-cuda-sm90.tar.xz -C /tmp/lc; }
+}
+gputests() {
+  timeout ${TEST_S:-240} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_triton_gdn_inputs.py \
+    tests/test_triton_gated_norm.py tests/test_triton_gated_delta.py tests/test_qwen35_gpu.py \
+    tests/test_qwen35_state_pool.py tests/test_speculate.py -k "not smol and not keeps_the_greedy" 2>&1 | cut -c1-220 | tail -8
+}
+case "${1:-}" in
+fused)
+  setup; idle; gputests
+  synth qwen35-4b $Q4 Q4_K_M qwen2; idle
+  timeout ${BENCH_S:-240} python3 -m deimos bench $Q4 -p 512 -n 128 -r 3 --vs-llama /tmp/lc/llama-bench \
+    --json "$OUT/qwen35-4b.json" 2>&1 | grep -v Warn | tee "$OUT/qwen35-4b.txt" | tail -14
+  idle
+  timeout 150 python3 bench/profile_prefill.py $Q4 -p 512 --top 16 2>&1 | grep -v Warn | cut -c1-200 \
+    | tee "$OUT/prefill-profile.txt" | tail -24
+  timeout 150 python3 bench/profile_decode.py $Q4 --ctx 512 --steps 8 2>&1 | grep -v Warn | cut -c1-200 \
+    | tee "$OUT/decode-profile.txt" | tail -30
+  idle ;;
+*) echo "usage: $0 fused" >&2; exit 2 ;;
+esac
