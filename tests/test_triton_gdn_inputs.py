@@ -53,7 +53,8 @@ def _run(args, slots, cu):
     i32 = {"dtype": torch.int32, "device": DEVICE}
     got = gdn_inputs(d[0], d[1], got_pool, torch.tensor(slots, **i32),
                      None if cu is None else torch.tensor(cu, **i32), d[3], d[4], d[5], d[6],
-                     HK, HV, DH, EPS)  # fmt: skip
+                     HK, HV, DH, EPS,
+                     max_len=None if cu is None else max(b - a for a, b in zip(cu, cu[1:])))  # fmt: skip
     return want, want_pool, [u.cpu() for u in got], got_pool.cpu()
 
 

@@ -9,8 +9,10 @@ slot of the conv pool ``[n_slots, C, K - 1]`` float32 (the last K - 1 inputs, ol
   (x / sqrt(sum x^2 + eps)); the slot receives the sequence's last K - 1 inputs;
 - beta = sigmoid(b) and g = softplus(alpha + dt_bias) * a, ``[T, Hv]``.
 
-Program (group, sequence): group i < 2 Hk + Hv is one head's Dh channels, walking the sequence
-in blocks of BLOCK_T rows; group 2 Hk + Hv is the sequence's gates. Replaces the 30-odd torch
+Program (group, sequence, block of BLOCK_T rows): group i < 2 Hk + Hv is one head's Dh
+channels, group 2 Hk + Hv the gates. Only a sequence's first block reads its slot (BLOCK_T >=
+K - 1), so that program alone also writes the slot's new carried inputs (the sequence's last
+K - 1, from x or, for a sequence shorter than that, partly from the old slot). Replaces the 30-odd torch
 ops a layer of the eager path (casts, the conv's shifted products, the norms' pow/sum/rsqrt,
 contiguous copies, the gates) and the decode conv kernel.
 
@@ -29,7 +31,7 @@ import triton.language as tl
 from deimos.kernels.deltanet import causal_conv1d
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 
-BLOCK_T = 16  # rows of a head's channels a step of the walk (a decode step's one row: 1)
+BLOCK_T = 16  # rows of a program (a decode step's one row: 1); at least K - 1
 
 
 @triton.jit
@@ -39,26 +41,28 @@ def _inputs_kernel(p_x, stride_x, p_w, p_pool, p_slot, p_cu,
                    HK: tl.constexpr, HV: tl.constexpr, DH: tl.constexpr, K: tl.constexpr,
                    R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
                    ONE_ROW: tl.constexpr, PDL: tl.constexpr = False):
-    """Head group i_c (or the gates) of sequence i_n."""
+    """Rows i_t BLOCK_T .. of sequence i_n: head group i_c's channels (or the gates)."""
     pdl_start(PDL)
-    i_c, i_n = tl.program_id(0), tl.program_id(1)
+    i_c, i_n, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if ONE_ROW:
         bos = i_n.to(tl.int64)
         seqlen = 1
     else:
         bos = tl.load(p_cu + i_n).to(tl.int64)
         seqlen = tl.load(p_cu + i_n + 1) - bos.to(tl.int32)
-    o_t = tl.arange(0, BLOCK_T)
-    if i_c == 2 * HK + HV:  # the gates
-        o_h = tl.arange(0, BLOCK_H)
-        m_h = o_h < HV
-        col_b = (o_h // R) * sb_h + o_h % R
-        col_a = (o_h // R) * sa_h + o_h % R
-        b_dtb = tl.load(p_dtb + o_h, mask=m_h, other=0.0).to(tl.float32)
-        b_dec = tl.load(p_decay + o_h, mask=m_h, other=0.0).to(tl.float32)
-        for t0 in range(0, seqlen, BLOCK_T):
-            rows = bos + t0 + o_t
-            m = ((t0 + o_t) < seqlen)[:, None] & m_h[None, :]
+    t0 = i_t * BLOCK_T
+    o_t = t0 + tl.arange(0, BLOCK_T)  # rows of the sequence
+    m_t = o_t < seqlen
+    rows = bos + o_t
+    if t0 < seqlen:
+        if i_c == 2 * HK + HV:  # the gates
+            o_h = tl.arange(0, BLOCK_H)
+            m_h = o_h < HV
+            col_b = (o_h // R) * sb_h + o_h % R
+            col_a = (o_h // R) * sa_h + o_h % R
+            b_dtb = tl.load(p_dtb + o_h, mask=m_h, other=0.0).to(tl.float32)
+            b_dec = tl.load(p_decay + o_h, mask=m_h, other=0.0).to(tl.float32)
+            m = m_t[:, None] & m_h[None, :]
             b_b = tl.load(p_b + rows[:, None] * sb_t + col_b[None, :], mask=m, other=0.0)
             b_a = tl.load(p_a + rows[:, None] * sa_t + col_a[None, :], mask=m, other=0.0)
             b_a = b_a.to(tl.float32) + b_dtb[None, :]
@@ -66,26 +70,24 @@ def _inputs_kernel(p_x, stride_x, p_w, p_pool, p_slot, p_cu,
             o = rows[:, None] * HV + o_h[None, :]
             tl.store(p_beta + o, tl.sigmoid(b_b.to(tl.float32)), mask=m)
             tl.store(p_g + o, b_sp * b_dec[None, :], mask=m)
-    else:
-        C: tl.constexpr = (2 * HK + HV) * DH
-        slot = tl.load(p_slot + i_n).to(tl.int64)
-        o_d = tl.arange(0, DH)
-        o_c = i_c * DH + o_d  # this head's channels of x
-        p_s = p_pool + slot * (C * (K - 1)) + o_c * (K - 1)  # tap 0 of each channel's carried inputs
-        # q, k and v are the three parts of one buffer: [T, Hk, Dh], [T, Hk, Dh], [T, Hv, Dh]
-        part = (i_c >= HK).to(tl.int64) + (i_c >= 2 * HK).to(tl.int64)
-        stride_o = tl.where(part == 2, HV * DH, HK * DH)
-        p_o = p_qkv + part * n_rows * (HK * DH) + (i_c - part * HK) * DH
-        for t0 in range(0, seqlen, BLOCK_T):
-            m_t = (t0 + o_t) < seqlen
+        else:
+            C: tl.constexpr = (2 * HK + HV) * DH
+            slot = tl.load(p_slot + i_n).to(tl.int64)
+            o_d = tl.arange(0, DH)
+            o_c = i_c * DH + o_d  # this head's channels of x
+            p_s = p_pool + slot * (C * (K - 1)) + o_c * (K - 1)  # tap 0 of the carried inputs
+            # q, k and v: the three parts of one buffer, [T, Hk, Dh], [T, Hk, Dh], [T, Hv, Dh]
+            part = (i_c >= HK).to(tl.int64) + (i_c >= 2 * HK).to(tl.int64)
+            stride_o = tl.where(part == 2, HV * DH, HK * DH)
+            p_o = p_qkv + part * n_rows * (HK * DH) + (i_c - part * HK) * DH
             b_y = tl.zeros([BLOCK_T, DH], dtype=tl.float32)
             for j in tl.static_range(K):  # tap j: input t - (K - 1) + j, from x or the slot
-                pos = t0 + o_t - (K - 1) + j
-                in_x = m_t & (pos >= 0)
+                pos = o_t - (K - 1) + j
                 b_in = tl.load(p_x + (bos + pos)[:, None] * stride_x + o_c[None, :],
-                               mask=in_x[:, None], other=0.0).to(tl.float32)
-                b_in += tl.load(p_s[None, :] + (pos + (K - 1))[:, None],
-                                mask=(m_t & (pos < 0))[:, None], other=0.0)
+                               mask=(m_t & (pos >= 0))[:, None], other=0.0).to(tl.float32)
+                if i_t == 0:  # only the first rows reach back into the slot
+                    b_in += tl.load(p_s[None, :] + (pos + (K - 1))[:, None],
+                                    mask=(m_t & (pos < 0))[:, None], other=0.0)
                 b_w = tl.load(p_w + o_c * K + j).to(tl.float32)
                 if j == 0:
                     b_y = b_in * b_w[None, :]
@@ -94,24 +96,26 @@ def _inputs_kernel(p_x, stride_x, p_w, p_pool, p_slot, p_cu,
             b_y = b_y * tl.sigmoid(b_y)
             if i_c < 2 * HK:
                 b_y = b_y / tl.sqrt(tl.sum(b_y * b_y, axis=1) + eps)[:, None]
-            tl.store(p_o + (bos + t0 + o_t)[:, None] * stride_o + o_d[None, :], b_y,
-                     mask=m_t[:, None])
-        # the slot's new carried inputs: inputs seqlen - (K - 1) + j of cat(slot, x), stored in
-        # order of j (input j + seqlen of the old slot is read before it can be overwritten);
-        # every program thread past its reads of the old slot first
-        tl.debug_barrier()
-        for j in tl.static_range(K - 1):
-            pos = seqlen - (K - 1) + j
-            if pos >= 0:
-                b_n = tl.load(p_x + (bos + pos) * stride_x + o_c).to(tl.float32)
-            else:
-                b_n = tl.load(p_s + (pos + (K - 1)))
-            tl.store(p_s + j, b_n)
+            tl.store(p_o + rows[:, None] * stride_o + o_d[None, :], b_y, mask=m_t[:, None])
+            if i_t == 0:
+                # the slot's new carried inputs, by the one program that reads the old ones:
+                # inputs seqlen - (K - 1) + j of cat(slot, x), stored in order of j (input
+                # j + seqlen of the old slot is read before it can be overwritten), every
+                # thread past its reads of the old slot first
+                tl.debug_barrier()
+                for j in tl.static_range(K - 1):
+                    pos = seqlen - (K - 1) + j
+                    if pos >= 0:
+                        b_n = tl.load(p_x + (bos + pos) * stride_x + o_c).to(tl.float32)
+                    else:
+                        b_n = tl.load(p_s + (pos + (K - 1)))
+                    tl.store(p_s + j, b_n)
 
 
 def gdn_inputs(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
                cu_seqlens: torch.Tensor | None, b: torch.Tensor, alpha: torch.Tensor,
-               dt_bias: torch.Tensor, decay: torch.Tensor, hk: int, hv: int, dh: int, eps: float
+               dt_bias: torch.Tensor, decay: torch.Tensor, hk: int, hv: int, dh: int, eps: float,
+               max_len: int | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q [T, Hk, Dh], k [T, Hk, Dh], v [T, Hv, Dh], g [T, Hv], beta [T, Hv]), float32 and
     contiguous, for N sequences; ``pool[slots[n]]`` advanced past sequence n's inputs.
@@ -122,7 +126,8 @@ def gdn_inputs(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots:
     of a decode graph may share the scratch slot); cu_seqlens: int32 ``[N + 1]`` on the device
     (0 = c_0 <= ... <= c_N = T), or None when every sequence is one row (N = T); b, alpha:
     ``[T, H1, R]`` views with H1 R = Hv, the last dimension contiguous (see the module note);
-    dt_bias, decay (ssm_a): ``[Hv]``; eps: the l2 norm's. Dh: a power of two."""
+    dt_bias, decay (ssm_a): ``[Hv]``; eps: the l2 norm's; max_len: the longest sequence's rows
+    (with cu_seqlens; None: read from the device, a synchronization). Dh: a power of two."""
     t = x.shape[0] if x.dim() == 2 else -1
     c = (2 * hk + hv) * dh
     if x.dim() != 2 or x.shape[1] != c or x.stride(1) != 1:
@@ -169,13 +174,19 @@ def gdn_inputs(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots:
     q, k = qkv[: t * hk * dh].view(t, hk, dh), qkv[t * hk * dh : 2 * t * hk * dh].view(t, hk, dh)
     v = qkv[2 * t * hk * dh :].view(t, hv, dh)
     g, beta = torch.empty(t, hv, **f32), torch.empty(t, hv, **f32)
-    if n and t:
-        _inputs_kernel[(2 * hk + hv + 1, n)](
+    if kw - 1 > BLOCK_T:
+        raise ValueError(f"gdn_inputs: a conv of {kw} taps reaches past one block of {BLOCK_T} rows")
+    if cu_seqlens is None:
+        max_len = 1
+    elif max_len is None:
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if n else 0
+    if n and t and max_len > 0:
+        block_t = 1 if cu_seqlens is None else BLOCK_T
+        _inputs_kernel[(2 * hk + hv + 1, n, triton.cdiv(max_len, block_t))](
             x, x.stride(0), weight, pool, slots, slots if cu_seqlens is None else cu_seqlens,
             b, b.stride(0), b.stride(1), alpha, alpha.stride(0), alpha.stride(1), dt_bias, decay,
             qkv, t, g, beta, float(eps), HK=hk, HV=hv, DH=dh, K=kw, R=b.shape[2],
-            BLOCK_H=triton.next_power_of_2(hv), BLOCK_T=1 if cu_seqlens is None else BLOCK_T,
-            ONE_ROW=cu_seqlens is None,
+            BLOCK_H=triton.next_power_of_2(hv), BLOCK_T=block_t, ONE_ROW=cu_seqlens is None,
             num_warps=8, **launch_options(pdl_on(dev)),
         )  # fmt: skip
     return q, k, v, g, beta

@@ -6,8 +6,8 @@ For a step of B sequences (the first ``n_decode`` one token each, then prefill c
   read as views of their outputs (``raw_projections``);
 - one launch (kernels.triton.gdn_inputs) for what the rule reads: the short causal convolution
   of every sequence with its slot's K - 1 carried inputs (advanced in place), SiLU, the q/k
-  head l2 norms, g and beta (a decode step's rows one a sequence, no cu_seqlens: its graph
-  reads nothing from the host);
+  head l2 norms, g and beta (the decode rows in one launch, one row a sequence and no
+  cu_seqlens: a decode step's graph reads nothing from the host; the prefill chunks in another);
 - the gated delta rule on the same slots: gated_delta_decode for the decode rows and
   gated_delta_prefill for the chunks (cu_seqlens from the batch);
 - the per-head RMS norm times SiLU(z) in one launch (kernels.triton.gated_norm), the output
@@ -48,18 +48,20 @@ def gated_delta_net(block, x: torch.Tensor, batch: Batch, states: list) -> torch
     ssm, conv, slots, write_back = _state_rows(batch.kv, states, block, x.device)
     head_map = block.head_map  # qwen35's tiled, qwen3next's grouped
     mixed, z, b, alpha = block.raw_projections(x)  # views of the linears' outputs
-    # a decode step: one row a sequence (no cu_seqlens, so a CUDA graph replays it)
-    cu = None if nd == n_seq else seqs.cu_q
-    q, k, v, g, beta = gdn_inputs(mixed, block.conv, conv, slots[:n_seq], cu, b, alpha,
-                                  block.dt_bias, block.a, hk, hv, dh, block.eps)  # fmt: skip
     out = torch.empty(n, hv, dh, dtype=torch.float32, device=x.device)
     scale = dh**-0.5
-    if nd:
-        gated_delta_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm, slots[:nd], scale,
-                           head_map, out=out[:nd])  # fmt: skip
+
+    def inputs(rows: slice, sl: torch.Tensor, cu: torch.Tensor | None, max_len: int):
+        return gdn_inputs(mixed[rows], block.conv, conv, sl, cu, b[rows], alpha[rows],
+                          block.dt_bias, block.a, hk, hv, dh, block.eps, max_len)  # fmt: skip
+
+    if nd:  # one row a sequence, no cu_seqlens: a decode step's graph reads nothing from the host
+        q, k, v, g, beta = inputs(slice(0, nd), slots[:nd], None, 1)
+        gated_delta_decode(q, k, v, g, beta, ssm, slots[:nd], scale, head_map, out=out[:nd])
     if nd < n_seq:
-        gated_delta_prefill(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], seqs.cu_q[nd:] - nd, ssm,
-                            slots[nd:], scale, head_map, out=out[nd:],
+        cu, sl = seqs.cu_q[nd:] - nd, slots[nd:n_seq]
+        q, k, v, g, beta = inputs(slice(nd, n), sl, cu, max(seqs.q_lens[nd:]))
+        gated_delta_prefill(q, k, v, g, beta, cu, ssm, sl, scale, head_map, out=out[nd:],
                             precision=PREFILL_PRECISION if x.is_cuda else "ieee")  # fmt: skip
     if write_back is not None:
         write_back()
