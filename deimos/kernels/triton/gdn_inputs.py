@@ -104,11 +104,11 @@ def _inputs_kernel(p_x, stride_x, p_w, p_pool, p_slot, p_cu,
                 # thread past its reads of the old slot first
                 tl.debug_barrier()
                 for j in tl.static_range(K - 1):
-                    pos = seqlen - (K - 1) + j
-                    if pos >= 0:
-                        b_n = tl.load(p_x + (bos + pos) * stride_x + o_c).to(tl.float32)
+                    at = seqlen - (K - 1) + j
+                    if at >= 0:
+                        b_n = tl.load(p_x + (bos + at) * stride_x + o_c).to(tl.float32)
                     else:
-                        b_n = tl.load(p_s + (pos + (K - 1)))
+                        b_n = tl.load(p_s + (at + (K - 1)))
                     tl.store(p_s + j, b_n)
 
 
