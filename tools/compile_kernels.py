@@ -675,11 +675,16 @@ def _gated_delta_jobs() -> list[Job]:
                         _warm(gn._gated_norm_kernel, [f32, z, hv * d, f32, f32, 512 * hv, 1e-6],
                               HV=hv, DH=d, BLOCK_R=32, num_warps=4, **PDL_KW)))
     bv, warps = pre.prefill_config(d, d)
-    for x, prec in ((bf16, "ieee"), (f32, "ieee"), (bf16, "tf32")):
-        jobs.append(Job("gdn_prefill", f"H={hv}/{hk} D={d} BV={bv} w={warps} {str(x)[6:]} {prec}",
-                        _warm(pre._prefill_kernel, [x, x, x, x, x, x, f32, i32, i32, d**-0.5],
+    for x, prec in ((bf16, "ieee"), (f32, "ieee"), (f32, "tf32")):
+        jobs.append(Job("gdn_chunk", f"H={hv}/{hk} D={d} w={pre.CHUNK_WARPS} {str(x)[6:]} {prec}",
+                        _warm(pre._chunk_kernel, [x, x, x, x, x, i32, f32, f32, f32, f32],
+                              HK=hk, HV=hv, DK=d, DV=d, BT=pre.CHUNK, BLOCK_DV=d, TILED=False,
+                              PRECISION=prec, num_warps=pre.CHUNK_WARPS)))
+        jobs.append(Job("gdn_state", f"H={hv}/{hk} D={d} BV={bv} w={warps} {str(x)[6:]} {prec}",
+                        _warm(pre._state_kernel, [x, x, x, f32, i32, i32, f32, f32, f32, f32,
+                                                  d**-0.5],
                               HK=hk, HV=hv, DK=d, DV=d, BT=pre.CHUNK, BLOCK_V=bv, TILED=False,
-                              PRECISION=prec, num_warps=warps)))
+                              PRECISION=prec, num_warps=warps, num_stages=pre.STATE_STAGES)))
     return jobs
 
 

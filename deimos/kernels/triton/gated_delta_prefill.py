@@ -1,20 +1,23 @@
 """The gated delta rule's chunked prefill (Triton): several sequences packed along T (cu_seqlens),
 each starting from its slot of the state pool ``[n_slots, Hv, Dk, Dv]`` float32 and leaving its
-final state there. Oracles: deimos.kernels.gated_delta (``naive_reference``; the WY form this
-kernel computes is ``chunked_reference``, whose docstring has the formulas).
+final state there. Oracles: deimos.kernels.gated_delta (``naive_reference``; the WY form these
+kernels compute is ``chunked_reference``, whose docstring has the formulas).
 
-One program per (BLOCK_V columns of the state, sequence, value head) walks its sequence in
-chunks of 64 tokens with the [Dk, BLOCK_V] state block in registers. Inside a chunk everything
-is chunk-parallel matrix work on the tensor cores: A = beta K K^T (decayed, strictly lower),
-T = (I + A)^-1 by a 64-row forward substitution on the [64, 64] block, V' = T (beta (V -
-exp(G) K S)), the output exp(G) Q S + (Q K^T decayed, lower) V' and the state update. Columns
-of the state are independent, so a head's Dv/BLOCK_V programs share nothing; each recomputes
-the chunk's T (the price of needing no second kernel and no scratch).
+Two launches, the split fla makes:
+1. ``_chunk_kernel``, one program per (chunk of 64 tokens, sequence, value head), every chunk
+   at once: G (the cumulative log decay), A = beta K K^T (decayed, strictly lower), T = (I +
+   A)^-1 by a 64-row forward substitution, W = T (beta exp(G) K), U = T (beta V) and the
+   decayed causal Q K^T, into scratch rows beside the tokens' (no chunk map: a chunk's rows
+   are its tokens' rows);
+2. ``_state_kernel``, one program per (BLOCK_V columns of the state, sequence, value head),
+   the only sequential part: chunk after chunk with the [Dk, BLOCK_V] state block in
+   registers, the deltas V' = U - W S, the output exp(G) Q S + (Q K^T decayed) V' and the
+   state S exp(g_last) + (K exp(g_last - G))^T V'.
 
-What fla does beyond this (not here): T, W and U of every chunk computed first by a
-chunk-parallel kernel (all chunks of all sequences at once), leaving only the state pass
-sequential, and T by 16x16 diagonal blocks merged with dots instead of 64 substitution steps.
-At Hv = 32, Dv = 128 this kernel has N * 128 programs, each sequential over its chunks.
+The single-kernel form this replaced computed T inside the sequential walk, once per state
+block (4 programs a head), and spent most of its time there (qwen35 4B, a 512-token prompt:
+571 us a layer on the H200). What fla does beyond this (not here): T by 16x16 diagonal blocks
+merged with dots instead of 64 substitution steps.
 """
 
 from __future__ import annotations
@@ -29,10 +32,61 @@ CHUNK = 64
 
 
 @triton.jit
-def _prefill_kernel(p_q, p_k, p_v, p_g, p_beta, p_o, p_pool, p_slot, p_cu, scale,
-                    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                    BT: tl.constexpr, BLOCK_V: tl.constexpr, TILED: tl.constexpr,
-                    PRECISION: tl.constexpr):
+def _chunk_kernel(p_q, p_k, p_v, p_g, p_beta, p_cu, p_w, p_u, p_aqk, p_gc,
+                  HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                  BT: tl.constexpr, BLOCK_DV: tl.constexpr, TILED: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Chunk i_c of sequence i_n's value head i_h: its G, W, U and decayed Q K^T."""
+    i_c, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if TILED:
+        i_hk = i_h % HK
+    else:
+        i_hk = i_h // (HV // HK)
+    bos = tl.load(p_cu + i_n).to(tl.int64)
+    seqlen = tl.load(p_cu + i_n + 1).to(tl.int64) - bos
+    c0 = i_c * BT
+    if c0 < seqlen:
+        o_i = tl.arange(0, BT)
+        o_k = tl.arange(0, DK)
+        o_v = tl.arange(0, BLOCK_DV)
+        m_t = (c0 + o_i) < seqlen
+        m_tv = m_t[:, None] & (o_v < DV)[None, :]
+        rows = bos + c0 + o_i
+        m_lower = o_i[:, None] > o_i[None, :]
+        m_causal = o_i[:, None] >= o_i[None, :]
+        b_k = tl.load(p_k + (rows[:, None] * HK + i_hk) * DK + o_k[None, :], mask=m_t[:, None],
+                      other=0.0).to(tl.float32)
+        b_g = tl.load(p_g + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+        b_beta = tl.load(p_beta + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+        b_G = tl.sum(tl.where(m_causal, b_g[None, :], 0.0), axis=1)  # cumulative log decay
+        b_dec = tl.where(m_causal, tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
+        b_kk = tl.dot(b_k, tl.trans(b_k), out_dtype=tl.float32, input_precision=PRECISION)
+        b_a = tl.where(m_lower, b_kk * b_dec * b_beta[:, None], 0.0)
+        b_l = tl.zeros([BT, BT], dtype=tl.float32)
+        for i in range(1, BT):
+            b_ai = tl.sum(tl.where(o_i[:, None] == i, b_a, 0.0), axis=0)
+            b_li = -b_ai - tl.sum(b_ai[:, None] * b_l, axis=0)
+            b_l = tl.where(o_i[:, None] == i, b_li[None, :], b_l)
+        b_t = b_l + tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
+        b_kb = b_k * (b_beta * tl.exp(b_G))[:, None]
+        b_w = tl.dot(b_t, b_kb, out_dtype=tl.float32, input_precision=PRECISION)
+        tl.store(p_w + (rows[:, None] * HV + i_h) * DK + o_k[None, :], b_w, mask=m_t[:, None])
+        b_v = tl.load(p_v + (rows[:, None] * HV + i_h) * DV + o_v[None, :], mask=m_tv,
+                      other=0.0).to(tl.float32)
+        b_u = tl.dot(b_t, b_v * b_beta[:, None], out_dtype=tl.float32, input_precision=PRECISION)
+        tl.store(p_u + (rows[:, None] * HV + i_h) * DV + o_v[None, :], b_u, mask=m_tv)
+        b_q = tl.load(p_q + (rows[:, None] * HK + i_hk) * DK + o_k[None, :], mask=m_t[:, None],
+                      other=0.0).to(tl.float32)
+        b_qk = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.float32, input_precision=PRECISION) * b_dec
+        tl.store(p_aqk + (rows[:, None] * HV + i_h) * BT + o_i[None, :], b_qk, mask=m_t[:, None])
+        tl.store(p_gc + rows * HV + i_h, b_G, mask=m_t)
+
+
+@triton.jit
+def _state_kernel(p_q, p_k, p_o, p_pool, p_slot, p_cu, p_w, p_u, p_aqk, p_gc, scale,
+                  HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                  BT: tl.constexpr, BLOCK_V: tl.constexpr, TILED: tl.constexpr,
+                  PRECISION: tl.constexpr):
     """Columns i_v BLOCK_V .. of sequence i_n's value head i_h, chunk after chunk."""
     i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if TILED:
@@ -46,63 +100,54 @@ def _prefill_kernel(p_q, p_k, p_v, p_g, p_beta, p_o, p_pool, p_slot, p_cu, scale
     o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     m_v = o_v < DV
     o_i = tl.arange(0, BT)
-    m_lower = o_i[:, None] > o_i[None, :]
-    m_causal = o_i[:, None] >= o_i[None, :]
-    m_eye = o_i[:, None] == o_i[None, :]
     p_s = p_pool + (slot * HV + i_h) * DK * DV + o_k[:, None] * DV + o_v[None, :]
     m_s = (o_k[:, None] < DK) & m_v[None, :]
     b_s = tl.load(p_s, mask=m_s, other=0.0)
     for c0 in range(0, seqlen, BT):
-        o_t = c0 + o_i
-        m_t = o_t < seqlen
-        rows = bos + o_t
-        # tokens past the sequence load as k = v = beta = g = 0: they add nothing to the chunk
-        b_k = tl.load(p_k + (rows[:, None] * HK + i_hk) * DK + o_k[None, :], mask=m_t[:, None],
-                      other=0.0).to(tl.float32)
-        b_g = tl.load(p_g + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
-        b_beta = tl.load(p_beta + rows * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
-        b_G = tl.sum(tl.where(m_causal, b_g[None, :], 0.0), axis=1)  # cumulative log decay
-        b_dec = tl.where(m_causal, tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
-        b_kk = tl.dot(b_k, tl.trans(b_k), out_dtype=tl.float32, input_precision=PRECISION)
-        b_a = tl.where(m_lower, b_kk * b_dec * b_beta[:, None], 0.0)
-        # (I + A)^-1 = I + L, row by row: L_i = -A_i - A_i L (rows of L at and below i still 0)
-        b_l = tl.zeros([BT, BT], dtype=tl.float32)
-        for i in range(1, BT):
-            b_ai = tl.sum(tl.where(o_i[:, None] == i, b_a, 0.0), axis=0)
-            b_li = -b_ai - tl.sum(b_ai[:, None] * b_l, axis=0)
-            b_l = tl.where(o_i[:, None] == i, b_li[None, :], b_l)
-        b_t = b_l + tl.where(m_eye, 1.0, 0.0)
-        b_v = tl.load(p_v + (rows[:, None] * HV + i_h) * DV + o_v[None, :],
-                      mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_eg = tl.exp(b_G)
-        b_ks = tl.dot(b_k, b_s, out_dtype=tl.float32, input_precision=PRECISION)
-        b_r = b_beta[:, None] * (b_v - b_eg[:, None] * b_ks)
-        b_x = tl.dot(b_t, b_r, out_dtype=tl.float32, input_precision=PRECISION)  # the deltas V'
+        m_t = (c0 + o_i) < seqlen
+        rows = bos + c0 + o_i
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_G = tl.load(p_gc + rows * HV + i_h, mask=m_t, other=0.0)
+        b_wt = tl.load(p_w + (rows[:, None] * HV + i_h) * DK + o_k[None, :], mask=m_t[:, None],
+                       other=0.0)
+        b_x = tl.load(p_u + (rows[:, None] * HV + i_h) * DV + o_v[None, :], mask=m_tv, other=0.0)
+        b_x -= tl.dot(b_wt, b_s, out_dtype=tl.float32, input_precision=PRECISION)  # the deltas V'
         b_q = tl.load(p_q + (rows[:, None] * HK + i_hk) * DK + o_k[None, :], mask=m_t[:, None],
                       other=0.0).to(tl.float32)
-        b_qk = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.float32, input_precision=PRECISION) * b_dec
-        b_o = b_eg[:, None] * tl.dot(b_q, b_s, out_dtype=tl.float32, input_precision=PRECISION)
+        b_qk = tl.load(p_aqk + (rows[:, None] * HV + i_h) * BT + o_i[None, :], mask=m_t[:, None],
+                       other=0.0)
+        b_o = tl.exp(b_G)[:, None] * tl.dot(b_q, b_s, out_dtype=tl.float32, input_precision=PRECISION)
         b_o += tl.dot(b_qk, b_x, out_dtype=tl.float32, input_precision=PRECISION)
         tl.store(p_o + (rows[:, None] * HV + i_h) * DV + o_v[None, :],
-                 (b_o * scale).to(p_o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-        b_glast = tl.sum(tl.where(o_i == BT - 1, b_G, 0.0), axis=0)  # padding keeps G flat
-        b_kd = b_k * tl.exp(b_glast - b_G)[:, None]
+                 (b_o * scale).to(p_o.dtype.element_ty), mask=m_tv)
+        last = tl.minimum(seqlen - c0, BT) - 1
+        b_glast = tl.sum(tl.where(o_i == last, b_G, 0.0), axis=0)
+        b_k = tl.load(p_k + (rows[:, None] * HK + i_hk) * DK + o_k[None, :], mask=m_t[:, None],
+                      other=0.0).to(tl.float32)
+        b_kd = b_k * tl.where(m_t, tl.exp(b_glast - b_G), 0.0)[:, None]
         b_s = b_s * tl.exp(b_glast) + tl.dot(tl.trans(b_kd), b_x, out_dtype=tl.float32,
                                              input_precision=PRECISION)
     tl.store(p_s, b_s, mask=m_s)
 
 
 def prefill_config(dk: int, dv: int) -> tuple[int, int]:
-    """(BLOCK_V, num_warps): 32 state columns at Dk = 128 (the [128, 32] state block, the
-    [64, 128] k and q tiles and two [64, 64] blocks live together), 8 warps."""
+    """The state pass's (BLOCK_V, num_warps): 32 state columns at Dk = 128 (the [128, 32]
+    state block beside [64, 128] tiles of W, Q and K), 8 warps."""
     block_v = min(triton.next_power_of_2(dv), 32 if dk >= 128 else 64)
-    return max(16, block_v), 8 if dk >= 128 else 4
+    return max(16, block_v), 8
+
+
+# the state pass's loads unpipelined: 2 stages of its fp32 W, Q and K tiles need 246 KB of
+# shared memory at Dk = 128 in tf32 (the H200 gives a block 227 KB), 1 stage 74 KB
+STATE_STAGES = 1
+CHUNK_WARPS = 8  # the chunk pass: [64, 128] K, V, Q, W and U tiles and four [64, 64] blocks
 
 
 def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                         beta: torch.Tensor, cu_seqlens: torch.Tensor, pool: torch.Tensor,
                         slots: torch.Tensor, scale: float, head_map: str = "grouped",
-                        out: torch.Tensor | None = None, precision: str = "ieee") -> torch.Tensor:
+                        out: torch.Tensor | None = None, precision: str = "ieee",
+                        max_len: int | None = None) -> torch.Tensor:
     """The gated delta rule over N sequences packed along T; ``pool[slots[n]]`` is sequence n's
     initial state (zero it for a new sequence) and receives its final state.
 
@@ -113,6 +158,7 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     factor (1/sqrt(Dk)); head_map: "grouped" (value head h reads key head h // (Hv / Hk)) or
     "tiled" (h % Hk); out: ``[T, Hv, Dv]`` contiguous (default: new, v's dtype), every row
     written; precision: the fp32 dots' ``input_precision`` ("ieee", or "tf32" on the GPU).
+    max_len: the longest sequence's rows (None: read from the device, a synchronization).
     Dk: a power of two >= 16. Returns out. cu_seqlens and slots are read on the device."""
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(f"gated_delta_prefill: q {tuple(q.shape)} k {tuple(k.shape)} v "
@@ -148,10 +194,22 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         if not x.is_contiguous() or x.device != q.device:
             raise ValueError(f"gated_delta_prefill: {name} must be contiguous on {q.device}")
     if n and t:
+        if max_len is None:
+            max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        f32 = {"dtype": torch.float32, "device": q.device}
+        w, u = torch.empty(t, hv, dk, **f32), torch.empty(t, hv, dv, **f32)
+        aqk, gc = torch.empty(t, hv, CHUNK, **f32), torch.empty(t, hv, **f32)
+        tiled = head_map == "tiled"
+        if max_len > 0:
+            _chunk_kernel[(triton.cdiv(max_len, CHUNK), n, hv)](
+                q, k, v, g, beta, cu_seqlens, w, u, aqk, gc, HK=hk, HV=hv, DK=dk, DV=dv,
+                BT=CHUNK, BLOCK_DV=triton.next_power_of_2(dv), TILED=tiled, PRECISION=precision,
+                num_warps=CHUNK_WARPS,
+            )  # fmt: skip
         block_v, warps = prefill_config(dk, dv)
-        _prefill_kernel[(triton.cdiv(dv, block_v), n, hv)](
-            q, k, v, g, beta, out, pool, slots, cu_seqlens, float(scale), HK=hk, HV=hv, DK=dk,
-            DV=dv, BT=CHUNK, BLOCK_V=block_v, TILED=head_map == "tiled", PRECISION=precision,
-            num_warps=warps,
+        _state_kernel[(triton.cdiv(dv, block_v), n, hv)](
+            q, k, out, pool, slots, cu_seqlens, w, u, aqk, gc, float(scale), HK=hk, HV=hv, DK=dk,
+            DV=dv, BT=CHUNK, BLOCK_V=block_v, TILED=tiled, PRECISION=precision, num_warps=warps,
+            num_stages=STATE_STAGES,
         )  # fmt: skip
     return out

@@ -9,7 +9,8 @@ For a step of B sequences (the first ``n_decode`` one token each, then prefill c
   head l2 norms, g and beta (the decode rows in one launch, one row a sequence and no
   cu_seqlens: a decode step's graph reads nothing from the host; the prefill chunks in another);
 - the gated delta rule on the same slots: gated_delta_decode for the decode rows and
-  gated_delta_prefill for the chunks (cu_seqlens from the batch);
+  gated_delta_prefill for the chunks (cu_seqlens from the batch; its chunk pass, then its
+  state pass);
 - the per-head RMS norm times SiLU(z) in one launch (kernels.triton.gated_norm), the output
   projection.
 
@@ -60,15 +61,17 @@ def gated_delta_net(block, x: torch.Tensor, batch: Batch, states: list) -> torch
         gated_delta_decode(q, k, v, g, beta, ssm, slots[:nd], scale, head_map, out=out[:nd])
     if nd < n_seq:
         cu, sl = seqs.cu_q[nd:] - nd, slots[nd:n_seq]
-        q, k, v, g, beta = inputs(slice(nd, n), sl, cu, max(seqs.q_lens[nd:]))
+        longest = max(seqs.q_lens[nd:])
+        q, k, v, g, beta = inputs(slice(nd, n), sl, cu, longest)
         gated_delta_prefill(q, k, v, g, beta, cu, ssm, sl, scale, head_map, out=out[nd:],
-                            precision=PREFILL_PRECISION if x.is_cuda else "ieee")  # fmt: skip
+                            precision=PREFILL_PRECISION if x.is_cuda else "ieee",
+                            max_len=longest)  # fmt: skip
     if write_back is not None:
         write_back()
     return block.out(rms_norm_gated(out, z, block.norm, block.eps))
 
 
-# the chunk kernel's fp32 dots: tf32 on the tensor cores (qwen35 4B's 512-token prompt: 5.3 ms a
+# the prefill kernels' fp32 dots: tf32 on the tensor cores (qwen35 4B's 512-token prompt: 5.3 ms a
 # layer in ieee fp32, on the FMA units); the oracle within 5e-3 at the real heads
 # (tests/test_triton_gated_delta.py)
 PREFILL_PRECISION = "tf32"
