@@ -27,7 +27,7 @@ fused)
   idle
   timeout 150 python3 bench/profile_prefill.py $Q4 -p 512 --top 16 2>&1 | grep -v Warn | cut -c1-200 \
     | tee "$OUT/prefill-profile.txt" | tail -24
-  timeout 150 python3 bench/profile_decode.py $Q4 --ctx 512 --steps 8 2>&1 | grep -v Warn | cut -c1-200 \
+  timeout 150 python3 bench/profile_step.py $Q4 -b 1 --steps 20 2>&1 | grep -v Warn | cut -c1-200 \
     | tee "$OUT/decode-profile.txt" | tail -30
   idle ;;
 *) echo "usage: $0 fused" >&2; exit 2 ;;
