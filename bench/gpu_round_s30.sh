@@ -30,5 +30,9 @@ fused)
   timeout 150 python3 bench/profile_step.py $Q4 -b 1 --steps 20 2>&1 | grep -v Warn | cut -c1-200 \
     | tee "$OUT/decode-profile.txt" | tail -30
   idle ;;
-*) echo "usage: $0 fused" >&2; exit 2 ;;
+host)  # where the prefill's host time goes (cProfile), after fused
+  setup; synth qwen35-4b $Q4 Q4_K_M qwen2
+  timeout 200 python3 bench/profile_prefill.py $Q4 -p 512 --top 0 --gaps 0 --host ${HOST_N:-45} 2>&1 | grep -v Warn \
+    | cut -c1-180 | tee "$OUT/prefill-host.txt" | grep -A${HOST_N:-45} "ncalls" | head -110 ;;
+*) echo "usage: $0 fused|host" >&2; exit 2 ;;
 esac

@@ -4,7 +4,7 @@ request's start: when the first kernel starts, busy time, the largest idle gaps 
 kernels around them) and the unprofiled wall time of the same prompt. A measurement, not a
 test.
 
-    python bench/profile_prefill.py MODEL.gguf [-p 512] [--top 20]
+    python bench/profile_prefill.py MODEL.gguf [-p 512] [--top 20] [--gaps 12] [--host 30]
 """
 import argparse
 import json
@@ -38,13 +38,16 @@ def main() -> None:
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--gaps", type=int, default=12, help="idle gaps listed")
+    ap.add_argument("--host", type=int, default=0, help="cProfile 3 prompts, print this many functions")
     args = ap.parse_args()
     llm = LLM(args.model, device="cuda", n_ctx=max(1024, 2 * args.p))
     prefill(llm, args.p, 0)
     prefill(llm, args.p, 1)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         prefill(llm, args.p, 2)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60))
+    if args.top:
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top,
+                                        max_name_column_width=60))
     timeline(prof, args.gaps)
     walls = []
     for i in range(5):
@@ -53,6 +56,16 @@ def main() -> None:
         walls.append(time.perf_counter() - t0)
     print(f"wall (unprofiled, 5 prompts): median {statistics.median(walls) * 1e3:.2f} ms, "
           f"best {min(walls) * 1e3:.2f} ms ({args.p / min(walls):.0f} tok/s)")
+    if args.host:  # the host's Python: where the time between the kernels goes
+        import cProfile
+        import pstats
+
+        with cProfile.Profile() as cp:
+            for i in range(3):
+                prefill(llm, args.p, 20 + i)
+        st = pstats.Stats(cp)
+        st.sort_stats("tottime").print_stats(args.host)
+        st.sort_stats("cumulative").print_stats(args.host)
 
 
 def timeline(prof, n_gaps: int) -> None:
