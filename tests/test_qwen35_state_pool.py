@@ -302,7 +302,30 @@ def test_gpu_engine_with_graphs_equals_eager_and_frees_every_slot(tiny):
         eng = _engine(m, n_ctx=128, max_seqs=3, cuda_graphs=graphs)
         outs[graphs] = _run(eng, [Request(p, 12, GREEDY) for p in prompts])
         replays = sum(g.replays for g in eng.runner.decode_graphs.values())
-        assert (replays > 0) == graphs and not eng.runner.prefill_graphs
+        assert (replays > 0) == graphs
+        assert eng.states.n_held == 0
+        eng.states.check()
+    assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_graphs_equal_eager(tiny):
+    """Requests one at a time, prompts of 5, 40 and 600 tokens (a padded chunk; 512 then 88)
+    then a second turn of the last one (its snapshot from the prefix cache, only the new tokens
+    prefilled): on the padded prefill graphs the same greedy tokens as eager steps, the
+    graphs replayed, every slot free at the end. The padding rows advance no state: else the
+    tokens after a padded chunk would differ."""
+    m = load_model(tiny, device="cuda")
+    prompts = [_prompt(n, 40 + n) for n in (5, 40, 600)]
+    outs = {}
+    for graphs in (True, False):
+        eng = _engine(m, n_ctx=1024, max_seqs=3, cuda_graphs=graphs)
+        got = [_run(eng, [Request(p, 10, GREEDY)])[0] for p in prompts]
+        turn = prompts[2] + got[2] + _prompt(7, 99)
+        got.append(_run(eng, [Request(turn, 10, GREEDY)])[0])
+        outs[graphs] = got
+        pre = sum(g.replays for g in eng.runner.prefill_graphs.values())
+        assert (pre >= 4) == graphs, f"{pre} prefill replays"
         assert eng.states.n_held == 0
         eng.states.check()
     assert outs[True] == outs[False]

@@ -17,8 +17,10 @@ one sequence and nothing else, an agent's usual step): those rows follow the oth
 A hybrid model on the kernel path keeps its recurrent states in a state pool (the engine's,
 deimos.runtime.state_pool): a running sequence holds a slot from its first step (``_bind``:
 zeros, or the snapshot it was admitted with) until it leaves (``release``). Steps read the rows'
-slots on the device, so its decode steps replay graphs too; its prefill chunks always run
-eagerly (a padded chunk would advance the states by its padding).
+slots on the device, so its decode and prefill steps replay graphs too. A padded prefill
+chunk's recurrent layers see only its real rows (the graph's token offsets end at them: the
+kernels' sequence is those rows, the padding advances no state); off the state pool (each
+sequence's own states) its steps run eagerly.
 """
 
 from __future__ import annotations
@@ -135,6 +137,7 @@ class ModelRunner:
         self.states = states if states is not None else state_pool_for(model, max_seqs)
         self._slots: dict[Sequence, SlotState] = {}  # the running sequences' state slots
         self._graph_slots: dict[int, StepSlots] = {}  # a decode graph's slot ids, by bucket
+        self._prefill_slots: dict[int, StepSlots] = {}  # a prefill graph's slot id, by bucket
         self.use_graphs = (cuda_graphs and self.device.type == "cuda"
                            and model.graph_safe)  # fmt: skip
         if self.use_graphs:
@@ -153,14 +156,19 @@ class ModelRunner:
                     kv = HybridKV(pool, [], self.states, self._graph_slots[b].dev)
                 self.decode_graphs[b] = StepGraph(model, kv, b, b, self.max_blocks, after, mempool)
             for n in PREFILL_BUCKETS:
-                # a padded chunk would advance a hybrid's states; an offloaded MoE's chunks
-                # wait for the host
-                if n > n_ctx or cfg.is_hybrid or not getattr(model.ops, "prefill_graphs", True):
+                # an offloaded MoE's chunks wait for the host; a hybrid's read its state slot
+                if n > n_ctx or not getattr(model.ops, "prefill_graphs", True) \
+                        or (cfg.is_hybrid and self.states is None):
                     break
                 tiles = prefill_tile_map([n], cfg.n_head, cfg.n_head_kv, cfg.head_dim, self.device)
-                self.prefill_graphs[n] = StepGraph(model, pool, n, 1, self.max_blocks, None, mempool,
+                kv = pool
+                if self.states is not None:
+                    self._prefill_slots[n] = StepSlots(1, self.device)
+                    kv = HybridKV(pool, [], self.states, self._prefill_slots[n].dev)
+                self.prefill_graphs[n] = StepGraph(model, kv, n, 1, self.max_blocks, None, mempool,
                                                    tile_map=tiles)
-            for n in VERIFY_BUCKETS if verify_graphs and self.prefill_graphs else ():
+            # a hybrid's verification rolls its states back by the rejected drafts: eager steps
+            for n in VERIFY_BUCKETS if verify_graphs and self.prefill_graphs and not cfg.is_hybrid else ():
                 tiles = prefill_tile_map([n], cfg.n_head, cfg.n_head_kv, cfg.head_dim, self.device)
                 self.verify_graphs[n] = StepGraph(model, pool, n, 1, self.max_blocks, None, mempool,
                                                   tile_map=tiles, n_logits=n)
@@ -357,14 +365,15 @@ class ModelRunner:
             # keys after them (slots of the table's blocks this step never wrote: stale, NaN
             # after a reuse), and a masked score times a NaN value is NaN in P @ V
             h32[mb + 1 :] = (0, t)
-        slots = self._graph_slots.get(g.n_seqs) if g.decode else None
+        slots = (self._graph_slots if g.decode else self._prefill_slots).get(
+            g.n_seqs if g.decode else g.n_tokens)
         if slots is None:
             return g.replay()
         rows = [self._bind(seq) for seq in x.seqs]
         slots.load([h.slot for h in rows])
         logits = g.replay()
-        for h in rows:  # the graph's step consumed one token of each
-            h.length += 1
+        for h, m in zip(rows, x.q_lens):  # the graph's step consumed the real tokens of each
+            h.length += m
         return logits
 
     def _bind(self, seq: Sequence) -> SlotState:

@@ -19,7 +19,8 @@ allocates nothing and makes no host synchronisation. Nothing in a step depends o
 
 Padding: a padded decode row has token 0 at position 0 with an all-zero block table, so it
 reads and writes only the pool's scratch block 0; a prefill chunk's padding tokens are stored
-at scratch slots too. Their outputs are never read.
+at scratch slots too, and a hybrid's recurrent layers skip them (the token offsets end at the
+real rows). Their outputs are never read.
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ def gated_delta_net(block, x: torch.Tensor, batch: Batch, states: list) -> torch
         cu, sl = seqs.cu_q[nd:] - nd, slots[nd:n_seq]
         longest = max(seqs.q_lens[nd:])
         q, k, v, g, beta = inputs(slice(nd, n), sl, cu, longest)
+        out[nd:].zero_()  # a graph's padding rows (past cu's end) get no output: keep them finite
         gated_delta_prefill(q, k, v, g, beta, cu, ssm, sl, scale, head_map, out=out[nd:],
                             precision=PREFILL_PRECISION if x.is_cuda else "ieee",
                             max_len=longest)  # fmt: skip
