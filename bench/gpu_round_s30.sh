@@ -5,6 +5,8 @@
 #                                   # their GPU tests and the hybrids'; qwen35 4B Q4_K_M against
 #                                   # llama-bench (run alone first, its own warm-up, -r 5); where
 #                                   # the prompt and a decode step go
+#   bench/gpu_round_s30.sh moe      # qwen35moe 35B-A3B Q4_K_M (whole card) against llama-bench;
+#                                   # qwen35 4B's second turn of a 20k conversation (turn_ttft.py)
 . bench/gpu_env.sh
 export DEIMOS_TEST_DATA=/tmp/td
 Q4=/tmp/m/qwen35-4b-Q4_K_M.gguf
@@ -30,9 +32,19 @@ fused)
   timeout 150 python3 bench/profile_step.py $Q4 -b 1 --steps 20 2>&1 | grep -v Warn | cut -c1-200 \
     | tee "$OUT/decode-profile.txt" | tail -30
   idle ;;
+moe)  # qwen35moe 35B-A3B Q4_K_M on the whole card against llama-bench; qwen35 4B's second turn
+  setup; idle
+  timeout 120 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_qwen35moe.py tests/test_moe_gpu.py 2>&1 | tail -3
+  M35=/tmp/m/qwen35moe-35b-Q4_K_M.gguf; synth qwen35moe-35b-a3b $M35 Q4_K_M qwen2; ls -la $M35; idle
+  timeout ${BENCH_S:-300} python3 -m deimos bench $M35 -p 512 -n 128 -r 3 --vs-llama /tmp/lc/llama-bench \
+    --json "$OUT/qwen35moe-35b.json" 2>&1 | grep -v Warn | tee "$OUT/qwen35moe-35b.txt" | tail -14
+  rm -f $M35; idle
+  synth qwen35-4b $Q4 Q4_K_M qwen2
+  timeout ${TURN_S:-150} python3 bench/turn_ttft.py $Q4 --ctx 20000 -r 3 2>&1 | grep -v Warn | tee "$OUT/turn.txt" | tail -8
+  idle ;;
 host)  # where the prefill's host time goes (cProfile), after fused
   setup; synth qwen35-4b $Q4 Q4_K_M qwen2
   timeout 200 python3 bench/profile_prefill.py $Q4 -p 512 --top 0 --gaps 0 --host ${HOST_N:-45} 2>&1 | grep -v Warn \
     | cut -c1-180 | tee "$OUT/prefill-host.txt" | grep -A${HOST_N:-45} "ncalls" | head -110 ;;
-*) echo "usage: $0 fused|host" >&2; exit 2 ;;
+*) echo "usage: $0 fused|moe|host" >&2; exit 2 ;;
 esac
