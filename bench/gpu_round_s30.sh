@@ -42,9 +42,17 @@ moe)  # qwen35moe 35B-A3B Q4_K_M on the whole card against llama-bench; qwen35 4
   synth qwen35-4b $Q4 Q4_K_M qwen2
   timeout ${TURN_S:-150} python3 bench/turn_ttft.py $Q4 --ctx 20000 -r 3 2>&1 | grep -v Warn | tee "$OUT/turn.txt" | tail -8
   idle ;;
+diag)  # where the second turn's time goes; where qwen35moe's decode step and prompt go
+  setup; synth qwen35-4b $Q4 Q4_K_M qwen2; idle
+  timeout 120 python3 bench/profile_prefix.py $Q4 --ctx 2048,20000 -n 150 2>&1 | grep -v Warn | tee "$OUT/prefix.txt" | tail -5
+  M35=/tmp/m/qwen35moe-35b-Q4_K_M.gguf; synth qwen35moe-35b-a3b $M35 Q4_K_M qwen2
+  timeout 150 python3 bench/profile_step.py $M35 -b 1 --steps 20 2>&1 | grep -v Warn | cut -c1-160 | tee "$OUT/moe-step.txt" | tail -24
+  timeout 150 python3 bench/profile_prefill.py $M35 -p 512 --top 14 --gaps 4 2>&1 | grep -v Warn | cut -c1-60,120-200 \
+    | tee "$OUT/moe-prefill.txt" | tail -26
+  idle ;;
 host)  # where the prefill's host time goes (cProfile), after fused
   setup; synth qwen35-4b $Q4 Q4_K_M qwen2
   timeout 200 python3 bench/profile_prefill.py $Q4 -p 512 --top 0 --gaps 0 --host ${HOST_N:-45} 2>&1 | grep -v Warn \
     | cut -c1-180 | tee "$OUT/prefill-host.txt" | grep -A${HOST_N:-45} "ncalls" | head -110 ;;
-*) echo "usage: $0 fused|moe|host" >&2; exit 2 ;;
+*) echo "usage: $0 fused|moe|diag|host" >&2; exit 2 ;;
 esac
