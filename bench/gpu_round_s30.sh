@@ -50,9 +50,14 @@ diag)  # where the second turn's time goes; where qwen35moe's decode step and pr
   timeout 150 python3 bench/profile_prefill.py $M35 -p 512 --top 14 --gaps 4 2>&1 | grep -v Warn | cut -c1-60,120-200 \
     | tee "$OUT/moe-prefill.txt" | tail -26
   idle ;;
+final)  # the GPU tests of the hybrid path (the prefill-graph test among them); the MoE GEMM's tiles
+  setup; idle; gputests
+  timeout ${SWEEP_S:-200} python3 bench/sweep_moe_gemm.py --arch qwen35moe --budget ${BUDGET:-170} 2>&1 | grep -v Warn \
+    | tee "$OUT/sweep-moe-gemm.txt" | tail -14
+  idle ;;
 host)  # where the prefill's host time goes (cProfile), after fused
   setup; synth qwen35-4b $Q4 Q4_K_M qwen2
   timeout 200 python3 bench/profile_prefill.py $Q4 -p 512 --top 0 --gaps 0 --host ${HOST_N:-45} 2>&1 | grep -v Warn \
     | cut -c1-180 | tee "$OUT/prefill-host.txt" | grep -A${HOST_N:-45} "ncalls" | head -110 ;;
-*) echo "usage: $0 fused|moe|diag|host" >&2; exit 2 ;;
+*) echo "usage: $0 fused|moe|diag|final|host" >&2; exit 2 ;;
 esac
