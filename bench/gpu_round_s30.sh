@@ -55,9 +55,12 @@ final)  # the GPU tests of the hybrid path (the prefill-graph test among them); 
   timeout ${SWEEP_S:-200} python3 bench/sweep_moe_gemm.py --arch qwen35moe --budget ${BUDGET:-170} 2>&1 | grep -v Warn \
     | tee "$OUT/sweep-moe-gemm.txt" | tail -14
   idle ;;
+moe2)  # qwen35moe 35B-A3B's prompt with the swept MoE GEMM rule (no llama.cpp: see moe's row)
+  setup; M35=/tmp/m/qwen35moe-35b-Q4_K_M.gguf; synth qwen35moe-35b-a3b $M35 Q4_K_M qwen2; idle
+  timeout ${BENCH_S:-110} python3 -m deimos bench $M35 -p 512 -n 32 -r 2 2>&1 | grep -v Warn | grep -E "pp512|tg32" ;;
 host)  # where the prefill's host time goes (cProfile), after fused
   setup; synth qwen35-4b $Q4 Q4_K_M qwen2
   timeout 200 python3 bench/profile_prefill.py $Q4 -p 512 --top 0 --gaps 0 --host ${HOST_N:-45} 2>&1 | grep -v Warn \
     | cut -c1-180 | tee "$OUT/prefill-host.txt" | grep -A${HOST_N:-45} "ncalls" | head -110 ;;
-*) echo "usage: $0 fused|moe|diag|final|host" >&2; exit 2 ;;
+*) echo "usage: $0 fused|moe|moe2|diag|final|host" >&2; exit 2 ;;
 esac

@@ -323,20 +323,19 @@ INTERPRETER_TILE = MoeGemmConfig(64, 64, 4, 1)
 
 
 def moe_gemm_config(ggml_type: GGMLType, n: int, k: int, block_m: int) -> MoeGemmConfig:
-    """The launch rule (gemm_q's tile budget; not yet measured on MoE shapes): a step decodes
-    8192 weights of the expert (gemm_q's TILE_ELEMENTS) for the tile's block_m rows: 64 rows
-    of the slot x 128 columns below block_m 64, 128 rows x 64 columns from 64 (the x tile is
-    re-read by every n block, so taller tiles want wider ones). 4 warps for 16-row tiles, 8
-    from 32 (on 4 warps a 32 x 64 tile took 211-255 registers a thread with Triton 3.6's
-    sm_90 compile, on 8 warps 148-177). 3 pipeline stages of the gathered x tile.
-    ``ggml_type``: the kernel format (a format packed in another's layout gets that layout's
-    rule)."""
+    """The launch rule, from ``bench/sweep_moe_gemm.py`` at qwen35moe's expert shapes (512
+    tokens over 256 experts, k 8; gate [512, 2048] Q4_K, down [2048, 512] Q6_K; H200,
+    2026-12-04): below block_m 64, tiles of 128 weight rows x 128 columns on 4 warps (gate
+    574 -> 489 us, down 466 -> 397 us against the earlier 64-row rule at block_m 16; the best
+    of 12 tiles at block_m 16 and 32); from 64, 128 rows x 64 columns on 8 warps (the best
+    there). 3 pipeline stages of the gathered x tile. ``ggml_type``: the kernel format (a
+    format packed in another's layout gets that layout's rule)."""
     del n, k
     t = KERNEL_TYPE.get(GGMLType(ggml_type), GGMLType(ggml_type))
     nk = 32 // words_per_group(t)
-    block_n = 128 if block_m >= 64 else 64
-    block_k = TILE_ELEMENTS // block_n
-    return MoeGemmConfig(block_n, block_k // nk, 4 if block_m <= 16 else 8, 3)
+    if block_m >= 64:
+        return MoeGemmConfig(128, (TILE_ELEMENTS // 128) // nk, 8, 3)
+    return MoeGemmConfig(128, max(words_per_group(t), 128 // nk), 4, 3)
 
 
 def _check_config(cfg: MoeGemmConfig, wpg: int) -> None:
