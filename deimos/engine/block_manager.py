@@ -176,17 +176,23 @@ class BlockManager:
                 self._sealed[old].state = None
         return canon
 
-    def can_allocate(self, tokens: list[int], n_new_tokens: int) -> bool:
-        """Whether ``allocate(tokens, n_new_tokens)`` would find its blocks."""
-        hit = self.match(tokens)
+    def can_allocate(self, tokens: list[int], n_new_tokens: int, hit: list[int] | None = None) -> bool:
+        """Whether ``allocate(tokens, n_new_tokens)`` would find its blocks. ``hit``:
+        ``match(tokens)`` if the caller has it (nothing changed since: a 20k-token prompt's
+        match hashes 1,250 blocks, ~1.4 ms of Python)."""
+        if hit is None:
+            hit = self.match(tokens)
         need = self.blocks_for(n_new_tokens) - len(hit)
         evictable_hits = sum(1 for b in hit if self._ref[b] == 0)
         return need <= self.n_free - evictable_hits
 
-    def allocate(self, tokens: list[int], n_new_tokens: int) -> tuple[list[int], int]:
+    def allocate(self, tokens: list[int], n_new_tokens: int, hit: list[int] | None = None
+                 ) -> tuple[list[int], int]:
         """Blocks for the first ``n_new_tokens`` positions of a sequence of ``tokens``: the
-        prefix-cache hits first, then fresh blocks. Returns (table, tokens already cached)."""
-        hit = self.match(tokens)
+        prefix-cache hits first, then fresh blocks. Returns (table, tokens already cached).
+        ``hit``: as in ``can_allocate``."""
+        if hit is None:
+            hit = self.match(tokens)
         for b in hit:
             self._hold(b)
         table = list(hit)

@@ -168,11 +168,12 @@ class Scheduler:
         # 4. admissions, in arrival order (a preempted sequence is at the front)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_seqs:
             seq = self.waiting[0]
-            hit = len(self.blocks.match(seq.tokens)) * self.blocks.block_size
+            blocks = self.blocks.match(seq.tokens)  # once: the hashes of the whole prompt
+            hit = len(blocks) * self.blocks.block_size
             n = self._chunk(hit, len(seq.tokens) - hit, budget)
-            if not self.blocks.can_allocate(seq.tokens, hit + n):
+            if not self.blocks.can_allocate(seq.tokens, hit + n, blocks):
                 break
-            seq.table, cached = self.blocks.allocate(seq.tokens, hit + n)
+            seq.table, cached = self.blocks.allocate(seq.tokens, hit + n, blocks)
             seq.n_computed = cached
             seq.n_sealed = cached // self.blocks.block_size
             if self.blocks.needs_state:  # the recurrent state from the cached prefix's snapshot
