@@ -95,6 +95,24 @@ def test_an_expert_off_the_device_contributes_nothing(moe_file):
             assert bool((moe_step(x[:t], ker_block, none, router=router) == 0).all())
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_shared_expert_block_matches_the_reference(tmp_path_factory, tokens):
+    """qwen35moe's block (routed experts + the gated shared expert, the gate and the sum in one
+    launch: kernels.triton.shared_gate) on the kernel path against the reference block."""
+    path = tmp_path_factory.mktemp("moe35") / "qwen35moe-tiny-Q8_0.gguf"
+    write_model(path, "qwen35moe", "qwen35moe-tiny", "Q8_0", llama_cpp_path(DONOR), seed=11)
+    f = GGUFFile(path)
+    ref = load_model(f)
+    ker = ARCHITECTURES[ref.config.arch](ref.config, WeightSource(f, DEVICE, kernels=True))
+    ref_block, ker_block = ref.layers[1].mlp, ker.layers[1].mlp
+    x = torch.randn(tokens, ref.config.n_embd, generator=torch.Generator().manual_seed(tokens)) * 8
+    xd = x.to(DEVICE)
+    got, routed = ker_block(xd).cpu(), ker_block.moe(xd).cpu()
+    for name, a, b in (("block", got, ref_block(x)), ("shared part", got - routed, ref_block.shared(x))):
+        rel = ((a - b).norm() / b.norm()).item()
+        assert rel < 2e-2, f"{name}: relative error {rel:.2e}"
+
+
 @pytest.mark.gpu
 def test_gpu_whole_qwen3moe_tiny(moe_file):
     compare_whole_moe(moe_file, f"qwen3moe-tiny {Path(moe_file.path).name}")

@@ -77,7 +77,7 @@ class _StubDriver:
 def _jobs() -> list[Job]:
     """Every (kernel, constexpr config) the wrappers launch on a GPU."""
     return (_q8_jobs() + _rows_jobs() + _gemm_q_jobs() + _layer_jobs() + _paged_jobs()
-            + _sample_batch_jobs() + _moe_jobs() + _gated_delta_jobs() + _host_link_jobs())
+            + _sample_batch_jobs() + _moe_jobs() + _shared_gate_jobs() + _gated_delta_jobs() + _host_link_jobs())
 
 
 def _q8_jobs() -> list[Job]:
@@ -617,6 +617,20 @@ def _moe_jobs() -> list[Job]:
                                        CHUNKED=chunked, num_warps=c.num_warps,
                                        num_stages=c.num_stages, **PDL_KW)))
     return jobs
+
+
+def _shared_gate_jobs() -> list[Job]:
+    """The shared expert's gate and the MoE sum (kernels.triton.shared_gate) at qwen35moe's
+    D = 2048 and qwen3next's."""
+    import importlib
+
+    import torch
+
+    sg = importlib.import_module("deimos.kernels.triton.shared_gate")
+    f32 = torch.float32
+    return [Job("shared_gate", "D=2048 w=4",
+                _warm(sg._shared_gate_kernel, [f32, f32, f32, f32, f32, 2048, 2048, 2048, 2048, 2048],
+                      BLOCK_D=2048, num_warps=4, **PDL_KW))]
 
 
 def _host_link_jobs() -> list[Job]:

@@ -119,9 +119,12 @@ class SharedExpert:
         self.layer = layer
         self.ops = w.ops
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """The expert before its gate: down(act(gate x) * up x)."""
+        return self.down(self.ops.gated_act(self.gate(x), self.up(x), self.activation))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.down(self.ops.gated_act(self.gate(x), self.up(x), self.activation))
-        return y * torch.sigmoid(x @ self.gate_inp.to(x.dtype))[:, None]
+        return self.product(x) * torch.sigmoid(x @ self.gate_inp.to(x.dtype))[:, None]
 
 
 class MoEShared:
@@ -133,7 +136,15 @@ class MoEShared:
         self.shared = SharedExpert(cfg, layer, w)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.moe(x) + self.shared(x)
+        shared = self.shared
+        return shared.ops.shared_gate_add(self.moe(x), shared.product(x), x, shared.gate_inp)
+
+
+def shared_gate_add(routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor,
+                    gate_inp: torch.Tensor) -> torch.Tensor:
+    """The MoE block's sum: ``routed + shared * sigmoid(x . gate_inp)`` per token (x's dtype,
+    as ``SharedExpert``)."""
+    return routed + shared * torch.sigmoid(x @ gate_inp.to(x.dtype))[:, None]
 
 
 def shared_expert_reference(x: torch.Tensor, block: SharedExpert) -> torch.Tensor:

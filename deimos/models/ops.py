@@ -21,7 +21,7 @@ from deimos.kernels.norm import add_rms_norm, rms_norm
 from deimos.kernels.rope import apply_rope, rope_cos_sin
 from deimos.models.batch import Batch
 from deimos.models.config import ModelConfig
-from deimos.models.moe import moe_reference
+from deimos.models.moe import moe_reference, shared_gate_add
 
 
 @dataclass
@@ -46,6 +46,9 @@ class Ops(Protocol):
     def moe(self, x: torch.Tensor, block) -> torch.Tensor:
         """Routed experts: x [T, D] -> [T, D] through ``block`` (deimos.models.moe.MoE: its
         router, expert weights, k, normalization and activation); moe_reference is the oracle."""
+        ...
+    def shared_gate_add(self, routed, shared, x, gate_inp) -> torch.Tensor:
+        """routed + shared * sigmoid(x . gate_inp) per token (deimos.models.moe.shared_gate_add)."""
         ...
 
 
@@ -106,3 +109,6 @@ class ReferenceOps:
 
     def moe(self, x, block):
         return moe_reference(x, block)
+
+    def shared_gate_add(self, routed, shared, x, gate_inp):
+        return shared_gate_add(routed, shared, x, gate_inp)

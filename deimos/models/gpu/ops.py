@@ -21,6 +21,7 @@ from deimos.kernels.triton.decode_attention import NewToken, decode_attention
 from deimos.kernels.triton.norm import add_rms_norm, rms_norm
 from deimos.kernels.triton.prefill_attention import paged_prefill_attention, prefill_tile_map
 from deimos.kernels.triton.rope import apply_rope, rope_inv_freq
+from deimos.kernels.triton.shared_gate import shared_gate_add
 from deimos.models.batch import Batch
 from deimos.models.config import ModelConfig
 from deimos.models.gpu.linear import InputCache
@@ -121,6 +122,10 @@ class TritonOps:
         if qx is not None:
             self.inputs.put(y, qx)
         return y
+
+    def shared_gate_add(self, routed, shared, x, gate_inp):
+        """The shared expert's gate and the MoE sum in one launch (kernels.triton.shared_gate)."""
+        return shared_gate_add(routed, shared, x, gate_inp, out=routed)
 
     def attach_offload(self, offload) -> None:
         """Route every MoE block through ``offload`` (its experts on the host, a GPU cache of
