@@ -19,7 +19,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -28,10 +27,9 @@ from deimos.gguf.constants import GGMLType  # noqa: E402
 from deimos.kernels.triton.activation import gated_act  # noqa: E402
 from deimos.kernels.triton.moe_route import moe_combine, moe_route  # noqa: E402
 from deimos.kernels.triton.moe_router import RouterScratch, RouterTile, moe_router  # noqa: E402
-from deimos.quant import get_format  # noqa: E402
-from deimos.quant.triton.bench import ROOF_GBS, time_graph  # noqa: E402
+from deimos.quant.triton.bench import ROOF_GBS, expert_stack, time_graph  # noqa: E402
 from deimos.quant.triton.gemv_q8 import Q8Config, empty_quantized, quantize_x  # noqa: E402
-from deimos.quant.triton.layout import PackedWeight, pack  # noqa: E402
+from deimos.quant.triton.layout import PackedWeight  # noqa: E402
 from deimos.quant.triton.moe_decode import (  # noqa: E402
     down_config,
     gate_up_config,
@@ -46,12 +44,7 @@ CALLS = E // K  # disjoint expert sets
 
 def stack(t: GGMLType, n: int, k: int, seed: int) -> PackedWeight:
     """E experts of [n, k]: 8 random ones repeated (distinct addresses, so no L2 reuse)."""
-    fmt = get_format(t)
-    base = 8
-    blocks = fmt.random_blocks(base * n * k // fmt.block_size, np.random.default_rng(seed))
-    w = pack(blocks.reshape(base * n, -1), t).to("cuda")
-    reps = E // base
-    return PackedWeight(w.ggml_type, w.n * reps, w.k, {a: v.repeat(reps, 1) for a, v in w.tensors.items()})
+    return expert_stack(t, n, k, E, seed)
 
 
 def gemv_tiles(k: int, quick: bool) -> list[Q8Config]:

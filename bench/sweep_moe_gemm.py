@@ -18,16 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deimos.gguf.constants import GGMLType  # noqa: E402
-from deimos.quant import get_format  # noqa: E402
-from deimos.quant.triton.bench import time_graph  # noqa: E402
+from deimos.quant.triton.bench import expert_stack, time_graph  # noqa: E402
 from deimos.quant.triton.dequant_gemv import words_per_group  # noqa: E402
-from deimos.quant.triton.layout import PackedWeight, pack  # noqa: E402
 from deimos.quant.triton.moe_gemm import (  # noqa: E402
     BLOCK_MS,
     MoeGemmConfig,
@@ -38,15 +35,6 @@ from deimos.quant.triton.moe_gemm import (  # noqa: E402
 )
 
 SHAPES = {"qwen35moe": (2048, 512, 256, 8), "qwen3moe": (2048, 768, 128, 8)}  # D, F, E, k
-
-
-def stack(t: GGMLType, n: int, k: int, e: int, seed: int) -> PackedWeight:
-    fmt = get_format(t)
-    base = 8
-    blocks = fmt.random_blocks(base * n * k // fmt.block_size, np.random.default_rng(seed))
-    w = pack(blocks.reshape(base * n, -1), t).to("cuda")
-    reps = e // base
-    return PackedWeight(w.ggml_type, w.n * reps, w.k, {a: v.repeat(reps, 1) for a, v in w.tensors.items()})
 
 
 def tiles_for(t: GGMLType, block_m: int) -> list[MoeGemmConfig]:
@@ -70,7 +58,7 @@ def main() -> int:
     d, f, e, k = SHAPES[a.arch]
     dev = torch.device("cuda")
     t0 = time.perf_counter()
-    gate, down = stack(GGMLType.Q4_K, f, d, e, 1), stack(GGMLType[a.down], d, f, e, 3)
+    gate, down = expert_stack(GGMLType.Q4_K, f, d, e, 1), expert_stack(GGMLType[a.down], d, f, e, 3)
     slot_of = torch.arange(e, dtype=torch.int32, device=dev)
     g = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(a.t)]).to(torch.int32).to(dev)

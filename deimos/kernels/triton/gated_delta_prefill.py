@@ -32,18 +32,24 @@ CHUNK = 64
 
 
 @triton.jit
+def _head_and_rows(i_h, i_n, p_cu, HK: tl.constexpr, HV: tl.constexpr, TILED: tl.constexpr):
+    """(value head i_h's key head, sequence i_n's first row and its rows)."""
+    if TILED:
+        i_hk = i_h % HK
+    else:
+        i_hk = i_h // (HV // HK)
+    bos = tl.load(p_cu + i_n).to(tl.int64)
+    return i_hk, bos, tl.load(p_cu + i_n + 1).to(tl.int64) - bos
+
+
+@triton.jit
 def _chunk_kernel(p_q, p_k, p_v, p_g, p_beta, p_cu, p_w, p_u, p_aqk, p_gc,
                   HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   BT: tl.constexpr, BLOCK_DV: tl.constexpr, TILED: tl.constexpr,
                   PRECISION: tl.constexpr):
     """Chunk i_c of sequence i_n's value head i_h: its G, W, U and decayed Q K^T."""
     i_c, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if TILED:
-        i_hk = i_h % HK
-    else:
-        i_hk = i_h // (HV // HK)
-    bos = tl.load(p_cu + i_n).to(tl.int64)
-    seqlen = tl.load(p_cu + i_n + 1).to(tl.int64) - bos
+    i_hk, bos, seqlen = _head_and_rows(i_h, i_n, p_cu, HK, HV, TILED)
     c0 = i_c * BT
     if c0 < seqlen:
         o_i = tl.arange(0, BT)
@@ -89,12 +95,7 @@ def _state_kernel(p_q, p_k, p_o, p_pool, p_slot, p_cu, p_w, p_u, p_aqk, p_gc, sc
                   PRECISION: tl.constexpr):
     """Columns i_v BLOCK_V .. of sequence i_n's value head i_h, chunk after chunk."""
     i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if TILED:
-        i_hk = i_h % HK
-    else:
-        i_hk = i_h // (HV // HK)
-    bos = tl.load(p_cu + i_n).to(tl.int64)
-    seqlen = tl.load(p_cu + i_n + 1).to(tl.int64) - bos
+    i_hk, bos, seqlen = _head_and_rows(i_h, i_n, p_cu, HK, HV, TILED)
     slot = tl.load(p_slot + i_n).to(tl.int64)
     o_k = tl.arange(0, DK)
     o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)

@@ -14,10 +14,21 @@ import torch
 from deimos.gguf.constants import GGMLType
 from deimos.quant import get_format
 from deimos.quant.triton.gemv_q8 import gemv_q8, q8_config, quantize_x
-from deimos.quant.triton.layout import pack
+from deimos.quant.triton.layout import PackedWeight, pack
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)]
 ROOF_GBS = 4300.0  # H200 device-to-device copy, measured
+
+
+def expert_stack(t: GGMLType, n: int, k: int, n_expert: int, seed: int, base: int = 8) -> PackedWeight:
+    """A CUDA stack of ``n_expert`` random [n, k] experts in format ``t`` for the MoE sweeps:
+    ``base`` random ones repeated (distinct addresses, so a step reads them from memory, not
+    L2; ``n_expert`` a multiple of ``base``)."""
+    fmt = get_format(t)
+    blocks = fmt.random_blocks(base * n * k // fmt.block_size, np.random.default_rng(seed))
+    w = pack(blocks.reshape(base * n, -1), t).to("cuda")
+    reps = n_expert // base
+    return PackedWeight(w.ggml_type, w.n * reps, w.k, {a: v.repeat(reps, 1) for a, v in w.tensors.items()})
 
 
 def time_graph(fn, calls: int = 50, reps: int = 20) -> float:
