@@ -137,7 +137,7 @@ class ModelRunner:
         self.states = states if states is not None else state_pool_for(model, max_seqs)
         self._slots: dict[Sequence, SlotState] = {}  # the running sequences' state slots
         self._graph_slots: dict[int, StepSlots] = {}  # a decode graph's slot ids, by bucket
-        self._prefill_slots: dict[int, StepSlots] = {}  # a prefill graph's slot id, by bucket
+        self._prefill_slots: dict[object, StepSlots] = {}  # a prefill graph's slot id, by graph
         self.use_graphs = (cuda_graphs and self.device.type == "cuda"
                            and model.graph_safe)  # fmt: skip
         if self.use_graphs:
@@ -161,12 +161,14 @@ class ModelRunner:
                         or (cfg.is_hybrid and self.states is None):
                     break
                 tiles = prefill_tile_map([n], cfg.n_head, cfg.n_head_kv, cfg.head_dim, self.device)
-                kv = pool
+                kv, slots = pool, None
                 if self.states is not None:
-                    self._prefill_slots[n] = StepSlots(1, self.device)
-                    kv = HybridKV(pool, [], self.states, self._prefill_slots[n].dev)
+                    slots = StepSlots(1, self.device)
+                    kv = HybridKV(pool, [], self.states, slots.dev)
                 self.prefill_graphs[n] = StepGraph(model, kv, n, 1, self.max_blocks, None, mempool,
                                                    tile_map=tiles)
+                if slots is not None:
+                    self._prefill_slots[self.prefill_graphs[n]] = slots
             # a hybrid's verification rolls its states back by the rejected drafts: eager steps
             for n in VERIFY_BUCKETS if verify_graphs and self.prefill_graphs and not cfg.is_hybrid else ():
                 tiles = prefill_tile_map([n], cfg.n_head, cfg.n_head_kv, cfg.head_dim, self.device)
@@ -365,8 +367,7 @@ class ModelRunner:
             # keys after them (slots of the table's blocks this step never wrote: stale, NaN
             # after a reuse), and a masked score times a NaN value is NaN in P @ V
             h32[mb + 1 :] = (0, t)
-        slots = (self._graph_slots if g.decode else self._prefill_slots).get(
-            g.n_seqs if g.decode else g.n_tokens)
+        slots = self._graph_slots.get(g.n_seqs) if g.decode else self._prefill_slots.get(g)
         if slots is None:
             return g.replay()
         rows = [self._bind(seq) for seq in x.seqs]

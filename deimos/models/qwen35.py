@@ -111,9 +111,9 @@ class Qwen35Model(DecoderModel):
 
     @property
     def graph_safe(self) -> bool:
-        """Decode steps on the kernel path whose states come in a state pool (``HybridKV.store``,
-        slots on the device; deimos.runtime.state_pool) read nothing from the host. Prefill
-        chunks are never captured: a padded chunk would advance the states by its padding."""
+        """Steps on the kernel path whose states come in a state pool (``HybridKV.store``,
+        slots on the device; deimos.runtime.state_pool) read nothing from the host. A padded
+        prefill chunk's recurrent layers see only its real rows (the token offsets end there)."""
         return self.state_layout == "kernel" and super().graph_safe
 
     def new_state(self) -> RecurrentState:

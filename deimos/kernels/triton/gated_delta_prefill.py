@@ -153,12 +153,13 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     initial state (zero it for a new sequence) and receives its final state.
 
     q, k: ``[T, Hk, Dk]``; v: ``[T, Hv, Dv]`` (float32, fp16 or bf16, contiguous); g (log
-    decay), beta: ``[T, Hv]``; cu_seqlens: int32 ``[N + 1]``, 0 = c_0 <= c_1 <= ... = T
-    (sequence n is rows c_n .. c_{n+1}; empty ones leave their slot as it was); pool: float32
+    decay), beta: ``[T, Hv]``; cu_seqlens: int32 ``[N + 1]``, 0 = c_0 <= c_1 <= ... <= c_N <= T
+    (sequence n is rows c_n .. c_{n+1}; empty ones leave their slot as it was; rows past c_N,
+    a padded graph's, belong to none: not read, their out rows not written); pool: float32
     ``[n_slots, Hv, Dk, Dv]`` contiguous; slots: int32 ``[N]``, distinct; scale: the output's
     factor (1/sqrt(Dk)); head_map: "grouped" (value head h reads key head h // (Hv / Hk)) or
     "tiled" (h % Hk); out: ``[T, Hv, Dv]`` contiguous (default: new, v's dtype), every row
-    written; precision: the fp32 dots' ``input_precision`` ("ieee", or "tf32" on the GPU).
+    of a sequence written; precision: the fp32 dots' ``input_precision`` ("ieee", or "tf32" on the GPU).
     max_len: the longest sequence's rows (None: read from the device, a synchronization).
     Dk: a power of two >= 16. Returns out. cu_seqlens and slots are read on the device."""
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:

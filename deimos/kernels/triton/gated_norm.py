@@ -43,7 +43,7 @@ def rms_norm_gated(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     if o.dim() != 3 or not o.is_contiguous():
         raise ValueError(f"rms_norm_gated: o {tuple(o.shape)} is not a contiguous [T, Hv, Dh]")
     t, hv, dh = o.shape
-    if z.shape != o.shape or z.stride(2) != 1 or z.stride(1) != dh:
+    if z.shape != o.shape or z.stride(2) != 1 or (hv > 1 and z.stride(1) != dh):
         raise ValueError(f"rms_norm_gated: z {tuple(z.shape)} (strides {z.stride()}) is not "
                          f"[{t}, {hv}, {dh}] with heads {dh} apart")  # fmt: skip
     if weight.shape != (dh,) or dh & (dh - 1):

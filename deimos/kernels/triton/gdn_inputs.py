@@ -124,7 +124,8 @@ def gdn_inputs(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots:
     C = (2 Hk + Hv) Dh; weight: ``[C, K]`` contiguous, K >= 2; pool: float32 ``[n_slots, C,
     K - 1]`` contiguous; slots: int32 ``[N]`` on the device (distinct, except that padding rows
     of a decode graph may share the scratch slot); cu_seqlens: int32 ``[N + 1]`` on the device
-    (0 = c_0 <= ... <= c_N = T), or None when every sequence is one row (N = T); b, alpha:
+    (0 = c_0 <= ... <= c_N <= T: rows past c_N, a padded graph's, belong to no sequence and
+    their outputs are not written), or None when every sequence is one row (N = T); b, alpha:
     ``[T, H1, R]`` views with H1 R = Hv, the last dimension contiguous (see the module note);
     dt_bias, decay (ssm_a): ``[Hv]``; eps: the l2 norm's; max_len: the longest sequence's rows
     (with cu_seqlens; None: read from the device, a synchronization). Dh: a power of two."""

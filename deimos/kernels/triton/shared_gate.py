@@ -51,8 +51,9 @@ def shared_gate_add(routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor,
         raise ValueError(f"shared_gate_add: D = {d} not in 1..{MAX_D}")
     for name, u in (("x", x), ("routed", routed), ("shared", shared)):
         _rows(name, u, t, d)
-    if gate_inp.shape != (d,):
-        raise ValueError(f"shared_gate_add: gate_inp {tuple(gate_inp.shape)} is not [{d}]")
+    if gate_inp.shape != (d,) or gate_inp.stride(0) != 1:
+        raise ValueError(f"shared_gate_add: gate_inp {tuple(gate_inp.shape)} (stride "
+                         f"{gate_inp.stride()}) is not a contiguous [{d}]")  # fmt: skip
     for name, u in (("routed", routed), ("shared", shared), ("gate_inp", gate_inp)):
         if u.device != x.device:
             raise ValueError(f"shared_gate_add: {name} is on {u.device}, x on {x.device}")

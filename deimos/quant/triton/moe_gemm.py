@@ -335,7 +335,7 @@ def moe_gemm_config(ggml_type: GGMLType, n: int, k: int, block_m: int) -> MoeGem
     nk = 32 // words_per_group(t)
     if block_m >= 64:
         return MoeGemmConfig(128, (TILE_ELEMENTS // 128) // nk, 8, 3)
-    return MoeGemmConfig(128, max(words_per_group(t), 128 // nk), 4, 3)
+    return MoeGemmConfig(128, 128 // nk, 4, 3)
 
 
 def _check_config(cfg: MoeGemmConfig, wpg: int) -> None:
