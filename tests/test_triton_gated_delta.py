@@ -112,6 +112,26 @@ def test_prefill_varlen_equals_per_sequence_loop(head_map):
     assert torch.equal(pool[1].cpu(), pool0[1]) and torch.equal(pool[4].cpu(), pool0[4])
 
 
+def test_prefill_padded_rows_belong_to_no_sequence():
+    """A padded prefill graph's call: 90 rows, cu_seqlens [0, 70] and max_len 90 (the bucket's
+    grid): the 70 real rows and the final state as the oracle's over those rows alone; the 20
+    padding rows (NaN inputs) neither read nor written."""
+    hk, hv, t, real = 1, 3, 90, 70
+    q, k, v, g, beta = _inputs(t, hk, hv, seed=31)
+    for x in (q, k, v):
+        x[real:] = float("nan")
+    g[real:], beta[real:] = float("nan"), float("nan")
+    s0 = _state(hv, seed=32)
+    pool, *args = _dev(s0[None].clone(), q, k, v, g, beta)
+    out = torch.full((t, hv, DV), -7.0, device=DEVICE)
+    gated_delta_prefill(*args, _i32([0, real]), pool, _i32([0]), SCALE, out=out, max_len=t)
+    ro, rs = naive_reference(q[:real], k[:real], v[:real], g[:real], beta[:real], SCALE, s0,
+                             dtype=torch.float64)  # fmt: skip
+    assert _rel(ro, out[:real]) < 1e-5
+    assert _rel(rs, pool[0]) < 1e-5
+    assert bool((out[real:] == -7.0).all()), "a padding row was written"
+
+
 @pytest.mark.parametrize("head_map", ["grouped", "tiled"])
 def test_decode_batch_against_oracle(head_map):
     hk, hv, b = 3, 9, 4

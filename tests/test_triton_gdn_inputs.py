@@ -104,6 +104,26 @@ def test_decode_rows_equal_the_reference_and_the_whole_sequence():
     torch.testing.assert_close(step_pool, whole_pool, rtol=0, atol=0)
 
 
+def test_padded_rows_belong_to_no_sequence():
+    """A padded prefill graph's call: 40 rows, cu_seqlens [0, 25], max_len 40 (the bucket's
+    grid): the 25 real rows and the slot as the reference's over those rows alone; the NaN
+    padding rows not read (every real output finite and equal)."""
+    x, w, pool, b, alpha, dt_bias, decay = _case(40, 4, 60, False)
+    x[25:], b[25:], alpha[25:] = float("nan"), float("nan"), float("nan")
+    want_pool = pool.clone()
+    want = gdn_inputs_reference(x[:25], w, want_pool, torch.tensor([2], dtype=torch.int32),
+                                torch.tensor([0, 25], dtype=torch.int32), b[:25], alpha[:25],
+                                dt_bias, decay, HK, HV, DH, EPS)  # fmt: skip
+    i32 = {"dtype": torch.int32, "device": DEVICE}
+    got_pool = pool.clone().to(DEVICE)
+    got = gdn_inputs(x.to(DEVICE), w.to(DEVICE), got_pool, torch.tensor([2], **i32),
+                     torch.tensor([0, 25], **i32), b.to(DEVICE), alpha.to(DEVICE),
+                     dt_bias.to(DEVICE), decay.to(DEVICE), HK, HV, DH, EPS, max_len=40)  # fmt: skip
+    for name, a, u in zip("qkvgb", want, got):
+        torch.testing.assert_close(u[:25].cpu(), a, rtol=1e-5, atol=1e-5, msg=f"{name} differs")
+    torch.testing.assert_close(got_pool.cpu(), want_pool, rtol=0, atol=0)
+
+
 def test_bad_arguments_are_named():
     x, w, pool, b, alpha, dt_bias, decay = _case(4, 4, 50, False)
     slots = torch.zeros(1, dtype=torch.int32)
