@@ -684,10 +684,11 @@ def _gated_delta_jobs() -> list[Job]:
                               HK=hk, HV=hv, DH=d, K=4, R=hv, BLOCK_H=hv, BLOCK_T=1 if one else gi.BLOCK_T,
                               ONE_ROW=one, num_warps=8, **PDL_KW)))
     gn = importlib.import_module("deimos.kernels.triton.gated_norm")
-    for z in (f32, bf16):
-        jobs.append(Job("gated_norm", f"H={hv} D={d} z={str(z)[6:]}",
-                        _warm(gn._gated_norm_kernel, [f32, z, hv * d, f32, f32, 512 * hv, 1e-6],
-                              HV=hv, DH=d, BLOCK_R=32, num_warps=4, **PDL_KW)))
+    for z, quant in ((f32, False), (bf16, False), (f32, True)):
+        jobs.append(Job("gated_norm", f"H={hv} D={d} z={str(z)[6:]} quant={int(quant)}",
+                        _warm(gn._gated_norm_kernel, [f32, z, hv * d, f32, f32, 512 * hv, 1e-6,
+                                                      i32, f32, i32],
+                              HV=hv, DH=d, BLOCK_R=32, QUANT=quant, num_warps=4, **PDL_KW)))
     bv, warps = pre.prefill_config(d, d)
     for x, prec in ((bf16, "ieee"), (f32, "ieee"), (f32, "tf32")):
         jobs.append(Job("gdn_chunk", f"H={hv}/{hk} D={d} w={pre.CHUNK_WARPS} {str(x)[6:]} {prec}",

@@ -4,7 +4,10 @@ Oracle: ``rms_norm_gated_reference`` below (deimos.kernels.norm.rms_norm, then S
 float32, as the CPU block).
 
 Program: BLOCK_R (token, head) rows of Dh elements; o's rows are contiguous, z's are read
-through its strides (the gate projection's columns of a packed linear's output).
+through its strides (the gate projection's columns of a packed linear's output). With
+``quantized`` the output is also written as the GEMV's integer activation (gemv_q8's
+``quantize_groups``: a row's groups of 32 lie within one head's Dh), so the output
+projection's decode GEMV reads it without a ``quantize_x`` launch.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ import triton
 import triton.language as tl
 
 from deimos.kernels.norm import rms_norm
+from deimos.quant.triton.gemv_q8 import QuantizedX, quantize_groups
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 
 
 @triton.jit
-def _gated_norm_kernel(p_o, p_z, stride_zt, p_w, p_y, n_rows, eps, HV: tl.constexpr,
-                       DH: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
+def _gated_norm_kernel(p_o, p_z, stride_zt, p_w, p_y, n_rows, eps, p_xq, p_xd, p_xs,
+                       HV: tl.constexpr, DH: tl.constexpr, BLOCK_R: tl.constexpr,
+                       QUANT: tl.constexpr, PDL: tl.constexpr = False):
     pdl_start(PDL)
     o_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     m_r = o_r < n_rows
@@ -33,13 +38,19 @@ def _gated_norm_kernel(p_o, p_z, stride_zt, p_w, p_y, n_rows, eps, HV: tl.conste
     b_z = tl.load(p_zr[:, None] + o_d[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
     b_y = b_o * rstd[:, None] * b_w[None, :] * (b_z * tl.sigmoid(b_z))
     tl.store(p_y + o_r[:, None] * DH + o_d[None, :], b_y, mask=m_r[:, None])
+    if QUANT:  # row r's groups are groups r (Dh / 32) .. of the flat [T, Hv Dh / 32] scales
+        G: tl.constexpr = BLOCK_R * DH // 32
+        o_g = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)
+        quantize_groups(tl.reshape(b_y, (G, 4, 8)), o_g, o_g < n_rows * (DH // 32), p_xq, p_xd, p_xs)
 
 
-def rms_norm_gated(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
-                   ) -> torch.Tensor:
+def rms_norm_gated(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   quantized: QuantizedX | None = None) -> torch.Tensor:
     """``rms_norm(o) * weight * silu(z)`` over each head's Dh elements: o ``[T, Hv, Dh]``
     contiguous, z ``[T, Hv, Dh]`` with heads Dh apart and contiguous elements (any row
-    stride), weight ``[Dh]``; Dh a power of two. Returns ``[T, Hv * Dh]`` float32."""
+    stride), weight ``[Dh]``; Dh a power of two. Returns ``[T, Hv * Dh]`` float32.
+    ``quantized``: a ``QuantizedX`` of ``[T, Hv * Dh]`` (gemv_q8.empty_quantized; Dh a
+    multiple of 32) that also receives the output as the GEMV's integer activation."""
     if o.dim() != 3 or not o.is_contiguous():
         raise ValueError(f"rms_norm_gated: o {tuple(o.shape)} is not a contiguous [T, Hv, Dh]")
     t, hv, dh = o.shape
@@ -52,13 +63,18 @@ def rms_norm_gated(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     if z.device != o.device or weight.device != o.device:
         raise ValueError(f"rms_norm_gated: o on {o.device}, z on {z.device}, weight on "
                          f"{weight.device}")  # fmt: skip
+    if quantized is not None and (dh % 32 or tuple(quantized.xd.shape) != (t, hv * dh // 32)):
+        raise ValueError(f"rms_norm_gated: quantized output {tuple(quantized.xd.shape)} scales "
+                         f"do not fit [{t}, {hv * dh}] (Dh a multiple of 32)")  # fmt: skip
     y = torch.empty(t, hv * dh, dtype=torch.float32, device=o.device)
     rows = t * hv
     if rows:
         block_r = max(1, min(32, 4096 // dh))
+        q = quantized if quantized is not None else (y, y, y)
         _gated_norm_kernel[(triton.cdiv(rows, block_r),)](
-            o, z, z.stride(0), weight, y, rows, float(eps), HV=hv, DH=dh, BLOCK_R=block_r,
-            num_warps=4, **launch_options(pdl_on(o.device)),
+            o, z, z.stride(0), weight, y, rows, float(eps), q[0], q[1], q[2], HV=hv, DH=dh,
+            BLOCK_R=block_r, QUANT=quantized is not None, num_warps=4,
+            **launch_options(pdl_on(o.device)),
         )  # fmt: skip
     return y
 

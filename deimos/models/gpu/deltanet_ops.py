@@ -11,7 +11,8 @@ For a step of B sequences (the first ``n_decode`` one token each, then prefill c
 - the gated delta rule on the same slots: gated_delta_decode for the decode rows and
   gated_delta_prefill for the chunks (cu_seqlens from the batch; its chunk pass, then its
   state pass);
-- the per-head RMS norm times SiLU(z) in one launch (kernels.triton.gated_norm), the output
+- the per-head RMS norm times SiLU(z) in one launch (kernels.triton.gated_norm, through the
+  ops: a decode row's output also quantized for the output projection's GEMV), the output
   projection.
 
 The states live in a pool by slot (``[n_slots, Hv, Dk, Dv]`` and ``[n_slots, C, K - 1]`` per
@@ -33,7 +34,6 @@ import torch
 
 from deimos.kernels.triton.gated_delta_decode import gated_delta_decode
 from deimos.kernels.triton.gated_delta_prefill import gated_delta_prefill
-from deimos.kernels.triton.gated_norm import rms_norm_gated
 from deimos.kernels.triton.gdn_inputs import gdn_inputs
 from deimos.models.batch import Batch
 
@@ -69,7 +69,7 @@ def gated_delta_net(block, x: torch.Tensor, batch: Batch, states: list) -> torch
                             max_len=longest)  # fmt: skip
     if write_back is not None:
         write_back()
-    return block.out(rms_norm_gated(out, z, block.norm, block.eps))
+    return block.out(block.ops.rms_norm_gated(out, z, block.norm, block.eps))
 
 
 # the prefill kernels' fp32 dots: tf32 on the tensor cores (qwen35 4B's 512-token prompt: 5.3 ms a

@@ -18,6 +18,7 @@ import torch
 
 from deimos.kernels.triton.activation import gated_act
 from deimos.kernels.triton.decode_attention import NewToken, decode_attention
+from deimos.kernels.triton.gated_norm import rms_norm_gated
 from deimos.kernels.triton.norm import add_rms_norm, rms_norm
 from deimos.kernels.triton.prefill_attention import paged_prefill_attention, prefill_tile_map
 from deimos.kernels.triton.rope import apply_rope, rope_inv_freq
@@ -119,6 +120,16 @@ class TritonOps:
     def gated_act(self, gate, up, activation):
         qx = self._quantized_for(gate.shape[0], gate.shape[1], gate.device)
         y = gated_act(gate, up, activation, quantized=qx)
+        if qx is not None:
+            self.inputs.put(y, qx)
+        return y
+
+    def rms_norm_gated(self, o, z, weight, eps):
+        """The Gated DeltaNet block's output norm; a decode row's also as the output
+        projection's integer activation (kernels.triton.gated_norm)."""
+        t, hv, dh = o.shape
+        qx = self._quantized_for(t, hv * dh, o.device) if dh % 32 == 0 else None
+        y = rms_norm_gated(o, z, weight, eps, quantized=qx)
         if qx is not None:
             self.inputs.put(y, qx)
         return y
