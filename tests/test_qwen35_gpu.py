@@ -198,6 +198,36 @@ def test_block_with_gpu_linears_equals_reference(tiny, models):
     assert rel < REL, f"block output relative RMS error {rel:.2e}"
 
 
+def test_gated_attention_with_gpu_linears_equals_reference(tiny, models):
+    """Layer 3 (gated full attention) alone with the packed-weight linears (kernels=True): 65
+    tokens then one decode row (its output gate also quantized for the output projection's
+    GEMV: kernels.triton.output_gate), against the reference block."""
+    ref, _ = models
+    gpu = Qwen35Model(ref.config, WeightSource(tiny, DEVICE, kernels=True))
+    x = torch.randn(66, ref.config.n_embd, generator=torch.Generator().manual_seed(10))
+    outs = {}
+    for name, model, device in (("ref", ref, "cpu"), ("gpu", gpu, DEVICE)):
+        pool, s = _pool(model, device), Seq(model, 0, device)
+        ys = []
+        for rows, nd in ((slice(0, 65), 0), (slice(65, 66), 1)):
+            n = rows.stop - rows.start
+            pos = list(range(s.length, s.length + n))
+            slots = torch.tensor([int(s.table[p // BS]) * BS + p % BS for p in pos], device=device)
+            i32 = {"dtype": torch.int32, "device": device}
+            layout = SeqLayout([n], [s.length], nd, slots, s.table[None].to(device),
+                               torch.tensor([s.length], **i32), torch.tensor([0, n], **i32))  # fmt: skip
+            batch = Batch(torch.zeros(n, dtype=torch.long, device=device),
+                          torch.tensor(pos, device=device), pool, layout)
+            ys.append(model.layers[3].mixer(x[rows].to(device), model.ops.begin(batch)).float().cpu())
+            s.length += n
+        outs[name] = torch.cat(ys)
+    assert not model.config.is_recurrent(3)
+    rel = _rel(outs["ref"], outs["gpu"])
+    print(f"layer 3 with GPU linears: rel RMS {rel:.2e}")
+    assert rel < REL, f"attention output relative RMS error {rel:.2e}"
+    assert _rel(outs["ref"][65:], outs["gpu"][65:]) < REL, "the decode row differs"
+
+
 @pytest.mark.gpu
 def test_gpu_whole_model_equals_reference(tiny):
     """The whole model with packed weights on CUDA: 65 + 3 tokens as above."""

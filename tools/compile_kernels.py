@@ -621,14 +621,20 @@ def _moe_jobs() -> list[Job]:
 
 def _shared_gate_jobs() -> list[Job]:
     """The shared expert's gate and the MoE sum (kernels.triton.shared_gate) at qwen35moe's
-    D = 2048 and qwen3next's."""
+    D = 2048 and qwen3next's; gated attention's output gate (kernels.triton.output_gate) at
+    qwen35's 16 heads of 256."""
     import importlib
 
     import torch
 
     sg = importlib.import_module("deimos.kernels.triton.shared_gate")
-    f32 = torch.float32
-    return [Job("shared_gate", "D=2048 w=4",
+    f32, i32 = torch.float32, torch.int32
+    og = importlib.import_module("deimos.kernels.triton.output_gate")
+    jobs = [Job("output_gate", f"H=16 D=256 quant={int(quant)}",
+                _warm(og._output_gate_kernel, [f32, f32, 8192, 512, f32, 16, i32, f32, i32],
+                      H=16, DH=256, BLOCK_R=16, QUANT=quant, num_warps=4, **PDL_KW))
+            for quant in (False, True)]
+    return jobs + [Job("shared_gate", "D=2048 w=4",
                 _warm(sg._shared_gate_kernel, [f32, f32, f32, f32, f32, 2048, 2048, 2048, 2048, 2048],
                       BLOCK_D=2048, num_warps=4, **PDL_KW))]
 

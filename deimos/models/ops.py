@@ -47,6 +47,9 @@ class Ops(Protocol):
         """Routed experts: x [T, D] -> [T, D] through ``block`` (deimos.models.moe.MoE: its
         router, expert weights, k, normalization and activation); moe_reference is the oracle."""
         ...
+    def output_gate(self, attn, gate) -> torch.Tensor:
+        """Gated attention's ``attn [T, H Dh] * sigmoid(gate [T, H, Dh])`` (gate: a view)."""
+        ...
     def shared_gate_add(self, routed, shared, x, gate_inp) -> torch.Tensor:
         """routed + shared * sigmoid(x . gate_inp) per token (deimos.models.moe.shared_gate_add)."""
         ...
@@ -112,3 +115,6 @@ class ReferenceOps:
 
     def shared_gate_add(self, routed, shared, x, gate_inp):
         return shared_gate_add(routed, shared, x, gate_inp)
+
+    def output_gate(self, attn, gate):
+        return attn * torch.sigmoid(gate.reshape(attn.shape))

@@ -53,12 +53,12 @@ class GatedAttention(Attention):
     def __call__(self, x, step):
         cfg, n = self.cfg, x.shape[0]
         qg = self.q(x).view(n, cfg.n_head, 2, cfg.head_dim)
-        q, gate = qg[:, :, 0].contiguous(), qg[:, :, 1].reshape(n, cfg.n_head * cfg.head_dim)
+        q, gate = qg[:, :, 0].contiguous(), qg[:, :, 1]
         k = self.k(x).view(n, cfg.n_head_kv, cfg.head_dim)
         v = self.v(x).view(n, cfg.n_head_kv, cfg.head_dim_v)
         out = self.ops.attention(q, k, v, self.layer, step, self.rope_base, cfg.attn_scale, self.window,
                                  self.head_norms)
-        return self.o(out.reshape(n, cfg.n_head * cfg.head_dim_v) * torch.sigmoid(gate))
+        return self.o(self.ops.output_gate(out.reshape(n, cfg.n_head * cfg.head_dim_v), gate))
 
 
 class Qwen35Layer:

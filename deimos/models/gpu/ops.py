@@ -20,6 +20,7 @@ from deimos.kernels.triton.activation import gated_act
 from deimos.kernels.triton.decode_attention import NewToken, decode_attention
 from deimos.kernels.triton.gated_norm import rms_norm_gated
 from deimos.kernels.triton.norm import add_rms_norm, rms_norm
+from deimos.kernels.triton.output_gate import output_gate
 from deimos.kernels.triton.prefill_attention import paged_prefill_attention, prefill_tile_map
 from deimos.kernels.triton.rope import apply_rope, rope_inv_freq
 from deimos.kernels.triton.shared_gate import shared_gate_add
@@ -130,6 +131,16 @@ class TritonOps:
         t, hv, dh = o.shape
         qx = self._quantized_for(t, hv * dh, o.device) if dh % 32 == 0 else None
         y = rms_norm_gated(o, z, weight, eps, quantized=qx)
+        if qx is not None:
+            self.inputs.put(y, qx)
+        return y
+
+    def output_gate(self, attn, gate):
+        """Gated attention's output gate; a decode row's also as the output projection's
+        integer activation (kernels.triton.output_gate)."""
+        t, h, dh = gate.shape
+        qx = self._quantized_for(t, h * dh, attn.device) if dh % 32 == 0 else None
+        y = output_gate(attn, gate, quantized=qx)
         if qx is not None:
             self.inputs.put(y, qx)
         return y
