@@ -53,7 +53,7 @@ class GatedAttention(Attention):
     def __call__(self, x, step):
         cfg, n = self.cfg, x.shape[0]
         qg = self.q(x).view(n, cfg.n_head, 2, cfg.head_dim)
-        q, gate = qg[:, :, 0].contiguous(), qg[:, :, 1]
+        q, gate = qg[:, :, 0], qg[:, :, 1]  # views: the ops read them strided
         k = self.k(x).view(n, cfg.n_head_kv, cfg.head_dim)
         v = self.v(x).view(n, cfg.n_head_kv, cfg.head_dim_v)
         out = self.ops.attention(q, k, v, self.layer, step, self.rope_base, cfg.attn_scale, self.window,

@@ -104,7 +104,9 @@ class TritonOps:
                 self.inputs.put(out, qx)
             return out
         # one launch: q (head-normed and) rotated in place, k rotated and v stored at the
-        # step's slots. In place on q: it is the step's own projection output
+        # step's slots. In place on q: it is the step's own projection output (a strided view,
+        # gated attention's query half, is made whole first; the decode launch reads it as is)
+        q = q.contiguous()
         apply_rope(q, k, step.rope, inv_freq, self.cfg.rope_type, inplace=True,
                    cache=(v, k_cache, v_cache), head_norms=head_norms, slots=seqs.slots)
         if step.extra is None:
