@@ -58,9 +58,21 @@ final)  # the GPU tests of the hybrid path (the prefill-graph test among them); 
 moe2)  # qwen35moe 35B-A3B's prompt with the swept MoE GEMM rule (no llama.cpp: see moe's row)
   setup; M35=/tmp/m/qwen35moe-35b-Q4_K_M.gguf; synth qwen35moe-35b-a3b $M35 Q4_K_M qwen2; idle
   timeout ${BENCH_S:-110} python3 -m deimos bench $M35 -p 512 -n 32 -r 2 2>&1 | grep -v Warn | grep -E "pp512|tg32" ;;
+next)  # what this session changed after its last measured round: the GPU tests, qwen35 4B and
+       # qwen35moe 35B against llama-bench, the second turn (carry .whl .peer/td .peer/lc)
+  setup; idle; gputests
+  timeout 120 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_qwen35moe.py tests/test_moe_gpu.py 2>&1 | tail -3
+  synth qwen35-4b $Q4 Q4_K_M qwen2; idle
+  timeout ${BENCH_S:-240} python3 -m deimos bench $Q4 -p 512 -n 128 -r 3 --vs-llama /tmp/lc/llama-bench 2>&1 \
+    | grep -v Warn | tee "$OUT/qwen35-4b.txt" | grep -E "pp512|tg128"
+  timeout ${TURN_S:-150} python3 bench/turn_ttft.py $Q4 --ctx 20000 -r 3 2>&1 | grep -v Warn | tail -3
+  M35=/tmp/m/qwen35moe-35b-Q4_K_M.gguf; synth qwen35moe-35b-a3b $M35 Q4_K_M qwen2; idle
+  timeout ${BENCH_S:-300} python3 -m deimos bench $M35 -p 512 -n 128 -r 3 --vs-llama /tmp/lc/llama-bench 2>&1 \
+    | grep -v Warn | tee "$OUT/qwen35moe-35b.txt" | grep -E "pp512|tg128"
+  idle ;;
 host)  # where the prefill's host time goes (cProfile), after fused
   setup; synth qwen35-4b $Q4 Q4_K_M qwen2
   timeout 200 python3 bench/profile_prefill.py $Q4 -p 512 --top 0 --gaps 0 --host ${HOST_N:-45} 2>&1 | grep -v Warn \
     | cut -c1-180 | tee "$OUT/prefill-host.txt" | grep -A${HOST_N:-45} "ncalls" | head -110 ;;
-*) echo "usage: $0 fused|moe|moe2|diag|final|host" >&2; exit 2 ;;
+*) echo "usage: $0 fused|moe|moe2|diag|final|next|host" >&2; exit 2 ;;
 esac
