@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from deimos.kernels.norm import rms_norm
-from deimos.quant.triton.gemv_q8 import QuantizedX, quantize_groups
+from deimos.kernels.triton._head_rows import head_rows, quantize_head_rows
+from deimos.quant.triton.gemv_q8 import QuantizedX
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 
 
@@ -27,9 +28,7 @@ def _gated_norm_kernel(p_o, p_z, stride_zt, p_w, p_y, n_rows, eps, p_xq, p_xd, p
                        HV: tl.constexpr, DH: tl.constexpr, BLOCK_R: tl.constexpr,
                        QUANT: tl.constexpr, PDL: tl.constexpr = False):
     pdl_start(PDL)
-    o_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    m_r = o_r < n_rows
-    o_d = tl.arange(0, DH)
+    o_r, m_r, o_d = head_rows(n_rows, BLOCK_R, DH)
     b_o = tl.load(p_o + o_r[:, None] * DH + o_d[None, :], mask=m_r[:, None], other=0.0)
     b_o = b_o.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(b_o * b_o, axis=1) / DH + eps)
@@ -38,10 +37,8 @@ def _gated_norm_kernel(p_o, p_z, stride_zt, p_w, p_y, n_rows, eps, p_xq, p_xd, p
     b_z = tl.load(p_zr[:, None] + o_d[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
     b_y = b_o * rstd[:, None] * b_w[None, :] * (b_z * tl.sigmoid(b_z))
     tl.store(p_y + o_r[:, None] * DH + o_d[None, :], b_y, mask=m_r[:, None])
-    if QUANT:  # row r's groups are groups r (Dh / 32) .. of the flat [T, Hv Dh / 32] scales
-        G: tl.constexpr = BLOCK_R * DH // 32
-        o_g = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)
-        quantize_groups(tl.reshape(b_y, (G, 4, 8)), o_g, o_g < n_rows * (DH // 32), p_xq, p_xd, p_xs)
+    if QUANT:
+        quantize_head_rows(b_y, n_rows, p_xq, p_xd, p_xs, BLOCK_R, DH)
 
 
 def rms_norm_gated(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,

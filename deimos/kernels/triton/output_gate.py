@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from deimos.quant.triton.gemv_q8 import QuantizedX, quantize_groups
+from deimos.kernels.triton._head_rows import head_rows, quantize_head_rows
+from deimos.quant.triton.gemv_q8 import QuantizedX
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 
 
@@ -23,18 +24,14 @@ def _output_gate_kernel(p_a, p_g, stride_gt, stride_gh, p_y, n_rows, p_xq, p_xd,
                         H: tl.constexpr, DH: tl.constexpr, BLOCK_R: tl.constexpr,
                         QUANT: tl.constexpr, PDL: tl.constexpr = False):
     pdl_start(PDL)
-    o_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    m_r = o_r < n_rows
-    o_d = tl.arange(0, DH)
+    o_r, m_r, o_d = head_rows(n_rows, BLOCK_R, DH)
     b_a = tl.load(p_a + o_r[:, None] * DH + o_d[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
     p_gr = p_g + (o_r // H) * stride_gt + (o_r % H) * stride_gh
     b_g = tl.load(p_gr[:, None] + o_d[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
     b_y = b_a * tl.sigmoid(b_g)
     tl.store(p_y + o_r[:, None] * DH + o_d[None, :], b_y.to(p_y.dtype.element_ty), mask=m_r[:, None])
-    if QUANT:  # row r's groups are groups r (Dh / 32) .. of the flat [T, H Dh / 32] scales
-        G: tl.constexpr = BLOCK_R * DH // 32
-        o_g = tl.program_id(0).to(tl.int64) * G + tl.arange(0, G)
-        quantize_groups(tl.reshape(b_y, (G, 4, 8)), o_g, o_g < n_rows * (DH // 32), p_xq, p_xd, p_xs)
+    if QUANT:
+        quantize_head_rows(b_y, n_rows, p_xq, p_xd, p_xs, BLOCK_R, DH)
 
 
 def output_gate(attn: torch.Tensor, gate: torch.Tensor, quantized: QuantizedX | None = None
