@@ -8,7 +8,8 @@ import pytest
 import torch
 from kernel_device import DEVICE  # sets TRITON_INTERPRET without a GPU: before the kernels
 
-from deimos.kernels.triton.output_gate import output_gate, output_gate_reference
+from deimos.kernels.activation import sigmoid_gate
+from deimos.kernels.triton.output_gate import output_gate
 from deimos.quant.triton.gemv_q8 import empty_quantized, quantize_x
 
 
@@ -19,7 +20,7 @@ def test_equals_the_reference_and_quantizes_its_output(t):
     qg = (torch.randn(t, h, 2, dh, generator=g) * 3).to(DEVICE)  # query, then gate, per head
     gate = qg[:, :, 1]
     attn = torch.randn(t, h * dh, generator=g).to(DEVICE)
-    want = output_gate_reference(attn.cpu(), gate.cpu())
+    want = sigmoid_gate(attn.cpu(), gate.cpu())
     got = output_gate(attn, gate)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
     qx = empty_quantized(t, h * dh, DEVICE)

@@ -136,8 +136,7 @@ class ModelRunner:
         self.verify_graphs: dict[int, object] = {}
         self.states = states if states is not None else state_pool_for(model, max_seqs)
         self._slots: dict[Sequence, SlotState] = {}  # the running sequences' state slots
-        self._graph_slots: dict[int, StepSlots] = {}  # a decode graph's slot ids, by bucket
-        self._prefill_slots: dict[object, StepSlots] = {}  # a prefill graph's slot id, by graph
+        self._graph_slots: dict[object, StepSlots] = {}  # a graph's state slot ids (hybrids)
         self.use_graphs = (cuda_graphs and self.device.type == "cuda"
                            and model.graph_safe)  # fmt: skip
         if self.use_graphs:
@@ -150,30 +149,33 @@ class ModelRunner:
                 if b > max_seqs:
                     break
                 after = decode_after(b) if decode_after is not None else None
-                kv = pool
-                if self.states is not None:  # the recurrent layers read each row's slot
-                    self._graph_slots[b] = StepSlots(b, self.device)
-                    kv = HybridKV(pool, [], self.states, self._graph_slots[b].dev)
-                self.decode_graphs[b] = StepGraph(model, kv, b, b, self.max_blocks, after, mempool)
+                self.decode_graphs[b] = self._graph(model, pool, b, b, after, mempool)
             for n in PREFILL_BUCKETS:
                 # an offloaded MoE's chunks wait for the host; a hybrid's read its state slot
                 if n > n_ctx or not getattr(model.ops, "prefill_graphs", True) \
                         or (cfg.is_hybrid and self.states is None):
                     break
                 tiles = prefill_tile_map([n], cfg.n_head, cfg.n_head_kv, cfg.head_dim, self.device)
-                kv, slots = pool, None
-                if self.states is not None:
-                    slots = StepSlots(1, self.device)
-                    kv = HybridKV(pool, [], self.states, slots.dev)
-                self.prefill_graphs[n] = StepGraph(model, kv, n, 1, self.max_blocks, None, mempool,
-                                                   tile_map=tiles)
-                if slots is not None:
-                    self._prefill_slots[self.prefill_graphs[n]] = slots
+                self.prefill_graphs[n] = self._graph(model, pool, n, 1, None, mempool, tile_map=tiles)
             # a hybrid's verification rolls its states back by the rejected drafts: eager steps
             for n in VERIFY_BUCKETS if verify_graphs and self.prefill_graphs and not cfg.is_hybrid else ():
                 tiles = prefill_tile_map([n], cfg.n_head, cfg.n_head_kv, cfg.head_dim, self.device)
                 self.verify_graphs[n] = StepGraph(model, pool, n, 1, self.max_blocks, None, mempool,
                                                   tile_map=tiles, n_logits=n)
+
+    def _graph(self, model, pool, n_tokens: int, n_seqs: int, after, mempool, **kw):
+        """A StepGraph; a hybrid's recurrent layers read its rows' state slots from a
+        ``StepSlots`` of its own (``_graph_slots``), loaded before each replay."""
+        from deimos.runtime.graph import StepGraph
+
+        kv, slots = pool, None
+        if self.states is not None:
+            slots = StepSlots(n_seqs, self.device)
+            kv = HybridKV(pool, [], self.states, slots.dev)
+        graph = StepGraph(model, kv, n_tokens, n_seqs, self.max_blocks, after, mempool, **kw)
+        if slots is not None:
+            self._graph_slots[graph] = slots
+        return graph
 
     def warm(self, progress=None) -> None:
         """Capture every graph now (compiling every kernel): GPU memory is taken once, before
@@ -367,7 +369,7 @@ class ModelRunner:
             # keys after them (slots of the table's blocks this step never wrote: stale, NaN
             # after a reuse), and a masked score times a NaN value is NaN in P @ V
             h32[mb + 1 :] = (0, t)
-        slots = self._graph_slots.get(g.n_seqs) if g.decode else self._prefill_slots.get(g)
+        slots = self._graph_slots.get(g)
         if slots is None:
             return g.replay()
         rows = [self._bind(seq) for seq in x.seqs]

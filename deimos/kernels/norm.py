@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -22,3 +23,9 @@ def add_rms_norm(
     """The fused residual step: residual' = x + residual (or x); returns (rms_norm(residual'), residual')."""
     summed = x if residual is None else x + residual
     return rms_norm(summed, weight, eps), summed
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Gated DeltaNet block's output norm: ``rms_norm(x) * silu(z)`` over the last dim (x,
+    z: [..., D] of one shape; weight: [D])."""
+    return rms_norm(x, weight, eps) * F.silu(z)

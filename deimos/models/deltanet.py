@@ -46,7 +46,7 @@ from deimos.kernels.deltanet import (
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
 )
-from deimos.kernels.norm import rms_norm
+from deimos.kernels.norm import gated_rms_norm
 from deimos.models.batch import Batch, PagedKV
 from deimos.models.config import ModelConfig
 from deimos.models.weights import WeightSource
@@ -232,8 +232,7 @@ class GatedDeltaNet:
             out[rows], st.ssm[self.layer] = rule(q, k, v, g[rows], beta[rows], st.ssm[self.layer],
                                                  dh**-0.5, **kw)
             t0 += m
-        o = rms_norm(out, self.norm, self.eps) * F.silu(z)
-        return self.out(o.reshape(n, hv * dh))
+        return self.out(gated_rms_norm(out, z, self.norm, self.eps).reshape(n, hv * dh))
 
     def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> (conv input [T, (2 Hk + Hv) Dh] as [q | k | v], z [T, Hv, Dh],

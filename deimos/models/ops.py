@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from deimos.kernels.activation import gated_act
+from deimos.kernels.activation import gated_act, sigmoid_gate
 from deimos.kernels.attention import causal_attention
 from deimos.kernels.norm import add_rms_norm, rms_norm
 from deimos.kernels.rope import apply_rope, rope_cos_sin
@@ -117,4 +117,4 @@ class ReferenceOps:
         return shared_gate_add(routed, shared, x, gate_inp)
 
     def output_gate(self, attn, gate):
-        return attn * torch.sigmoid(gate.reshape(attn.shape))
+        return sigmoid_gate(attn, gate)

@@ -1,7 +1,6 @@
 """The Gated DeltaNet block's output norm (Triton): y = rms_norm(o) * weight * SiLU(z) per
 value head, in one launch instead of a norm, a SiLU, a product and the casts around them.
-Oracle: ``rms_norm_gated_reference`` below (deimos.kernels.norm.rms_norm, then SiLU(z) in
-float32, as the CPU block).
+Oracle: deimos.kernels.norm.gated_rms_norm (the CPU block's).
 
 Program: BLOCK_R (token, head) rows of Dh elements; o's rows are contiguous, z's are read
 through its strides (the gate projection's columns of a packed linear's output). With
@@ -13,11 +12,9 @@ projection's decode GEMV reads it without a ``quantize_x`` launch.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from deimos.kernels.norm import rms_norm
 from deimos.kernels.triton._head_rows import head_rows, quantize_head_rows
 from deimos.quant.triton.gemv_q8 import QuantizedX
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
@@ -74,11 +71,3 @@ def rms_norm_gated(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
             **launch_options(pdl_on(o.device)),
         )  # fmt: skip
     return y
-
-
-def rms_norm_gated_reference(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
-                             ) -> torch.Tensor:
-    """``rms_norm_gated`` in torch: the CPU block's ``rms_norm(out) * silu(z)``."""
-    t, hv, dh = o.shape
-    y = rms_norm(o.float(), weight.float(), eps) * F.silu(z.float())
-    return y.reshape(t, hv * dh)

@@ -1,7 +1,7 @@
 """Gated attention's output gate (Triton): y = attn * sigmoid(gate) per element, the gate read
 in place from the q projection's output (qwen35's attn_q holds each head's query and then its
 gate), optionally written as the output projection's integer activation too. Oracle:
-``output_gate_reference`` below (the CPU block's ``out * sigmoid(gate)``).
+deimos.kernels.activation.sigmoid_gate (the CPU block's).
 
 Replaces a decode step's gate copy, sigmoid, product and ``quantize_x`` (four launches an
 attention layer) with one. Program: BLOCK_R rows of one head's Dh elements (row r = token
@@ -65,8 +65,3 @@ def output_gate(attn: torch.Tensor, gate: torch.Tensor, quantized: QuantizedX | 
             **launch_options(pdl_on(attn.device)),
         )  # fmt: skip
     return y
-
-
-def output_gate_reference(attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """``output_gate`` in torch: the CPU block's ``attn * sigmoid(gate)`` (attn's dtype)."""
-    return attn * torch.sigmoid(gate.reshape(attn.shape))

@@ -1,7 +1,6 @@
 """The shared expert's gate and the MoE sum in one launch (Triton): out = routed +
 sigmoid(x . gate_inp) * shared per token, for qwen35moe and qwen3next (llama.cpp's
-ffn_gate_inp_shexp). Oracle: ``shared_gate_add_reference`` below (the float32 arithmetic of the
-CPU block's, deimos.models.moe.shared_gate_add).
+ffn_gate_inp_shexp). Oracle: deimos.models.moe.shared_gate_add (the CPU block's).
 
 Replaces four launches a layer: the float32 dot (cuBLAS's GEMV), the sigmoid, the product and
 the sum. One program per token: its D inputs for the dot, then the D outputs.
@@ -68,11 +67,3 @@ def shared_gate_add(routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor,
             **launch_options(pdl_on(x.device)),
         )  # fmt: skip
     return out
-
-
-def shared_gate_add_reference(routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor,
-                              gate_inp: torch.Tensor) -> torch.Tensor:
-    """``shared_gate_add`` in torch, float32 (at least: float64 stays float64)."""
-    acc = torch.promote_types(x.dtype, torch.float32)
-    gate = torch.sigmoid(x.to(acc) @ gate_inp.to(acc))[:, None]
-    return (routed.to(acc) + shared.to(acc) * gate).to(routed.dtype)
