@@ -120,32 +120,32 @@ class TritonOps:
                                 bs, scale, window, out=out[nd:])
         return out
 
-    def gated_act(self, gate, up, activation):
-        qx = self._quantized_for(gate.shape[0], gate.shape[1], gate.device)
-        y = gated_act(gate, up, activation, quantized=qx)
+    def _made_quantized(self, make, rows: int, k: int, device, whole_groups: bool = True):
+        """``make(qx)``'s output, ``qx`` the QuantizedX it also fills for the next GEMV (a
+        decode row's, when its groups of 32 fit the kernel: ``whole_groups``) or None."""
+        qx = self._quantized_for(rows, k, device) if whole_groups else None
+        y = make(qx)
         if qx is not None:
             self.inputs.put(y, qx)
         return y
+
+    def gated_act(self, gate, up, activation):
+        return self._made_quantized(lambda qx: gated_act(gate, up, activation, quantized=qx),
+                                    gate.shape[0], gate.shape[1], gate.device)
 
     def rms_norm_gated(self, o, z, weight, eps):
         """The Gated DeltaNet block's output norm; a decode row's also as the output
-        projection's integer activation (kernels.triton.gated_norm)."""
+        projection's integer activation (kernels.triton.gated_norm: groups within a head)."""
         t, hv, dh = o.shape
-        qx = self._quantized_for(t, hv * dh, o.device) if dh % 32 == 0 else None
-        y = rms_norm_gated(o, z, weight, eps, quantized=qx)
-        if qx is not None:
-            self.inputs.put(y, qx)
-        return y
+        return self._made_quantized(lambda qx: rms_norm_gated(o, z, weight, eps, quantized=qx),
+                                    t, hv * dh, o.device, dh % 32 == 0)
 
     def output_gate(self, attn, gate):
         """Gated attention's output gate; a decode row's also as the output projection's
-        integer activation (kernels.triton.output_gate)."""
+        integer activation (kernels.triton.output_gate: groups within a head)."""
         t, h, dh = gate.shape
-        qx = self._quantized_for(t, h * dh, attn.device) if dh % 32 == 0 else None
-        y = output_gate(attn, gate, quantized=qx)
-        if qx is not None:
-            self.inputs.put(y, qx)
-        return y
+        return self._made_quantized(lambda qx: output_gate(attn, gate, quantized=qx),
+                                    t, h * dh, attn.device, dh % 32 == 0)
 
     def shared_gate_add(self, routed, shared, x, gate_inp):
         """The shared expert's gate and the MoE sum in one launch (kernels.triton.shared_gate)."""
