@@ -114,3 +114,16 @@ def gated_delta_rule_chunked(q, k, v, g, beta, state, scale: float,
         s = gamma[:, -1, None, None] * s + u.transpose(1, 2) @ (tail[:, :, None] * ki)
     out = out.reshape(h, -1, v.shape[2])[:, :n].transpose(0, 1).contiguous()
     return out, s
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """ggml's build_gdn_l2_norm over the last dim: rms_norm(x, eps / n) / sqrt(n) = x / sqrt(sum
+    x^2 + eps)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def delta_gates(b: torch.Tensor, alpha: torch.Tensor, dt_bias: torch.Tensor, a: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(beta, g) [T, Hv] of the projections b, alpha [T, Hv]: beta = sigmoid(b), g =
+    softplus(alpha + dt_bias) * a (ssm_a = -exp(A_log): the log decay)."""
+    return torch.sigmoid(b), torch.nn.functional.softplus(alpha + dt_bias) * a

@@ -43,8 +43,10 @@ import torch.nn.functional as F
 
 from deimos.kernels.deltanet import (
     causal_conv1d,
+    delta_gates,
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
+    l2_norm,
 )
 from deimos.kernels.norm import gated_rms_norm
 from deimos.models.batch import Batch, PagedKV
@@ -224,8 +226,8 @@ class GatedDeltaNet:
             st, rows = states[b], slice(t0, t0 + m)
             y, st.conv[self.layer] = causal_conv1d(mixed[rows], self.conv, st.conv[self.layer])
             y = F.silu(y)
-            q = self._value_heads(_l2_norm(y[:, : hk * dh].view(m, hk, dh), self.eps))
-            k = self._value_heads(_l2_norm(y[:, hk * dh : 2 * hk * dh].view(m, hk, dh), self.eps))
+            q = self._value_heads(l2_norm(y[:, : hk * dh].view(m, hk, dh), self.eps))
+            k = self._value_heads(l2_norm(y[:, hk * dh : 2 * hk * dh].view(m, hk, dh), self.eps))
             v = y[:, 2 * hk * dh :].view(m, hv, dh)
             rule = gated_delta_rule_recurrent if m == 1 else gated_delta_rule_chunked
             kw = {} if m == 1 else {"chunk": self.chunk}
@@ -239,8 +241,8 @@ class GatedDeltaNet:
         beta [T, Hv], g [T, Hv])."""
         mixed, z, b, alpha = self.raw_projections(x)
         n = x.shape[0]
-        beta = torch.sigmoid(b.reshape(n, self.hv))
-        return mixed, z, beta, F.softplus(alpha.reshape(n, self.hv) + self.dt_bias) * self.a
+        beta, g = delta_gates(b.reshape(n, self.hv), alpha.reshape(n, self.hv), self.dt_bias, self.a)
+        return mixed, z, beta, g
 
     def raw_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> (conv input [T, (2 Hk + Hv) Dh], z [T, Hv, Dh], b, alpha): the linears'
@@ -254,8 +256,3 @@ class GatedDeltaNet:
         key head h % Hk) or grouped (h // (Hv / Hk))."""
         r = self.hv // self.hk
         return x.repeat(1, r, 1) if self.head_map == "tiled" else x.repeat_interleave(r, dim=1)
-
-
-def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """ggml's build_gdn_l2_norm: rms_norm(x, eps / n) / sqrt(n) = x / sqrt(sum x^2 + eps)."""
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)

@@ -1,6 +1,6 @@
 """The Gated DeltaNet block's inputs in one launch (Triton): from the projections' raw outputs
 to what the delta rule reads. Oracle: ``gdn_inputs_reference`` below (deimos.kernels.deltanet's
-causal_conv1d, SiLU, the l2 norm, sigmoid and softplus, as the CPU block computes them).
+causal_conv1d, SiLU, l2_norm and delta_gates, as the CPU block computes them).
 
 For N sequences packed along T (cu_seqlens, or one row each in a decode step), each with its
 slot of the conv pool ``[n_slots, C, K - 1]`` float32 (the last K - 1 inputs, oldest first):
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from deimos.kernels.deltanet import causal_conv1d
+from deimos.kernels.deltanet import causal_conv1d, delta_gates, l2_norm
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 
 BLOCK_T = 16  # rows of a program (a decode step's one row: 1); at least K - 1
@@ -140,6 +140,8 @@ def gdn_inputs(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots:
         raise ValueError(f"gdn_inputs: conv weight {tuple(weight.shape)} is not a contiguous "
                          f"[{c}, K] with K >= 2")  # fmt: skip
     kw = weight.shape[1]
+    if kw - 1 > BLOCK_T:
+        raise ValueError(f"gdn_inputs: a conv of {kw} taps reaches past one block of {BLOCK_T} rows")
     if pool.dim() != 3 or pool.shape[1:] != (c, kw - 1) or pool.dtype != torch.float32 \
             or not pool.is_contiguous():
         raise ValueError(f"gdn_inputs: conv pool {pool.dtype} {tuple(pool.shape)} is not a "
@@ -175,8 +177,6 @@ def gdn_inputs(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots:
     q, k = qkv[: t * hk * dh].view(t, hk, dh), qkv[t * hk * dh : 2 * t * hk * dh].view(t, hk, dh)
     v = qkv[2 * t * hk * dh :].view(t, hv, dh)
     g, beta = torch.empty(t, hv, **f32), torch.empty(t, hv, **f32)
-    if kw - 1 > BLOCK_T:
-        raise ValueError(f"gdn_inputs: a conv of {kw} taps reaches past one block of {BLOCK_T} rows")
     if cu_seqlens is None:
         max_len = 1
     elif max_len is None:
@@ -209,12 +209,9 @@ def gdn_inputs_reference(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tens
             pool[slot] = state.t()
     y = F.silu(y)
 
-    def l2(u: torch.Tensor) -> torch.Tensor:
-        return u * torch.rsqrt(u.pow(2).sum(-1, keepdim=True) + eps)
-
-    q = l2(y[:, : hk * dh].reshape(t, hk, dh))
-    k = l2(y[:, hk * dh : 2 * hk * dh].reshape(t, hk, dh))
+    q = l2_norm(y[:, : hk * dh].reshape(t, hk, dh), eps)
+    k = l2_norm(y[:, hk * dh : 2 * hk * dh].reshape(t, hk, dh), eps)
     v = y[:, 2 * hk * dh :].reshape(t, hv, dh)
-    beta = torch.sigmoid(b.reshape(t, hv).float())
-    g = F.softplus(alpha.reshape(t, hv).float() + dt_bias.float()) * decay.float()
+    beta, g = delta_gates(b.reshape(t, hv).float(), alpha.reshape(t, hv).float(), dt_bias.float(),
+                          decay.float())  # fmt: skip
     return q.contiguous(), k.contiguous(), v.contiguous(), g, beta
