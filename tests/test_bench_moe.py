@@ -145,10 +145,14 @@ def test_helper_ends_when_its_parent_is_killed() -> None:
 def test_leave_on_the_cpu_stand_in_leaves_about_what_it_was_told() -> None:
     """--leave reads free memory between pieces: asked to leave all but 32 MiB of what is free
     now, it holds about 32 MiB (other processes move MemAvailable a little meanwhile)."""
-    free = int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) * 1024
-    leave = free - 32 * MIB
-    with MemHold(leave_gib=leave / GIB, device="cpu", chunk_mib=8) as h:
-        held = h.wait_ready(20)
+    for _ in range(3):  # again if another process (a parallel test's load) took more than the
+        # 32 MiB between the test's reading and the helper's first: then there was nothing to hold
+        free = int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) * 1024
+        leave = free - 32 * MIB
+        with MemHold(leave_gib=leave / GIB, device="cpu", chunk_mib=8) as h:
+            held = h.wait_ready(20)
+        if held.held or held.free_before > leave:
+            break
     assert held.held % ALIGN == 0 and held.held > 0
     # what it left free by its own last reading (other processes move MemAvailable meanwhile,
     # so what it had to take may differ from the 32 MiB of the test's reading)
