@@ -270,18 +270,19 @@ def paged_prefill_config(d: int) -> PrefillConfig:
 
 
 def prefill_tile_map(q_lens: list[int], n_head: int, n_head_kv: int, head_dim: int,
-                     device: torch.device | str) -> torch.Tensor:
+                     device: torch.device | str, block_m: int | None = None) -> torch.Tensor:
     """The (sequence, M tile) pairs of a packed prefill of chunks of ``q_lens`` tokens, int32
     ``[n_tiles, 2]`` on ``device``: sequence b has cdiv(len_b * G, BLOCK_M) tiles (G = n_head /
     n_head_kv, BLOCK_M from the head size's tile rule). Listed from the last M tile index down
     (the tiles with the most keys start first, a shorter tail). Made on the host once per
-    set of lengths; ``paged_prefill_attention`` needs one made for its q's heads and D."""
+    set of lengths; ``paged_prefill_attention`` needs one made for its q's heads and D (and
+    for its ``cfg``'s block_m where it is given one: ``block_m``)."""
     if n_head_kv <= 0 or n_head % n_head_kv:
         raise ValueError(f"prefill_tile_map: {n_head} query heads do not group over {n_head_kv}")
     if any(n < 0 for n in q_lens):
         raise ValueError(f"prefill_tile_map: negative chunk length in {q_lens}")
     g = n_head // n_head_kv
-    block_m = paged_prefill_config(head_dim).block_m
+    block_m = block_m or paged_prefill_config(head_dim).block_m
     tiles = [(b, j) for b, n in enumerate(q_lens) for j in range(triton.cdiv(n * g, block_m))]
     tiles.sort(key=lambda bj: -bj[1])  # stable: sequences in order within a tile index
     return torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2).to(device)
@@ -320,6 +321,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     *,
     n_split: int | None = None,
+    cfg: PrefillConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of B sequences' prefill chunks, packed, over a paged KV cache.
 
@@ -336,6 +338,8 @@ def paged_prefill_attention(
     the tile count (1: one launch writing the output; more: partials in an fp32 workspace of
     T * Hq * n_split * (D + 2) * 4 bytes, then the combine launch; under the rule, which keeps
     n_tiles * Hkv * n_split <= 528, that is at most BLOCK_M * (D + 2) * 4 * 528 ~ 35 MB).
+    ``cfg``: the tile (default ``paged_prefill_config(D)``; the tile map must be made with its
+    block_m), for ``bench/sweep_paged_prefill.py``.
     """
     op = "paged_prefill_attention"
     out = check_attention_io(op, q, k, v, window, out, q.device, "T")
@@ -360,7 +364,9 @@ def paged_prefill_attention(
     if n_t == 0 or n_tiles == 0:
         return out
     g = hq // hkv
-    cfg = paged_prefill_config(d)
+    cfg = cfg or paged_prefill_config(d)
+    if cfg.block_m < 16 or cfg.block_n < 16:
+        raise ValueError(f"{op}: tile {cfg} needs block_m and block_n of at least 16")
     split = {}
     if n_split > 1:
         f32 = dict(dtype=torch.float32, device=q.device)
