@@ -8,6 +8,8 @@
 #   bench/gpu_round_s31.sh fusedmoe  # qwen35moe 35B-A3B Q4_K_M's pp512 and tg128 with each
 #                               # DEIMOS_MOE_FUSED setting (0, router, 1): which one-token MoE
 #                               # step is fastest at 256 experts
+#   bench/gpu_round_s31.sh router  # the one-token router's launches (bench/sweep_router.py)
+#   bench/gpu_round_s31.sh moestep  # where qwen35moe 35B-A3B's decode step goes
 #   bench/gpu_round_s31.sh serve  # llama 8B Q4_K_M: deimos serve, then llama-server (--parallel
 #                               # 64), at DLEVELS / LLEVELS streams, 512-token prompts, 128-token
 #                               # answers, default sampling (issue 14)
@@ -50,6 +52,13 @@ fusedmoe)
     DEIMOS_MOE_FUSED=$f timeout ${BENCH_S:-100} python3 -m deimos bench $M35 -p 512 -n 128 -r 2 2>&1 | grep -v Warn \
       | grep -E "pp512|tg128"
   done; idle ;;
+router)
+  setup; timeout ${ROUTER_S:-150} python3 bench/sweep_router.py --shapes ${SHAPES:-qwen35moe,qwen3moe} 2>&1 | grep -v Warn \
+    | tee "$OUT/sweep-router.txt" | sed -n '/^| shape/,$p' ;;
+moestep)
+  setup; synth qwen35moe-35b-a3b $M35 Q4_K_M qwen2; idle
+  timeout 150 python3 bench/profile_step.py $M35 -b 1 --steps 20 2>&1 | grep -v Warn | cut -c1-160 \
+    | tee "$OUT/moe-step.txt" | tail -${STEP_N:-30} ;;
 serve)
   setup; synth llama-8b $M8 Q4_K_M llama-bpe; idle
   python3 -m deimos serve $M8 --listen 127.0.0.1:8090 --no-tui -c 1024 > "$OUT/deimos-serve.log" 2>&1 &
