@@ -4,9 +4,11 @@ once; ``BlockManager.check``), and counts worked out by hand."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from deimos.engine.block_manager import BlockManager, OutOfBlocks, chain_key
+from deimos.engine.block_manager import BlockManager, OutOfBlocks, chain_key, pack_tokens
 from deimos.engine.request import Request
 from deimos.engine.scheduler import Scheduler, SchedulerConfig
 from deimos.engine.sequence import SeqStatus, Sequence
@@ -136,3 +138,100 @@ def test_scheduler_config_checks():
         SchedulerConfig(max_seqs=8, max_batch_tokens=4)
     with pytest.raises(ValueError, match="max_seqs"):
         SchedulerConfig(max_seqs=0)
+
+
+def _slow_match(bm: BlockManager, tokens: list[int]) -> list[int]:
+    """``match`` as it was: every block's chain key hashed from the tokens, nothing remembered."""
+    out, parent, usable = [], b"", 0
+    for i in range((len(tokens) - 1) // bm.block_size):
+        block = tuple(tokens[i * bm.block_size : (i + 1) * bm.block_size])
+        key = chain_key(parent, block)
+        b = bm._by_key.get(key)
+        if b is None or bm._sealed[b] is None or bm._sealed[b].tokens != pack_tokens(block):
+            break
+        out.append(b)
+        if bm._sealed[b].state is not None:
+            usable = len(out)
+        parent = key
+    return out[:usable] if bm.needs_state else out
+
+
+def _keys(tokens: list[int], n: int) -> list[bytes]:
+    out, parent = [], b""
+    for i in range(n):
+        parent = chain_key(parent, tuple(tokens[i * BS : (i + 1) * BS]))
+        out.append(parent)
+    return out
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["plain", "hybrid"])
+@pytest.mark.parametrize("seed", range(4))
+def test_match_with_memos_and_chains_equals_hashing_every_block(hybrid, seed):
+    """Sequences continuing, branching from and repeating earlier ones in a pool small enough to
+    evict: ``match`` with a sequence's key memo (fresh, or kept from before the cache changed)
+    and the packed prompt finds exactly what hashing every block finds, and its memo holds the
+    chain keys of the tokens."""
+    rng = random.Random(seed)
+    bm = BlockManager(24, BS, needs_state=hybrid)
+    live: list[tuple[list[int], list[int], list[bytes], int]] = []  # tokens, table, keys, sealed
+    history: list[list[int]] = []
+    memos: dict[tuple[int, ...], list[bytes]] = {}
+    for _ in range(400):
+        if live and rng.random() < 0.4:  # a sequence ends, or grows by a few tokens (decoding)
+            i = rng.randrange(len(live))
+            tokens, table, keys, n_sealed = live[i]
+            if rng.random() < 0.5:
+                bm.free(table)
+                del live[i]
+                history.append(tokens)
+                continue
+            tokens += [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
+            if bm.blocks_to_grow(table, len(tokens)) > bm.n_free:
+                continue
+            bm.grow(table, len(tokens))
+            n_sealed = bm.seal(table, tokens, len(tokens) - 1, n_sealed, keys)
+            if hybrid and n_sealed and rng.random() < 0.7:
+                bm.attach_state(table[n_sealed - 1], object())
+            live[i] = (tokens, table, keys, n_sealed)
+            continue
+        base = rng.choice(history) if history and rng.random() < 0.8 else []
+        tokens = base[: rng.randrange(len(base) + 1)] if rng.random() < 0.3 else list(base)
+        tokens = tokens + [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
+        # a memo of the same tokens from before (the cache changed since), or none
+        keys = list(memos.get(tuple(tokens), [])) if rng.random() < 0.5 else []
+        hit = bm.match(tokens, keys, pack_tokens(tokens) if rng.random() < 0.5 else None)
+        assert hit == _slow_match(bm, tokens)
+        assert keys == _keys(tokens, len(keys)) and len(keys) <= (len(tokens) - 1) // BS
+        memos[tuple(tokens)] = list(keys)
+        if not bm.can_allocate(tokens, len(tokens), hit):
+            continue
+        table, cached = bm.allocate(tokens, len(tokens), hit)
+        n_sealed = bm.seal(table, tokens, len(tokens) - 1, cached // BS, keys)
+        if hybrid and n_sealed and rng.random() < 0.7:
+            bm.attach_state(table[n_sealed - 1], object())
+        live.append((tokens, table, keys, n_sealed))
+        bm.check()
+    for _, table, _, _ in live:
+        bm.free(table)
+    bm.check()
+
+
+def test_a_continued_sequence_is_matched_without_hashing_its_blocks_again(monkeypatch):
+    """The blocks a sequence sealed with its key memo are found from it: the next prompt that
+    continues the sequence (an agent's next turn) hashes only the first block past them."""
+    import deimos.engine.block_manager as bm_module
+
+    bm = BlockManager(64, BS)
+    tokens = list(range(100, 141))  # 10 full blocks and 1 token
+    keys: list[bytes] = []
+    table, _ = bm.allocate(tokens, len(tokens), bm.match(tokens, keys))
+    bm.seal(table, tokens, len(tokens), 0, keys)
+    bm.free(table)
+    nxt = tokens + list(range(7, 20))
+    want = _slow_match(bm, nxt)
+    assert len(want) == 10
+    calls = []
+    real = bm_module._key
+    monkeypatch.setattr(bm_module, "_key", lambda *a: calls.append(a) or real(*a))
+    assert bm.match(nxt) == want
+    assert len(calls) == 2  # the first block's key, and the one past the cached blocks (a miss)

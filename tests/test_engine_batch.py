@@ -175,8 +175,11 @@ def test_bad_requests_fail_alone(tiny):
     ok = eng.add(_req([1, 2], 5))
     with pytest.raises(ValueError, match="context holds 64"):
         eng.add(_req(list(range(64)), 5))
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        eng.add(_req([llm.config.n_vocab], 5))
+    # the first id outside [0, n_vocab) is named, past the uint32 packing's range too
+    for ids, bad in (([llm.config.n_vocab], llm.config.n_vocab), ([1, -1, 2], -1),
+                     ([2**32, 1], 2**32), ([-(2**40)], -(2**40))):  # fmt: skip
+        with pytest.raises(ValueError, match=f"token id {bad} is outside the vocabulary"):
+            eng.add(_req(ids, 5))
     while eng.has_work:
         eng.step()
     assert len(ok.request.output_ids) == 5

@@ -82,7 +82,9 @@ def step_inputs(plan: StepPlan, block_size: int, max_blocks: int) -> StepInputs:
             d = drafts.get(id(seq))
             tokens[t : t + n] = seq.tokens[start : start + n] if d is None else [seq.tokens[start], *d]
             positions[t : t + n] = pos
-            slots[t : t + n] = np.asarray(table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
+            first = start // block_size  # only the blocks the chunk writes, not the whole table
+            blk = np.asarray(table[first : (start + n - 1) // block_size + 1], dtype=np.int64)
+            slots[t : t + n] = blk[pos // block_size - first] * block_size + pos % block_size
         q_lens.append(n)
         q_starts.append(start)
         if id(seq) in drafts:  # a verification: logits at its last token and every draft

@@ -168,7 +168,8 @@ class Scheduler:
         # 4. admissions, in arrival order (a preempted sequence is at the front)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_seqs:
             seq = self.waiting[0]
-            blocks = self.blocks.match(seq.tokens)  # once: the hashes of the whole prompt
+            # the prompt's chain keys are computed once (seq.keys), not at each step it waits
+            blocks = self.blocks.match(seq.tokens, seq.keys, seq.packed)
             hit = len(blocks) * self.blocks.block_size
             n = self._chunk(hit, len(seq.tokens) - hit, budget)
             if not self.blocks.can_allocate(seq.tokens, hit + n, blocks):

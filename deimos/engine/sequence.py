@@ -41,6 +41,10 @@ class Sequence:
     snap_block: int | None = None  # the block holding this sequence's latest state snapshot
     snap_pos: int = 0  # the position of that snapshot (within the prompt: kept for others)
     spec: SpecState | None = None  # speculative decoding's state (None: it decodes plainly)
+    # the prefix cache's chain keys of its leading full blocks, as far as known (tokens only
+    # grow, so they never change): admission and sealing hash each block once
+    keys: list[bytes] = field(default_factory=list)
+    packed: bytes | None = None  # the prompt's ids packed (block_manager.pack_tokens), or None
 
     @property
     def n_prompt(self) -> int:

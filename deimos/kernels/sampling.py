@@ -254,15 +254,19 @@ class Sampler:
         self._window.append(token)
         self._counts[token] += 1
 
-    def accept_many(self, tokens: Sequence[int]) -> None:
+    def accept_many(self, tokens: Sequence[int], checked: bool = False) -> None:
         """``accept`` of each of ``tokens`` in turn (a prompt), without a Python step per
-        token: only the window's last ``penalty_last_n`` tokens are kept."""
+        token: only the window's last ``penalty_last_n`` tokens are kept. ``checked``: the
+        caller has already checked that every token is in the vocabulary (the engine's
+        ``add``): no second pass over a long prompt."""
         if not tokens:
             return
-        lo, hi = min(tokens), max(tokens)
-        if lo < 0 or hi >= self.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"token {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if not checked:
+            lo, hi = min(tokens), max(tokens)
+            if lo < 0 or hi >= self.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(
+                    f"token {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
         if self.params.penalty_last_n == 0:
             return
         n = self._window.maxlen
