@@ -13,6 +13,7 @@
 #   bench/gpu_round_s31.sh serve  # llama 8B Q4_K_M: deimos serve, then llama-server (--parallel
 #                               # 64), at DLEVELS / LLEVELS streams, 512-token prompts, 128-token
 #                               # answers, default sampling (issue 14)
+#   bench/gpu_round_s31.sh turn   # the second turn again (the prefix cache's host work cut)
 #   bench/gpu_round_s31.sh agent  # the multi-turn agent session on both servers, Hermes-3's
 #                               # tool-use template on the file, the tools as a field (issue 17)
 . bench/gpu_env.sh
@@ -74,6 +75,11 @@ serve)
   timeout ${LS_S:-260} python3 -m deimos bench serve --url http://127.0.0.1:8091 --concurrency ${LLEVELS:-2,4,16,64} \
     --prompt-tokens 512 --max-tokens 128 --json "$OUT/serve-llama.json" 2>&1 | grep -E "^\| *[0-9]|concurrency"
   kill $L; wait $L; idle ;;
+turn)
+  setup; synth qwen35-4b $Q4 Q4_K_M qwen2; idle
+  timeout ${TURN_S:-120} python3 bench/turn_ttft.py $Q4 --ctx 20000 -r 5 2>&1 | grep -v Warn | tail -2
+  timeout ${PREFIX_S:-100} python3 bench/profile_prefix.py $Q4 --ctx 2048,20000 -n 150 2>&1 | grep -v Warn \
+    | grep -E "^\| [0-9]" | cut -c1-200 ;;
 agent)
   setup
   SESSIONS=${SESSIONS:-multi-turn} AGENT_ARGS=" " TEMPLATE=NousResearch-Hermes-3-Llama-3.1-8B-tool_use SESS_S=${SESS_S:-120} \
