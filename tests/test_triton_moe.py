@@ -547,3 +547,31 @@ def test_moe_layer(path: str) -> None:
     assert ids[0, 0] == 1
     ref = _layer_reference(x, gate, up, down, n_ff, weights.cpu().double(), ids.cpu())
     close(f"layer {path}", out, ref, 2e-3 if path == "grouped" else 1e-4)
+
+
+@pytest.mark.parametrize("dx", [48, 1100], ids=["small", "two-blocks"])
+def test_moe_combine_gated_add(dx: int) -> None:
+    """The combine with a gated add (a shared expert's rows scaled by sigmoid(x . g), the sum
+    of kernels.triton.shared_gate in the same launch) against the reference combine plus
+    deimos.models.moe.shared_gate_add's gate, on strided x rows."""
+    from deimos.models.moe import shared_gate_add
+
+    t, k, d = 3, 4, 40
+    g = torch.Generator().manual_seed(11)
+    y = torch.randn(t * k, d, generator=g)
+    weights = torch.rand(t, k, generator=g)
+    shared = torch.randn(t, d, generator=g)
+    x = torch.randn(t, dx + 8, generator=g)[:, :dx]  # rows with a stride of dx + 8
+    gw = torch.randn(dx, generator=g) / dx**0.5
+    got = moe_combine(y.to(DEVICE), weights.to(DEVICE), shared.to(DEVICE), gate=(x.to(DEVICE), gw.to(DEVICE)))
+    routed = moe_combine_reference(y, weights)
+    want = shared_gate_add(routed, shared.double(), x.double(), gw.double())
+    close(f"gated combine dx={dx}", got, want, 1e-5)
+    with pytest.raises(ValueError, match="needs add"):
+        moe_combine(y.to(DEVICE), weights.to(DEVICE), gate=(x.to(DEVICE), gw.to(DEVICE)))
+    with pytest.raises(ValueError, match=r"gate weight must be contiguous float32 \[%d\]" % dx):
+        moe_combine(y.to(DEVICE), weights.to(DEVICE), shared.to(DEVICE),
+                    gate=(x.to(DEVICE), gw[:-1].to(DEVICE)))
+    with pytest.raises(ValueError, match=r"gate x must be float \[3, Dx\]"):
+        moe_combine(y.to(DEVICE), weights.to(DEVICE), shared.to(DEVICE),
+                    gate=(x[:2].to(DEVICE), gw.to(DEVICE)))

@@ -508,6 +508,14 @@ def _moe_jobs() -> list[Job]:
             jobs.append(Job("moe_combine", f"D={d_model} k={top_k} out={str(dt)[6:]} add={int(add)}",
                             _warm(route._combine_kernel, [f32, f32, f32, dt, d_model], TOP_K=top_k,
                                   BLOCK_D=route.COMBINE_BLOCK, HAS_ADD=add, num_warps=4, **PDL_KW)))
+    from triton.runtime.jit import MockTensor
+
+    # qwen35moe's shared expert summed in the combine, its gate over x's 2048 columns
+    jobs.append(Job("moe_combine", f"D={d_model} k={top_k} gated add",
+                    _warm(route._combine_kernel, [f32, f32, f32, f32, d_model], TOP_K=top_k,
+                          BLOCK_D=route.COMBINE_BLOCK, HAS_ADD=True, HAS_GATE=True, p_gx=MockTensor(f32),
+                          p_gw=MockTensor(f32), stride_gx=d_model, DX=d_model,
+                          BLOCK_X=route.COMBINE_BLOCK, num_warps=4, **PDL_KW)))
     gemv_shapes = ((n_ff, d_model, False), (2 * n_ff, d_model, False), (d_model, n_ff, True))
     i64 = torch.int64
     chunk_samples = (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)

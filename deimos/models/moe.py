@@ -136,8 +136,7 @@ class MoEShared:
         self.shared = SharedExpert(cfg, layer, w)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        shared = self.shared
-        return shared.ops.shared_gate_add(self.moe(x), shared.product(x), x, shared.gate_inp)
+        return self.shared.ops.moe_shared(x, self)
 
 
 def shared_gate_add(routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor,

@@ -53,6 +53,10 @@ class Ops(Protocol):
     def shared_gate_add(self, routed, shared, x, gate_inp) -> torch.Tensor:
         """routed + shared * sigmoid(x . gate_inp) per token (deimos.models.moe.shared_gate_add)."""
         ...
+    def moe_shared(self, x: torch.Tensor, block) -> torch.Tensor:
+        """``block`` (deimos.models.moe.MoEShared): its routed experts plus its shared expert's
+        product gated per token, ``shared_gate_add(moe(x), product(x), x, gate_inp)``."""
+        ...
 
 
 class ReferenceOps:
@@ -115,6 +119,10 @@ class ReferenceOps:
 
     def shared_gate_add(self, routed, shared, x, gate_inp):
         return shared_gate_add(routed, shared, x, gate_inp)
+
+    def moe_shared(self, x, block):
+        shared = block.shared
+        return shared_gate_add(block.moe(x), shared.product(x), x, shared.gate_inp)
 
     def output_gate(self, attn, gate):
         return sigmoid_gate(attn, gate)

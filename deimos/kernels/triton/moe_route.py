@@ -15,7 +15,9 @@ down projection's kernels: those store each pair's row as gemv_q8 / the grouped 
 it (one program a pair: a fused sum would need atomics into a zeroed output, an extra launch
 and a run-to-run varying order), and this pass also takes the rows the CPU computed for
 experts not on the device (``add``). It moves T k D floats once: 64 KB a token at D = 2048,
-k = 8.
+k = 8. With ``gate=(x, g)`` the added row is first scaled by sigmoid(x[t] . g): qwen35moe's
+and qwen3next's gated shared expert summed in the same launch (kernels.triton.shared_gate's
+work, one launch a layer fewer); each program recomputes the token's dot over x's row.
 """
 
 from __future__ import annotations
@@ -105,8 +107,10 @@ def moe_route(logits: torch.Tensor, k: int, renorm: bool,
 
 @triton.jit
 def _combine_kernel(p_y, p_w, p_add, p_out, D, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                    HAS_ADD: tl.constexpr, PDL: tl.constexpr = False):
-    """Token i_t, columns i_d BLOCK_D ..: sum_j w[t, j] y[t TOP_K + j] (+ add[t])."""
+                    HAS_ADD: tl.constexpr, PDL: tl.constexpr = False, HAS_GATE: tl.constexpr = False,
+                    p_gx=None, p_gw=None, stride_gx=0, DX=0, BLOCK_X: tl.constexpr = 16):
+    """Token i_t, columns i_d BLOCK_D ..: sum_j w[t, j] y[t TOP_K + j] (+ add[t], times
+    sigmoid(gx[t] . gw) with HAS_GATE)."""
     pdl_start(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     o_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -116,7 +120,16 @@ def _combine_kernel(p_y, p_w, p_add, p_out, D, TOP_K: tl.constexpr, BLOCK_D: tl.
         w = tl.load(p_w + i_t * TOP_K + j)
         acc += w * tl.load(p_y + (i_t * TOP_K + j) * D + o_d, mask=m_d, other=0.0)
     if HAS_ADD:
-        acc += tl.load(p_add + i_t * D + o_d, mask=m_d, other=0.0)
+        b_add = tl.load(p_add + i_t * D + o_d, mask=m_d, other=0.0)
+        if HAS_GATE:  # the token's gate: its x row . gw, in float32
+            dot = tl.zeros([BLOCK_X], dtype=tl.float32)
+            for c0 in range(0, DX, BLOCK_X):
+                o_x = c0 + tl.arange(0, BLOCK_X)
+                m_x = o_x < DX
+                b_x = tl.load(p_gx + i_t * stride_gx + o_x, mask=m_x, other=0.0).to(tl.float32)
+                dot += b_x * tl.load(p_gw + o_x, mask=m_x, other=0.0)
+            b_add = b_add * tl.sigmoid(tl.sum(dot, axis=0))
+        acc += b_add
     tl.store(p_out + i_t * D + o_d, acc.to(p_out.dtype.element_ty), mask=m_d)
 
 
@@ -124,13 +137,17 @@ COMBINE_BLOCK = 1024
 
 
 def moe_combine(y: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None = None,
-                out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                gate: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The experts' outputs summed per token with the router's weights.
 
     y: float32 ``[T * k, D]`` (pair p = t k + j: token t's choice j; rows of experts not on the
     device are 0), weights: float32 ``[T, k]``, add: optional float32 ``[T, D]`` added (the
-    pairs the CPU computed, already weighted; or a residual). Returns ``out`` (``dtype``:
-    float32 or float16, contiguous ``[T, D]``; new unless given), computed in float32."""
+    pairs the CPU computed, already weighted; or a residual; or a shared expert's output).
+    ``gate``: optional (x float ``[T, Dx]`` with unit column stride, g float32 ``[Dx]``):
+    add[t] is scaled by sigmoid(x[t] . g) first (deimos.models.moe.shared_gate_add's sum; needs
+    ``add``). Returns ``out`` (``dtype``: float32 or float16, contiguous ``[T, D]``; new unless
+    given), computed in float32."""
     if weights.dim() != 2 or weights.dtype != torch.float32 or not weights.is_contiguous():
         raise ValueError(f"moe_combine: weights must be contiguous float32 [T, k], got "
                          f"{weights.dtype} {tuple(weights.shape)}")  # fmt: skip
@@ -151,13 +168,27 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None
     elif out.shape != (t, d) or out.dtype not in (torch.float32, torch.float16) or not out.is_contiguous():
         raise ValueError(f"moe_combine: out must be contiguous float32/float16 [{t}, {d}], got "
                          f"{out.dtype} {tuple(out.shape)}")  # fmt: skip
-    for name, a in (("weights", weights), ("add", add), ("out", out)):
+    gkw = {}
+    if gate is not None:
+        gx, gw = gate
+        if add is None:
+            raise ValueError("moe_combine: a gate scales the added rows: it needs add")
+        if gx.dim() != 2 or gx.shape[0] != t or not gx.dtype.is_floating_point or gx.stride(1) != 1:
+            raise ValueError(f"moe_combine: gate x must be float [{t}, Dx] with unit column stride, "
+                             f"got {gx.dtype} {tuple(gx.shape)}")  # fmt: skip
+        if gw.shape != (gx.shape[1],) or gw.dtype != torch.float32 or not gw.is_contiguous():
+            raise ValueError(f"moe_combine: gate weight must be contiguous float32 [{gx.shape[1]}], "
+                             f"got {gw.dtype} {tuple(gw.shape)}")  # fmt: skip
+        gkw = dict(HAS_GATE=True, p_gx=gx, p_gw=gw, stride_gx=gx.stride(0), DX=gx.shape[1],
+                   BLOCK_X=min(COMBINE_BLOCK, max(16, triton.next_power_of_2(gx.shape[1]))))
+    for name, a in (("weights", weights), ("add", add), ("out", out),
+                    ("gate x", gate[0] if gate else None), ("gate weight", gate[1] if gate else None)):
         if a is not None and a.device != y.device:
             raise ValueError(f"moe_combine: {name} is on {a.device}, y on {y.device}")
     if t and d:
         block = min(COMBINE_BLOCK, max(16, triton.next_power_of_2(d)))
         _combine_kernel[(t, triton.cdiv(d, block))](
             y, weights, add if add is not None else y, out, d, TOP_K=k, BLOCK_D=block,
-            HAS_ADD=add is not None, num_warps=4, **launch_options(pdl_on(y.device)),
+            HAS_ADD=add is not None, num_warps=4, **launch_options(pdl_on(y.device)), **gkw,
         )  # fmt: skip
     return out

@@ -108,15 +108,21 @@ def fused_decode(x: torch.Tensor, block, slot_of: torch.Tensor, router: RouterSc
 
 
 def moe_step(x: torch.Tensor, block, slot_of: torch.Tensor, quantized=None,
-             router: RouterScratch | None = None, experts_fused: bool = True) -> torch.Tensor:
+             router: RouterScratch | None = None, experts_fused: bool = True,
+             shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x float32 ``[T, D]`` -> float32 ``[T, D]``: ``block``'s routed experts (a
     deimos.models.moe.MoE holding PackedExperts). ``quantized``: x's integer activation when
     the norm kernel made it (one token). ``router``: the ops' scratch for the fused router
     (a few tokens: ``moe_router``); with ``experts_fused`` one token then runs in three
-    launches (``fused_decode``). None: the unfused chain."""
-    if router is not None and experts_fused:
+    launches (``fused_decode``). None: the unfused chain. ``shared``: (a shared expert's
+    output float32 ``[T, D]``, its gate float32 ``[D]``): the combine adds it scaled by
+    sigmoid(x . gate) (the unfused chain only)."""
+    if router is not None and experts_fused and shared is None:
         y = fused_decode(x, block, slot_of, router, quantized)
         if y is not None:
             return y
     weights, ids = route(x, block, router)
-    return moe_combine(expert_products(x, block, ids, slot_of, quantized=quantized), weights)
+    y = expert_products(x, block, ids, slot_of, quantized=quantized)
+    if shared is None:
+        return moe_combine(y, weights)
+    return moe_combine(y, weights, add=shared[0], gate=(x, shared[1]))

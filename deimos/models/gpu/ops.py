@@ -181,3 +181,20 @@ class TritonOps:
             return self.offload.moe(x, block, quantized=qx)
         return moe_step(x, block, self.slots(block.n_expert, x.device), quantized=qx, router=self.router,
                         experts_fused=FUSED == "1")
+
+    def moe_shared(self, x, block):
+        """A MoEShared block: with every expert on the device and the unfused one-token chain,
+        the shared expert first, then the routed experts' combine adds its gated rows
+        (``moe_combine(..., gate=...)``: one launch a layer fewer than the combine and then
+        ``shared_gate``); otherwise the routed experts, then ``shared_gate_add``."""
+        shared = block.shared
+        if self.offload is None and FUSED != "1" and x.is_contiguous():
+            # x's integer activation taken before the shared expert's activation replaces it
+            # in the input cache (one quantize_x launch less)
+            qx = self.inputs.quantized(x) if self.inputs is not None and x.shape[0] == 1 else None
+            s = shared.product(x)
+            routed = block.moe
+            return moe_step(x, routed, self.slots(routed.n_expert, x.device), quantized=qx,
+                            router=self.router, experts_fused=False,
+                            shared=(s.float().contiguous(), shared.gate_inp))
+        return self.shared_gate_add(block.moe(x), shared.product(x), x, shared.gate_inp)
