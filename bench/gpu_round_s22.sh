@@ -38,7 +38,7 @@ agent)
         > "$OUT/agent-llama.log" 2>&1 &
     fi
     S=$!
-    for i in $(seq 240); do curl -sf 127.0.0.1:8092/health > /dev/null && break; sleep 1; done
+    for i in $(seq 240); do curl -sf 127.0.0.1:8092/health > /dev/null && break; kill -0 $S 2>/dev/null || break; sleep 1; done
     for sess in ${SESSIONS:-multi-turn long-prompt long-decode}; do
       timeout ${SESS_S:-150} python3 -m deimos bench agent $sess --url http://127.0.0.1:8092 ${AGENT_ARGS:---tools-in-system} \
         --json "$OUT/agent-$who-$sess.json" > "$OUT/agent-$who-$sess.txt" 2>&1
@@ -64,7 +64,7 @@ serve)
           --port 8093 > "$OUT/long-$who-$lvs.log" 2>&1 &
       fi
       S=$!
-      for i in $(seq 240); do curl -sf 127.0.0.1:8093/health > /dev/null && break; sleep 1; done
+      for i in $(seq 240); do curl -sf 127.0.0.1:8093/health > /dev/null && break; kill -0 $S 2>/dev/null || break; sleep 1; done
       for p in ${P//,/ }; do
         echo "$who streams=$lvs prompt=$p"
         timeout 200 python3 -m deimos bench serve --url http://127.0.0.1:8093 --concurrency $lvs \

@@ -10,6 +10,10 @@
 #                               # step is fastest at 256 experts
 #   bench/gpu_round_s31.sh router  # the one-token router's launches (bench/sweep_router.py)
 #   bench/gpu_round_s31.sh moestep  # where qwen35moe 35B-A3B's decode step goes
+# The server parts need the server's wheels in .whl (fastapi, starlette, pydantic, pydantic-core,
+# annotated-types, annotated-doc, typing-inspection, uvicorn, llguidance, sniffio,
+# opentelemetry-api; ../shared/device/README.md) and the llama-bpe vocabulary in .peer/td; the
+# whole carry must stay under 64 MiB with the tree (leave the unused vocabularies out).
 #   bench/gpu_round_s31.sh serve  # llama 8B Q4_K_M: deimos serve, then llama-server (--parallel
 #                               # 64), at DLEVELS / LLEVELS streams, 512-token prompts, 128-token
 #                               # answers, default sampling (issue 14)
@@ -64,14 +68,16 @@ serve)
   setup; synth llama-8b $M8 Q4_K_M llama-bpe; idle
   python3 -m deimos serve $M8 --listen 127.0.0.1:8090 --no-tui -c 1024 > "$OUT/deimos-serve.log" 2>&1 &
   D=$!
-  for i in $(seq 120); do curl -sf 127.0.0.1:8090/health > /dev/null && break; sleep 1; done
+  # stop waiting once the server has died (a missing wheel: its log's last lines say which)
+  for i in $(seq 120); do curl -sf 127.0.0.1:8090/health > /dev/null && break; kill -0 $D 2>/dev/null || break; sleep 1; done
+  kill -0 $D 2>/dev/null || tail -3 "$OUT/deimos-serve.log"
   timeout ${DS_S:-200} python3 -m deimos bench serve --url http://127.0.0.1:8090 --concurrency ${DLEVELS:-1,2,4,16,64} \
     --prompt-tokens 512 --max-tokens 128 --json "$OUT/serve-deimos.json" 2>&1 | grep -E "^\| *[0-9]|concurrency"
   kill -INT $D; wait $D; idle
   /tmp/lc/llama-server -m $M8 -ngl 99 -fa on --parallel 64 -c 65536 --host 127.0.0.1 --port 8091 \
     > "$OUT/llama-serve.log" 2>&1 &
   L=$!
-  for i in $(seq 180); do curl -sf 127.0.0.1:8091/health > /dev/null && break; sleep 1; done
+  for i in $(seq 180); do curl -sf 127.0.0.1:8091/health > /dev/null && break; kill -0 $L 2>/dev/null || break; sleep 1; done
   timeout ${LS_S:-260} python3 -m deimos bench serve --url http://127.0.0.1:8091 --concurrency ${LLEVELS:-2,4,16,64} \
     --prompt-tokens 512 --max-tokens 128 --json "$OUT/serve-llama.json" 2>&1 | grep -E "^\| *[0-9]|concurrency"
   kill $L; wait $L; idle ;;
