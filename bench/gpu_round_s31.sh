@@ -24,11 +24,6 @@
 export DEIMOS_TEST_DATA=/tmp/td
 Q4=/tmp/m/qwen35-4b-Q4_K_M.gguf
 M35=/tmp/m/qwen35moe-35b-Q4_K_M.gguf
-setup() {
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  [ -d /tmp/td ] || cp -r .peer/td /tmp/td
-  [ -x /tmp/lc/llama-bench ] || { mkdir -p /tmp/lc && tar xJf .peer/lc/llama-cuda-sm90.tar.xz -C /tmp/lc; }
-}
 gputests() {
   timeout ${TEST_S:-240} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_triton_gdn_inputs.py \
     tests/test_triton_gated_norm.py tests/test_triton_gated_delta.py tests/test_qwen35_gpu.py \
