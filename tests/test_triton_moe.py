@@ -48,7 +48,7 @@ from deimos.quant.triton.moe_gemm import (
     moe_gemm,
     moe_gemm_config,
 )
-from deimos.quant.triton.moe_gemv import ExpertChunks, moe_gemv
+from deimos.quant.triton.moe_gemv import ExpertChunks, moe_gemv, moe_gemv_pair
 from deimos.quant.triton.naive import dequantize_packed
 
 # every kernel format, and formats packed in another's layout (Q3_K as Q6_K; Q8_0's layout
@@ -217,6 +217,31 @@ def test_moe_gemv_gate_up_one_stack() -> None:
     y = moe_gemv(gu, 2 * n_ff, qx, ids, _slot_of(), "token")
     assert torch.equal(y[:, :n_ff], moe_gemv(gate, n_ff, qx, ids, _slot_of(), "token"))
     assert torch.equal(y[:, n_ff:], moe_gemv(up, n_ff, qx, ids, _slot_of(), "token"))
+
+
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_moe_gemv_pair_equals_two_launches(t: GGMLType) -> None:
+    """gate and up in one launch (moe_gemv_pair, grid axis 2 picks the stack): each output
+    equals its own moe_gemv launch, on one stack each and on slots in chunks (a chunk not
+    allocated); stacks of two formats fall back to two launches with the same results."""
+    n_ff, k = 24, 256
+    gate, up = _stack(t, n_ff, k, seed=1), _stack(t, n_ff, k, seed=2)
+    ids = _ids(3, 2, seed=4).to(DEVICE)
+    qx = quantize_x(torch.randn(3, k, generator=torch.Generator().manual_seed(5)).to(DEVICE))
+    want_g = moe_gemv(gate, n_ff, qx, ids, _slot_of(), "token")
+    want_u = moe_gemv(up, n_ff, qx, ids, _slot_of(), "token")
+    assert not torch.equal(want_g, want_u)
+    g, u = moe_gemv_pair(gate, up, n_ff, qx, ids, _slot_of(), "token")
+    assert torch.equal(g, want_g) and torch.equal(u, want_u)
+    slot_of = torch.tensor([3, -1, 0, -1, -1, 1, 2], dtype=torch.int32, device=DEVICE)  # slot 4 off
+    tg, cg, keep_g = _chunked(gate, n_ff, 2, missing=2)
+    tu, cu, keep_u = _chunked(up, n_ff, 2, missing=2)
+    g, u = moe_gemv_pair(tg, tu, n_ff, qx, ids, slot_of, "token", cg, cu)
+    assert torch.equal(g, moe_gemv(gate, n_ff, qx, ids, slot_of, "token"))
+    assert torch.equal(u, moe_gemv(up, n_ff, qx, ids, slot_of, "token"))
+    other = _stack(GGMLType.Q8_0, n_ff, k, seed=3)
+    g, u = moe_gemv_pair(gate, other, n_ff, qx, ids, _slot_of(), "token")
+    assert torch.equal(g, want_g) and torch.equal(u, moe_gemv(other, n_ff, qx, ids, _slot_of(), "token"))
 
 
 def test_moe_gemv_ids_out_of_range() -> None:

@@ -541,6 +541,20 @@ def _moe_jobs() -> list[Job]:
                                            XB=cfg.xb, EVEN=even, SCALE16=scale16(sample),
                                            PAIR_ROWS=pair, CHUNKED=chunked,
                                            num_warps=cfg.num_warps, **PDL_KW)))
+            if not pair and t in chunk_samples:  # gate and up in one launch (moe_gemv_pair)
+                two = {f"{p}2": MockTensor(a.dtype) for p, a in zip(("p_qw", "p_qh", "p_s", "p_d", "p_m"), arrays)}
+                two |= {f"{p}2": MockTensor(a.dtype) for p, a in zip(("t_qw", "t_qh", "t_s", "t_d", "t_m"), arrays)}
+                args = [MockTensor(a.dtype) for a in arrays] * 2
+                args += [MockTensor(i32), MockTensor(f32), MockTensor(i32), MockTensor(f32),
+                         MockTensor(i32), MockTensor(i32), n, k, n_exp, top_k]
+                args += [a.stride(0) for a in arrays] + [1]
+                jobs.append(Job("moe_gemv_" + t.name, f"{n}x{k} gate+up " + _describe(cfg),
+                                _warm_args(mv._moe_gemv_kernel, args, FMT=FMT_ID[kt],
+                                           BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s, ASM=True,
+                                           XB=cfg.xb, EVEN=even, SCALE16=scale16(sample),
+                                           PAIR_ROWS=False, CHUNKED=False, TWO=True,
+                                           p_y2=MockTensor(f32), num_warps=cfg.num_warps,
+                                           **two, **PDL_KW)))
     # the fused one-token step (quant.triton.moe_decode, kernels.triton.moe_router)
     md = importlib.import_module("deimos.quant.triton.moe_decode")
     mr = importlib.import_module("deimos.kernels.triton.moe_router")

@@ -1,7 +1,8 @@
 """A routed-expert MLP step on the GPU kernels (``TritonOps.moe``), every expert on the device.
 
 One token (a batch-1 decode step): the router's float32 logits (torch) then ``moe_route``
-(softmax, top-k, renormalized), ``moe_gemv`` per projection (expert ids read on the device),
+(softmax, top-k, renormalized), ``moe_gemv`` per projection (expert ids read on the device;
+gate and up in one launch, ``moe_gemv_pair``),
 ``gated_act`` (writing the down projection's integer activation), ``moe_combine``. With
 DEIMOS_MOE_FUSED=router (read once) the router is one launch (``moe_router``); with
 DEIMOS_MOE_FUSED=1 (experts resident) the whole step is three launches: ``moe_router`` (the
@@ -29,7 +30,7 @@ from deimos.kernels.triton.moe_router import MAX_TOKENS, RouterScratch, moe_rout
 from deimos.quant.triton.gemv_q8 import empty_quantized, quantize_x
 from deimos.quant.triton.moe_decode import moe_down_combine, moe_gate_up
 from deimos.quant.triton.moe_gemm import moe_align, moe_block_m, moe_gemm
-from deimos.quant.triton.moe_gemv import moe_gemv
+from deimos.quant.triton.moe_gemv import moe_gemv, moe_gemv_pair
 from deimos.quant.triton.dequant_gemv import MAX_BATCH
 
 # read once: which one-token steps TritonOps fuses (a profile's switch; the default is what was
@@ -80,8 +81,7 @@ def expert_products(x: torch.Tensor, block, ids: torch.Tensor, slot_of: torch.Te
     f, d = block.n_ff, x.shape[1]
     if t == 1 and k <= MAX_BATCH:
         qx = quantized if quantized is not None else quantize_x(x)
-        g = moe_gemv(w["gate"], f, qx, ids, slot_of, "token", chunks=c.get("gate"))
-        u = moe_gemv(w["up"], f, qx, ids, slot_of, "token", chunks=c.get("up"))
+        g, u = moe_gemv_pair(w["gate"], w["up"], f, qx, ids, slot_of, "token", c.get("gate"), c.get("up"))
         qa = empty_quantized(k, f, x.device) if f % 32 == 0 else None
         a = gated_act(g, u, block.activation, quantized=qa)
         return moe_gemv(w["down"], d, qa if qa is not None else quantize_x(a), ids, slot_of, "pair",

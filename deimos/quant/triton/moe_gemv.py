@@ -88,13 +88,20 @@ def _moe_gemv_kernel(
     N, K, E, TOP_K, r_qw, r_qh, r_s, r_d, r_m, SPC,  # r_*: each array's elements a row
     FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ASM: tl.constexpr,
     XB: tl.constexpr, EVEN: tl.constexpr, SCALE16: tl.constexpr, PAIR_ROWS: tl.constexpr,
-    CHUNKED: tl.constexpr = False, PDL: tl.constexpr = False,
+    CHUNKED: tl.constexpr = False, PDL: tl.constexpr = False, TWO: tl.constexpr = False,
+    p_qw2=None, p_qh2=None, p_s2=None, p_d2=None, p_m2=None,
+    t_qw2=None, t_qh2=None, t_s2=None, t_d2=None, t_m2=None, p_y2=None,
 ):  # fmt: skip
     """Rows i_n BLOCK_N .. of pair i_p's output: W_slot(ids[i_p]) x_row, or 0 when the expert
-    has no slot. PAIR_ROWS: x row i_p, else i_p // TOP_K."""
+    has no slot. PAIR_ROWS: x row i_p, else i_p // TOP_K. TWO: program_id(2) = 1 takes the
+    second stack (``*2``: the same format, shape and chunking) and stores into p_y2."""
     pdl_start(PDL)
     i_n = tl.program_id(0)
     i_p = tl.program_id(1)
+    if TWO:
+        if tl.program_id(2) == 1:  # the second stack's pointers, the same code after
+            p_qw, p_qh, p_s, p_d, p_m, p_y = p_qw2, p_qh2, p_s2, p_d2, p_m2, p_y2
+            t_qw, t_qh, t_s, t_d, t_m = t_qw2, t_qh2, t_s2, t_d2, t_m2
     slot = expert_slot(p_ids, p_slot, i_p, E)
     if slot < 0:
         o_y = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -217,3 +224,50 @@ def moe_gemv(w_stack: PackedWeight, n: int, qx: QuantizedX, ids: torch.Tensor,
         num_warps=cfg.num_warps, **launch_options(pdl_on(out.device)),
     )  # fmt: skip
     return out
+
+
+def moe_gemv_pair(w_a: PackedWeight, w_b: PackedWeight, n: int, qx: QuantizedX, ids: torch.Tensor,
+                  slot_of: torch.Tensor, x_rows: str, chunks_a: ExpertChunks | None = None,
+                  chunks_b: ExpertChunks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(moe_gemv(w_a, ...), moe_gemv(w_b, ...))`` for two stacks that read the same
+    activation (a layer's gate and up experts): one launch over both (grid axis 2 picks the
+    stack) where they share a format, shape, scale layout and chunking, else two launches.
+    One launch less a MoE layer per decode token."""
+    chunked = chunks_a is not None
+    same = (w_a.ggml_type == w_b.ggml_type and w_a.k == w_b.k and scale16(w_a) == scale16(w_b)
+            and sorted(w_a.tensors) == sorted(w_b.tensors) and (chunks_b is not None) == chunked
+            and (chunks_a.slots_per_chunk == chunks_b.slots_per_chunk if chunked else w_a.n == w_b.n))  # fmt: skip
+    if same:
+        arrays_a, tables_a, widths, spc, _ = slot_arrays(w_a, chunks_a, "moe_gemv")
+        arrays_b, tables_b, widths_b, _, _ = slot_arrays(w_b, chunks_b, "moe_gemv")
+        same = widths == widths_b and all(a.dtype == b.dtype for a, b in zip(arrays_a, arrays_b))
+    if not same:
+        return (moe_gemv(w_a, n, qx, ids, slot_of, x_rows, chunks=chunks_a),
+                moe_gemv(w_b, n, qx, ids, slot_of, x_rows, chunks=chunks_b))
+    check_expert_inputs(w_a, n, slot_of, x_rows, "moe_gemv", ids, chunked=chunked)
+    check_expert_inputs(w_b, n, slot_of, x_rows, "moe_gemv", ids, chunked=chunked)
+    t, k = ids.shape
+    rows, kx = qx.shape
+    want = t if x_rows == "token" else t * k
+    if kx != w_a.k or rows != want:
+        raise ValueError(f"moe_gemv: x must be [{want}, {w_a.k}] ({x_rows} rows), got "
+                         f"[{rows}, {kx}]")  # fmt: skip
+    for w in (w_a, w_b):
+        if qx.xq.device != w.device:
+            raise ValueError(f"moe_gemv: x is on {qx.xq.device}, the weights on {w.device}")
+    out_a = gemv_out(None, t * k, n, w_a.device, "moe_gemv")
+    out_b = gemv_out(None, t * k, n, w_a.device, "moe_gemv")
+    if t * k == 0:
+        return out_a, out_b
+    cfg = moe_gemv_config(w_a, n)
+    _moe_gemv_kernel[gemv_grid(n, t * k, cfg.block_n) + (2,)](
+        *arrays_a, *tables_a, qx.xq, qx.xd, qx.xs, out_a, ids, slot_of,
+        n, w_a.k, slot_of.numel(), k, *widths, spc,
+        FMT=FMT_ID[w_a.ggml_type], BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
+        ASM=not _INTERPRETED, XB=cfg.xb, EVEN=(w_a.k // 32) % cfg.block_s == 0,
+        SCALE16=scale16(w_a), PAIR_ROWS=x_rows == "pair", CHUNKED=chunked, TWO=True,
+        p_qw2=arrays_b[0], p_qh2=arrays_b[1], p_s2=arrays_b[2], p_d2=arrays_b[3], p_m2=arrays_b[4],
+        t_qw2=tables_b[0], t_qh2=tables_b[1], t_s2=tables_b[2], t_d2=tables_b[3], t_m2=tables_b[4],
+        p_y2=out_b, num_warps=cfg.num_warps, **launch_options(pdl_on(out_a.device)),
+    )  # fmt: skip
+    return out_a, out_b
