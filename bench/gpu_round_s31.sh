@@ -18,6 +18,9 @@
 #                               # 64), at DLEVELS / LLEVELS streams, 512-token prompts, 128-token
 #                               # answers, default sampling (issue 14)
 #   bench/gpu_round_s31.sh turn   # the second turn again (the prefix cache's host work cut)
+#   bench/gpu_round_s31.sh next   # what this session wrote after its device time ran out (the
+#                               # combine's gated add, moe_gemv_pair): the hybrid and MoE GPU
+#                               # tests, qwen35moe 35B-A3B against llama-bench, its decode step
 #   bench/gpu_round_s31.sh agent  # the multi-turn agent session on both servers, Hermes-3's
 #                               # tool-use template on the file, the tools as a field (issue 17)
 . bench/gpu_env.sh
@@ -81,9 +84,19 @@ turn)
   timeout ${TURN_S:-120} python3 bench/turn_ttft.py $Q4 --ctx 20000 -r 5 2>&1 | grep -v Warn | tail -2
   timeout ${PREFIX_S:-100} python3 bench/profile_prefix.py $Q4 --ctx 2048,20000 -n 150 2>&1 | grep -v Warn \
     | grep -E "^\| [0-9]" | cut -c1-200 ;;
+next)
+  setup; idle; gputests
+  timeout ${MOE_TEST_S:-150} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_triton_moe.py \
+    tests/test_moe_gpu.py tests/test_qwen35moe.py 2>&1 | cut -c1-220 | tail -4
+  synth qwen35moe-35b-a3b $M35 Q4_K_M qwen2; idle
+  timeout ${BENCH_S:-260} python3 -m deimos bench $M35 -p 512 -n 128 -r 3 --vs-llama /tmp/lc/llama-bench 2>&1 \
+    | grep -v Warn | tee "$OUT/qwen35moe-35b.txt" | grep -E "pp512|tg128"
+  timeout 120 python3 bench/profile_step.py $M35 -b 1 --steps 20 2>&1 | grep -v Warn | cut -c1-160 \
+    | tee "$OUT/moe-step.txt" | tail -${STEP_N:-24}
+  idle ;;
 agent)
   setup
   SESSIONS=${SESSIONS:-multi-turn} AGENT_ARGS=" " TEMPLATE=NousResearch-Hermes-3-Llama-3.1-8B-tool_use SESS_S=${SESS_S:-120} \
     bash bench/gpu_round_s22.sh agent 2>&1 | tail -12 ;;
-*) echo "usage: $0 a|sweep|serve|agent" >&2; exit 2 ;;
+*) echo "usage: $0 a|sweep|fusedmoe|router|moestep|turn|serve|next|agent" >&2; exit 2 ;;
 esac
