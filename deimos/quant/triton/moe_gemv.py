@@ -187,6 +187,21 @@ def check_expert_inputs(w_stack: PackedWeight, n: int, slot_of: torch.Tensor, x_
         raise ValueError(f"{who}: slot_of is empty (no experts)")
 
 
+def _check_gemv_inputs(w: PackedWeight, n: int, qx: QuantizedX, ids: torch.Tensor,
+                       slot_of: torch.Tensor, x_rows: str, chunked: bool) -> None:
+    """``check_expert_inputs`` plus the activation's shape ([T, K] token rows, [T k, K] pair
+    rows) and device."""
+    check_expert_inputs(w, n, slot_of, x_rows, "moe_gemv", ids, chunked=chunked)
+    t, k = ids.shape
+    rows, kx = qx.shape
+    want = t if x_rows == "token" else t * k
+    if kx != w.k or rows != want:
+        raise ValueError(f"moe_gemv: x must be [{want}, {w.k}] ({x_rows} rows), got "
+                         f"[{rows}, {kx}]")  # fmt: skip
+    if qx.xq.device != w.device:
+        raise ValueError(f"moe_gemv: x is on {qx.xq.device}, the weights on {w.device}")
+
+
 def moe_gemv(w_stack: PackedWeight, n: int, qx: QuantizedX, ids: torch.Tensor,
              slot_of: torch.Tensor, x_rows: str, out: torch.Tensor | None = None,
              cfg: Q8Config | None = None, chunks: ExpertChunks | None = None) -> torch.Tensor:
@@ -201,15 +216,8 @@ def moe_gemv(w_stack: PackedWeight, n: int, qx: QuantizedX, ids: torch.Tensor,
     slot or -1 (its pairs' rows are 0; an id outside [0, E) too). ``out``: optional
     contiguous float32 ``[T * k, n]``, written in full. ``cfg``: gemv_q8's tile (default
     ``moe_gemv_config``)."""
-    check_expert_inputs(w_stack, n, slot_of, x_rows, "moe_gemv", ids, chunked=chunks is not None)
+    _check_gemv_inputs(w_stack, n, qx, ids, slot_of, x_rows, chunks is not None)
     t, k = ids.shape
-    rows, kx = qx.shape
-    want = t if x_rows == "token" else t * k
-    if kx != w_stack.k or rows != want:
-        raise ValueError(f"moe_gemv: x must be [{want}, {w_stack.k}] ({x_rows} rows), got "
-                         f"[{rows}, {kx}]")  # fmt: skip
-    if qx.xq.device != w_stack.device:
-        raise ValueError(f"moe_gemv: x is on {qx.xq.device}, the weights on {w_stack.device}")
     out = gemv_out(out, t * k, n, w_stack.device, "moe_gemv")
     if t * k == 0:
         return out
@@ -244,17 +252,9 @@ def moe_gemv_pair(w_a: PackedWeight, w_b: PackedWeight, n: int, qx: QuantizedX, 
     if not same:
         return (moe_gemv(w_a, n, qx, ids, slot_of, x_rows, chunks=chunks_a),
                 moe_gemv(w_b, n, qx, ids, slot_of, x_rows, chunks=chunks_b))
-    check_expert_inputs(w_a, n, slot_of, x_rows, "moe_gemv", ids, chunked=chunked)
-    check_expert_inputs(w_b, n, slot_of, x_rows, "moe_gemv", ids, chunked=chunked)
-    t, k = ids.shape
-    rows, kx = qx.shape
-    want = t if x_rows == "token" else t * k
-    if kx != w_a.k or rows != want:
-        raise ValueError(f"moe_gemv: x must be [{want}, {w_a.k}] ({x_rows} rows), got "
-                         f"[{rows}, {kx}]")  # fmt: skip
     for w in (w_a, w_b):
-        if qx.xq.device != w.device:
-            raise ValueError(f"moe_gemv: x is on {qx.xq.device}, the weights on {w.device}")
+        _check_gemv_inputs(w, n, qx, ids, slot_of, x_rows, chunked)
+    t, k = ids.shape
     out_a = gemv_out(None, t * k, n, w_a.device, "moe_gemv")
     out_b = gemv_out(None, t * k, n, w_a.device, "moe_gemv")
     if t * k == 0:
