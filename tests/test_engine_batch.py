@@ -180,6 +180,9 @@ def test_bad_requests_fail_alone(tiny):
                      ([2**32, 1], 2**32), ([-(2**40)], -(2**40))):  # fmt: skip
         with pytest.raises(ValueError, match=f"token id {bad} is outside the vocabulary"):
             eng.add(_req(ids, 5))
+    for ids, bad in (([1, 2.0], "2.0"), (["7", 1], "'7'")):  # not truncated, not parsed
+        with pytest.raises(ValueError, match=f"token id {bad} is not an integer"):
+            eng.add(_req(ids, 5))
     while eng.has_work:
         eng.step()
     assert len(ok.request.output_ids) == 5

@@ -202,6 +202,9 @@ class Engine:
             ok = packed is None or int(np.frombuffer(packed, dtype="<u4").max()) < n
         except OverflowError:
             packed, ok = None, False
+        except TypeError:
+            bad = next(t for t in ids if not isinstance(t, (int, np.integer)))
+            raise RequestError(f"prompt token id {bad!r} is not an integer") from None
         if not ok:
             bad = next(t for t in ids if not 0 <= t < n)
             raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {n})")
