@@ -37,10 +37,11 @@ class Ops(Protocol):
     def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]: ...
     def rms_norm(self, x, weight, eps) -> torch.Tensor: ...
     def attention(self, q, k, v, layer: int, step: StepState, rope_base: float, scale: float,
-                  window: int, head_norms: tuple | None = None) -> torch.Tensor:
+                  window: int, head_norms: tuple | None = None, gated: bool = False) -> torch.Tensor:
         """The q and k heads RMS-normalized when ``head_norms=(q_weight, k_weight, eps)``
         (qk-norm), RoPE on q and k, the step's k and v into the cache at their slots, each
-        sequence's queries attending over its own cached keys."""
+        sequence's queries attending over its own cached keys. ``gated``: an output gate
+        follows (the output projection reads the gate's output, not this one's)."""
         ...
     def gated_act(self, gate, up, activation: str) -> torch.Tensor: ...
     def moe(self, x: torch.Tensor, block) -> torch.Tensor:
@@ -84,7 +85,7 @@ class ReferenceOps:
     def rms_norm(self, x, weight, eps):
         return rms_norm(x, weight, eps)
 
-    def attention(self, q, k, v, layer, step, rope_base, scale, window, head_norms=None):
+    def attention(self, q, k, v, layer, step, rope_base, scale, window, head_norms=None, gated=False):
         if head_norms is not None:
             qn, kn, eps = head_norms
             q = rms_norm(q.reshape(-1, q.shape[-1]), qn, eps).view(q.shape)

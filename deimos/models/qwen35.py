@@ -57,7 +57,7 @@ class GatedAttention(Attention):
         k = self.k(x).view(n, cfg.n_head_kv, cfg.head_dim)
         v = self.v(x).view(n, cfg.n_head_kv, cfg.head_dim_v)
         out = self.ops.attention(q, k, v, self.layer, step, self.rope_base, cfg.attn_scale, self.window,
-                                 self.head_norms)
+                                 self.head_norms, gated=True)
         return self.o(self.ops.output_gate(out.reshape(n, cfg.n_head * cfg.head_dim_v), gate))
 
 

@@ -80,7 +80,7 @@ class TritonOps:
     def rms_norm(self, x, weight, eps):
         return rms_norm(x, weight, eps)
 
-    def attention(self, q, k, v, layer, step, rope_base, scale, window, head_norms=None):
+    def attention(self, q, k, v, layer, step, rope_base, scale, window, head_norms=None, gated=False):
         batch = step.batch
         seqs, kv = batch.seqs, batch.kv
         k_cache, v_cache = kv.k[layer], kv.v[layer]
@@ -91,10 +91,11 @@ class TritonOps:
         if step.extra is None and v.shape == k.shape:
             # decode only, one launch: the attention kernel rotates (and head-norms) q and the
             # new keys itself and stores each new key and value at its slot. With one row, the
-            # combine kernel also quantizes the output per head (whole groups of 32 a head)
+            # combine kernel also quantizes the output per head (whole groups of 32 a head),
+            # unless an output gate comes first (it quantizes its own output: output_gate)
             n = step.n
             qx = None
-            if n == 1 and q.shape[2] % 32 == 0:
+            if n == 1 and q.shape[2] % 32 == 0 and not gated:
                 qx = self._quantized_for(1, q.shape[1] * q.shape[2], q.device)
             new = NewToken(k, v, inv_freq, self.cfg.rope_type, head_norms)
             out = decode_attention(q, k_cache, v_cache, step.rope, scale, window, quantized=qx,
