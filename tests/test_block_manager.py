@@ -203,7 +203,7 @@ def test_match_with_memos_and_chains_equals_hashing_every_block(hybrid, seed):
         assert hit == _slow_match(bm, tokens)
         assert keys == _keys(tokens, len(keys)) and len(keys) <= (len(tokens) - 1) // BS
         memos[tuple(tokens)] = list(keys)
-        if not bm.can_allocate(tokens, len(tokens), hit):
+        if not bm.can_allocate(len(tokens), hit):
             continue
         table, cached = bm.allocate(tokens, len(tokens), hit)
         n_sealed = bm.seal(table, tokens, len(tokens) - 1, cached // BS, keys)

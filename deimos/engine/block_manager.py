@@ -235,12 +235,9 @@ class BlockManager:
                 self._sealed[old].state = None
         return canon
 
-    def can_allocate(self, tokens: list[int], n_new_tokens: int, hit: list[int] | None = None) -> bool:
-        """Whether ``allocate(tokens, n_new_tokens)`` would find its blocks. ``hit``:
-        ``match(tokens)`` if the caller has it (nothing changed since: a 20k-token prompt's
-        match hashes 1,250 blocks)."""
-        if hit is None:
-            hit = self.match(tokens)
+    def can_allocate(self, n_new_tokens: int, hit: list[int]) -> bool:
+        """Whether ``allocate(tokens, n_new_tokens, hit)`` would find its blocks, ``hit``
+        being ``match(tokens)`` with nothing changed since."""
         need = self.blocks_for(n_new_tokens) - len(hit)
         ref = self._ref
         evictable_hits = len(hit) - sum(map(bool, map(ref.__getitem__, hit)))

@@ -172,7 +172,7 @@ class Scheduler:
             blocks = self.blocks.match(seq.tokens, seq.keys, seq.packed)
             hit = len(blocks) * self.blocks.block_size
             n = self._chunk(hit, len(seq.tokens) - hit, budget)
-            if not self.blocks.can_allocate(seq.tokens, hit + n, blocks):
+            if not self.blocks.can_allocate(hit + n, blocks):
                 break
             seq.table, cached = self.blocks.allocate(seq.tokens, hit + n, blocks)
             seq.n_computed = cached
