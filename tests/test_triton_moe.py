@@ -239,6 +239,8 @@ def test_moe_gemv_pair_equals_two_launches(t: GGMLType) -> None:
     g, u = moe_gemv_pair(tg, tu, n_ff, qx, ids, slot_of, "token", cg, cu)
     assert torch.equal(g, moe_gemv(gate, n_ff, qx, ids, slot_of, "token"))
     assert torch.equal(u, moe_gemv(up, n_ff, qx, ids, slot_of, "token"))
+    with pytest.raises(ValueError, match=r"x must be \[3, 256\] \(token rows\), got \[2, 256\]"):
+        moe_gemv_pair(gate, up, n_ff, quantize_x(torch.zeros(2, k, device=DEVICE)), ids, _slot_of(), "token")
     other = _stack(GGMLType.Q8_0, n_ff, k, seed=3)
     g, u = moe_gemv_pair(gate, other, n_ff, qx, ids, _slot_of(), "token")
     assert torch.equal(g, want_g) and torch.equal(u, moe_gemv(other, n_ff, qx, ids, _slot_of(), "token"))

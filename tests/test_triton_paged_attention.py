@@ -35,7 +35,7 @@ from deimos.kernels.triton import (  # noqa: E402
     rope_inv_freq,
 )
 from deimos.kernels.triton.decode_attention import decode_config  # noqa: E402
-from deimos.kernels.triton.prefill_attention import paged_prefill_split  # noqa: E402
+from deimos.kernels.triton.prefill_attention import PrefillConfig, paged_prefill_split  # noqa: E402
 from deimos.quant.triton.gemv_q8 import empty_quantized, quantize_x  # noqa: E402
 
 NAN = float("nan")
@@ -551,6 +551,8 @@ def test_paged_bad_input() -> None:
         pre(k=pool.k[:, :, :32], v=pool.v[:, :, :32])
     with pytest.raises(ValueError, match="window must be >= 0"):
         pre(window=-1)
+    with pytest.raises(ValueError, match="needs block_m and block_n of at least 16"):
+        pre(cfg=PrefillConfig(8, 32, 4, 2))
     qb = _rand(2, 4, 512, seed=4, dtype=F16)
     with pytest.raises(ValueError, match="head size 512"):
         pre(q=qb, k=qb[:, :2].repeat(16, 1, 1), v=qb[:, :2].repeat(16, 1, 1))
