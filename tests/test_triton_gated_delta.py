@@ -132,6 +132,43 @@ def test_prefill_padded_rows_belong_to_no_sequence():
     assert bool((out[real:] == -7.0).all()), "a padding row was written"
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph-grid"])
+def test_prefill_snapshot_inside_the_pass(padded):
+    """snapshot [N, 2]: sequences of 150, 70, 40, 130 and 100 rows, their states after 80 rows
+    (80 % 64 = 16: the chunk grid shifted, a 16-row chunk first), none, 40 (all of them),
+    64 (the grid as without) and 16 (inside the first chunk) also in slots 6, -, 8, 9, 10:
+    each snapshot the oracle's state over that prefix, the outputs and final states the
+    oracle's over the whole sequences, the slot named without a snapshot untouched. The
+    graph-grid case adds 30 padding rows past the last sequence and the bucket's max_len."""
+    hk, hv = 2, 6
+    lens, snaps = [150, 70, 40, 130, 100], [80, 0, 40, 64, 16]
+    slots, to = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
+    t = sum(lens) + 30 * padded
+    q, k, v, g, beta = _inputs(t, hk, hv, seed=41)
+    pool0 = torch.randn(11, hv, DK, DV) * 0.5
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    pool, *args = _dev(pool0.clone(), q, k, v, g, beta)
+    out = torch.full((t, hv, DV), -7.0, device=DEVICE)
+    snapshot = _i32([[a, b] for a, b in zip(snaps, to)])
+    gated_delta_prefill(*args, _i32(cu), pool, _i32(slots), SCALE, "tiled", out=out,
+                        max_len=t if padded else None, snapshot=snapshot)  # fmt: skip
+    for i, n in enumerate(lens):
+        sl = slice(cu[i], cu[i + 1])
+        ro, rs = naive_reference(q[sl], k[sl], v[sl], g[sl], beta[sl], SCALE, pool0[slots[i]],
+                                 "tiled", dtype=torch.float64)  # fmt: skip
+        assert _rel(ro, out[sl]) < 1e-5 and _rel(rs, pool[slots[i]]) < 1e-5, f"sequence {i}"
+        if snaps[i]:
+            pre = slice(cu[i], cu[i] + snaps[i])
+            _, ss = naive_reference(q[pre], k[pre], v[pre], g[pre], beta[pre], SCALE,
+                                    pool0[slots[i]], "tiled", dtype=torch.float64)  # fmt: skip
+            assert _rel(ss, pool[to[i]]) < 1e-5, f"sequence {i}'s snapshot after {snaps[i]} rows"
+    assert torch.equal(pool[[0, 7]].cpu(), pool0[[0, 7]]), "a slot without a snapshot was written"
+    if padded:
+        assert bool((out[sum(lens) :] == -7.0).all()), "a padding row was written"
+
+
 @pytest.mark.parametrize("head_map", ["grouped", "tiled"])
 def test_decode_batch_against_oracle(head_map):
     hk, hv, b = 3, 9, 4

@@ -138,3 +138,44 @@ def test_bad_arguments_are_named():
         gdn_inputs(x, w, pool, slots, None, b, alpha, dt_bias, decay, HK, HV, DH, EPS)
     with pytest.raises(ValueError, match="alpha"):
         gdn_inputs(x, w, pool, slots, cu, b, alpha[:, :, :3], dt_bias, decay, HK, HV, DH, EPS)
+
+
+def test_a_snapshot_row_leaves_the_carried_inputs_there_in_its_slot():
+    """snapshot [N, 2]: sequences of 40, 70, 2 and 20 rows into slots 1, 2, 3, 6, snapshots
+    after 16 rows (into slot 5), none (naming slot 5 too: it must not write it), after 1 row
+    (K - 1 = 3 inputs reach into the old slot: slot 0) and after all 20 (the final carried
+    inputs: slot 4). The pool bit for bit the reference's, each snapshot the carried inputs of
+    its prefix run alone, the outputs and the sequences' own slots as without snapshots."""
+    lens, k = [40, 70, 2, 20], 4
+    cu = [0]
+    for m in lens:
+        cu.append(cu[-1] + m)
+    x, w, pool, b, alpha, dt_bias, decay = _case(cu[-1], k, 21, False)
+    slots, snap = [1, 2, 3, 6], [[16, 5], [0, 5], [1, 0], [20, 4]]
+    want_pool = pool.clone()
+    i32 = torch.int32
+    want = gdn_inputs_reference(x, w, want_pool, torch.tensor(slots, dtype=i32),
+                                torch.tensor(cu, dtype=i32), b, alpha, dt_bias, decay, HK, HV, DH,
+                                EPS, snapshot=torch.tensor(snap, dtype=i32))  # fmt: skip
+    got_pool = pool.clone().to(DEVICE)
+    dev = {"dtype": i32, "device": DEVICE}
+    got = gdn_inputs(x.to(DEVICE), w.to(DEVICE), got_pool, torch.tensor(slots, **dev),
+                     torch.tensor(cu, **dev), b.to(DEVICE), alpha.to(DEVICE), dt_bias.to(DEVICE),
+                     decay.to(DEVICE), HK, HV, DH, EPS, max_len=max(lens),
+                     snapshot=torch.tensor(snap, **dev))  # fmt: skip
+    torch.testing.assert_close(got_pool.cpu(), want_pool, rtol=0, atol=0)
+    plain_pool = pool.clone()
+    plain = gdn_inputs_reference(x, w, plain_pool, torch.tensor(slots, dtype=i32),
+                                 torch.tensor(cu, dtype=i32), b, alpha, dt_bias, decay, HK, HV,
+                                 DH, EPS)  # fmt: skip
+    for a, g in zip(plain, got):
+        torch.testing.assert_close(g.cpu(), a, rtol=1e-5, atol=1e-5)
+    assert torch.equal(want_pool[slots], plain_pool[slots])
+    # the snapshots against the conv state of each prefix on its own
+    for i, (at, to) in enumerate(snap):
+        if at:
+            ref = pool.clone()
+            gdn_inputs_reference(x[cu[i] : cu[i] + at], w, ref, torch.tensor([slots[i]], dtype=i32),
+                                 torch.tensor([0, at], dtype=i32), b[cu[i] : cu[i] + at],
+                                 alpha[cu[i] : cu[i] + at], dt_bias, decay, HK, HV, DH, EPS)  # fmt: skip
+            assert torch.equal(got_pool[to].cpu(), ref[slots[i]]), f"sequence {i}'s snapshot"

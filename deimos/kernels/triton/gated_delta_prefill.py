@@ -43,19 +43,31 @@ def _head_and_rows(i_h, i_n, p_cu, HK: tl.constexpr, HV: tl.constexpr, TILED: tl
 
 
 @triton.jit
-def _chunk_kernel(p_q, p_k, p_v, p_g, p_beta, p_cu, p_w, p_u, p_aqk, p_gc,
+def _snapshot_at(p_snap, i_n, BT: tl.constexpr, SNAP: tl.constexpr):
+    """(sequence i_n's snapshot row, 0 for none; the shift of its chunk grid): chunk c is rows
+    max(c BT - shift, 0) .. (c + 1) BT - shift, so that one of them ends on the snapshot row."""
+    snap = 0
+    if SNAP:
+        snap = tl.load(p_snap + 2 * i_n)
+    return snap, (BT - snap % BT) % BT
+
+
+@triton.jit
+def _chunk_kernel(p_q, p_k, p_v, p_g, p_beta, p_cu, p_snap, p_w, p_u, p_aqk, p_gc,
                   HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   BT: tl.constexpr, BLOCK_DV: tl.constexpr, TILED: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, SNAP: tl.constexpr):
     """Chunk i_c of sequence i_n's value head i_h: its G, W, U and decayed Q K^T."""
     i_c, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk, bos, seqlen = _head_and_rows(i_h, i_n, p_cu, HK, HV, TILED)
-    c0 = i_c * BT
-    if c0 < seqlen:
+    _, shift = _snapshot_at(p_snap, i_n, BT, SNAP)
+    c0 = tl.maximum(i_c * BT - shift, 0)
+    c1 = tl.minimum(i_c * BT + BT - shift, seqlen)
+    if c0 < c1:
         o_i = tl.arange(0, BT)
         o_k = tl.arange(0, DK)
         o_v = tl.arange(0, BLOCK_DV)
-        m_t = (c0 + o_i) < seqlen
+        m_t = (c0 + o_i) < c1
         m_tv = m_t[:, None] & (o_v < DV)[None, :]
         rows = bos + c0 + o_i
         m_lower = o_i[:, None] > o_i[None, :]
@@ -89,13 +101,15 @@ def _chunk_kernel(p_q, p_k, p_v, p_g, p_beta, p_cu, p_w, p_u, p_aqk, p_gc,
 
 
 @triton.jit
-def _state_kernel(p_q, p_k, p_o, p_pool, p_slot, p_cu, p_w, p_u, p_aqk, p_gc, scale,
+def _state_kernel(p_q, p_k, p_o, p_pool, p_slot, p_cu, p_snap, p_w, p_u, p_aqk, p_gc, scale,
                   HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   BT: tl.constexpr, BLOCK_V: tl.constexpr, TILED: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """Columns i_v BLOCK_V .. of sequence i_n's value head i_h, chunk after chunk."""
+                  PRECISION: tl.constexpr, SNAP: tl.constexpr):
+    """Columns i_v BLOCK_V .. of sequence i_n's value head i_h, chunk after chunk (the state
+    after its snapshot row also stored into its snapshot slot)."""
     i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk, bos, seqlen = _head_and_rows(i_h, i_n, p_cu, HK, HV, TILED)
+    snap, shift = _snapshot_at(p_snap, i_n, BT, SNAP)
     slot = tl.load(p_slot + i_n).to(tl.int64)
     o_k = tl.arange(0, DK)
     o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -104,8 +118,10 @@ def _state_kernel(p_q, p_k, p_o, p_pool, p_slot, p_cu, p_w, p_u, p_aqk, p_gc, sc
     p_s = p_pool + (slot * HV + i_h) * DK * DV + o_k[:, None] * DV + o_v[None, :]
     m_s = (o_k[:, None] < DK) & m_v[None, :]
     b_s = tl.load(p_s, mask=m_s, other=0.0)
-    for c0 in range(0, seqlen, BT):
-        m_t = (c0 + o_i) < seqlen
+    for i_c in range(0, tl.cdiv(seqlen + shift, BT)):
+        c0 = tl.maximum(i_c * BT - shift, 0)
+        c1 = tl.minimum(i_c * BT + BT - shift, seqlen)
+        m_t = (c0 + o_i) < c1
         rows = bos + c0 + o_i
         m_tv = m_t[:, None] & m_v[None, :]
         b_G = tl.load(p_gc + rows * HV + i_h, mask=m_t, other=0.0)
@@ -121,13 +137,18 @@ def _state_kernel(p_q, p_k, p_o, p_pool, p_slot, p_cu, p_w, p_u, p_aqk, p_gc, sc
         b_o += tl.dot(b_qk, b_x, out_dtype=tl.float32, input_precision=PRECISION)
         tl.store(p_o + (rows[:, None] * HV + i_h) * DV + o_v[None, :],
                  (b_o * scale).to(p_o.dtype.element_ty), mask=m_tv)
-        last = tl.minimum(seqlen - c0, BT) - 1
+        last = c1 - c0 - 1
         b_glast = tl.sum(tl.where(o_i == last, b_G, 0.0), axis=0)
         b_k = tl.load(p_k + (rows[:, None] * HK + i_hk) * DK + o_k[None, :], mask=m_t[:, None],
                       other=0.0).to(tl.float32)
         b_kd = b_k * tl.where(m_t, tl.exp(b_glast - b_G), 0.0)[:, None]
         b_s = b_s * tl.exp(b_glast) + tl.dot(tl.trans(b_kd), b_x, out_dtype=tl.float32,
                                              input_precision=PRECISION)
+        if SNAP:
+            if c1 == snap:  # the state after the snapshot row: a copy into the snapshot slot
+                to = tl.load(p_snap + 2 * i_n + 1).to(tl.int64)
+                tl.store(p_pool + (to * HV + i_h) * DK * DV + o_k[:, None] * DV + o_v[None, :],
+                         b_s, mask=m_s)
     tl.store(p_s, b_s, mask=m_s)
 
 
@@ -148,7 +169,8 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                         beta: torch.Tensor, cu_seqlens: torch.Tensor, pool: torch.Tensor,
                         slots: torch.Tensor, scale: float, head_map: str = "grouped",
                         out: torch.Tensor | None = None, precision: str = "ieee",
-                        max_len: int | None = None) -> torch.Tensor:
+                        max_len: int | None = None, snapshot: torch.Tensor | None = None
+                        ) -> torch.Tensor:
     """The gated delta rule over N sequences packed along T; ``pool[slots[n]]`` is sequence n's
     initial state (zero it for a new sequence) and receives its final state.
 
@@ -161,7 +183,11 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     "tiled" (h % Hk); out: ``[T, Hv, Dv]`` contiguous (default: new, v's dtype), every row
     of a sequence written; precision: the fp32 dots' ``input_precision`` ("ieee", or "tf32" on the GPU).
     max_len: the longest sequence's rows (None: read from the device, a synchronization).
-    Dk: a power of two >= 16. Returns out. cu_seqlens and slots are read on the device."""
+    snapshot: int32 ``[N, 2]`` or None: sequence n's state after its first ``snapshot[n, 0]``
+    rows is also stored into slot ``snapshot[n, 1]`` of the pool (0 rows: none; a slot none of
+    the sequences holds), taken inside the one pass: its chunks are laid so that one ends on
+    that row. Dk: a power of two >= 16. Returns out. cu_seqlens, slots and snapshot are read on
+    the device."""
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(f"gated_delta_prefill: q {tuple(q.shape)} k {tuple(k.shape)} v "
                          f"{tuple(v.shape)}: want [T, Hk, Dk], [T, Hk, Dk], [T, Hv, Dv]")  # fmt: skip
@@ -186,14 +212,17 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                          "[N] and [N + 1]")  # fmt: skip
     if precision not in ("ieee", "tf32"):
         raise ValueError(f"gated_delta_prefill: precision {precision!r} not 'ieee' or 'tf32'")
+    if snapshot is not None and (snapshot.dtype != torch.int32 or snapshot.shape != (n, 2)):
+        raise ValueError(f"gated_delta_prefill: snapshot {snapshot.dtype} "
+                         f"{tuple(snapshot.shape)} is not int32 [{n}, 2]")  # fmt: skip
     if out is None:
         out = torch.empty_like(v)
     elif out.shape != v.shape or not out.is_contiguous():
         raise ValueError(f"gated_delta_prefill: out {tuple(out.shape)} is not a contiguous "
                          f"{tuple(v.shape)}")  # fmt: skip
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("pool", pool),
-                    ("slots", slots), ("cu_seqlens", cu_seqlens)):
-        if not x.is_contiguous() or x.device != q.device:
+                    ("slots", slots), ("cu_seqlens", cu_seqlens), ("snapshot", snapshot)):
+        if x is not None and (not x.is_contiguous() or x.device != q.device):
             raise ValueError(f"gated_delta_prefill: {name} must be contiguous on {q.device}")
     if n and t:
         if max_len is None:
@@ -202,16 +231,18 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         w, u = torch.empty(t, hv, dk, **f32), torch.empty(t, hv, dv, **f32)
         aqk, gc = torch.empty(t, hv, CHUNK, **f32), torch.empty(t, hv, **f32)
         tiled = head_map == "tiled"
-        if max_len > 0:
-            _chunk_kernel[(triton.cdiv(max_len, CHUNK), n, hv)](
-                q, k, v, g, beta, cu_seqlens, w, u, aqk, gc, HK=hk, HV=hv, DK=dk, DV=dv,
+        snap = snapshot is not None
+        p_snap = snapshot if snap else cu_seqlens
+        if max_len > 0:  # a shifted grid has one chunk more (a short one first)
+            _chunk_kernel[(triton.cdiv(max_len, CHUNK) + snap, n, hv)](
+                q, k, v, g, beta, cu_seqlens, p_snap, w, u, aqk, gc, HK=hk, HV=hv, DK=dk, DV=dv,
                 BT=CHUNK, BLOCK_DV=triton.next_power_of_2(dv), TILED=tiled, PRECISION=precision,
-                num_warps=CHUNK_WARPS,
+                SNAP=snap, num_warps=CHUNK_WARPS,
             )  # fmt: skip
         block_v, warps = prefill_config(dk, dv)
         _state_kernel[(triton.cdiv(dv, block_v), n, hv)](
-            q, k, out, pool, slots, cu_seqlens, w, u, aqk, gc, float(scale), HK=hk, HV=hv, DK=dk,
-            DV=dv, BT=CHUNK, BLOCK_V=block_v, TILED=tiled, PRECISION=precision, num_warps=warps,
-            num_stages=STATE_STAGES,
+            q, k, out, pool, slots, cu_seqlens, p_snap, w, u, aqk, gc, float(scale), HK=hk, HV=hv,
+            DK=dk, DV=dv, BT=CHUNK, BLOCK_V=block_v, TILED=tiled, PRECISION=precision, SNAP=snap,
+            num_warps=warps, num_stages=STATE_STAGES,
         )  # fmt: skip
     return out

@@ -35,12 +35,12 @@ BLOCK_T = 16  # rows of a program (a decode step's one row: 1); at least K - 1
 
 
 @triton.jit
-def _inputs_kernel(p_x, stride_x, p_w, p_pool, p_slot, p_cu,
+def _inputs_kernel(p_x, stride_x, p_w, p_pool, p_slot, p_cu, p_snap,
                    p_b, sb_t, sb_h, p_a, sa_t, sa_h, p_dtb, p_decay,
                    p_qkv, n_rows, p_g, p_beta, eps,
                    HK: tl.constexpr, HV: tl.constexpr, DH: tl.constexpr, K: tl.constexpr,
                    R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-                   ONE_ROW: tl.constexpr, PDL: tl.constexpr = False):
+                   ONE_ROW: tl.constexpr, SNAP: tl.constexpr = False, PDL: tl.constexpr = False):
     """Rows i_t BLOCK_T .. of sequence i_n: head group i_c's channels (or the gates)."""
     pdl_start(PDL)
     i_c, i_n, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -103,6 +103,18 @@ def _inputs_kernel(p_x, stride_x, p_w, p_pool, p_slot, p_cu,
                 # j + seqlen of the old slot is read before it can be overwritten), every
                 # thread past its reads of the old slot first
                 tl.debug_barrier()
+                if SNAP:  # the carried inputs after the snapshot row, into the snapshot slot
+                    snap = tl.load(p_snap + 2 * i_n)
+                    if snap > 0:
+                        to = tl.load(p_snap + 2 * i_n + 1).to(tl.int64)
+                        for j in tl.static_range(K - 1):
+                            at = snap - (K - 1) + j
+                            if at >= 0:
+                                b_n = tl.load(p_x + (bos + at) * stride_x + o_c).to(tl.float32)
+                            else:
+                                b_n = tl.load(p_s + (at + (K - 1)))
+                            tl.store(p_pool + to * (C * (K - 1)) + o_c * (K - 1) + j, b_n)
+                    tl.debug_barrier()
                 for j in tl.static_range(K - 1):
                     at = seqlen - (K - 1) + j
                     if at >= 0:
@@ -115,7 +127,7 @@ def _inputs_kernel(p_x, stride_x, p_w, p_pool, p_slot, p_cu,
 def gdn_inputs(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
                cu_seqlens: torch.Tensor | None, b: torch.Tensor, alpha: torch.Tensor,
                dt_bias: torch.Tensor, decay: torch.Tensor, hk: int, hv: int, dh: int, eps: float,
-               max_len: int | None = None
+               max_len: int | None = None, snapshot: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q [T, Hk, Dh], k [T, Hk, Dh], v [T, Hv, Dh], g [T, Hv], beta [T, Hv]), float32 and
     contiguous, for N sequences; ``pool[slots[n]]`` advanced past sequence n's inputs.
@@ -128,7 +140,10 @@ def gdn_inputs(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots:
     their outputs are not written), or None when every sequence is one row (N = T); b, alpha:
     ``[T, H1, R]`` views with H1 R = Hv, the last dimension contiguous (see the module note);
     dt_bias, decay (ssm_a): ``[Hv]``; eps: the l2 norm's; max_len: the longest sequence's rows
-    (with cu_seqlens; None: read from the device, a synchronization). Dh: a power of two."""
+    (with cu_seqlens; None: read from the device, a synchronization); snapshot: int32 ``[N,
+    2]`` or None (with cu_seqlens): sequence n's carried inputs after its first ``snapshot[n,
+    0]`` rows also go to slot ``snapshot[n, 1]`` (0 rows: none; a slot no sequence of the
+    step holds), as gated_delta_prefill's. Dh: a power of two."""
     t = x.shape[0] if x.dim() == 2 else -1
     c = (2 * hk + hv) * dh
     if x.dim() != 2 or x.shape[1] != c or x.stride(1) != 1:
@@ -155,6 +170,11 @@ def gdn_inputs(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots:
     elif cu_seqlens.dtype != torch.int32 or cu_seqlens.shape != (n + 1,):
         raise ValueError(f"gdn_inputs: cu_seqlens {cu_seqlens.dtype} {tuple(cu_seqlens.shape)} "
                          f"is not int32 [{n + 1}]")  # fmt: skip
+    if snapshot is not None and (cu_seqlens is None or snapshot.dtype != torch.int32
+                                 or snapshot.shape != (n, 2) or not snapshot.is_contiguous()
+                                 or snapshot.device != x.device):  # fmt: skip
+        raise ValueError(f"gdn_inputs: snapshot {snapshot.dtype} {tuple(snapshot.shape)} is not "
+                         f"a contiguous int32 [{n}, 2] on {x.device} beside cu_seqlens")  # fmt: skip
     for name, ba in (("b", b), ("alpha", alpha)):
         if ba.dim() != 3 or ba.shape[0] != t or ba.shape[1] * ba.shape[2] != hv or ba.stride(2) != 1:
             raise ValueError(f"gdn_inputs: {name} {tuple(ba.shape)} (strides {ba.stride()}) is "
@@ -185,10 +205,11 @@ def gdn_inputs(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots:
         block_t = 1 if cu_seqlens is None else BLOCK_T
         _inputs_kernel[(2 * hk + hv + 1, n, triton.cdiv(max_len, block_t))](
             x, x.stride(0), weight, pool, slots, slots if cu_seqlens is None else cu_seqlens,
+            slots if snapshot is None else snapshot,
             b, b.stride(0), b.stride(1), alpha, alpha.stride(0), alpha.stride(1), dt_bias, decay,
             qkv, t, g, beta, float(eps), HK=hk, HV=hv, DH=dh, K=kw, R=b.shape[2],
             BLOCK_H=triton.next_power_of_2(hv), BLOCK_T=block_t, ONE_ROW=cu_seqlens is None,
-            num_warps=8, **launch_options(pdl_on(dev)),
+            SNAP=snapshot is not None, num_warps=8, **launch_options(pdl_on(dev)),
         )  # fmt: skip
     return q, k, v, g, beta
 
@@ -196,14 +217,20 @@ def gdn_inputs(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots:
 def gdn_inputs_reference(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
                          slots: torch.Tensor, cu_seqlens: torch.Tensor | None, b: torch.Tensor,
                          alpha: torch.Tensor, dt_bias: torch.Tensor, decay: torch.Tensor,
-                         hk: int, hv: int, dh: int, eps: float
+                         hk: int, hv: int, dh: int, eps: float,
+                         snapshot: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``gdn_inputs`` sequence by sequence in torch (same arguments, pool advanced in place)."""
     t = x.shape[0]
     cu = list(range(t + 1)) if cu_seqlens is None else cu_seqlens.tolist()
+    snaps = [(0, 0)] * len(cu) if snapshot is None else snapshot.tolist()
     y = torch.empty(t, x.shape[1], dtype=torch.float32, device=x.device)
     for i, slot in enumerate(slots.tolist()):
         rows = slice(cu[i], cu[i + 1])
+        at, to = snaps[i]
+        if at > 0:  # the carried inputs after the first ``at`` rows, from the old slot and x
+            _, state = causal_conv1d(x[cu[i] : cu[i] + at].float(), weight.float(), pool[slot].t())
+            pool[to] = state.t()
         if cu[i + 1] > cu[i]:
             y[rows], state = causal_conv1d(x[rows].float(), weight.float(), pool[slot].t())
             pool[slot] = state.t()
