@@ -705,12 +705,14 @@ def _gated_delta_jobs() -> list[Job]:
                                   num_warps=4, **PDL_KW)))
     c = (2 * hk + hv) * d  # the convolution's channels: q, k and v
     gi = importlib.import_module("deimos.kernels.triton.gdn_inputs")
-    for x, one in ((f32, True), (f32, False), (bf16, False)):
-        jobs.append(Job("gdn_inputs", f"H={hv}/{hk} D={d} K=4 {str(x)[6:]} one_row={int(one)}",
-                        _warm(gi._inputs_kernel, [x, c, f32, f32, i32, i32, x, 2 * hv, 0, x,
+    for x, one, snap in ((f32, True, False), (f32, False, False), (bf16, False, False),
+                         (bf16, False, True)):
+        jobs.append(Job("gdn_inputs", f"H={hv}/{hk} D={d} K=4 {str(x)[6:]} one_row={int(one)} "
+                        f"snap={int(snap)}",
+                        _warm(gi._inputs_kernel, [x, c, f32, f32, i32, i32, i32, x, 2 * hv, 0, x,
                                                   2 * hv, 0, f32, f32, f32, 512, f32, f32, 1e-6],
                               HK=hk, HV=hv, DH=d, K=4, R=hv, BLOCK_H=hv, BLOCK_T=1 if one else gi.BLOCK_T,
-                              ONE_ROW=one, num_warps=8, **PDL_KW)))
+                              ONE_ROW=one, SNAP=snap, num_warps=8, **PDL_KW)))
     gn = importlib.import_module("deimos.kernels.triton.gated_norm")
     for z, quant in ((f32, False), (bf16, False), (f32, True)):
         jobs.append(Job("gated_norm", f"H={hv} D={d} z={str(z)[6:]} quant={int(quant)}",
@@ -718,16 +720,19 @@ def _gated_delta_jobs() -> list[Job]:
                                                       i32, f32, i32],
                               HV=hv, DH=d, BLOCK_R=32, QUANT=quant, num_warps=4, **PDL_KW)))
     bv, warps = pre.prefill_config(d, d)
-    for x, prec in ((bf16, "ieee"), (f32, "ieee"), (f32, "tf32")):
-        jobs.append(Job("gdn_chunk", f"H={hv}/{hk} D={d} w={pre.CHUNK_WARPS} {str(x)[6:]} {prec}",
-                        _warm(pre._chunk_kernel, [x, x, x, x, x, i32, f32, f32, f32, f32],
+    for x, prec, snap in ((bf16, "ieee", False), (f32, "ieee", False), (f32, "tf32", False),
+                          (f32, "tf32", True)):
+        tag = f"{str(x)[6:]} {prec} snap={int(snap)}"
+        jobs.append(Job("gdn_chunk", f"H={hv}/{hk} D={d} w={pre.CHUNK_WARPS} {tag}",
+                        _warm(pre._chunk_kernel, [x, x, x, x, x, i32, i32, f32, f32, f32, f32],
                               HK=hk, HV=hv, DK=d, DV=d, BT=pre.CHUNK, BLOCK_DV=d, TILED=False,
-                              PRECISION=prec, num_warps=pre.CHUNK_WARPS)))
-        jobs.append(Job("gdn_state", f"H={hv}/{hk} D={d} BV={bv} w={warps} {str(x)[6:]} {prec}",
-                        _warm(pre._state_kernel, [x, x, x, f32, i32, i32, f32, f32, f32, f32,
+                              PRECISION=prec, SNAP=snap, num_warps=pre.CHUNK_WARPS)))
+        jobs.append(Job("gdn_state", f"H={hv}/{hk} D={d} BV={bv} w={warps} {tag}",
+                        _warm(pre._state_kernel, [x, x, x, f32, i32, i32, i32, f32, f32, f32, f32,
                                                   d**-0.5],
                               HK=hk, HV=hv, DK=d, DV=d, BT=pre.CHUNK, BLOCK_V=bv, TILED=False,
-                              PRECISION=prec, num_warps=warps, num_stages=pre.STATE_STAGES)))
+                              PRECISION=prec, SNAP=snap, num_warps=warps,
+                              num_stages=pre.STATE_STAGES)))
     return jobs
 
 
