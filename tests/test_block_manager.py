@@ -115,6 +115,44 @@ def test_scheduler_budget_chunks_a_long_prompt_and_decodes_keep_running():
     bm.check()
 
 
+def test_a_hybrid_chunk_crossing_a_block_boundary_snapshots_inside_its_step():
+    """A hybrid model's chunk that crosses a block boundary runs whole, with a snapshot row at
+    its last boundary (plan.snap_at), as many a step as ``step_snapshots``; past them (or with
+    none) it ends on that boundary, the rest the next step's. A chunk ending on a boundary, or
+    crossing none, needs no snapshot."""
+    bm = BlockManager(64, BS, needs_state=True)
+    sch = Scheduler(bm, SchedulerConfig(max_seqs=4, max_batch_tokens=64), step_snapshots=1)
+    a, b, c, d = _seq(0, 10), _seq(1, 11), _seq(2, 8), _seq(3, 3)
+    for s in (a, b, c, d):
+        sch.add(s)
+    plan = sch.schedule()
+    # a: 10 tokens crossing 4 and 8, a snapshot after 8; b: no snapshot left, cut at 8;
+    # c: ends on a boundary; d: crosses none
+    assert [(s.id, n) for s, n in plan.prefill] == [(0, 10), (1, 8), (2, 8), (3, 3)]
+    assert plan.snap_at == {a: 8}
+    for s, n in plan.prefill:
+        s.n_computed += n
+    for s in (a, c, d):
+        s.tokens.append(5)  # their first outputs: now decoding
+    plan = sch.schedule()  # b's rest: 3 tokens from 8, crossing none
+    assert [s.id for s in plan.decode] == [0, 2, 3]
+    assert [(s.id, n) for s, n in plan.prefill] == [(1, 3)] and plan.snap_at == {}
+    # with no capacity (an engine without snapshot rows): the old cut
+    bm2 = BlockManager(64, BS, needs_state=True)
+    sch2 = Scheduler(bm2, SchedulerConfig(max_seqs=4, max_batch_tokens=64))
+    sch2.add(_seq(0, 10))
+    plan = sch2.schedule()
+    assert [n for _, n in plan.prefill] == [8] and plan.snap_at == {}
+    # a model without recurrent state never cuts nor snapshots
+    sch3 = Scheduler(BlockManager(64, BS), SchedulerConfig(max_seqs=4, max_batch_tokens=64),
+                     step_snapshots=4)
+    sch3.add(_seq(0, 10))
+    plan = sch3.schedule()
+    assert [n for _, n in plan.prefill] == [10] and plan.snap_at == {}
+    bm.check()
+    bm2.check()
+
+
 def test_scheduler_preempts_the_newest_when_blocks_run_out():
     bm = BlockManager(4, BS)  # 3 usable blocks
     sch = Scheduler(bm, SchedulerConfig(max_seqs=4, max_batch_tokens=16))

@@ -282,6 +282,24 @@ def test_a_hybrid_models_second_turn_prefills_only_its_new_tokens(tmp_path):
         assert llm.engine.blocks.n_used == 0
 
 
+def test_a_hybrid_prompt_crossing_a_block_boundary_is_prefilled_in_one_step(tmp_path):
+    """A 27-token prompt (blocks of 16) is prefilled in one step that also keeps the state
+    after its 16th token (a snapshot row inside the chunk, not a second step), and a second
+    prompt sharing those 16 tokens starts from it; both equal uncached runs."""
+    path = tmp_path / "qwen35-tiny-F32.gguf"
+    write_model(path, "qwen35", "qwen35-tiny", "F32", llama_cpp_path(DONOR), seed=2)
+    llm = LLM(path, n_ctx=256)
+    fresh = LLM(path, n_ctx=256, prefix_cache=False)
+    p1 = [(7 * i) % 300 + 2 for i in range(27)]
+    t1 = llm.run_many([_req(p1, 1)])[0]
+    assert llm.engine.steps == 1 and llm.engine.blocks.n_states == 1
+    p2 = p1[:20] + [9, 8, 7]
+    t2 = llm.run_many([_req(p2, 6)])[0]
+    assert t1.cached_tokens == 0 and t2.cached_tokens == 16
+    assert t1.output_ids == fresh.run_many([_req(p1, 1)])[0].output_ids
+    assert t2.output_ids == fresh.run_many([_req(p2, 6)])[0].output_ids
+
+
 def test_a_hybrid_models_state_snapshots_are_bounded(tmp_path):
     """Each finished sequence leaves a recurrent-state snapshot on its last full block; the
     block manager keeps at most max_states of them (2 x max_seqs), the oldest dropped."""

@@ -251,7 +251,8 @@ def test_engine_slots_are_recycled_and_outputs_equal_alone(model):
     fresh = _engine(model, max_seqs=1, prefix_cache=False)
     alone = [_run(fresh, [Request(p, 6, GREEDY)])[0] for p in prompts]
     eng = _engine(model, max_seqs=3, kv_tokens=64, max_batch_tokens=24)
-    assert eng.states is not None and eng.states.n_slots == 4
+    # 3 sequence slots, the scratch slot and 3 snapshot slots (min(SNAP_SLOTS, max_seqs))
+    assert eng.states is not None and eng.states.n_slots == 7 and len(eng.states.snap_slots) == 3
     assert _run(eng, [Request(p, 6, GREEDY) for p in prompts]) == alone
     assert eng.scheduler.preemptions > 0
     assert eng.states.n_held == 0 and eng.states.n_free == 3
@@ -329,3 +330,42 @@ def test_gpu_prefill_graphs_equal_eager(tiny):
         assert eng.states.n_held == 0
         eng.states.check()
     assert outs[True] == outs[False]
+
+
+def test_engine_snapshot_row_inside_a_prefill_step(model):
+    """On the kernel path a 27-token prompt is prefilled in one step whose kernels also store
+    the state after its 16th token into a snapshot slot (copied out onto block 0's cache
+    entry); a prompt sharing those 16 tokens starts from that copy; both equal uncached runs."""
+    eng = _engine(model, max_seqs=2)
+    fresh = _engine(model, max_seqs=1, prefix_cache=False)
+    p1 = [(7 * i) % 300 + 2 for i in range(27)]
+    got1 = _run(eng, [Request(p1, 1, GREEDY)])
+    assert eng.steps == 1 and eng.blocks.n_states == 1
+    p2 = p1[:20] + [9, 8, 7]
+    req = Request(p2, 5, GREEDY)
+    got2 = _run(eng, [req])
+    assert req.cached_tokens == 16
+    assert got1 == _run(fresh, [Request(p1, 1, GREEDY)])
+    assert got2 == _run(fresh, [Request(p2, 5, GREEDY)])
+    eng.states.check()
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_graph_takes_a_snapshot_row(tiny):
+    """A 40-token prompt on the prefill graphs: one replay, which also stores the state after
+    its 32nd token (the graph's snapshot row, read from the device); a prompt sharing those 32
+    tokens starts from it. Both equal an engine without the prefix cache."""
+    m = load_model(tiny, device="cuda")
+    p1 = _prompt(40, 3)
+    p2 = p1[:35] + _prompt(6, 5)
+    eng = _engine(m, n_ctx=256, max_seqs=2)
+    fresh = _engine(m, n_ctx=256, max_seqs=1, prefix_cache=False)
+    got1 = _run(eng, [Request(p1, 1, GREEDY)])
+    assert eng.steps == 1 and eng.blocks.n_states == 1
+    assert sum(g.replays for g in eng.runner.prefill_graphs.values()) == 1
+    req = Request(p2, 8, GREEDY)
+    got2 = _run(eng, [req])
+    assert req.cached_tokens == 32
+    assert got1 == _run(fresh, [Request(p1, 1, GREEDY)])
+    assert got2 == _run(fresh, [Request(p2, 8, GREEDY)])
+    eng.states.check()

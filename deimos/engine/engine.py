@@ -152,8 +152,12 @@ class Engine:
         self.hybrid = model.config.is_hybrid
         self.blocks = BlockManager(self.pool.n_blocks, cfg.block_size, cfg.prefix_cache,
                                    needs_state=self.hybrid, max_states=2 * cfg.max_seqs)
+        # a prefill chunk crossing a block boundary snapshots the state there inside its step:
+        # as many a step as the state pool has snapshot slots (the CPU reference: any number)
+        snaps = len(self.states.snap_slots) if self.states is not None else cfg.max_seqs
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(cfg.max_seqs, cfg.max_batch_tokens),
-                                   propose=self._propose if self.drafter is not None else None)
+                                   propose=self._propose if self.drafter is not None else None,
+                                   step_snapshots=snaps if self.hybrid else 0)
         self.sampler = BatchSampler(self.n_vocab, model.device, cfg.max_seqs)
         self.runner = ModelRunner(model, self.pool, cfg.n_ctx, cfg.max_seqs, cfg.cuda_graphs,
                                   decode_after=self.sampler.graph_hook,
@@ -271,9 +275,10 @@ class Engine:
         for seq, _ in plan.verify:  # its last token; a draft's row counts once it is accepted
             seq.n_computed += 1
         self.spec_verify_steps += bool(plan.verify)
+        snaps = dict(result.snaps)  # a chunk's state at the block boundary inside it
         for seq, n in plan.prefill:
             seq.n_computed += n
-            self._seal(seq)
+            self._seal(seq, snaps.get(seq))
         if result.wanting and self.runner.chain_ready(result):
             self._inflight = result  # read at the next call, after launching the one after
             return []
@@ -425,11 +430,14 @@ class Engine:
             seq.spec.verified(len(drafts), accepted, len(req.output_ids), self.cfg.spec.k_max)
         return outs
 
-    def _seal(self, seq: Sequence) -> None:
+    def _seal(self, seq: Sequence, snap=None) -> None:
+        """Seal ``seq``'s full blocks; a hybrid's recurrent state at the last one is kept on it:
+        ``snap`` (the state the step took at a boundary inside its chunk) or the sequence's
+        own state, when it stands there."""
         if not seq.finished:
             n = min(seq.n_computed, len(seq.tokens))
             seq.n_sealed = self.blocks.seal(seq.table, seq.tokens, n, seq.n_sealed, seq.keys)
-            st = seq.state
+            st = snap if snap is not None else seq.state
             if (self.hybrid and self.blocks.prefix_cache and st is not None and seq.n_sealed
                     and st.length == seq.n_sealed * self.blocks.block_size
                     and seq.snap_block != seq.table[seq.n_sealed - 1]):  # fmt: skip
@@ -438,7 +446,8 @@ class Engine:
                 # prompt's last boundary stays for others sharing the prompt (a system prompt);
                 # later ones replace each other (one per sequence)
                 prev = seq.snap_block if seq.snap_pos > seq.n_prompt else None
-                seq.snap_block = self.blocks.attach_state(seq.table[seq.n_sealed - 1], st.clone(),
+                kept = snap if snap is not None else st.clone()  # a step's snapshot is a copy
+                seq.snap_block = self.blocks.attach_state(seq.table[seq.n_sealed - 1], kept,
                                                           previous=prev)
                 seq.snap_pos = st.length
 

@@ -20,7 +20,10 @@ zeros, or the snapshot it was admitted with) until it leaves (``release``). Step
 slots on the device, so its decode and prefill steps replay graphs too. A padded prefill
 chunk's recurrent layers see only its real rows (the graph's token offsets end at them: the
 kernels' sequence is those rows, the padding advances no state); off the state pool (each
-sequence's own states) its steps run eagerly.
+sequence's own states) its steps run eagerly. A prefill chunk with a snapshot row (the plan's
+``snap_at``: a block boundary inside it) stores its state there into one of the pool's
+snapshot slots in the same step (a prefill graph reads its row count and slot from the device
+too), copied out after the step (``StepResult.snaps``); the CPU reference hands back copies.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class StepInputs:
     wanting: list[Sequence]  # the N sequences those rows belong to, in order
     seqs: list[Sequence] | None = None  # the step's B sequences, in row order
     verify: list[tuple[Sequence, list[int]]] | None = None  # (sequence, drafts): logits rows after N
+    snap_at: list[int] | None = None  # [B]: a row's snapshot after that many of its tokens (0: none)
 
 
 def step_inputs(plan: StepPlan, block_size: int, max_blocks: int) -> StepInputs:
@@ -93,9 +97,10 @@ def step_inputs(plan: StepPlan, block_size: int, max_blocks: int) -> StepInputs:
             at.append(t + n - 1)
             wanting.append(seq)
         t += n
+    snap_at = [plan.snap_at.get(s, 0) for s, _ in seqs] if plan.snap_at else None
     return StepInputs(tokens, positions, slots, tables, q_lens, q_starts, len(plan.decode),
                       np.asarray(at + verify_at, dtype=np.int64), wanting, [s for s, _ in seqs],
-                      list(plan.verify))
+                      list(plan.verify), snap_at)
 
 
 @dataclass
@@ -107,6 +112,8 @@ class StepResult:
     verify: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # (sequence, drafts): rows after wanting's
     # with ``ModelRunner.want_hidden``: (sequence, first position, post-norm hidden rows [n, D])
     hidden: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
+    # (sequence, its recurrent state at the snapshot row the plan gave it): the step's snapshots
+    snaps: list[tuple[Sequence, object]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -139,6 +146,7 @@ class ModelRunner:
         self.states = states if states is not None else state_pool_for(model, max_seqs)
         self._slots: dict[Sequence, SlotState] = {}  # the running sequences' state slots
         self._graph_slots: dict[object, StepSlots] = {}  # a graph's state slot ids (hybrids)
+        self._graph_snaps: dict[object, StepSlots] = {}  # a prefill graph's snapshot rows
         self.use_graphs = (cuda_graphs and self.device.type == "cuda"
                            and model.graph_safe)  # fmt: skip
         if self.use_graphs:
@@ -158,25 +166,32 @@ class ModelRunner:
                         or (cfg.is_hybrid and self.states is None):
                     break
                 tiles = prefill_tile_map([n], cfg.n_head, cfg.n_head_kv, cfg.head_dim, self.device)
-                self.prefill_graphs[n] = self._graph(model, pool, n, 1, None, mempool, tile_map=tiles)
+                self.prefill_graphs[n] = self._graph(model, pool, n, 1, None, mempool, snapshots=True,
+                                                     tile_map=tiles)
             # a hybrid's verification rolls its states back by the rejected drafts: eager steps
             for n in VERIFY_BUCKETS if verify_graphs and self.prefill_graphs and not cfg.is_hybrid else ():
                 tiles = prefill_tile_map([n], cfg.n_head, cfg.n_head_kv, cfg.head_dim, self.device)
                 self.verify_graphs[n] = StepGraph(model, pool, n, 1, self.max_blocks, None, mempool,
                                                   tile_map=tiles, n_logits=n)
 
-    def _graph(self, model, pool, n_tokens: int, n_seqs: int, after, mempool, **kw):
+    def _graph(self, model, pool, n_tokens: int, n_seqs: int, after, mempool, snapshots: bool = False,
+               **kw):
         """A StepGraph; a hybrid's recurrent layers read its rows' state slots from a
-        ``StepSlots`` of its own (``_graph_slots``), loaded before each replay."""
+        ``StepSlots`` of its own (``_graph_slots``), loaded before each replay, and with
+        ``snapshots`` (a prefill graph) their snapshot rows from another (``_graph_snaps``)."""
         from deimos.runtime.graph import StepGraph
 
-        kv, slots = pool, None
+        kv, slots, snap = pool, None, None
         if self.states is not None:
             slots = StepSlots(n_seqs, self.device)
-            kv = HybridKV(pool, [], self.states, slots.dev)
+            if snapshots and self.states.snap_slots:
+                snap = StepSlots(n_seqs, self.device, width=2)
+            kv = HybridKV(pool, [], self.states, slots.dev, snap=None if snap is None else snap.dev)
         graph = StepGraph(model, kv, n_tokens, n_seqs, self.max_blocks, after, mempool, **kw)
         if slots is not None:
             self._graph_slots[graph] = slots
+        if snap is not None:
+            self._graph_snaps[graph] = snap
         return graph
 
     def warm(self, progress=None) -> None:
@@ -232,7 +247,8 @@ class ModelRunner:
         specializes on whether a size is a multiple of 16, and the tiles follow the row
         count): a long prompt's first chunk alone (a whole budget) and its next chunk (an odd
         count at an odd position: a cached prefix's continuation), and a chunk beside a few
-        decode rows at an odd total. Empty when the context is too short to hold them."""
+        decode rows at an odd total; a hybrid's first one with a snapshot row. Empty when the
+        context is too short to hold them."""
         n = min(max_batch_tokens, self.n_ctx)
         prefill_max = max(PREFILL_BUCKETS)
         big = max(prefill_max + 1, n - 1) | 1  # past the prefill graphs, odd
@@ -240,6 +256,9 @@ class ModelRunner:
             return []
         rest = min(big, self.n_ctx - big)
         shapes = [self.scratch_inputs(0, [n], [0])]
+        if self.states is not None and self.states.snap_slots and n > self.block_size:
+            # a hybrid's chunk crossing a block boundary: the kernels' snapshot variants
+            shapes[0].snap_at = [(n - 1) // self.block_size * self.block_size]
         if rest > prefill_max:
             shapes.append(self.scratch_inputs(0, [rest], [big]))
         n_dec = min(3, self.max_seqs - 1)
@@ -283,7 +302,8 @@ class ModelRunner:
                 graph.capture()  # before the inputs are loaded: capture fills them itself
             if graph.decode and self.decode_before is not None:
                 self.decode_before(graph.n_seqs, x.wanting)
-            logits = self._replay(graph, x)
+            snaps: list = []
+            logits = self._replay(graph, x, snaps)
             self._serve(graph, len(x.tokens))
             ticket = None
             if graph.decode:
@@ -293,7 +313,7 @@ class ModelRunner:
                     ticket = self.decode_launched(graph.n_seqs)
             elif not len(x.logits_at):
                 logits = None
-            return StepResult(logits, x.wanting, graph, ticket)
+            return StepResult(logits, x.wanting, graph, ticket, snaps=snaps)
         if x.verify and len(x.q_lens) == 1 and self.verify_graphs and not self.want_hidden:
             n = len(x.tokens)  # one sequence verifying its drafts, nothing else in the step
             graph = next((g for m, g in sorted(self.verify_graphs.items()) if m >= n), None)
@@ -301,14 +321,15 @@ class ModelRunner:
                 if not graph.captured:
                     graph.capture()
                 return StepResult(self._replay(graph, x)[:n], [], verify=x.verify)
+        snaps = []
         if not self.want_hidden:
-            return StepResult(self._eager(x), x.wanting, verify=x.verify)
-        logits, rows = self._eager(x, hidden=True)
+            return StepResult(self._eager(x, out_snaps=snaps), x.wanting, verify=x.verify, snaps=snaps)
+        logits, rows = self._eager(x, hidden=True, out_snaps=snaps)
         hidden, t = [], 0
         for seq, start, n in zip(x.seqs, x.q_starts, x.q_lens):
             hidden.append((seq, start, rows[t : t + n]))
             t += n
-        return StepResult(logits, x.wanting, verify=x.verify, hidden=hidden)
+        return StepResult(logits, x.wanting, verify=x.verify, hidden=hidden, snaps=snaps)
 
     def run_chained(self, seqs: list[Sequence]) -> StepResult:
         """The decode step after the last one, on the same graph and rows, its tokens fed on
@@ -342,7 +363,7 @@ class ModelRunner:
         if serve is not None and graph.decode:
             serve(n_rows)
 
-    def _replay(self, g, x: StepInputs) -> torch.Tensor:
+    def _replay(self, g, x: StepInputs, out_snaps: list | None = None) -> torch.Tensor:
         h64, h32 = g.host_buffers()
         n, b, mb = g.n_tokens, g.n_seqs, g.max_blocks
         t = len(x.tokens)
@@ -376,10 +397,40 @@ class ModelRunner:
             return g.replay()
         rows = [self._bind(seq) for seq in x.seqs]
         slots.load([h.slot for h in rows])
+        snap_rows = self._snap_rows(x)
+        snap = self._graph_snaps.get(g)
+        if snap is not None:
+            snap.load(snap_rows or [(0, SCRATCH_SLOT)] * len(rows))
+        elif snap_rows:
+            raise StateError("a graph without snapshot rows was given a step that snapshots")
         logits = g.replay()
         for h, m in zip(rows, x.q_lens):  # the graph's step consumed the real tokens of each
             h.length += m
+        if snap_rows and out_snaps is not None:
+            self._saved(x, snap_rows, out_snaps)
         return logits
+
+    def _snap_rows(self, x: StepInputs) -> list[tuple[int, int]] | None:
+        """The step's snapshot rows on the state pool: (row count, snapshot slot) a sequence,
+        (0, 0) for none; None when the step takes no snapshot."""
+        if not x.snap_at or not any(x.snap_at):
+            return None
+        slots = iter(self.states.snap_slots)
+        rows = []
+        for a in x.snap_at:
+            slot = next(slots, None) if a else SCRATCH_SLOT
+            if slot is None:
+                raise StateError(f"the step asks for {sum(map(bool, x.snap_at))} snapshots; the "
+                                 f"state pool has {len(self.states.snap_slots)} snapshot slots")
+            rows.append((a, slot))
+        return rows
+
+    def _saved(self, x: StepInputs, snap_rows: list[tuple[int, int]], out: list) -> None:
+        """The snapshot slots the step wrote, copied out: (sequence, StateSnapshot) into ``out``
+        (queued after the step: the next step may overwrite the slots)."""
+        for seq, start, (a, slot) in zip(x.seqs, x.q_starts, snap_rows):
+            if a:
+                out.append((seq, self.states.save(slot, start + a)))
 
     def _bind(self, seq: Sequence) -> SlotState:
         """``seq``'s slot of the state pool: the one it holds, or one taken now and written with
@@ -432,9 +483,10 @@ class ModelRunner:
             seq.state = make() if make is not None else RecurrentState.zeros(self.model.config, self.device)
         return seq.state
 
-    def _eager(self, x: StepInputs, hidden: bool = False):
+    def _eager(self, x: StepInputs, hidden: bool = False, out_snaps: list | None = None):
         """The step run eagerly: its logits (None when no row wants any); with ``hidden``
-        (logits, every row's post-norm hidden state [T, D])."""
+        (logits, every row's post-norm hidden state [T, D]). The snapshots the step's rows
+        ask for go into ``out_snaps`` as (sequence, state)."""
         dev = self.device
 
         def put(a: np.ndarray) -> torch.Tensor:
@@ -446,16 +498,30 @@ class ModelRunner:
         layout = SeqLayout(x.q_lens, x.q_starts, x.n_decode, put(x.slots), put(x.tables),
                            put(np.asarray(x.q_starts, dtype=np.int32)), put(cu))
         at = x.logits_at if len(x.logits_at) else np.asarray([len(x.tokens) - 1])
-        kv = self.pool
+        kv, snap_rows = self.pool, None
         if self.states is not None:  # the recurrent layers' states: the rows' slots of the pool
             rows = [self._bind(seq) for seq in x.seqs] if x.seqs is not None else []
             ids = [st.slot for st in rows] or [SCRATCH_SLOT] * b  # the profile step: scratch
-            kv = HybridKV(self.pool, rows, self.states, put(np.asarray(ids, dtype=np.int32)))
+            snap_rows = self._snap_rows(x)
+            snap = None if snap_rows is None else put(np.asarray(snap_rows, dtype=np.int32))
+            kv = HybridKV(self.pool, rows, self.states, put(np.asarray(ids, dtype=np.int32)),
+                          snap=snap)
         elif self.model.config.is_hybrid:  # the recurrent layers' state: each sequence's own
-            kv = HybridKV(self.pool, [self._state(seq) for seq in x.seqs])
+            kv = HybridKV(self.pool, [self._state(seq) for seq in x.seqs], snap_at=x.snap_at,
+                          snaps=[None] * b)
         batch = Batch(put(x.tokens), put(x.positions), kv, layout, put(at))
         if hidden:
             logits, rows = self.model.step(batch, hidden_at=torch.arange(len(x.tokens), device=dev))
-            return (logits if len(x.logits_at) else None), rows
-        logits = self.model.step(batch)
-        return logits if len(x.logits_at) else None
+        else:
+            logits, rows = self.model.step(batch), None
+        if snap_rows is not None and out_snaps is not None:
+            self._saved(x, snap_rows, out_snaps)
+        elif x.snap_at and self.states is None and out_snaps is not None:
+            for seq, a, st in zip(x.seqs, x.snap_at, kv.snaps):
+                if a:
+                    if st is None:
+                        raise StateError(f"sequence {seq.id}'s step asked for a snapshot after "
+                                         f"{a} rows; the model made none")  # fmt: skip
+                    out_snaps.append((seq, st))
+        logits = logits if len(x.logits_at) else None
+        return (logits, rows) if hidden else logits

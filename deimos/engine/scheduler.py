@@ -15,6 +15,11 @@ Every step (``schedule``):
    pool allow: the prefix cache is matched first (deimos.engine.block_manager), and only the
    rest of the prompt is prefilled.
 
+A hybrid model's prefix cache needs the recurrent state at a block boundary: a chunk crossing
+one gets a snapshot row there (``StepPlan.snap_at``: the step stores the state after those
+rows as well), at most ``step_snapshots`` a step; past them the chunk ends on its last
+boundary instead (the rest is the next step's).
+
 The scheduler sees blocks and token counts only, never tensors. A plan lists the decode
 sequences first, then the verifications, then the prefill chunks: the order the step packs
 them in.
@@ -49,6 +54,8 @@ class StepPlan:
     verify: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # (sequence, drafts)
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk tokens)
     preempted: list[Sequence] = field(default_factory=list)
+    # a prefill chunk's snapshot row: its state after that many of its tokens is kept too
+    snap_at: dict[Sequence, int] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -62,12 +69,15 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, cfg: SchedulerConfig,
-                 propose: Callable[[Sequence, int], list[int]] | None = None) -> None:
+                 propose: Callable[[Sequence, int], list[int]] | None = None,
+                 step_snapshots: int = 0) -> None:
         """``propose(seq, room)``: at most ``room`` drafts of a decoding sequence's next tokens
-        (speculative decoding; None: off)."""
+        (speculative decoding; None: off). ``step_snapshots``: how many prefill chunks of a
+        step can snapshot a hybrid model's state inside them (the model runner's capacity)."""
         self.blocks = blocks
         self.cfg = cfg
         self.propose = propose
+        self.step_snapshots = step_snapshots
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -89,17 +99,21 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def _chunk(self, start: int, remaining: int, budget: int) -> int:
-        """Tokens of a prompt to prefill now from position ``start``: all that is left within
-        the budget; for a hybrid model a chunk that crosses a block boundary ends on the last
-        one (the rest is the next step's): the recurrent state is snapshotted there, and a
-        later prompt sharing the prefix starts from it."""
+    def _chunk(self, seq: Sequence, start: int, remaining: int, budget: int, plan: StepPlan) -> int:
+        """Tokens of ``seq``'s prompt to prefill now from position ``start``: all that is left
+        within the budget. For a hybrid model the recurrent state is kept at the last block
+        boundary the chunk crosses (a later prompt sharing the prefix starts from it): a
+        snapshot row there (``plan.snap_at``) while the step has room for one, else the chunk
+        ends on that boundary."""
         n = min(remaining, budget)
         if self.blocks.needs_state and self.blocks.prefix_cache:
             bs = self.blocks.block_size
             aligned = (start + n) // bs * bs - start
             if 0 < aligned < n:
-                n = aligned
+                if len(plan.snap_at) < self.step_snapshots:
+                    plan.snap_at[seq] = aligned
+                else:
+                    n = aligned
         return n
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
@@ -158,8 +172,9 @@ class Scheduler:
         for seq in self.running:
             if id(seq) in scheduled or budget <= 0:
                 continue
-            n = self._chunk(seq.n_computed, seq.remaining, budget)
+            n = self._chunk(seq, seq.n_computed, seq.remaining, budget, plan)
             if self.blocks.blocks_to_grow(seq.table, seq.n_computed + n) > self.blocks.n_free:
+                plan.snap_at.pop(seq, None)
                 continue  # waits for blocks (decodes free them as they finish)
             self.blocks.grow(seq.table, seq.n_computed + n)
             plan.prefill.append((seq, n))
@@ -171,8 +186,9 @@ class Scheduler:
             # the prompt's chain keys are computed once (seq.keys), not at each step it waits
             blocks = self.blocks.match(seq.tokens, seq.keys, seq.packed)
             hit = len(blocks) * self.blocks.block_size
-            n = self._chunk(hit, len(seq.tokens) - hit, budget)
+            n = self._chunk(seq, hit, len(seq.tokens) - hit, budget, plan)
             if not self.blocks.can_allocate(hit + n, blocks):
+                plan.snap_at.pop(seq, None)
                 break
             seq.table, cached = self.blocks.allocate(seq.tokens, hit + n, blocks)
             seq.n_computed = cached

@@ -26,6 +26,13 @@ paged pool plus, in the batch's order, either
 The model writes the states in place; a step must continue each state exactly where it stopped
 (its first position == the state's length).
 
+Snapshots inside a step: ``HybridKV.snap_at[b]`` > 0 asks for sequence b's state after its
+first ``snap_at[b]`` rows of the step as well (a block boundary inside a prefill chunk: the
+prefix cache keeps the state there, deimos.engine.block_manager). The CPU reference runs such a
+sequence in two segments and leaves a RecurrentState of copies in ``HybridKV.snaps[b]``; the
+kernel path stores it into a state-pool slot inside the one pass (``HybridKV.snap``: int32
+``[B, 2]`` (rows, slot) on the device, rows 0: none).
+
 Two layouts of the delta-rule state: "reference" ``[Hv, Dv, Dk]`` (llama.cpp's, the CPU
 reference's) and "kernel" ``[Hv, Dk, Dv]`` (its transpose: the Triton kernels', fla's, on the
 model's device). The model converts a state handed to it in the other layout at the start of
@@ -127,12 +134,17 @@ class HybridKV:
     plus the step's recurrent states: ``states[b]`` the RecurrentState of the step's sequence
     b; or, with ``store`` (the kernel path), ``slots`` int32 [B] on the device (sequence b's
     slot of ``store``) and ``states`` the sequences' handles (anything with a ``length``) or
-    empty (a CUDA graph's step)."""
+    empty (a CUDA graph's step). Snapshots inside the step (the module's docstring):
+    ``snap_at`` with ``snaps`` (the CPU reference: filled by the step), or ``snap`` (a state
+    pool's slots)."""
 
     pool: PagedKV
     states: list = field(default_factory=list)
     store: StateStore | None = None
     slots: torch.Tensor | None = None
+    snap_at: list[int] | None = None
+    snaps: list = field(default_factory=list)
+    snap: torch.Tensor | None = None
 
     @property
     def k(self):
@@ -218,23 +230,41 @@ class GatedDeltaNet:
             return gated_delta_net(self, x, batch, states)
         check_reference_states(batch)
         n = x.shape[0]
-        hk, hv, dh = self.hk, self.hv, self.dh
         mixed, z, beta, g = self.projections(x)
-        out = x.new_empty((n, hv, dh))
+        out = x.new_empty((n, self.hv, self.dh))
+        kv, seqs = batch.kv, batch.seqs
+        snap_at = getattr(kv, "snap_at", None) or [0] * seqs.n_seqs
+        if len(snap_at) != seqs.n_seqs or any(not 0 <= a < m for a, m in zip(snap_at, seqs.q_lens)):
+            raise StateError(f"HybridKV.snap_at {snap_at}: one row count a sequence, each below its "
+                             f"rows {seqs.q_lens}")  # fmt: skip
         t0 = 0
-        for b, m in enumerate(batch.seqs.q_lens):  # each sequence from its own state
-            st, rows = states[b], slice(t0, t0 + m)
-            y, st.conv[self.layer] = causal_conv1d(mixed[rows], self.conv, st.conv[self.layer])
-            y = F.silu(y)
-            q = self._value_heads(l2_norm(y[:, : hk * dh].view(m, hk, dh), self.eps))
-            k = self._value_heads(l2_norm(y[:, hk * dh : 2 * hk * dh].view(m, hk, dh), self.eps))
-            v = y[:, 2 * hk * dh :].view(m, hv, dh)
-            rule = gated_delta_rule_recurrent if m == 1 else gated_delta_rule_chunked
-            kw = {} if m == 1 else {"chunk": self.chunk}
-            out[rows], st.ssm[self.layer] = rule(q, k, v, g[rows], beta[rows], st.ssm[self.layer],
-                                                 dh**-0.5, **kw)
+        for b, m in enumerate(seqs.q_lens):  # each sequence from its own state
+            st, a = states[b], snap_at[b]
+            if a:  # to the snapshot row, a copy of the state there, then the rest
+                self._segment(mixed, g, beta, out, st, t0, a)
+                snap = kv.snaps[b]
+                if snap is None:
+                    snap = kv.snaps[b] = RecurrentState({}, {}, seqs.q_starts[b] + a, st.layout)
+                snap.conv[self.layer] = st.conv[self.layer].clone()
+                snap.ssm[self.layer] = st.ssm[self.layer].clone()
+            self._segment(mixed, g, beta, out, st, t0 + a, m - a)
             t0 += m
-        return self.out(gated_rms_norm(out, z, self.norm, self.eps).reshape(n, hv * dh))
+        return self.out(gated_rms_norm(out, z, self.norm, self.eps).reshape(n, self.hv * self.dh))
+
+    def _segment(self, mixed, g, beta, out, st: RecurrentState, t0: int, m: int) -> None:
+        """Rows ``t0 .. t0 + m`` of one sequence from its state ``st`` (advanced in place):
+        their outputs into ``out``."""
+        hk, hv, dh = self.hk, self.hv, self.dh
+        rows = slice(t0, t0 + m)
+        y, st.conv[self.layer] = causal_conv1d(mixed[rows], self.conv, st.conv[self.layer])
+        y = F.silu(y)
+        q = self._value_heads(l2_norm(y[:, : hk * dh].view(m, hk, dh), self.eps))
+        k = self._value_heads(l2_norm(y[:, hk * dh : 2 * hk * dh].view(m, hk, dh), self.eps))
+        v = y[:, 2 * hk * dh :].view(m, hv, dh)
+        rule = gated_delta_rule_recurrent if m == 1 else gated_delta_rule_chunked
+        kw = {} if m == 1 else {"chunk": self.chunk}
+        out[rows], st.ssm[self.layer] = rule(q, k, v, g[rows], beta[rows], st.ssm[self.layer],
+                                             dh**-0.5, **kw)
 
     def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> (conv input [T, (2 Hk + Hv) Dh] as [q | k | v], z [T, Hv, Dh],

@@ -6,15 +6,19 @@ so that one copy moves a slot's rows of every layer):
     ssm[i]   [n_slots, Hv, Dk, Dv] float32   the delta-rule states, the kernels' layout
     conv[i]  [n_slots, C, K - 1] float32     the last K - 1 inputs of each channel, oldest first
 Slot 0 is scratch: CUDA-graph padding rows read and write it, no sequence gets it (as block 0
-of the KV pool). The pool is memory plus a free list; which sequence holds which slot is the
-model runner's bookkeeping (deimos.engine.runner).
+of the KV pool). After the sequences' slots come ``n_snap`` snapshot slots (``snap_slots``),
+never held: a prefill step stores a sequence's state at a block boundary inside its chunk there
+(the kernels' snapshot row), and ``save`` copies it out after the step. The pool is memory plus
+a free list; which sequence holds which slot is the model runner's bookkeeping
+(deimos.engine.runner).
 
 - ``SlotState``: a running sequence's handle (slot + length), what ``Sequence.state`` holds on
   this path; ``clone()`` snapshots it.
 - ``StateSnapshot``: a slot's rows copied out (device tensors), what the prefix cache keeps on
   a block (deimos.engine.block_manager); never written, so ``clone()`` is itself, and
   restoring copies it into a fresh slot (``StatePool.bind``).
-- ``StepSlots``: a decode graph's slot ids on the device, filled before a replay.
+- ``StepSlots``: a graph's slot ids on the device, filled before a replay (a prefill graph's
+  snapshot rows too: ``(row count, slot)`` pairs).
 
 A slot handed to a new owner is always written first (zeros or a restore) by a device copy on
 the step's stream: work still queued for its previous owner (a chained decode step) finishes
@@ -113,18 +117,23 @@ class SlotState:
 
 
 class StatePool:
-    def __init__(self, config: ModelConfig, n_seqs: int, device: str | torch.device) -> None:
-        """Slots for ``n_seqs`` sequences plus the scratch slot, zeroed."""
+    def __init__(self, config: ModelConfig, n_seqs: int, device: str | torch.device,
+                 n_snap: int = 0) -> None:
+        """Slots for ``n_seqs`` sequences, the scratch slot and ``n_snap`` snapshot slots,
+        zeroed."""
         if not config.is_hybrid:
             raise ValueError(f"StatePool: {config.arch} has no recurrent layers")
         if n_seqs < 1:
             raise ValueError(f"StatePool: needs at least one sequence slot, got {n_seqs}")
+        if n_snap < 0:
+            raise ValueError(f"StatePool: n_snap must be >= 0, got {n_snap}")
         if config.ssm_conv_kernel < 2:
             raise ValueError(f"StatePool: conv kernel width {config.ssm_conv_kernel} < 2")
         self.config = config
         self.device = torch.device(device)
         self.layers = tuple(i for i in range(config.n_layer) if config.is_recurrent(i))
-        self.n_slots = n_seqs + 1
+        self.n_slots = n_seqs + 1 + n_snap
+        self.snap_slots = tuple(range(n_seqs + 1, self.n_slots))
         hv, dh = config.ssm_n_v_heads, config.ssm_head_dim
         shape = (len(self.layers), self.n_slots)
         f32 = {"dtype": torch.float32, "device": self.device}
@@ -132,7 +141,7 @@ class StatePool:
         self._conv = torch.zeros(*shape, config.ssm_conv_dim, config.ssm_conv_kernel - 1, **f32)
         self.ssm = {i: self._ssm[j] for j, i in enumerate(self.layers)}
         self.conv = {i: self._conv[j] for j, i in enumerate(self.layers)}
-        self._free: deque[int] = deque(range(1, self.n_slots))
+        self._free: deque[int] = deque(range(1, n_seqs + 1))
         self._held: set[int] = set()
 
     # ---- slots --------------------------------------------------------------------------
@@ -157,7 +166,7 @@ class StatePool:
     def take(self) -> int:
         """A free slot (its contents are its last owner's: ``bind`` writes it first)."""
         if not self._free:
-            raise StatePoolFull(f"all {self.n_slots - 1} recurrent-state slots are held")
+            raise StatePoolFull(f"all {self.n_held} recurrent-state slots are held")
         slot = self._free.popleft()
         self._held.add(slot)
         return slot
@@ -216,31 +225,40 @@ class StatePool:
         """Invariants (tests): every slot but scratch is free or held, exactly once."""
         free = set(self._free)
         assert len(free) == len(self._free) and not free & self._held
-        assert free | self._held == set(range(1, self.n_slots))
+        assert free | self._held == set(range(1, self.n_slots - len(self.snap_slots)))
+
+
+# snapshot slots of the engine's pool: how many prefilling sequences a step can snapshot inside
+# their chunks (past them, a chunk is cut at its last block boundary instead: one more step)
+SNAP_SLOTS = 4
 
 
 def state_pool_for(model, n_seqs: int) -> StatePool | None:
     """The pool of a hybrid model on the kernel path (its states the "kernel" layout), on its
-    device; None for any other model (the CPU reference keeps a RecurrentState a sequence)."""
+    device, with ``min(SNAP_SLOTS, n_seqs)`` snapshot slots; None for any other model (the CPU
+    reference keeps a RecurrentState a sequence)."""
     if not model.config.is_hybrid or getattr(model, "state_layout", None) != "kernel":
         return None
-    return StatePool(model.config, n_seqs, model.device)
+    return StatePool(model.config, n_seqs, model.device, n_snap=min(SNAP_SLOTS, n_seqs))
 
 
 class StepSlots:
-    """A decode graph's state slots: int32 ``[n]`` on the device (``dev``, what the captured
-    step reads), loaded from a pinned host buffer; rows past the live ones name the scratch
-    slot. A load equal to the last one copies nothing."""
+    """A graph's state slots: int32 ``[n]`` on the device (``dev``, what the captured step
+    reads), or ``[n, width]`` (a prefill graph's snapshot rows), loaded from a pinned host
+    buffer; rows past the live ones are zeros (the scratch slot; no snapshot). A load equal to
+    the last one copies nothing."""
 
-    def __init__(self, n: int, device: torch.device) -> None:
-        self.dev = torch.full((n,), SCRATCH_SLOT, dtype=torch.int32, device=device)
+    def __init__(self, n: int, device: torch.device, width: int | None = None) -> None:
+        shape = (n,) if width is None else (n, width)
+        self.dev = torch.full(shape, SCRATCH_SLOT, dtype=torch.int32, device=device)
         cuda = self.dev.device.type == "cuda"
-        self._host = torch.full((n,), SCRATCH_SLOT, dtype=torch.int32, pin_memory=cuda)
+        self._host = torch.full(shape, SCRATCH_SLOT, dtype=torch.int32, pin_memory=cuda)
         self._hostn = self._host.numpy()
         self._copied = torch.cuda.Event() if cuda else None
         self._last: list[int] | None = None
 
-    def load(self, slots: list[int]) -> None:
+    def load(self, slots: list) -> None:
+        """``slots``: an id a row (or a ``width``-tuple a row)."""
         if slots == self._last:
             return
         if len(slots) > len(self._hostn):

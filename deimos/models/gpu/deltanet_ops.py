@@ -21,6 +21,10 @@ a decode step reads nothing from the host, so it can be a CUDA graph), or, when 
 brings each sequence's own RecurrentState, a pool of this step's rows made for the step
 (stacked, slot b = sequence b) and written back to the sequences' tensors after it.
 
+A prefill row's snapshot (``HybridKV.snap``: (rows, slot), a block boundary inside its chunk)
+is stored by the same launches into that slot of the state pool: gdn_inputs the carried conv
+inputs, gated_delta_prefill the delta-rule state (its chunk grid shifted to end a chunk there).
+
 Value head h reads key head h % Hk (llama.cpp's qwen35 converter orders the value heads so that
 ggml_repeat tiles the key heads): the kernels' "tiled" head map. States are in the "kernel"
 layout ``[Hv, Dk, Dv]`` (deimos.models.deltanet.RecurrentState.adopt).
@@ -36,6 +40,7 @@ from deimos.kernels.triton.gated_delta_decode import gated_delta_decode
 from deimos.kernels.triton.gated_delta_prefill import gated_delta_prefill
 from deimos.kernels.triton.gdn_inputs import gdn_inputs
 from deimos.models.batch import Batch
+from deimos.models.deltanet import StateError
 
 
 def gated_delta_net(block, x: torch.Tensor, batch: Batch, states: list) -> torch.Tensor:
@@ -47,14 +52,23 @@ def gated_delta_net(block, x: torch.Tensor, batch: Batch, states: list) -> torch
     n, nd, n_seq = x.shape[0], seqs.n_decode, seqs.n_seqs
     hk, hv, dh = block.hk, block.hv, block.dh
     ssm, conv, slots, write_back = _state_rows(batch.kv, states, block, x.device)
+    snap = getattr(batch.kv, "snap", None)
+    if getattr(batch.kv, "snap_at", None) and any(batch.kv.snap_at):
+        raise StateError("gated_delta_net: on the kernel path a snapshot inside the step is "
+                         "stored into a state-pool slot (HybridKV.snap), not HybridKV.snaps")
+    if snap is not None and (write_back is not None or snap.shape != (n_seq, 2)
+                             or snap.dtype != torch.int32):  # fmt: skip
+        raise StateError(f"gated_delta_net: HybridKV.snap {snap.dtype} {tuple(snap.shape)}: int32 "
+                         f"[{n_seq}, 2] (rows, slot) a sequence, with a state pool")  # fmt: skip
     head_map = block.head_map  # qwen35's tiled, qwen3next's grouped
     mixed, z, b, alpha = block.raw_projections(x)  # views of the linears' outputs
     out = torch.empty(n, hv, dh, dtype=torch.float32, device=x.device)
     scale = dh**-0.5
 
-    def inputs(rows: slice, sl: torch.Tensor, cu: torch.Tensor | None, max_len: int):
+    def inputs(rows: slice, sl: torch.Tensor, cu: torch.Tensor | None, max_len: int, snapshot=None):
         return gdn_inputs(mixed[rows], block.conv, conv, sl, cu, b[rows], alpha[rows],
-                          block.dt_bias, block.a, hk, hv, dh, block.eps, max_len)  # fmt: skip
+                          block.dt_bias, block.a, hk, hv, dh, block.eps, max_len,
+                          snapshot=snapshot)  # fmt: skip
 
     if nd:  # one row a sequence, no cu_seqlens: a decode step's graph reads nothing from the host
         q, k, v, g, beta = inputs(slice(0, nd), slots[:nd], None, 1)
@@ -62,11 +76,12 @@ def gated_delta_net(block, x: torch.Tensor, batch: Batch, states: list) -> torch
     if nd < n_seq:
         cu, sl = seqs.cu_q[nd:] - nd, slots[nd:n_seq]
         longest = max(seqs.q_lens[nd:])
-        q, k, v, g, beta = inputs(slice(nd, n), sl, cu, longest)
+        sn = None if snap is None else snap[nd:]  # decode rows never snapshot
+        q, k, v, g, beta = inputs(slice(nd, n), sl, cu, longest, sn)
         out[nd:].zero_()  # a graph's padding rows (past cu's end) get no output: keep them finite
         gated_delta_prefill(q, k, v, g, beta, cu, ssm, sl, scale, head_map, out=out[nd:],
                             precision=PREFILL_PRECISION if x.is_cuda else "ieee",
-                            max_len=longest)  # fmt: skip
+                            max_len=longest, snapshot=sn)  # fmt: skip
     if write_back is not None:
         write_back()
     return block.out(block.ops.rms_norm_gated(out, z, block.norm, block.eps))
