@@ -311,11 +311,12 @@ def test_gpu_engine_with_graphs_equals_eager_and_frees_every_slot(tiny):
 
 @pytest.mark.gpu
 def test_gpu_prefill_graphs_equal_eager(tiny):
-    """Requests one at a time, prompts of 5, 40 and 600 tokens (a padded chunk; 512 then 88)
-    then a second turn of the last one (its snapshot from the prefix cache, only the new tokens
-    prefilled): on the padded prefill graphs the same greedy tokens as eager steps, the
-    graphs replayed, every slot free at the end. The padding rows advance no state: else the
-    tokens after a padded chunk would differ."""
+    """Requests one at a time, prompts of 5, 40 and 600 tokens (padded chunks of 16 and 64, the
+    40 with a snapshot row at 32; the 600 eager: past the largest graph) then a second turn of
+    the last one (its snapshot from the prefix cache, only the new tokens prefilled): on the
+    padded prefill graphs the same greedy tokens as eager steps, the graphs replayed (3 times),
+    every slot free at the end. The padding rows advance no state: else the tokens after a
+    padded chunk would differ."""
     m = load_model(tiny, device="cuda")
     prompts = [_prompt(n, 40 + n) for n in (5, 40, 600)]
     outs = {}
@@ -326,7 +327,7 @@ def test_gpu_prefill_graphs_equal_eager(tiny):
         got.append(_run(eng, [Request(turn, 10, GREEDY)])[0])
         outs[graphs] = got
         pre = sum(g.replays for g in eng.runner.prefill_graphs.values())
-        assert (pre >= 4) == graphs, f"{pre} prefill replays"
+        assert (pre >= 3) == graphs, f"{pre} prefill replays"
         assert eng.states.n_held == 0
         eng.states.check()
     assert outs[True] == outs[False]
