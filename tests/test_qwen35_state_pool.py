@@ -333,22 +333,55 @@ def test_gpu_prefill_graphs_equal_eager(tiny):
     assert outs[True] == outs[False]
 
 
+def _snapshot_row_and_reuse(model, p1: list[int], p2: list[int], cached: int, n_ctx: int = 64):
+    """``p1`` prefilled in one step (1 token out) keeping one snapshot, then ``p2`` starting
+    from it with ``cached`` tokens; both equal an engine without the prefix cache. Returns the
+    prefill graphs' replays of ``p1``'s step."""
+    eng = _engine(model, n_ctx=n_ctx, max_seqs=2)
+    fresh = _engine(model, n_ctx=n_ctx, max_seqs=1, prefix_cache=False)
+    got1 = _run(eng, [Request(p1, 1, GREEDY)])
+    assert eng.steps == 1 and eng.blocks.n_states == 1
+    replays = sum(g.replays for g in eng.runner.prefill_graphs.values())
+    req = Request(p2, 5, GREEDY)
+    got2 = _run(eng, [req])
+    assert req.cached_tokens == cached
+    assert got1 == _run(fresh, [Request(p1, 1, GREEDY)])
+    assert got2 == _run(fresh, [Request(p2, 5, GREEDY)])
+    eng.states.check()
+    return replays
+
+
 def test_engine_snapshot_row_inside_a_prefill_step(model):
     """On the kernel path a 27-token prompt is prefilled in one step whose kernels also store
     the state after its 16th token into a snapshot slot (copied out onto block 0's cache
     entry); a prompt sharing those 16 tokens starts from that copy; both equal uncached runs."""
-    eng = _engine(model, max_seqs=2)
-    fresh = _engine(model, max_seqs=1, prefix_cache=False)
     p1 = [(7 * i) % 300 + 2 for i in range(27)]
-    got1 = _run(eng, [Request(p1, 1, GREEDY)])
-    assert eng.steps == 1 and eng.blocks.n_states == 1
-    p2 = p1[:20] + [9, 8, 7]
-    req = Request(p2, 5, GREEDY)
-    got2 = _run(eng, [req])
-    assert req.cached_tokens == 16
-    assert got1 == _run(fresh, [Request(p1, 1, GREEDY)])
-    assert got2 == _run(fresh, [Request(p2, 5, GREEDY)])
-    eng.states.check()
+    _snapshot_row_and_reuse(model, p1, p1[:20] + [9, 8, 7], 16)
+
+
+def test_snapshot_rows_are_checked(model, tiny):
+    """A snapshot row at or past its sequence's rows (the CPU reference), a kernel-path
+    snapshot tensor of the wrong shape, more snapshots than the pool has slots, a negative
+    slot count: each a clear error."""
+    with pytest.raises(ValueError, match="n_snap"):
+        StatePool(model.config, 2, DEVICE, n_snap=-1)
+    ref = load_model(tiny)  # the CPU reference
+    kv = _kv(model)
+    bad = _batch(kv, [(Seq(ref, 0), [1, 2, 3])], None)
+    bad.kv.snap_at, bad.kv.snaps = [3], [None]
+    with pytest.raises(StateError, match="snap_at"):
+        ref.step(bad)
+    store = StatePool(model.config, 2, DEVICE, n_snap=1)
+    bad = _batch(kv, [(Seq(model, 0, store), [1, 2, 3])], store)
+    bad.kv.snap = _i32([1, store.snap_slots[0]])  # [2], not [1, 2]
+    with pytest.raises(StateError, match="HybridKV.snap"):
+        model.step(bad)
+    from deimos.engine.runner import StepInputs
+
+    eng = _engine(model, max_seqs=1)
+    x = StepInputs(*([None] * 9), snap_at=[16, 16])
+    with pytest.raises(StateError, match="snapshot slots"):
+        eng.runner._snap_rows(x)
 
 
 @pytest.mark.gpu
@@ -356,17 +389,7 @@ def test_gpu_prefill_graph_takes_a_snapshot_row(tiny):
     """A 40-token prompt on the prefill graphs: one replay, which also stores the state after
     its 32nd token (the graph's snapshot row, read from the device); a prompt sharing those 32
     tokens starts from it. Both equal an engine without the prefix cache."""
-    m = load_model(tiny, device="cuda")
     p1 = _prompt(40, 3)
-    p2 = p1[:35] + _prompt(6, 5)
-    eng = _engine(m, n_ctx=256, max_seqs=2)
-    fresh = _engine(m, n_ctx=256, max_seqs=1, prefix_cache=False)
-    got1 = _run(eng, [Request(p1, 1, GREEDY)])
-    assert eng.steps == 1 and eng.blocks.n_states == 1
-    assert sum(g.replays for g in eng.runner.prefill_graphs.values()) == 1
-    req = Request(p2, 8, GREEDY)
-    got2 = _run(eng, [req])
-    assert req.cached_tokens == 32
-    assert got1 == _run(fresh, [Request(p1, 1, GREEDY)])
-    assert got2 == _run(fresh, [Request(p2, 8, GREEDY)])
-    eng.states.check()
+    replays = _snapshot_row_and_reuse(load_model(tiny, device="cuda"), p1, p1[:35] + _prompt(6, 5),
+                                      32, n_ctx=256)
+    assert replays == 1

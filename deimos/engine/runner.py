@@ -514,14 +514,14 @@ class ModelRunner:
             logits, rows = self.model.step(batch, hidden_at=torch.arange(len(x.tokens), device=dev))
         else:
             logits, rows = self.model.step(batch), None
-        if snap_rows is not None and out_snaps is not None:
+        if out_snaps is not None and snap_rows is not None:  # the pool's snapshot slots
             self._saved(x, snap_rows, out_snaps)
-        elif x.snap_at and self.states is None and out_snaps is not None:
+        elif out_snaps is not None and x.snap_at and isinstance(kv, HybridKV):  # the CPU's copies
             for seq, a, st in zip(x.seqs, x.snap_at, kv.snaps):
+                if a and st is None:
+                    raise StateError(f"sequence {seq.id}'s step asked for a snapshot after {a} "
+                                     "rows; the model made none")
                 if a:
-                    if st is None:
-                        raise StateError(f"sequence {seq.id}'s step asked for a snapshot after "
-                                         f"{a} rows; the model made none")  # fmt: skip
                     out_snaps.append((seq, st))
         logits = logits if len(x.logits_at) else None
         return (logits, rows) if hidden else logits
