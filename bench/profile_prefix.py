@@ -4,7 +4,9 @@ prompt plus N new tokens is sent with max_tokens=1. Reports the request's wall t
 engine steps' wall time, the kernels' GPU time by name (torch.profiler, CUPTI) and, beside
 it, the host's time to render and tokenize an agent session turn of about C tokens.
 
-    python bench/profile_prefix.py MODEL.gguf [--ctx 2048,8192,16384,30000] [-n 150]
+    python bench/profile_prefix.py MODEL.gguf [--ctx 2048,8192,16384,30000] [-n 150] [--top 5]
+
+A context of 0 profiles a fresh prompt of the N tokens alone (what a turn's time is held to).
 
 A measurement, not a test. Needs a CUDA GPU.
 """
@@ -73,6 +75,7 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("--ctx", default="2048,8192,16384,30000")
     ap.add_argument("-n", type=int, default=150, help="new tokens after the cached prefix")
+    ap.add_argument("--top", type=int, default=5, help="kernels listed a row")
     a = ap.parse_args()
     ctxs = [int(c) for c in a.ctx.split(",")]
     llm = LLM(a.model, device="cuda" if torch.cuda.is_available() else "cpu", n_ctx=max(ctxs) + a.n + 64)
@@ -83,18 +86,21 @@ def main() -> int:
     run(llm, base[:300])  # warm
     print(f"\n| context | cached | new | request ms | steps ms | steps | kernels ms | top kernels (ms) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---|")
-    for c in ctxs:
+    for k, c in enumerate(ctxs):
         prompt = base[:c]
-        run(llm, prompt)  # its blocks stay cached
-        ids = prompt + [(t * 7 + 11) % llm.config.n_vocab for t in range(a.n)]
-        run(llm, prompt + [(t * 13 + 5) % llm.config.n_vocab for t in range(a.n)])  # a hit, unprofiled
+        if c:
+            run(llm, prompt)  # its blocks stay cached
+            run(llm, prompt + [(t * 13 + 5) % llm.config.n_vocab for t in range(a.n)])  # a hit, unprofiled
+        else:  # a fresh prompt of the N new tokens alone (nothing of it cached), after one unprofiled
+            run(llm, [(t * 17 + 3 + k) % llm.config.n_vocab for t in range(a.n)])
+        ids = prompt + [(t * 7 + 11 + (0 if c else k)) % llm.config.n_vocab for t in range(a.n)]
         with torch_profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
             wall, in_steps, steps, cached = run(llm, ids)
         totals: dict[str, float] = defaultdict(float)
         for ev in prof.events():
             if ev.device_type == torch.autograd.DeviceType.CUDA:
                 totals[ev.name[:40]] += getattr(ev, "device_time_total", 0.0) / 1e3
-        top = sorted(totals.items(), key=lambda kv: -kv[1])[:5]
+        top = sorted(totals.items(), key=lambda kv: -kv[1])[:a.top]
         print(f"| {c} | {cached} | {a.n} | {wall:.1f} | {in_steps:.1f} | {steps} | {sum(totals.values()):.1f} | "
               + "; ".join(f"{k} {v:.1f}" for k, v in top) + " |")
     return 0
