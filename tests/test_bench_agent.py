@@ -20,7 +20,7 @@ import pytest
 from server_support import ServerProcess, free_port
 from testdata import model_path
 
-from deimos.bench.agent import request_body
+from deimos.bench.agent import request_body, warmup_body
 from deimos.bench.agent_stats import TurnRecord, markdown, summarize
 from deimos.bench.session_parts import sources
 from deimos.bench.sessions import (
@@ -213,6 +213,22 @@ def test_request_body_forces_the_length_and_moves_tools_on_request() -> None:
     system = moved["messages"][0]["content"]
     assert system.startswith(turn["messages"][0]["content"])
     assert all(json.dumps(t, ensure_ascii=False) in system for t in turn["tools"])
+
+
+def test_warmup_carries_a_made_up_tool_when_the_session_has_tools() -> None:
+    """A tool-use template (Hermes-3's) refuses a request without tools: the warm-up sends one
+    of its own, named and described by random words, as the session sends its tools."""
+    turn = generate("multi-turn", SMALL)[0]
+    plain = warmup_body("m", 0, tools=False)
+    assert "tools" not in plain and plain["max_tokens"] == 4 and plain["ignore_eos"] is True
+    body = warmup_body("m", 1, tools=True, sampling={"temperature": 0.5})
+    (tool,) = body["tools"]
+    assert tool["function"]["name"] == "warmup_1" and body["temperature"] == 0.5
+    assert tool["function"]["name"] not in {t["function"]["name"] for t in turn["tools"]}
+    assert body["messages"] == warmup_body("m", 1, tools=False)["messages"]
+    moved = warmup_body("m", 1, tools=True, tools_in_system=True)
+    assert "tools" not in moved and "warmup_1" in moved["messages"][0]["content"]
+    assert moved["messages"][0]["role"] == "system"
 
 
 def test_stats_on_hand_made_turns() -> None:

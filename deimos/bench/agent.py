@@ -89,6 +89,22 @@ def request_body(turn: dict[str, Any], model: str, *, tools_in_system: bool = Fa
     return body
 
 
+def warmup_body(model: str, i: int, *, tools: bool, tools_in_system: bool = False,
+                sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Warm-up request ``i``: 32 random words, 4 tokens. When the session sends tools, one
+    made-up tool goes with it, as the session sends its own (a template written for tool use,
+    such as Hermes-3's, may refuse a request without tools); its name and description are
+    random words, so the warm-up shares no more than the template's fixed text with the
+    session."""
+    words = prompt_text(0, "agent", i, 32)
+    turn: dict[str, Any] = {"messages": [{"role": "user", "content": words}], "max_tokens": 4}
+    if tools:
+        turn["tools"] = [{"type": "function", "function": {
+            "name": f"warmup_{i}", "description": prompt_text(1, "agent", i, 8),
+            "parameters": {"type": "object", "properties": {}}}}]
+    return request_body(turn, model, tools_in_system=tools_in_system, sampling=sampling)
+
+
 def _has_output(event: dict[str, Any]) -> bool:
     """Whether an event's first choice carries generated text (content, reasoning, or a tool
     call's name or arguments)."""
@@ -184,10 +200,10 @@ async def run_agent_bench_async(cfg: AgentBenchConfig,
         except RuntimeError as e:  # worded for bench serve, which shares the call
             raise RuntimeError(str(e).replace("bench serve:", "bench agent:", 1)) from None
         warm = []
+        tools = bool(turns and turns[0].get("tools"))
         for i in range(cfg.warmup):
-            body = {"model": model, "max_tokens": 4, "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True},
-                    "messages": [{"role": "user", "content": prompt_text(0, "agent", i, 32)}]}
+            body = warmup_body(model, i, tools=tools, tools_in_system=cfg.tools_in_system,
+                               sampling=cfg.sampling)
             warm.append(await replay_turn(client, body, 0, 4, cfg.timeout_s))
         report = AgentReport(url=cfg.base_url, model=model, session=_session_name(cfg.session),
                              tools_in_system=cfg.tools_in_system, sampling=dict(cfg.sampling or {}),
