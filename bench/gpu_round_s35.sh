@@ -6,6 +6,11 @@
 #                                 # (PDL on and off), the engine's steps at 16 and 64 streams
 #   bench/gpu_round_s35.sh soak   # the GPU soak: 1000 requests at concurrency 32 (memory flat?)
 #   bench/gpu_round_s35.sh agent  # the agent sessions on deimos serve and llama-server (-np 1)
+#   bench/gpu_round_s35.sh moe    # qwen3moe 30B-A3B Q4_K_M with its experts on the host: where an
+#                                 # offloaded token goes (bench/profile_offload.py, 0 and 24 slots),
+#                                 # then deimos bench --gpu-mem 8 beside llama.cpp's -ncmoe 33. Carry
+#                                 # .whl-min (what the engine imports), .whl-ggml, .peer/lc and
+#                                 # .peer/td with the qwen2 vocabulary only (61 MiB with the tree)
 . bench/gpu_env.sh
 T=NousResearch-Hermes-3-Llama-3.1-8B-tool_use
 MA=/tmp/m/llama-8b-Q4_K_M-$T.gguf
@@ -34,5 +39,21 @@ soak)
 agent)
   setup; mk8; idle
   agent $MA llama-8b ;;
-*) echo "usage: $0 d8|soak|agent" >&2; exit 2 ;;
+moe)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-min/*.whl
+  F=$(grep -m1 ^flags /proc/cpuinfo)
+  if [[ $F == *avx512f* && $F == *avx512_vnni* && $F == *avx512vbmi* && $F == *avx512_bf16* ]]; then G=avx512; else G=avx2; fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ggml/$G/*.whl
+  echo "ggml-python: $G build; $(python3 -c 'import ggml; print("imports")' 2>&1 | tail -1); $(nproc) cores"
+  [ -x /tmp/lc/llama-bench ] || { mkdir -p /tmp/lc && tar xJf .peer/lc/llama-cuda-sm90.tar.xz -C /tmp/lc; }
+  synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2; idle
+  timeout ${PROF_S:-200} python3 bench/profile_offload.py $M30 --slots ${SLOTS:-0,24} --shares ${SHARES:-auto,tune} \
+    -n ${NTOK:-32} -p 512 --top 12 2>&1 | grep -v Warn > "$OUT/profile-offload.txt"
+  grep -E "^(offload|cpu side)|^  (timed|host|  cpu|    ggml|    act|  promote|eager)" "$OUT/profile-offload.txt" | cut -c1-160
+  sed -n '/^cpu side  slots/,$p' "$OUT/profile-offload.txt"; idle
+  [ -n "${NOBENCH:-}" ] || timeout ${BENCH_S:-300} python3 -m deimos bench $M30 -p 512 -n 128 -r 3 --gpu-mem 8 \
+    --vs-llama /tmp/lc/llama-bench --llama-args "${LARGS:--ngl 99 -fa 1 -t 16 -ncmoe 33}" --json "$OUT/moe-8g.json" 2>&1 \
+    | grep -v Warn | tee "$OUT/moe-8g.txt" | tail -24
+  idle ;;
+*) echo "usage: $0 d8|soak|agent|moe" >&2; exit 2 ;;
 esac
