@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import logging
 import pstats
 import sys
 import time
@@ -152,6 +153,7 @@ def main() -> None:
                     raise ValueError
             except ValueError:
                 ap.error(f"--shares: {sh!r} is not auto, tune or a share in [0, 1]")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the calibration's rates
     llm = LLM(a.model, device="cuda", experts="cpu", expert_cache_gib=0, n_ctx=a.p + a.n + 64,
               max_seqs=1, max_batch_tokens=512, prefix_cache=False)
     off = llm.offload

@@ -96,6 +96,44 @@ def test_ggml_same_expert_for_every_token_and_many_calls():
         assert err < 3e-6, (m, err)
 
 
+@pytest.mark.parametrize("backend", ["ggml", "exact"])
+@pytest.mark.parametrize("planes", [1, 2, 3])
+@pytest.mark.parametrize("mix", MIXES, ids=ids)
+def test_token_path_equals_the_rows_path(mix, planes, backend):
+    """CpuExperts.token (a decode step's misses: x's planes once, no per-miss copies) gives
+    __call__'s sums for that token bit for bit, added to what ``out`` held; miss counts of 1
+    to 5 on one layer (a plan per count), expert 0 and the last among them."""
+    if backend == "ggml" and ggml is None:
+        pytest.skip("ggml-python is not installed")
+    lay = make_layer(*mix, seed=11)
+    cpu = CpuExperts([lay], backend=backend, planes=planes)
+    g = torch.Generator().manual_seed(12)
+    for experts in ([E - 1], [0, 3], [4, 0, 2, 1, 3], [2, 4, 0]):
+        x = torch.randn(1, D, generator=g) * 3
+        w = np.linspace(0.2, 1.0, len(experts)).astype(np.float32)
+        e = np.array(experts)
+        want = cpu(0, x, np.zeros(len(experts), np.int64), e, w)[0]
+        base = torch.randn(D, generator=g)
+        out = base.numpy().copy()
+        cpu.token(0, x[0].numpy(), e, w, out)
+        assert np.array_equal(out, (want + base).numpy()), (experts, planes)
+        assert np.allclose(out, (want + base).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_token_path_bad_input():
+    lay = make_layer(GGMLType.Q8_0, GGMLType.Q8_0)
+    cpu = CpuExperts([lay], backend="exact")
+    x, out = np.zeros(D, np.float32), np.zeros(D, np.float32)
+    with pytest.raises(ValueError, match="expert outside"):
+        cpu.token(0, x, np.array([0, E]), np.ones(2, np.float32), out)
+    with pytest.raises(ValueError, match="weights"):
+        cpu.token(0, x, np.array([0, 1]), np.ones(3, np.float32), out)
+    with pytest.raises(ValueError, match="width"):
+        cpu.token(0, x[:-1], np.array([0]), np.ones(1, np.float32), out)
+    cpu.token(0, x, np.array([], np.int64), np.ones(0, np.float32), out)  # no misses: nothing
+    assert not out.any()
+
+
 def test_out_accumulates_and_no_misses_leave_it_alone():
     lay = make_layer(GGMLType.Q8_0, GGMLType.Q8_0, seed=4)
     cpu = CpuExperts([lay])

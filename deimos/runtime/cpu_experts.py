@@ -223,6 +223,28 @@ class CpuExperts:
             np.add.at(o, rows, y * weights[:, None])
         return out
 
+    def token(self, layer: int, x: np.ndarray, experts: np.ndarray, weights: np.ndarray,
+              out: np.ndarray) -> None:
+        """One token's misses (a decode step), with the least host work: x float32 [D] and
+        ``out`` float32 [D] (numpy, the sum added to it), experts int [M] (distinct, as one
+        token's routing gives them) and weights float32 [M]. What ``__call__`` computes for
+        rows of that token alone, bit for bit."""
+        lay = self.layers[layer]
+        m = experts.shape[0]
+        if not m:
+            return
+        if x.shape != (lay.n_embd,) or out.shape != (lay.n_embd,) or weights.shape != (m,):
+            raise ValueError(f"CpuExperts.token: x {x.shape}, out {out.shape}, weights {weights.shape} "
+                             f"for {m} experts of width {lay.n_embd}")
+        if not 0 <= int(experts.min()) <= int(experts.max()) < lay.n_expert:
+            raise ValueError(f"CpuExperts: an expert outside [0, {lay.n_expert})")
+        g = self._ggml[layer]
+        if g is None:
+            self(layer, torch.from_numpy(x.reshape(1, -1)), np.zeros(m, np.int64), experts, weights,
+                 out=torch.from_numpy(out.reshape(1, -1)))
+            return
+        g.token(x, experts, weights.astype(np.float32, copy=False), out)
+
     def _exact(self, layer: int, xm: np.ndarray, experts: np.ndarray) -> np.ndarray:
         lay = self.layers[layer]
         x = torch.from_numpy(xm)
@@ -334,18 +356,23 @@ class _Planes:
         self.dtype = _Q8K_DTYPE if act_type == _Q8_K else _Q8_0_DTYPE
         self.planes = planes
 
-    def quantize(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """x float32 [R, K] -> ``out`` [R, planes, K / block] (structured)."""
+    def quantize(self, x: np.ndarray, out: np.ndarray, planes_first: bool = False) -> np.ndarray:
+        """x float32 [R, K] -> ``out`` [R, planes, K / block] (structured), or with
+        ``planes_first`` [planes, R, K / block]: each plane written where it goes."""
         r, k = x.shape
         resid = np.array(x, dtype=np.float32, order="C")  # a copy: the residual is rewritten
-        plane = np.zeros((r, k // self.n), dtype=self.dtype)  # ggml skips an all-zero block's bsums
         src = resid.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        if planes_first and self.dtype is _Q8K_DTYPE:
+            out["bsums"] = 0  # ggml skips an all-zero block's bsums: no stale sums from a last call
+        plane = None if planes_first else np.zeros((r, k // self.n), dtype=self.dtype)
         for p in range(self.planes):
-            self.from_float(src, plane.ctypes.data, r * k)
-            out[:, p] = plane
+            dst = out[p] if planes_first else plane
+            self.from_float(src, dst.ctypes.data, r * k)
+            if not planes_first:
+                out[:, p] = plane
             if p + 1 < self.planes:
-                d = plane["d"].astype(np.float32)
-                resid -= (d[..., None] * plane["qs"]).reshape(r, k)
+                d = dst["d"].astype(np.float32)
+                resid -= (d[..., None] * dst["qs"]).reshape(r, k)
         return out
 
 
@@ -389,6 +416,16 @@ class _GgmlLayer:
         self.quant = {a: _Planes(ggml, a, planes) for a in set(self.act.values())}
         self.pow2 = _Q8_0 in self.act.values()  # x's rows scaled into Q8_0's float16 range
         self._plans: OrderedDict[int, _GgmlPlan] = OrderedDict()
+        self._tokens: dict[int, _GgmlToken] = {}  # by miss count: at most the experts a token uses
+
+    def token(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
+        """One token's misses (a decode step): x float32 [D], experts [M], weights [M]; their
+        weighted sum added to ``out`` [D]."""
+        m = experts.shape[0]
+        plan = self._tokens.get(m)
+        if plan is None:
+            plan = self._tokens[m] = _GgmlToken(self, m)
+        plan.run(x, experts, weights, out)
 
     def __call__(self, x: np.ndarray, rows: np.ndarray, experts: np.ndarray) -> np.ndarray:
         """x [T, D], the misses' rows and experts [M] -> [M, D] (unweighted)."""
@@ -492,3 +529,69 @@ class _GgmlPlan:
     def __del__(self) -> None:
         if getattr(self, "ctx", None) is not None:
             self.layer.g.ggml_free(self.ctx)
+
+
+class _GgmlToken(_GgmlPlan):
+    """The two graphs of one layer for one token's M misses (a decode step), laid out so that
+    nothing is repeated per miss: each activation plane is a ggml "token" whose expert list
+    is the M missed experts (ids [planes, M]); stage 1 takes x's planes once ([planes, 1, D]:
+    broadcast over the M experts), stage 2 each expert's own row of h's planes ([planes, M,
+    F]). The same dot products as ``_GgmlPlan``'s, so the same sums, bit for bit."""
+
+    def __init__(self, layer: _GgmlLayer, m: int):
+        g, lay, p = layer.g, layer.lay, layer.planes
+        self.layer = layer
+        d, f = lay.n_embd, lay.n_ff
+        size = 64 * g.ggml_tensor_overhead() + 2 * g.ggml_graph_overhead_custom(16, False)
+        self.ctx = g.ggml_init(g.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
+        self._keep: list[np.ndarray] = []
+        self.ids_buf = np.empty((p, m), np.int32)
+        self.ids = self._bind(g.ggml_new_tensor_2d(self.ctx, g.GGML_TYPE_I32, m, p), self.ids_buf)
+        w = [self._weight(t) for t in (lay.gate, lay.up, lay.down)]
+        self.x_in: dict[int, tuple] = {}
+        for i in (0, 1):
+            a = layer.act[i]
+            if a not in self.x_in:
+                buf = np.empty((p, 1, d // _block(a)), dtype=_act_dtype(a))
+                self.x_in[a] = (self._bind(g.ggml_new_tensor_3d(self.ctx, a, d, 1, p), buf), buf)
+        self.gu = [np.empty((p, m, f), np.float32) for _ in range(2)]
+        outs = [self._bind(g.ggml_mul_mat_id(self.ctx, w[i], self.x_in[layer.act[i]][0], self.ids),
+                           self.gu[i]) for i in (0, 1)]
+        self.graph1, self.plan1 = self._graph(outs)
+        a = layer.act[2]
+        self.h_in = np.empty((p, m, f // _block(a)), dtype=_act_dtype(a))
+        h = self._bind(g.ggml_new_tensor_3d(self.ctx, a, f, m, p), self.h_in)
+        self.y = np.empty((p, m, d), np.float32)
+        self.graph2, self.plan2 = self._graph([self._bind(g.ggml_mul_mat_id(self.ctx, w[2], h, self.ids), self.y)])
+
+    def run(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
+        lay = self.layer
+        self.ids_buf[:] = experts
+        xr = x.reshape(1, -1)
+        xr, sx = _pow2_rows(xr) if lay.pow2 else (xr, None)
+        for a, (_, buf) in self.x_in.items():
+            lay.quant[a].quantize(xr, buf, planes_first=True)
+        self._compute(self.graph1, self.plan1)
+        gate, up = (t.sum(0, dtype=np.float32) for t in self.gu)  # [M, F]: the planes' sum
+        if sx is not None:
+            gate, up = np.ldexp(gate, -sx[0]), np.ldexp(up, -sx[0])
+        with np.errstate(over="ignore"):
+            h = (gate / (np.float32(1) + np.exp(-gate))) * up  # silu(g) * u, float32
+        if lay.act[2] == _Q8_0:
+            hs, sh = _pow2_rows(h)
+            lay.quant[_Q8_0].quantize(hs, self.h_in, planes_first=True)
+            self._compute(self.graph2, self.plan2)
+            y = np.ldexp(self.y.sum(0, dtype=np.float32), -sh[:, None])
+        else:
+            lay.quant[lay.act[2]].quantize(h, self.h_in, planes_first=True)
+            self._compute(self.graph2, self.plan2)
+            y = self.y.sum(0, dtype=np.float32)
+        out += weights @ y
+
+
+def _block(act_type: int) -> int:
+    return 256 if act_type == _Q8_K else 32
+
+
+def _act_dtype(act_type: int) -> np.dtype:
+    return _Q8K_DTYPE if act_type == _Q8_K else _Q8_0_DTYPE

@@ -335,6 +335,8 @@ class ExpertOffload:
     def _answer(self, i: int, n: int, promote: bool) -> int:
         """Layer i's misses of the step: the device's share decided, the CPU's computed, the
         layer answered, a promotion started. Returns the layer's missed pairs."""
+        if n == 1:
+            return self._answer_token(i, promote)
         box, lay = self.mailbox, self.cache.layers[i]
         ids = box.np_ids[i, :n]
         lay.record(ids)
@@ -366,6 +368,37 @@ class ExpertOffload:
             lay.promote_many(ranked[:1].tolist(), self.stream)
         return missed
 
+    def _answer_token(self, i: int, promote: bool) -> int:
+        """``_answer`` for a one-token step (batch-1 decode), with as little host work as the
+        layer's critical path allows: the same split and sums (a token's experts are distinct,
+        so by_use's order is the ids' order), the cache's statistics after the answer."""
+        box, lay = self.mailbox, self.cache.layers[i]
+        ids = box.np_ids[i, 0]
+        miss = np.flatnonzero(lay.slot_of_host[ids] < 0)  # slot positions of the missed experts
+        table = box.np_table[i]
+        table.fill(-1)
+        out = box.np_out[i, 0]
+        out.fill(0)
+        n_dev = 0
+        if miss.size:
+            miss = miss[np.argsort(ids[miss], kind="stable")]  # by expert id: by_use's order
+            n_dev = int(miss.size * self.gpu_share + 0.5) if self.gpu_share > 0 else 0
+            if n_dev:  # the device's share (module docstring)
+                dev = ids[miss[:n_dev]]
+                table[dev] = dev
+        box.decide(i)
+        cpu = miss[n_dev:]
+        if cpu.size:
+            self.cpu.token(i, box.np_x[i, 0], ids[cpu], box.np_weights[i, 0][cpu], out)
+        box.answer(i)
+        lay.record(ids)  # the policy's statistics: off the device's path
+        self.stats.tokens += 1
+        self.stats.host_read_experts += n_dev
+        self.stats.cpu_experts += int(cpu.size)
+        if promote and miss.size and lay.n_slots:  # the copy waits for this step (side stream)
+            lay.promote_many([int(ids[miss[0]])], self.stream)
+        return int(miss.size)
+
     def calibrate(self, reps: int = 5) -> float:
         """Measure the rate of each side on a token's experts (8 for qwen3moe): the CPU's (ggml)
         and the device's reading them from host memory (the second pass of a captured step),
@@ -382,7 +415,6 @@ class ExpertOffload:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(1, self.mailbox.d, generator=g)
         xd = x.to(self.device)
-        rows = np.zeros(k, dtype=np.int64)
         w = np.full(k, 1.0 / k, dtype=np.float32)
         t_dev, t_cpu, nbytes = [], [], 0
         for r in range(reps):
@@ -400,9 +432,10 @@ class ExpertOffload:
                 end.record()
                 end.synchronize()
             t_dev.append(start.elapsed_time(end) / 1e3)
-            self.cpu(li, x, rows[: warm.size], warm, w[: warm.size])
+            out = np.zeros(x.shape[1], dtype=np.float32)
+            self.cpu.token(li, x[0].numpy(), warm, w[: warm.size], out)  # the decode path
             t0 = time.perf_counter()
-            self.cpu(li, x, rows[: cpu_e.size], cpu_e, w[: cpu_e.size])
+            self.cpu.token(li, x[0].numpy(), cpu_e, w[: cpu_e.size], out)
             t_cpu.append(time.perf_counter() - t0)
             nbytes = k * self.cache.layers[li].host.expert_nbytes
         td, tc = sorted(t_dev)[reps // 2], sorted(t_cpu)[reps // 2]
