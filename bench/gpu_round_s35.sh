@@ -50,10 +50,10 @@ moe)
     | cut -c1-220 | tail -6
   [ -n "${HOSTREAD:-}" ] && timeout 120 python3 bench/host_read.py 2>&1 | grep -v Warn | tee "$OUT/host-read.txt" | tail -8
   synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2; idle
-  timeout ${PROF_S:-200} python3 bench/profile_offload.py $M30 --slots ${SLOTS:-0,24} --shares ${SHARES:-auto,tune} \
+  timeout ${PROF_S:-200} python3 bench/profile_offload.py $M30 --slots ${SLOTS:-0,24} --shares ${SHARES:-auto,tune} --answer ${ANSWER:-token} \
     -n ${NTOK:-32} -p 512 --top 12 2>&1 | grep -v Warn > "$OUT/profile-offload.txt"
   grep -E "^(offload|cpu side)|^  (timed|host|  cpu|    ggml|    act|  promote|eager)|GB/s" "$OUT/profile-offload.txt" | cut -c1-160
-  sed -n '/^cpu side  slots/,$p' "$OUT/profile-offload.txt"; idle
+  sed -n '/^cpu side\/answer/,$p' "$OUT/profile-offload.txt"; idle
   [ -n "${NOBENCH:-}" ] || timeout ${BENCH_S:-300} python3 -m deimos bench $M30 -p 512 -n 128 -r 3 --gpu-mem 8 \
     --vs-llama /tmp/lc/llama-bench "--llama-args=${LARGS:--ngl 99 -fa 1 -t 16 -ncmoe 33}" --json "$OUT/moe-8g.json" 2>&1 \
     | grep -v Warn | tee "$OUT/moe-8g.txt" | tail -24

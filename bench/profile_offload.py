@@ -141,6 +141,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=20, help="cProfile's top functions by own time")
     ap.add_argument("--shares", default="auto,0", help="the device's share of the misses a run "
                     "(auto: the load's calibration; tune: the engine's tuner from there)")
+    ap.add_argument("--answer", default="token", help="a decode layer's host side: token "
+                    "(ExpertOffload._answer_token), rows (the general path), or both")
     ap.add_argument("--cpu", default="pool", help="CPU sides to run: pool, nopool, planes1, planes3")
     a = ap.parse_args()
     bad = [c for c in a.cpu.split(",") if c not in ("pool", "nopool", "planes1", "planes3")]
@@ -169,9 +171,10 @@ def main() -> None:
             "planes3": lambda: CpuExperts(c.layers, planes=3, n_threads=c.n_threads)}
     built = {}
     shares = {}
-    runs = [(pool, int(n), sh) for pool in a.cpu.split(",") for n in a.slots.split(",")
-            for sh in a.shares.split(",")]
-    for pool, n_slots, share in runs:
+    runs = [(pool, int(n), sh, ans) for pool in a.cpu.split(",") for n in a.slots.split(",")
+            for sh in a.shares.split(",") for ans in a.answer.split(",")]
+    for pool, n_slots, share, ans in runs:
+        off.token_path = ans == "token"
         if pool not in built:
             built[pool] = cpus[pool]()
         off.cpu = built[pool]
@@ -206,8 +209,8 @@ def main() -> None:
         ms = sec * 1e3 / made
         if off.tuner is not None:
             share = off.gpu_share  # where the tuner ended
-        rows.append((pool, off.cache.n_slots, share, ms, hit, a.p / tp))
-        print(f"\ncpu side {pool}, slots {off.cache.n_slots}, device share {share:.2f}: {ms:.2f} ms a token ({1e3 / ms:.1f} tok/s), hit rate "
+        rows.append((f"{pool}/{ans}", off.cache.n_slots, share, ms, hit, a.p / tp))
+        print(f"\ncpu side {pool}, answer {ans}, slots {off.cache.n_slots}, device share {share:.2f}: {ms:.2f} ms a token ({1e3 / ms:.1f} tok/s), hit rate "
               f"{hit:.3f}; prompt {a.p} tokens {tp * 1e3:.0f} ms ({a.p / tp:.0f} tok/s); under cProfile {psec * 1e3 / pmade:.2f} ms a token; per token:")
         print(f"  timed (perf_counter, {tsec * 1e3 / tmade:.2f} ms a token; the prompt's eager "
               f"steps included, so per decode token):")
@@ -217,9 +220,9 @@ def main() -> None:
         for label, v, calls in parts(st, pmade):
             print(f"  {label:28s} {v:8.2f} ms  {calls:5d} calls")
         st.sort_stats("tottime").print_stats(a.top)
-    print("\ncpu side  slots  share  ms/token  tok/s  hit rate  prompt tok/s")
+    print("\ncpu side/answer  slots  share  ms/token  tok/s  hit rate  prompt tok/s")
     for pool, n_slots, share, ms, hit, pp in rows:
-        print(f"{pool:8s}  {n_slots:5d}  {share:5.2f}  {ms:8.2f}  {1e3 / ms:5.1f}  {hit:8.3f}  {pp:12.0f}")
+        print(f"{pool:15s}  {n_slots:5d}  {share:5.2f}  {ms:8.2f}  {1e3 / ms:5.1f}  {hit:8.3f}  {pp:12.0f}")
 
 
 if __name__ == "__main__":

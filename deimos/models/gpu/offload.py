@@ -166,6 +166,9 @@ class ExpertOffload:
                                                                device=self.device)
                                                for a, t in sorted(h.arrays[p].items())}, self.n_expert)
                               for p in PARTS} for h in hosts]
+        # a one-token step's layers answered by _answer_token (False: the rows path, which gives
+        # the same answer with more host work; bench/profile_offload.py compares the two)
+        self.token_path = True
         self.gpu_share = 0.0  # of a layer's missed experts, the share the device reads (calibrate)
         self.tuner: ShareTuner | None = None  # tunes gpu_share while decoding (made by calibrate)
         self.stager = ExpertStager(self.device)  # long steps' staging (runtime.expert_stream)
@@ -335,7 +338,7 @@ class ExpertOffload:
     def _answer(self, i: int, n: int, promote: bool) -> int:
         """Layer i's misses of the step: the device's share decided, the CPU's computed, the
         layer answered, a promotion started. Returns the layer's missed pairs."""
-        if n == 1:
+        if n == 1 and self.token_path:
             return self._answer_token(i, promote)
         box, lay = self.mailbox, self.cache.layers[i]
         ids = box.np_ids[i, :n]
