@@ -11,6 +11,7 @@ some and all slots.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -70,6 +71,60 @@ def test_the_cache_never_changes_the_answer(moe_file, models, slots):
         assert lay.hits > 0 and len(lay.resident) > 0
     if slots == 4:
         assert off.stats.cpu_experts < 8 * block.n_expert_used
+
+
+class _Box:
+    """The host side of a HostMailbox (numpy arrays and the decided / answered marks) for a
+    captured step's answer without a GPU."""
+
+    def __init__(self, n_layer: int, k: int, d: int, n_expert: int, seed: int):
+        rng = np.random.default_rng(seed)
+        self.np_ids = np.stack([rng.permutation(n_expert)[:k] for _ in range(n_layer)]).astype(np.int32)[:, None]
+        self.np_weights = rng.random((n_layer, 1, k), dtype=np.float32)
+        self.np_x = rng.standard_normal((n_layer, 1, d), dtype=np.float32)
+        self.np_out = np.full((n_layer, 1, d), np.nan, dtype=np.float32)  # poisoned: all rewritten
+        self.np_table = np.full((n_layer, n_expert), 7, dtype=np.int32)
+        self.marks: list[tuple[str, int]] = []
+
+    def decide(self, i: int) -> None:
+        self.marks.append(("decided", i))
+
+    def answer(self, i: int) -> None:
+        self.marks.append(("answered", i))
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("slots", [0, 3])
+def test_a_token_layer_is_answered_as_the_rows_path_answers_it(moe_file, models, slots, share):
+    """A captured one-token step's host side (ExpertOffload._answer_token) splits a layer's
+    misses between the device and the CPU and sums the CPU's share exactly as the general
+    path does (token_path False): the same answer rows bit for bit, the same table of the
+    device's share, the same statistics and cache counts; decided before answered."""
+    _, ker = models
+    runs = []
+    for token_path in (True, False):
+        off = ExpertOffload(ker, moe_file, torch.device(DEVICE), n_slots=slots)
+        for lay in off.cache.layers:  # the same residents for both paths: experts 0..slots-1
+            lay.slot_of_host[:slots] = np.arange(slots)
+        off.token_path, off.gpu_share = token_path, share
+        block = off.blocks[0]
+        box = _Box(len(off.blocks), block.n_expert_used, ker.config.n_embd, off.n_expert, seed=21)
+        box.np_ids[0, 0, :2] = [0, off.n_expert - 1]  # a resident and the last expert
+        off.mailbox = box
+        missed = [off._answer(i, 1, promote=False) for i in range(len(off.blocks))]
+        runs.append((box, missed, off.stats, [(lay.hits, lay.misses) for lay in off.cache.layers]))
+    (a, missed_a, stats_a, counts_a), (b, missed_b, stats_b, counts_b) = runs
+    assert np.array_equal(a.np_out, b.np_out) and not np.isnan(a.np_out).any()
+    assert np.array_equal(a.np_table, b.np_table) and a.marks == b.marks
+    assert a.marks[:2] == [("decided", 0), ("answered", 0)]
+    assert missed_a == missed_b and stats_a == stats_b and counts_a == counts_b
+    if slots == 0:
+        k = ker.layers[0].moe.n_expert_used if hasattr(ker.layers[0], "moe") else None
+        assert stats_a.cpu_experts + stats_a.host_read_experts == sum(missed_a) == k * len(missed_a)
+    if share == 0:
+        assert (a.np_table == -1).all()
+    else:
+        assert stats_a.host_read_experts > 0
 
 
 @pytest.mark.parametrize("slots", [0, 2])

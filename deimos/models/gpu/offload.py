@@ -390,7 +390,7 @@ class ExpertOffload:
                 dev = ids[miss[:n_dev]]
                 table[dev] = dev
         box.decide(i)
-        cpu = miss[n_dev:]
+        cpu = np.sort(miss[n_dev:])  # in slot order: the rows path's order of the sum
         if cpu.size:
             self.cpu.token(i, box.np_x[i, 0], ids[cpu], box.np_weights[i, 0][cpu], out)
         box.answer(i)
