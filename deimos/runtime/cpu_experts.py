@@ -441,34 +441,38 @@ class _GgmlLayer:
 
 
 class _GgmlPlan:
-    """The two graphs of one layer for M misses, every tensor bound to a numpy buffer."""
+    """The two graphs of one layer for M misses, every tensor bound to a numpy buffer. The
+    general layout: each miss a ggml "token" whose expert list is its expert once a plane
+    (ids [M, planes]), stage 1 reading x's planes of the miss's row ([M, planes, D]).
+    ``token``: ``_GgmlToken``'s layout (there)."""
 
-    def __init__(self, layer: _GgmlLayer, m: int):
+    def __init__(self, layer: _GgmlLayer, m: int, token: bool = False):
         g, lay, p = layer.g, layer.lay, layer.planes
         self.layer = layer
         d, f = lay.n_embd, lay.n_ff
         size = 64 * g.ggml_tensor_overhead() + 2 * g.ggml_graph_overhead_custom(16, False)
         self.ctx = g.ggml_init(g.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
         self._keep: list[np.ndarray] = []
-        self.ids_buf = np.empty((m, p), np.int32)
-        self.ids = self._bind(g.ggml_new_tensor_2d(self.ctx, g.GGML_TYPE_I32, p, m), self.ids_buf)
+        # ggml's ids [n0, n1]: n1 "tokens" of n0 experts; x [D, xb1, xb2] (xb1 1: broadcast)
+        n0, n1, xb1, xb2 = (m, p, 1, p) if token else (p, m, p, m)
+        self.ids_buf = np.empty((n1, n0), np.int32)
+        self.ids = self._bind(g.ggml_new_tensor_2d(self.ctx, g.GGML_TYPE_I32, n0, n1), self.ids_buf)
         w = [self._weight(t) for t in (lay.gate, lay.up, lay.down)]
         # stage 1: one activation tensor per activation type of gate / up
         self.x_in: dict[int, tuple] = {}
         for i in (0, 1):
             a = layer.act[i]
             if a not in self.x_in:
-                buf = np.empty((m, p, d // (256 if a == _Q8_K else 32)),
-                               dtype=_Q8K_DTYPE if a == _Q8_K else _Q8_0_DTYPE)
-                self.x_in[a] = (self._bind(g.ggml_new_tensor_3d(self.ctx, a, d, p, m), buf), buf)
-        self.gu = [np.empty((m, p, f), np.float32) for _ in range(2)]
+                buf = np.empty((xb2, xb1, d // _block(a)), dtype=_act_dtype(a))
+                self.x_in[a] = (self._bind(g.ggml_new_tensor_3d(self.ctx, a, d, xb1, xb2), buf), buf)
+        self.gu = [np.empty((n1, n0, f), np.float32) for _ in range(2)]
         outs = [self._bind(g.ggml_mul_mat_id(self.ctx, w[i], self.x_in[layer.act[i]][0], self.ids),
                            self.gu[i]) for i in (0, 1)]
         self.graph1, self.plan1 = self._graph(outs)
         a = layer.act[2]
-        self.h_in = np.empty((m, p, f // (256 if a == _Q8_K else 32)), dtype=_Q8K_DTYPE if a == _Q8_K else _Q8_0_DTYPE)
-        h = self._bind(g.ggml_new_tensor_3d(self.ctx, a, f, p, m), self.h_in)
-        self.y = np.empty((m, p, d), np.float32)
+        self.h_in = np.empty((n1, n0, f // _block(a)), dtype=_act_dtype(a))
+        h = self._bind(g.ggml_new_tensor_3d(self.ctx, a, f, n0, n1), self.h_in)
+        self.y = np.empty((n1, n0, d), np.float32)
         self.graph2, self.plan2 = self._graph([self._bind(g.ggml_mul_mat_id(self.ctx, w[2], h, self.ids), self.y)])
 
     def _bind(self, t, arr: np.ndarray):
@@ -539,30 +543,7 @@ class _GgmlToken(_GgmlPlan):
     F]). The same dot products as ``_GgmlPlan``'s, so the same sums, bit for bit."""
 
     def __init__(self, layer: _GgmlLayer, m: int):
-        g, lay, p = layer.g, layer.lay, layer.planes
-        self.layer = layer
-        d, f = lay.n_embd, lay.n_ff
-        size = 64 * g.ggml_tensor_overhead() + 2 * g.ggml_graph_overhead_custom(16, False)
-        self.ctx = g.ggml_init(g.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
-        self._keep: list[np.ndarray] = []
-        self.ids_buf = np.empty((p, m), np.int32)
-        self.ids = self._bind(g.ggml_new_tensor_2d(self.ctx, g.GGML_TYPE_I32, m, p), self.ids_buf)
-        w = [self._weight(t) for t in (lay.gate, lay.up, lay.down)]
-        self.x_in: dict[int, tuple] = {}
-        for i in (0, 1):
-            a = layer.act[i]
-            if a not in self.x_in:
-                buf = np.empty((p, 1, d // _block(a)), dtype=_act_dtype(a))
-                self.x_in[a] = (self._bind(g.ggml_new_tensor_3d(self.ctx, a, d, 1, p), buf), buf)
-        self.gu = [np.empty((p, m, f), np.float32) for _ in range(2)]
-        outs = [self._bind(g.ggml_mul_mat_id(self.ctx, w[i], self.x_in[layer.act[i]][0], self.ids),
-                           self.gu[i]) for i in (0, 1)]
-        self.graph1, self.plan1 = self._graph(outs)
-        a = layer.act[2]
-        self.h_in = np.empty((p, m, f // _block(a)), dtype=_act_dtype(a))
-        h = self._bind(g.ggml_new_tensor_3d(self.ctx, a, f, m, p), self.h_in)
-        self.y = np.empty((p, m, d), np.float32)
-        self.graph2, self.plan2 = self._graph([self._bind(g.ggml_mul_mat_id(self.ctx, w[2], h, self.ids), self.y)])
+        super().__init__(layer, m, token=True)
 
     def run(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
         lay = self.layer
