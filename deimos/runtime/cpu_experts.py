@@ -455,6 +455,7 @@ class _GgmlPlan:
         self._keep: list[np.ndarray] = []
         # ggml's ids [n0, n1]: n1 "tokens" of n0 experts; x [D, xb1, xb2] (xb1 1: broadcast)
         n0, n1, xb1, xb2 = (m, p, 1, p) if token else (p, m, p, m)
+        self.token = token  # the planes are the buffers' first axis (else the second)
         self.ids_buf = np.empty((n1, n0), np.int32)
         self.ids = self._bind(g.ggml_new_tensor_2d(self.ctx, g.GGML_TYPE_I32, n0, n1), self.ids_buf)
         w = [self._weight(t) for t in (lay.gate, lay.up, lay.down)]
@@ -515,20 +516,27 @@ class _GgmlPlan:
         for a, (_, buf) in self.x_in.items():
             q = lay.quant[a].quantize(xu, np.empty((uniq.size, *buf.shape[1:]), dtype=buf.dtype))
             buf[:] = q[inv]
+        return self._products(sx[inv][:, None] if pow2 else None)
+
+    def _products(self, shift) -> np.ndarray:
+        """With x's planes in place: graph 1, gate and up summed over their planes (unscaled
+        by ``shift``, x's power-of-two exponents, when given), h = silu(gate) * up quantized
+        into planes, graph 2; returns the misses' down products [M, D] (unweighted)."""
+        lay, axis = self.layer, 0 if self.token else 1
         self._compute(self.graph1, self.plan1)
-        gate, up = (t.sum(1, dtype=np.float32) for t in self.gu)
-        if pow2:
-            gate, up = (np.ldexp(t, -sx[inv][:, None]) for t in (gate, up))
+        gate, up = (t.sum(axis, dtype=np.float32) for t in self.gu)
+        if shift is not None:
+            gate, up = np.ldexp(gate, -shift), np.ldexp(up, -shift)
         with np.errstate(over="ignore"):
             h = (gate / (np.float32(1) + np.exp(-gate))) * up  # silu(g) * u, float32
         if lay.act[2] == _Q8_0:
             hs, sh = _pow2_rows(h)
-            lay.quant[_Q8_0].quantize(hs, self.h_in)
+            lay.quant[_Q8_0].quantize(hs, self.h_in, planes_first=self.token)
             self._compute(self.graph2, self.plan2)
-            return np.ldexp(self.y.sum(1, dtype=np.float32), -sh[:, None])
-        lay.quant[lay.act[2]].quantize(h, self.h_in)
+            return np.ldexp(self.y.sum(axis, dtype=np.float32), -sh[:, None])
+        lay.quant[lay.act[2]].quantize(h, self.h_in, planes_first=self.token)
         self._compute(self.graph2, self.plan2)
-        return self.y.sum(1, dtype=np.float32)
+        return self.y.sum(axis, dtype=np.float32)
 
     def __del__(self) -> None:
         if getattr(self, "ctx", None) is not None:
@@ -552,22 +560,7 @@ class _GgmlToken(_GgmlPlan):
         xr, sx = _pow2_rows(xr) if lay.pow2 else (xr, None)
         for a, (_, buf) in self.x_in.items():
             lay.quant[a].quantize(xr, buf, planes_first=True)
-        self._compute(self.graph1, self.plan1)
-        gate, up = (t.sum(0, dtype=np.float32) for t in self.gu)  # [M, F]: the planes' sum
-        if sx is not None:
-            gate, up = np.ldexp(gate, -sx[0]), np.ldexp(up, -sx[0])
-        with np.errstate(over="ignore"):
-            h = (gate / (np.float32(1) + np.exp(-gate))) * up  # silu(g) * u, float32
-        if lay.act[2] == _Q8_0:
-            hs, sh = _pow2_rows(h)
-            lay.quant[_Q8_0].quantize(hs, self.h_in, planes_first=True)
-            self._compute(self.graph2, self.plan2)
-            y = np.ldexp(self.y.sum(0, dtype=np.float32), -sh[:, None])
-        else:
-            lay.quant[lay.act[2]].quantize(h, self.h_in, planes_first=True)
-            self._compute(self.graph2, self.plan2)
-            y = self.y.sum(0, dtype=np.float32)
-        out += weights @ y
+        out += weights @ self._products(None if sx is None else sx[0])
 
 
 def _block(act_type: int) -> int:
