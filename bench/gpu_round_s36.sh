@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Session 36's GPU rounds (from the repository root on the GPU machine). Carry limits split them:
+#   bench/gpu_round_s36.sh moe    # carry .whl-min .whl-ggml .peer/lc .peer/td (qwen2 vocabulary):
+#                                 # the offload's GPU tests, bench/host_read.py, then where an
+#                                 # offloaded token goes with the one-token and the general host
+#                                 # answer (bench/profile_offload.py, SLOTS slots, SHARES shares)
+#   bench/gpu_round_s36.sh moe8   # same warm machine: deimos bench --gpu-mem 8 on qwen3moe 30B-A3B
+#                                 # beside llama.cpp's -ncmoe 33 under the same limit
+#   bench/gpu_round_s36.sh q3     # carry .whl .peer/lc .peer/td (qwen2 vocabulary, templates): the
+#                                 # agent sessions on qwen3 4B Q4_K_M (Qwen3's template), Deimos
+#                                 # against llama-server -np 1
+#   bench/gpu_round_s36.sh soak   # same warm machine: the GPU soak on that qwen3 4B file (1000
+#                                 # requests of random lengths at concurrency 32; a template that
+#                                 # needs no tools, so every request is a valid one)
+. bench/gpu_env.sh
+Q3=/tmp/m/qwen3-4b-Q4_K_M-qwen3.gguf
+mkq3() {
+  [ -f $Q3 ] || python3 -m deimos synth qwen3-4b $Q3 --type Q4_K_M --vocab-from "$V/ggml-vocab-qwen2.gguf" \
+    --chat-template "$V/templates/Qwen-Qwen3-0.6B.jinja" > /dev/null
+}
+moe_setup() {
+  W=.whl-min; [ -d $W ] || W=.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $W/*.whl
+  F=$(grep -m1 ^flags /proc/cpuinfo)
+  if [[ $F == *avx512f* && $F == *avx512_vnni* && $F == *avx512vbmi* && $F == *avx512_bf16* ]]; then G=avx512; else G=avx2; fi
+  [ -d .whl-ggml/$G ] || G=avx2
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ggml/$G/*.whl
+  echo "ggml-python: $G build; $(python3 -c 'import ggml; print("imports")' 2>&1 | tail -1); $(nproc) cores"
+  [ -x /tmp/lc/llama-bench ] || { mkdir -p /tmp/lc && tar xJf .peer/lc/llama-cuda-sm90.tar.xz -C /tmp/lc; }
+}
+case "${1:-}" in
+moe)
+  moe_setup; idle
+  (synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2) &
+  [ -n "${TESTS:-}" ] && timeout ${TEST_S:-200} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider $TESTS 2>&1 \
+    | cut -c1-220 | tail -6
+  wait
+  [ -n "${HOSTREAD:-}" ] && timeout 120 python3 bench/host_read.py 2>&1 | grep -v Warn | tee "$OUT/host-read.txt" | tail -12
+  idle
+  timeout ${PROF_S:-240} python3 bench/profile_offload.py $M30 --slots ${SLOTS:-0} --shares ${SHARES:-tune} \
+    --answer ${ANSWER:-token,rows} -n ${NTOK:-32} -p 512 --top 12 2>&1 | grep -v Warn > "$OUT/profile-offload.txt"
+  grep -E "^(offload|cpu side)|^  (timed|host|  cpu|    ggml|    act|  promote|eager)|GB/s" "$OUT/profile-offload.txt" | cut -c1-160
+  idle ;;
+moe8)
+  moe_setup; synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2; idle
+  timeout ${BENCH_S:-420} python3 -m deimos bench $M30 -p 512 -n 128 -r 3 --gpu-mem 8 \
+    --vs-llama /tmp/lc/llama-bench "--llama-args=${LARGS:--ngl 99 -fa 1 -t 16 -ncmoe 33}" --json "$OUT/moe-8g.json" 2>&1 \
+    | grep -v Warn | tee "$OUT/moe-8g.txt" | tail -24
+  idle ;;
+q3)
+  setup; mkq3; idle
+  agent $Q3 qwen3-4b ;;
+soak)
+  setup; mkq3; idle
+  timeout ${SOAK_S:-450} python3 tools/soak_server.py --model $Q3 --ctx 1024 --requests 1000 --clients 32 \
+    --max-new 96 --words 400 --server-args "--device cuda" 2>&1 | tee "$OUT/soak.txt" | tail -15
+  idle ;;
+*) echo "usage: $0 moe|moe8|q3|soak" >&2; exit 2 ;;
+esac
