@@ -9,6 +9,10 @@
 #   bench/gpu_round_s36.sh q3     # carry .whl .peer/lc .peer/td (qwen2 vocabulary, templates): the
 #                                 # agent sessions on qwen3 4B Q4_K_M (Qwen3's template), Deimos
 #                                 # against llama-server -np 1
+#   bench/gpu_round_s36.sh spec   # same warm machine, carry .smol-b (the real SmolLM2-135M file's
+#                                 # second piece; the first, .smol-a, rode with an earlier round):
+#                                 # recorded sessions with greedy answers on deimos serve without
+#                                 # speculation and with n-gram drafts (bench/agent_compare.py)
 #   bench/gpu_round_s36.sh soak   # same warm machine: the GPU soak on that qwen3 4B file (1000
 #                                 # requests of random lengths at concurrency 32; a template that
 #                                 # needs no tools, so every request is a valid one)
@@ -19,6 +23,7 @@ mkq3() {
     --chat-template "$V/templates/Qwen-Qwen3-0.6B.jinja" > /dev/null
 }
 moe_setup() {
+  for p in a b; do [ -f .smol-$p/part ] && mkdir -p /tmp/smol && cp .smol-$p/part /tmp/smol/$p; done
   W=.whl-min; [ -d $W ] || W=.whl
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $W/*.whl
   F=$(grep -m1 ^flags /proc/cpuinfo)
@@ -50,10 +55,34 @@ moe8)
 q3)
   setup; mkq3; idle
   agent $Q3 qwen3-4b ;;
+spec)
+  for p in a b; do [ -f .smol-$p/part ] && mkdir -p /tmp/smol && cp .smol-$p/part /tmp/smol/$p; done
+  SM=/tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf
+  [ -f $SM ] || cat /tmp/smol/a /tmp/smol/b > $SM
+  sha256sum $SM | grep -q ^b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 \
+    || { echo "SmolLM2 pieces missing or wrong (/tmp/smol: $(ls /tmp/smol 2>&1))"; exit 1; }
+  setup; idle
+  for how in plain ngram; do
+    A=; [ $how = ngram ] && A="--speculative ngram"
+    python3 -m deimos serve $SM --listen 127.0.0.1:8093 --no-tui -c 8192 $A > "$OUT/spec-$how.log" 2>&1 &
+    S=$!
+    for i in $(seq 120); do curl -sf 127.0.0.1:8093/health > /dev/null && break; kill -0 $S 2>/dev/null || break; sleep 1; done
+    for sess in long-decode:1 multi-turn:6; do
+      timeout 150 python3 -m deimos bench agent ${sess%:*} --turns ${sess#*:} --url http://127.0.0.1:8093 \
+        --tools-in-system --temperature 0 --json "$OUT/spec-$how-${sess%:*}.json" > "$OUT/spec-$how-${sess%:*}.txt" 2>&1
+    done
+    curl -s 127.0.0.1:8093/metrics > "$OUT/spec-$how-metrics.txt"
+    kill -INT $S; sleep 2; kill $S 2>/dev/null; wait $S
+  done
+  for sess in long-decode multi-turn; do
+    echo "## $sess"; python3 bench/agent_compare.py "$OUT/spec-plain-$sess.json" "$OUT/spec-ngram-$sess.json"
+  done
+  grep -E "^deimos_(spec|tokens_per_step)" "$OUT/spec-ngram-metrics.txt"
+  idle ;;
 soak)
   setup; mkq3; idle
   timeout ${SOAK_S:-450} python3 tools/soak_server.py --model $Q3 --ctx 1024 --requests 1000 --clients 32 \
     --max-new 96 --words 400 --server-args "--device cuda" 2>&1 | tee "$OUT/soak.txt" | tail -15
   idle ;;
-*) echo "usage: $0 moe|moe8|q3|soak" >&2; exit 2 ;;
+*) echo "usage: $0 moe|moe8|q3|spec|soak" >&2; exit 2 ;;
 esac

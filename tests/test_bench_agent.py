@@ -20,8 +20,8 @@ import pytest
 from server_support import ServerProcess, free_port
 from testdata import model_path
 
-from deimos.bench.agent import request_body, warmup_body
-from deimos.bench.agent_stats import TurnRecord, markdown, summarize
+from deimos.bench.agent import _output_text, request_body, warmup_body
+from deimos.bench.agent_stats import AgentReport, TurnRecord, markdown, summarize
 from deimos.bench.session_parts import sources
 from deimos.bench.sessions import (
     FULL,
@@ -263,6 +263,39 @@ def test_stats_on_hand_made_turns() -> None:
     assert "Not forced to length" in text and "1 x HTTP 503: busy" in text
 
 
+def test_output_text_of_stream_events() -> None:
+    def ev(**delta):
+        return {"choices": [{"index": 0, "delta": delta}]}
+    assert _output_text(ev(content="def f(")) == "def f("
+    assert _output_text(ev(reasoning_content="hm", content="x")) == "hmx"
+    call = {"index": 0, "function": {"name": "edit", "arguments": '{"path": '}}
+    assert _output_text(ev(tool_calls=[call, {"function": {"arguments": '"a"}'}}])) \
+        == 'edit{"path": "a"}'
+    # no output: role-only deltas, usage events, and malformed choices
+    for e in (ev(role="assistant"), ev(content=None), {"usage": {"completion_tokens": 3}},
+              {"choices": []}, {"choices": ["x"]}, {"choices": [{"delta": "x"}]},
+              ev(tool_calls="x"), ev(tool_calls=[{"function": {"name": 3}}])):
+        assert _output_text(e) == ""
+
+
+def test_answers_digest_compares_text_turn_by_turn() -> None:
+    def report(*texts, ok=True):
+        r = AgentReport(url="u", model="m", session="s", tools_in_system=False, sampling={},
+                        warmup_ok=1, warmup_failed=0)
+        r.turns = [TurnRecord(turn=i, max_tokens=4, sent_s=float(i), ok=ok, ttft_s=0.1,
+                              e2e_s=0.4, n_deltas=4, prompt_tokens=10, cached_tokens=0,
+                              completion_tokens=4, text=t) for i, t in enumerate(texts, 1)]
+        return r
+    a = report("ab", "c")
+    assert a.answers_sha256 == report("ab", "c").answers_sha256
+    # the same characters split across turns otherwise, another order, a failed turn: differ
+    others = [report("a", "bc"), report("c", "ab"), report("ab", "c", ok=False), report("ab")]
+    assert len({a.answers_sha256, *(r.answers_sha256 for r in others)}) == 5
+    assert a.to_json()["answers_sha256"] == a.answers_sha256
+    assert a.to_json()["turns"][0]["text"] == "ab"
+    assert f"sha256 {a.answers_sha256[:16]}" in markdown(a)
+
+
 def test_llama_server_timings() -> None:
     """llama-server's cache_n stands in for a missing usage count; its timings give its own
     rates (Σ n / Σ ms)."""
@@ -365,6 +398,7 @@ def test_replay_against_deimos_serve(tiny, tmp_path, capsys) -> None:
         s = report["summary"]
         assert s["ok"] == len(recorded) and s["forced_turns"] == len(recorded)
         assert s["completion_tokens"] == sum(r["max_tokens"] for r in recorded)
+        assert all(t["text"] for t in turns)  # each answer's streamed text, kept
         assert s["cached_tokens"] == sum(t["cached_tokens"] for t in turns)
     assert held["turns"][0]["cached_tokens"] == 0  # a fresh server
     # tools on: deimos serve streams the content, holding only what may be a tool call

@@ -105,22 +105,22 @@ def warmup_body(model: str, i: int, *, tools: bool, tools_in_system: bool = Fals
     return request_body(turn, model, tools_in_system=tools_in_system, sampling=sampling)
 
 
-def _has_output(event: dict[str, Any]) -> bool:
-    """Whether an event's first choice carries generated text (content, reasoning, or a tool
-    call's name or arguments)."""
+def _output_text(event: dict[str, Any]) -> str:
+    """The generated text an event's first choice carries: reasoning, content, then tool
+    calls' names and arguments ("" when it carries none)."""
     choices = event.get("choices") or []
     if not choices or not isinstance(choices[0], dict):
-        return False
+        return ""
     delta = choices[0].get("delta") or {}
     if not isinstance(delta, dict):
-        return False
-    if delta.get("content") or delta.get("reasoning_content"):
-        return True
-    for c in delta.get("tool_calls") or ():
+        return ""
+    parts = [x for x in (delta.get("reasoning_content"), delta.get("content")) if isinstance(x, str)]
+    calls = delta.get("tool_calls")
+    for c in calls if isinstance(calls, list) else ():
         fn = c.get("function") if isinstance(c, dict) else None
-        if isinstance(fn, dict) and (fn.get("name") or fn.get("arguments")):
-            return True
-    return False
+        if isinstance(fn, dict):
+            parts += [x for x in (fn.get("name"), fn.get("arguments")) if isinstance(x, str)]
+    return "".join(parts)
 
 
 def _read_usage(rec: TurnRecord, event: dict[str, Any]) -> None:
@@ -147,7 +147,9 @@ async def _stream(client: httpx.AsyncClient, body: dict[str, Any], rec: TurnReco
             if event is None:
                 done = True
                 break
-            if _has_output(event):
+            text = _output_text(event)
+            if text:
+                rec.text += text
                 if rec.ttft_s is None:
                     rec.ttft_s = now - rec.sent_s
                 rec.n_deltas += 1

@@ -16,6 +16,8 @@ sent to the last one finished, one turn at a time.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -44,6 +46,7 @@ class TurnRecord:
     finish_reason: str | None = None
     response_id: str | None = None
     timings: dict[str, Any] | None = None  # llama-server's own (prompt_ms, predicted_ms...)
+    text: str = ""  # the answer as streamed: content, reasoning and tool calls' text, in order
 
     @property
     def held(self) -> bool:
@@ -168,9 +171,17 @@ class AgentReport:
     def summary(self) -> AgentSummary:
         return summarize(self.turns)
 
+    @property
+    def answers_sha256(self) -> str:
+        """A digest of every turn's answer text in order (failed turns as null): two replays
+        whose digests agree generated the same text, turn by turn."""
+        texts = [t.text if t.ok else None for t in self.turns]
+        return hashlib.sha256(json.dumps(texts).encode()).hexdigest()
+
     def to_json(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "turns"}
         d["summary"] = asdict(self.summary)
+        d["answers_sha256"] = self.answers_sha256
         t0 = min((t.sent_s for t in self.turns), default=0.0)
         d["turns"] = [t.to_json(t0) for t in self.turns]
         return d
@@ -221,6 +232,8 @@ def markdown(report: AgentReport) -> str:
     lines.append("")
     lines.append("prefill = new (uncached) prompt tokens / TTFT; decode = (generated - 1) / "
                  "(E2E - TTFT); both token-weighted over the turns (sums over sums).")
+    lines.append(f"Answers' text: sha256 {report.answers_sha256[:16]} (equal digests: the same "
+                 "text turn by turn).")
     if s.server_prefill_tps is not None or s.server_decode_tps is not None:
         lines.append(f"The server's own timings: prefill {_f(s.server_prefill_tps)} tok/s, "
                      f"decode {_f(s.server_decode_tps)} tok/s.")
