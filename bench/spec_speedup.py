@@ -5,7 +5,7 @@ the answer forced to N tokens (no stop token), each run R times after a warm-up;
 = (N - 1) / (time of the last token - time of the first), so prefill is not in it.
 
     python bench/spec_speedup.py MODEL.gguf [--device cuda] [-n 256] [-r 3] [--methods ngram]
-        [--file json/encoder.py] [--k 6]
+        [--file json/encoder.py] [--k 6] [--draft-model SMALLER.gguf]
 
 Prints per method: decode tokens/s (best of R, and the median), the speed-up over plain
 decoding, drafts accepted / drafted, tokens per verification, and whether the tokens equal
@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--methods", default="ngram")
     ap.add_argument("--file", default="json/encoder.py", help="a stdlib file, the prompt's source")
     ap.add_argument("--k", type=int, default=None, help="--spec-k (default: the engine's)")
+    ap.add_argument("--draft-model", help="the draft method's model (same vocabulary)")
     args = ap.parse_args()
     text = prompt_text(args.file)
     rows = []
@@ -71,6 +72,8 @@ def main() -> None:
         kw = {} if method == "plain" else {"speculative": method}
         if method != "plain" and args.k is not None:
             kw["spec_k"] = args.k
+        if method == "draft":
+            kw["draft_model"] = args.draft_model
         llm = LLM(args.model, device=args.device, n_ctx=8192, max_seqs=4, **kw)
         ids = llm.encode_raw(text)
         one(llm, ids, min(32, args.n))  # warm-up: compiles, graphs

@@ -691,6 +691,79 @@ def test_the_cli_flags_make_the_serve_config():
             engine_options(parse(["run", "m", "hi", *flags]), "cpu")
 
 
+def _worker_answer(worker, req: Request, stops: tuple[str, ...] = ()) -> tuple[str, object]:
+    """One job through the server's engine worker: its streamed text and its end event."""
+    import asyncio
+
+    from deimos.server.worker import Done, Failed, Job, Piece
+
+    async def go():
+        job = Job(id="t", request=req, stops=stops, loop=asyncio.get_running_loop())
+        worker.submit(job)
+        text = []
+        while True:
+            ev = await asyncio.wait_for(job.events.get(), 60)
+            if isinstance(ev, Piece):
+                text.append(ev.text)
+            elif isinstance(ev, (Done, Failed)):
+                return "".join(text), ev
+
+    return asyncio.run(go())
+
+
+def test_the_server_streams_every_token_of_a_step_that_chose_several(smol):
+    """A verification step chooses several tokens, all recorded (and the request finished)
+    before the worker delivers the first: the streamed text must still hold each of them,
+    up to max_tokens, up to a stop token (not shown), up to a stop string; the usage counts
+    what was delivered. Oracle: a plain run's tokens, decoded whole. The cases end inside a
+    run of accepted drafts (asserted, from the same engine's steps)."""
+    from deimos.server.metrics import Metrics
+    from deimos.server.worker import EngineWorker
+
+    ids = smol.encode_raw(REPEATING[1])
+    out = _plain(smol, ids, 40).output_ids
+    tok = smol.tokenizer
+    spec = LLM(smol.path, n_ctx=512, max_seqs=4, speculative="ngram", prefix_cache=False)
+    _, steps = _run(spec.engine, [Request(list(ids), 40, GREEDY)])
+    (runs,) = steps.values()
+    ends, at = [], 0
+    for run in runs:  # answers of n tokens whose last step chose n - at > 1 of them
+        ends += [n for n in range(at + 2, at + len(run) + 1)]
+        at += len(run)
+    assert len(ends) >= 6, f"too few accepted drafts to test with: {runs}"
+    worker = EngineWorker(spec, Metrics())
+    worker.start()
+    try:
+        for n in ends[:6]:
+            text, done = _worker_answer(worker, Request(list(ids), n, GREEDY))
+            assert text == tok.decode(out[:n]), f"max_tokens {n}"
+            assert done.finish_reason == "length" and done.completion_tokens == n
+            # a stop token in the same place: its text not shown, the ones before it all are
+            stop = Request(list(ids), 40, GREEDY, stop_ids=frozenset({out[n - 1]}))
+            if out[n - 1] not in out[: n - 1]:
+                text, done = _worker_answer(worker, stop)
+                assert text == tok.decode(out[: n - 1]) and done.finish_reason == "stop"
+                assert done.completion_tokens == n
+        # a stop string ending inside a run: the text up to it, the tokens up to the one
+        # that completed it (the step's later tokens are not counted)
+        n = ends[2]
+        whole = tok.decode(out[:n])
+        cut = tok.decode(out[: n - 1])
+        needle = whole[len(cut) - 3:]
+        assert needle and whole.find(needle) == len(cut) - 3, "the stop string occurs earlier"
+        text, done = _worker_answer(worker, Request(list(ids), 40, GREEDY), stops=(needle,))
+        assert text == whole[: len(cut) - 3] and done.finish_reason == "stop"
+        assert done.completion_tokens == n
+    finally:
+        worker.stop()
+    _all_free(spec.engine)
+    # the Python API's stream too: a stop token inside a run, the tokens before it all shown
+    n = next(n for n in ends if out[n - 1] not in out[: n - 1])
+    req = Request(list(ids), 40, GREEDY, stop_ids=frozenset({out[n - 1]}))
+    assert "".join(spec.stream_ids(req)) == tok.decode(out[: n - 1])
+    assert req.finish_reason == "stop" and req.output_ids == out[:n]
+
+
 def test_metrics_and_the_dashboard_show_the_acceptance():
     from deimos.server.dashboard import Dashboard
     from deimos.server.metrics import Metrics, engine_numbers

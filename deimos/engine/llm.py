@@ -290,7 +290,9 @@ class LLM:
         """Text pieces of ``req``'s generated tokens (complete UTF-8 only; stop tokens not shown)."""
         dec = self.tokenizer.stream_decoder()
         for token in self.run(req):
-            if req.finish_reason == "stop":
+            # the end-of-generation token (a step that chose several tokens has already
+            # recorded the finish reason when the ones before it come out)
+            if req.finish_reason == "stop" and token in req.stop_ids:
                 break
             piece = dec.feed(token)
             if piece:

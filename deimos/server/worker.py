@@ -96,22 +96,33 @@ class _Active:
         self.t0 = started
         self.t_first: float | None = None
         self.finish: str | None = None  # set when the answer is over (stop string, cancel)
+        self.n_tokens = 0  # the request's output tokens handed to ``token`` so far
+
+    @property
+    def caught_up(self) -> bool:
+        """Every token the engine chose for this job has been handed to ``token`` (a
+        speculative verification chooses several in one step, all recorded before the first
+        is delivered)."""
+        return self.n_tokens >= len(self.job.request.output_ids)
 
     def token(self, token: int) -> None:
-        """The engine chose ``token`` for this job: its text (after stop strings) to the client."""
+        """The engine chose ``token`` for this job: its text (after stop strings) to the client.
+        Tokens come in output order; the request may already hold later ones (and its finish
+        reason) when a step chose several, so "last" is this token being the final output."""
         req = self.job.request
+        i = self.n_tokens
+        self.n_tokens += 1
         if self.t_first is None:
             self.t_first = time.monotonic()
-        if req.finish_reason == "stop":  # an end-of-generation token: no text
-            return
-        last = req.finish_reason is not None
-        piece = self.dec.feed(token) + (self.dec.flush() if last else "")
-        if req.top_logprobs is not None:
-            self.pending.append((self.produced, self.produced + len(piece), req.token_logprobs[-1]))
+        last = req.finish_reason is not None and self.caught_up
+        eog = last and req.finish_reason == "stop"  # an end-of-generation token: no text
+        piece = ("" if eog else self.dec.feed(token)) + (self.dec.flush() if last else "")
+        if req.top_logprobs is not None and not eog:
+            self.pending.append((self.produced, self.produced + len(piece), req.token_logprobs[i]))
         self.produced += len(piece)
         text = self.stops.feed(piece)
         if last and not self.stops.stopped:
-            text += self.stops.flush()
+            text += self.stops.flush()  # text held back as a possible stop string's start
         self.emitted += len(text)
         if self.json_out:
             self.shown_text.append(text)
@@ -219,7 +230,7 @@ class EngineWorker:
                               len(a.job.request.output_ids))
         if a.finish is not None:  # a stop string: the sequence ends now
             self.engine.cancel(a.seq)
-        if a.finish is not None or a.seq.finished:
+        if a.finish is not None or (a.seq.finished and a.caught_up):
             self._done(a)
 
     def _report(self) -> None:
@@ -252,7 +263,8 @@ class EngineWorker:
             if tail:
                 a.job.emit(Piece(tail, []))
         first = a.t_first if a.t_first is not None else t_end
-        done = Done(finish, len(req.prompt_ids), req.cached_tokens, len(req.output_ids),
+        # the tokens delivered: a stop string ends the answer there, whatever the step chose after
+        done = Done(finish, len(req.prompt_ids), req.cached_tokens, a.n_tokens,
                     first - a.t0, first - a.t0, t_end - first, a.t0 - a.job.enqueued)
         n = done.completion_tokens
         computed = done.prompt_tokens - done.cached_tokens
