@@ -11,8 +11,10 @@ sequence whose last token x_e is not yet computed by the main model:
   rejected drafts), then drafts: (x_e, h_{e-1}) gives d_1 and h'; (d_1, h') gives d_2; and so
   on, greedily; the draft rows are forgotten afterwards (the cache is truncated back to e).
 A sequence admitted on a cached prefix (the prefix cache) has no hidden rows for it: the
-drafter computes them once, with the main model on a cache of its own (``_fill``). The head's cache and the hidden rows are per sequence (``MTPDraft`` in
-``seq.spec.drafter``). CPU reference only: the kernel path does not load the MTP layers yet.
+drafter computes them once, with the main model on a cache of its own (``_fill``). The head's
+cache and the hidden rows are per sequence (``MTPDraft`` in ``seq.spec.drafter``). On the GPU
+the steps that give hidden rows run eagerly (deimos.engine.runner: no CUDA graph returns them
+yet), and so does the head.
 """
 
 from __future__ import annotations
@@ -54,10 +56,10 @@ class MTPDrafter:
         if not cfg.n_mtp_layers:
             raise ValueError(f"speculative method mtp needs MTP (nextn) layers: this {cfg.arch} "
                              "file has none ('nextn_predict_layers' is 0 or absent)")
-        if getattr(model, "mtp", None) is None:
-            raise ValueError("speculative method mtp runs on the CPU reference only (the GPU "
-                             "path does not load the MTP layers yet): use --device cpu, or "
-                             "--speculative ngram")
+        load = getattr(model, "load_mtp", None)
+        if load is None:
+            raise ValueError(f"speculative method mtp: this {cfg.arch} model has no MTP head")
+        load()  # the kernel path builds the MTP layers now (their weights to the device)
         self.model = model
         self.capacity = n_ctx + k_max + 1
         self.head = head

@@ -57,8 +57,9 @@ first drafted position and catches up on the accepted tokens with the main model
 State: the MTP layer's attention keys and values are per sequence, like the main model's
 (``MTPState``, owned by the caller, one per sequence and MTP layer; rolled back with
 ``truncate`` when drafted tokens are rejected). The model holds none; nothing here runs in the
-main step. CPU reference only: on the kernel path the model does not load the MTP layers
-(as llama.cpp's main context without load_mtp).
+main step. On the kernel path the model builds the MTP layers only when asked (``load_mtp``:
+llama.cpp's main context likewise loads them only with load_mtp); they run eagerly on the
+main layers' ops, their state in float16 like the KV pool.
 """
 
 from __future__ import annotations
@@ -88,11 +89,13 @@ class MTPState:
     suffix (rejected drafts)."""
 
     def __init__(self, cfg: ModelConfig, capacity: int, head: int = 0, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype | None = None):
         if not 0 <= head < cfg.n_mtp_layers:
             raise ValueError(f"MTPState: head {head} outside the model's {cfg.n_mtp_layers} MTP layers")
         if capacity <= 0:
             raise ValueError(f"MTPState: capacity must be positive, got {capacity}")
+        if dtype is None:  # as the KV pool's: float32 on the CPU reference, else float16
+            dtype = torch.float32 if torch.device(device).type == "cpu" else torch.float16
         n_blocks = -(-capacity // BLOCK_SIZE)
         rows = (n_blocks + 1) * BLOCK_SIZE
         self.k = [torch.zeros(rows, cfg.n_head_kv, cfg.head_dim, dtype=dtype, device=device)]

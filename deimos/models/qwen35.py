@@ -16,7 +16,7 @@ layout on the model's device (``new_state``; a state in the other layout is conv
 start of the step), or slots of the engine's state pool (deimos.runtime.state_pool).
 
 MTP layers (``<arch>.nextn_predict_layers``, after the main layers): ``model.mtp``, a
-deimos.models.mtp.MTPHead on the CPU reference (None without them, and on the kernel path);
+deimos.models.mtp.MTPHead (None without them; on the kernel path until ``load_mtp``);
 the main step never runs them. ``step(batch, hidden_at=...)`` also returns the post-norm
 hidden rows the MTP head takes.
 """
@@ -101,9 +101,30 @@ class Qwen35Model(DecoderModel):
                        for i in range(cfg.n_layer)]
         self.state_layout = "kernel" if w.triton_ops else "reference"
         self.state_device = self.norm.weight.device  # "cuda:0", as the tensors say
-        self.mtp: MTPHead | None = None  # the MTP layers: the CPU reference only, for now
+        # the MTP layers: built here on the CPU reference; on the kernel path on first use
+        # (``load_mtp``: their weights take device memory only when a drafter asks for them)
+        self.mtp: MTPHead | None = None
+        self._mtp_source = w if cfg.n_mtp_layers else None
         if cfg.n_mtp_layers and not (w.kernels or w.triton_ops):
             self.mtp = MTPHead(cfg, w, self, self._mtp_layer)
+
+    def load_mtp(self) -> MTPHead:
+        """``self.mtp``, built now if it was not (the kernel path: the MTP layer's tensors
+        packed and moved to the device). A file without MTP layers, or a MoE model whose
+        routed experts live on the host (the offload wires only the main layers), is refused."""
+        if self.mtp is not None:
+            return self.mtp
+        w, cfg = self._mtp_source, self.config
+        if w is None:
+            raise ValueError(f"this {cfg.arch} file has no MTP (nextn) layers "
+                             "('nextn_predict_layers' is 0 or absent)")
+        gpu = getattr(w, "gpu", None)
+        if cfg.n_expert and gpu is not None and gpu.expert_device != gpu.device:
+            raise ValueError("MTP drafting with the routed experts on the host (offloaded) is not "
+                             "supported: the MTP layer's experts would need the offload's cache; "
+                             "use --speculative ngram, or --experts gpu where they fit")
+        self.mtp = MTPHead(cfg, w, self, self._mtp_layer)
+        return self.mtp
 
     def _mtp_layer(self, cfg: ModelConfig, i: int, w: WeightSource) -> Qwen35Layer:
         """An MTP layer's decoder block: this model's layer (full attention: i >= n_layer)."""
