@@ -8,7 +8,7 @@
 #                                 # beside llama.cpp's -ncmoe 33 under the same limit
 #   bench/gpu_round_s36.sh q3     # carry .whl .peer/lc .peer/td (qwen2 vocabulary, templates): the
 #                                 # agent sessions on qwen3 4B Q4_K_M (Qwen3's template), Deimos
-#                                 # against llama-server -np 1
+#                                 # against llama-server -np 1 (after the GPU tests in TESTS)
 #   bench/gpu_round_s36.sh spec   # same warm machine, carry .smol-b (the real SmolLM2-135M file's
 #                                 # second piece; the first, .smol-a, rode with an earlier round):
 #                                 # recorded sessions with greedy answers on deimos serve without
@@ -53,7 +53,10 @@ moe8)
     | grep -v Warn | tee "$OUT/moe-8g.txt" | tail -24
   idle ;;
 q3)
-  setup; mkq3; idle
+  setup; (mkq3) &
+  [ -n "${TESTS:-}" ] && timeout ${TEST_S:-200} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider $TESTS 2>&1 \
+    | cut -c1-220 | tail -8
+  wait; idle
   agent $Q3 qwen3-4b ;;
 spec)
   for p in a b; do [ -f .smol-$p/part ] && mkdir -p /tmp/smol && cp .smol-$p/part /tmp/smol/$p; done
