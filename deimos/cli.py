@@ -120,9 +120,9 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: ngram (prompt lookup: drafts copied from the "
                         "prompt and the answer so far), draft (a draft model's greedy "
                         "drafts, --draft-model) or mtp (the model's own MTP layers, in qwen35 "
-                        "family files that have them; CPU only), verified several at a time in "
-                        "one batched step; greedy output unchanged, sampled output the same "
-                        "distribution")
+                        "family files that have them; eager steps on the GPU), verified several "
+                        "at a time in one batched step; greedy output unchanged, sampled output "
+                        "the same distribution")
     g.add_argument("--spec-k", type=positive, default=None, metavar="N",
                    help="with --speculative: the most drafts one step verifies (default 6; "
                         "each sequence adapts it to its acceptance)")

@@ -384,7 +384,7 @@ def test_mix_types_equal_llama_quantize(preset):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_the_gpu_path_leaves_the_mtp_layers_in_the_file(paths, preset):
     """deimos.models.gpu.source.main_tensors (what the GPU path packs) and the placement's
-    byte counts skip exactly the MTP layer's tensors (model.mtp is None on the GPU path)."""
+    byte counts skip exactly the MTP layer's tensors (built only by load_mtp)."""
     from deimos.models.gpu.placement import expert_bytes
     from deimos.models.gpu.source import main_tensors
 

@@ -119,7 +119,7 @@ class LLM:
         elastic, or fixed at ``expert_cache_gib``. ``speculative``: "ngram" (prompt lookup drafts,
         deimos.engine.speculate), "draft" (greedy drafts of ``draft_model``, a GGUF path or known
         name with this model's vocabulary), "mtp" (greedy drafts of the file's MTP layers,
-        deimos.engine.mtp_draft; the CPU reference only) or None (off); ``spec_k``: the most drafts a step
+        deimos.engine.mtp_draft; on the GPU eager steps) or None (off); ``spec_k``: the most drafts a step
         verifies (default: SpecConfig's). A SpecConfig may also come as ``spec``."""
         check_device(device)
         if draft_model is not None:

@@ -75,7 +75,7 @@ class GpuWeights:
     def _pack_all(self) -> dict[str, PackedWeight]:
         """Every 2-D tensor of a kernel format, packed on CPU threads in row chunks (numpy
         releases the GIL) and moved to the device chunk by chunk; MTP layers' tensors stay in
-        the file (nothing on the GPU path runs them yet)."""
+        the file until a drafter asks for them (``load_mtp`` packs them then, one by one)."""
         jobs = []
         for info in main_tensors(self.file):
             if len(info.shape) == 2 and info.ggml_type in PACKED_TYPES:
