@@ -36,3 +36,9 @@ agent() {
     kill -INT $S; sleep 2; kill $S 2>/dev/null; wait $S; idle
   done
 }
+# soak MODEL: the GPU soak of issue 14 (1000 requests of random lengths at concurrency 32;
+# GPU memory flat within 2%, every KV block free, no request lost)
+soak() {
+  timeout ${SOAK_S:-450} python3 tools/soak_server.py --model $1 --ctx 1024 --requests 1000 --clients 32 \
+    --max-new 96 --words 400 --server-args "--device cuda" 2>&1 | tee "$OUT/soak.txt" | tail -15
+}

@@ -33,8 +33,7 @@ d8)
   idle ;;
 soak)
   setup; mk8; idle
-  timeout ${SOAK_S:-400} python3 tools/soak_server.py --model $MA --ctx 1024 --requests 1000 --clients 32 \
-    --max-new 96 --words 400 --server-args "--device cuda" 2>&1 | tee "$OUT/soak.txt" | tail -15
+  soak $MA
   idle ;;
 agent)
   setup; mk8; idle

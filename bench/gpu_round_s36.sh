@@ -84,8 +84,7 @@ spec)
   idle ;;
 soak)
   setup; mkq3; idle
-  timeout ${SOAK_S:-450} python3 tools/soak_server.py --model $Q3 --ctx 1024 --requests 1000 --clients 32 \
-    --max-new 96 --words 400 --server-args "--device cuda" 2>&1 | tee "$OUT/soak.txt" | tail -15
+  soak $Q3
   idle ;;
 *) echo "usage: $0 moe|moe8|q3|spec|soak" >&2; exit 2 ;;
 esac
