@@ -177,3 +177,42 @@ def test_gpu_mtp_head_matches_the_reference_and_drafting_changes_nothing(paths, 
           f"{s.spec_verify_steps} verify steps")
     assert s.spec_drafted > 0 and s.spec_verify_steps > 0
     _all_free(spec_llm.engine)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test above runs it on CUDA")
+def test_the_kernel_path_builds_its_mtp_head_on_first_use(paths):
+    """The kernel path (its linears, ops and attention kernels; Triton's interpreter here, so a
+    few rows only) leaves the MTP layers out until ``load_mtp`` builds them; then a catch-up and
+    a draft step give the CPU reference head's logits within 1e-2 relative RMS and its draft."""
+    from kernel_device import DEVICE, INTERPRETED  # noqa: F401  (TRITON_INTERPRET set first)
+
+    from deimos.gguf import GGUFFile
+    from deimos.models import ARCHITECTURES, load_model
+    from deimos.models.weights import WeightSource
+
+    f = GGUFFile(paths[PRESETS[0]])
+    cpu = load_model(f)
+    ker = ARCHITECTURES[cpu.config.arch](cpu.config, WeightSource(f, DEVICE, kernels=True))
+    assert ker.mtp is None
+    head = ker.load_mtp()
+    assert ker.load_mtp() is head and head.blocks[0].block.mixer.layer == 0
+    tokens = [5, 12, 19, 26, 33, 40]
+    n = len(tokens) - 1
+    kv, st = KVCache(cpu.config, n), RecurrentState.zeros(cpu.config)
+    b = kv.batch(torch.tensor(tokens[:-1]), torch.tensor([n - 1]))
+    b.kv = HybridKV(b.kv, [st])
+    with torch.inference_mode():
+        _, h = cpu.step(b, hidden_at=torch.arange(n))
+        rows = torch.cat((torch.zeros_like(h[:1]), h[:-1]))
+        states = [cpu.mtp.new_state(n + 2), head.new_state(n + 2)]
+        outs = [m.forward(s, torch.tensor(tokens[:-1]), rows, logits_at=torch.arange(n))
+                for m, s in zip((cpu.mtp, head), states)]
+        drafts = [m.draft(h[-1], tokens[-1], s) for m, s in zip((cpu.mtp, head), states)]
+
+    def rel(a, b):
+        return float((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt())
+
+    assert rel(outs[1].logits, outs[0].logits) < 1e-2
+    assert rel(drafts[1].logits, drafts[0].logits) < 1e-2
+    assert int(drafts[1].logits.argmax()) == int(drafts[0].logits.argmax())
+    assert [s.length for s in states] == [n + 1, n + 1]
