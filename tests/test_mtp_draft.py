@@ -35,12 +35,9 @@ def paths(tmp_path_factory) -> dict:
 
 def _from_scratch(model, tokens: list[int], k: int) -> list[int]:
     """k greedy MTP drafts after ``tokens`` (its last one not yet run by the main model)."""
-    cfg, n = model.config, len(tokens) - 1
-    kv, st = KVCache(cfg, n), RecurrentState.zeros(cfg)
-    b = kv.batch(torch.tensor(tokens[:-1]), torch.tensor([n - 1]))
-    b.kv = HybridKV(b.kv, [st])
+    n = len(tokens) - 1
+    h = _main_hidden(model, tokens[:-1])
     with torch.inference_mode():
-        _, h = model.step(b, hidden_at=torch.arange(n))
         state = model.mtp.new_state(n + k + 1)
         model.mtp.forward(state, torch.tensor(tokens[:-1]), torch.cat((torch.zeros_like(h[:1]), h[:-1])))
         tok, hid, out = tokens[-1], h[-1], []
@@ -49,6 +46,22 @@ def _from_scratch(model, tokens: list[int], k: int) -> list[int]:
             tok, hid = int(d.logits.argmax()), d.hidden
             out.append(tok)
     return out
+
+
+def _main_hidden(model, tokens: list[int]) -> torch.Tensor:
+    """The main model's post-norm hidden rows [n, D] of ``tokens`` on a fresh cache."""
+    n = len(tokens)
+    kv, st = KVCache(model.config, n), RecurrentState.zeros(model.config)
+    b = kv.batch(torch.tensor(tokens), torch.tensor([n - 1]))
+    b.kv = HybridKV(b.kv, [st])
+    with torch.inference_mode():
+        return model.step(b, hidden_at=torch.arange(n))[1]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative RMS difference of a from b (any devices)."""
+    a, b = a.float().cpu(), b.float().cpu()
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
 
 
 def _recording(engine) -> list[tuple[list[int], int, list[int]]]:
@@ -109,8 +122,9 @@ def test_mtp_drafts_are_the_heads_and_change_nothing(paths, preset):
 
 def test_mtp_needs_the_layers(paths):
     """A file without MTP layers: a named error, before any memory is taken."""
-    from deimos.synth import write_model
     from testdata import llama_cpp_path
+
+    from deimos.synth import write_model
 
     path = paths[PRESETS[0]].parent / "qwen35-tiny-F32.gguf"
     write_model(path, "qwen35", "qwen35-tiny", "F32", llama_cpp_path("models/ggml-vocab-llama-spm.gguf"), seed=2)
@@ -136,17 +150,9 @@ def test_gpu_mtp_head_matches_the_reference_and_drafting_changes_nothing(paths, 
     assert head is gpu.load_mtp() and gpu.mtp is head
     tokens = LLM(paths[preset], n_ctx=64).encode_raw(REPEATING[0])[:24]
     n = len(tokens) - 1
-    kv, st = KVCache(cpu.config, n), RecurrentState.zeros(cpu.config)
-    b = kv.batch(torch.tensor(tokens[:-1]), torch.tensor([n - 1]))
-    b.kv = HybridKV(b.kv, [st])
-    with torch.inference_mode():
-        _, h = cpu.step(b, hidden_at=torch.arange(n))
+    h = _main_hidden(cpu, tokens[:-1])
     rows = torch.cat((torch.zeros_like(h[:1]), h[:-1]))
-
-    def rel(a, b):
-        a, b = a.float().cpu(), b.float().cpu()
-        return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
-
+    rel = _rel
     states = [cpu.mtp.new_state(n + 4), head.new_state(n + 4)]
     assert states[1].k[0].dtype == torch.float16 and states[1].k[0].is_cuda
     with torch.inference_mode():
@@ -198,21 +204,15 @@ def test_the_kernel_path_builds_its_mtp_head_on_first_use(paths):
     assert ker.load_mtp() is head and head.blocks[0].block.mixer.layer == 0
     tokens = [5, 12, 19, 26, 33, 40]
     n = len(tokens) - 1
-    kv, st = KVCache(cpu.config, n), RecurrentState.zeros(cpu.config)
-    b = kv.batch(torch.tensor(tokens[:-1]), torch.tensor([n - 1]))
-    b.kv = HybridKV(b.kv, [st])
+    h = _main_hidden(cpu, tokens[:-1])
+    rows = torch.cat((torch.zeros_like(h[:1]), h[:-1]))
     with torch.inference_mode():
-        _, h = cpu.step(b, hidden_at=torch.arange(n))
-        rows = torch.cat((torch.zeros_like(h[:1]), h[:-1]))
         states = [cpu.mtp.new_state(n + 2), head.new_state(n + 2)]
         outs = [m.forward(s, torch.tensor(tokens[:-1]), rows, logits_at=torch.arange(n))
                 for m, s in zip((cpu.mtp, head), states)]
         drafts = [m.draft(h[-1], tokens[-1], s) for m, s in zip((cpu.mtp, head), states)]
 
-    def rel(a, b):
-        return float((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt())
-
-    assert rel(outs[1].logits, outs[0].logits) < 1e-2
-    assert rel(drafts[1].logits, drafts[0].logits) < 1e-2
+    assert _rel(outs[1].logits, outs[0].logits) < 1e-2
+    assert _rel(drafts[1].logits, drafts[0].logits) < 1e-2
     assert int(drafts[1].logits.argmax()) == int(drafts[0].logits.argmax())
     assert [s.length for s in states] == [n + 1, n + 1]
