@@ -89,6 +89,10 @@ class StepOutput:
     seq: Sequence
     token: int | None  # the token chosen (None: the sequence ended without one, see error)
     error: BaseException | None = None
+    # this is the sequence's last output (its request's finish_reason was set by this token).
+    # A step that chose several tokens for a sequence records them all before they are read,
+    # so the request's state cannot say which of them ended it
+    final: bool = False
 
 
 @dataclass(frozen=True)
@@ -298,7 +302,7 @@ class Engine:
         for seq in seqs:
             if not seq.finished:
                 self._finish(seq)
-                outs.append(StepOutput(seq, None, err))
+                outs.append(StepOutput(seq, None, err, final=True))
         return outs
 
     def _chain_ok(self, cur) -> bool:
@@ -459,7 +463,7 @@ class Engine:
         if error is not None or token is None:
             req.finish_reason = "error"
             self._finish(seq)
-            return StepOutput(seq, None, error)
+            return StepOutput(seq, None, error, final=True)
         req.sampler.accept(token)
         req.output_ids.append(token)
         seq.tokens.append(token)
@@ -472,4 +476,4 @@ class Engine:
         if req.finish_reason is not None:
             self._seal(seq)  # its last full blocks (and a hybrid's state there) stay cached
             self._finish(seq)
-        return StepOutput(seq, token)
+        return StepOutput(seq, token, final=req.finish_reason is not None)

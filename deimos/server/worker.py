@@ -98,23 +98,15 @@ class _Active:
         self.finish: str | None = None  # set when the answer is over (stop string, cancel)
         self.n_tokens = 0  # the request's output tokens handed to ``token`` so far
 
-    @property
-    def caught_up(self) -> bool:
-        """Every token the engine chose for this job has been handed to ``token`` (a
-        speculative verification chooses several in one step, all recorded before the first
-        is delivered)."""
-        return self.n_tokens >= len(self.job.request.output_ids)
-
-    def token(self, token: int) -> None:
-        """The engine chose ``token`` for this job: its text (after stop strings) to the client.
-        Tokens come in output order; the request may already hold later ones (and its finish
-        reason) when a step chose several, so "last" is this token being the final output."""
+    def token(self, token: int, last: bool) -> None:
+        """The engine chose ``token`` for this job (``last``: its final one, StepOutput.final):
+        its text (after stop strings) to the client. Tokens come in output order; the request
+        may already hold later ones when a step chose several."""
         req = self.job.request
         i = self.n_tokens
         self.n_tokens += 1
         if self.t_first is None:
             self.t_first = time.monotonic()
-        last = req.finish_reason is not None and self.caught_up
         eog = last and req.finish_reason == "stop"  # an end-of-generation token: no text
         piece = ("" if eog else self.dec.feed(token)) + (self.dec.flush() if last else "")
         if req.top_logprobs is not None and not eog:
@@ -225,12 +217,12 @@ class EngineWorker:
         if out.error is not None:
             self._fail(a, out.error)
             return
-        a.token(out.token)
+        a.token(out.token, out.final)
         self.metrics.progress(a.job.id, a.job.request.cached_tokens,
                               len(a.job.request.output_ids))
         if a.finish is not None:  # a stop string: the sequence ends now
             self.engine.cancel(a.seq)
-        if a.finish is not None or (a.seq.finished and a.caught_up):
+        if a.finish is not None or out.final:
             self._done(a)
 
     def _report(self) -> None:
