@@ -194,6 +194,31 @@ def test_the_c_quantizer_gives_the_planes_of_quantize_planes(act, planes):
     assert got.tobytes() == want.tobytes()
 
 
+@needs_ggml
+@pytest.mark.parametrize("act", [15, 8], ids=["Q8_K", "Q8_0"])
+def test_a_reused_planes_target_gives_each_call_its_own_planes(act):
+    """The decode path's prepared buffers (_Planes.target, quantize_into: planes first) written
+    again and again: each call's bytes are quantize_planes' of that call's x, planes first,
+    with nothing left from the call before (an all-zero block after a nonzero one, whose
+    bsums ggml does not write)."""
+    from deimos.runtime.cpu_experts import _Planes
+
+    rng = np.random.default_rng(act)
+    q = _Planes(ggml, act, 2)
+    out = np.empty((2, 3, 512 // (256 if act == 15 else 32)), dtype=quantize_planes(
+        np.ones((1, 512), np.float32), act, 1).dtype)
+    t = q.target(out)
+    for scale in (1.0, 1e-3, 40.0):
+        x = (rng.standard_normal((3, 512)) * scale).astype(np.float32)
+        if scale != 1.0:
+            x[1, 256:] = 0
+        q.quantize_into(x, t)
+        want = quantize_planes(x, act, 2).transpose(1, 0, 2)
+        assert out.tobytes() == np.ascontiguousarray(want).tobytes(), f"scale {scale}"
+    with pytest.raises(ValueError, match="rows"):
+        q.quantize_into(np.zeros((2, 512), np.float32), t)
+
+
 def test_bad_input():
     lay = make_layer(GGMLType.Q8_0, GGMLType.Q8_0)
     cpu = CpuExperts([lay], backend="exact")

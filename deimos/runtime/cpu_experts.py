@@ -351,29 +351,72 @@ class _Planes:
     of ~100 (numpy's many small operations)."""
 
     def __init__(self, ggml, act_type: int, planes: int):
-        self.from_float = ggml.ggml_get_type_traits_cpu(act_type).contents.from_float
+        ff = ggml.ggml_get_type_traits_cpu(act_type).contents.from_float
+        # from_float(const float *x, void *y, int64_t k), called with integer addresses: ctypes'
+        # pointer objects and numpy's .ctypes cost microseconds a call, on a decode's path
+        self.from_float = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(
+            ctypes.cast(ff, ctypes.c_void_p).value)
         self.n = 256 if act_type == _Q8_K else 32
         self.dtype = _Q8K_DTYPE if act_type == _Q8_K else _Q8_0_DTYPE
         self.planes = planes
+
+    def target(self, out: np.ndarray) -> _PlanesTarget:
+        """``out`` [planes, R, K / block] (structured) prepared for ``quantize_into``: a buffer
+        that is written again and again (a plan's) pays for its views once."""
+        return _PlanesTarget(self, out)
+
+    def quantize_into(self, x: np.ndarray, t: _PlanesTarget) -> None:
+        """x float32 [R, K] -> ``t``'s buffer [planes, R, K / block], each plane where it goes."""
+        if x.shape != t.shape:
+            raise ValueError(f"planes: x {x.shape} for a buffer of rows {t.shape}")
+        resid = t.resid
+        np.copyto(resid, x)  # the residual is rewritten
+        if t.bsums is not None:
+            t.bsums[...] = 0  # ggml skips an all-zero block's bsums: no stale sums from a last call
+        n = resid.size
+        for p in range(self.planes):
+            self.from_float(t.src, t.addr[p], n)
+            if p + 1 < self.planes:
+                d = t.d[p]
+                if t.d32 is not None:  # Q8_0's float16 scales, widened as quantize_planes does
+                    np.copyto(t.d32, d)
+                    d = t.d32
+                np.multiply(d[..., None], t.qs[p], out=t.prod)
+                resid -= t.prod.reshape(resid.shape)
 
     def quantize(self, x: np.ndarray, out: np.ndarray, planes_first: bool = False) -> np.ndarray:
         """x float32 [R, K] -> ``out`` [R, planes, K / block] (structured), or with
         ``planes_first`` [planes, R, K / block]: each plane written where it goes."""
         r, k = x.shape
-        resid = np.array(x, dtype=np.float32, order="C")  # a copy: the residual is rewritten
-        src = resid.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-        if planes_first and self.dtype is _Q8K_DTYPE:
-            out["bsums"] = 0  # ggml skips an all-zero block's bsums: no stale sums from a last call
-        plane = None if planes_first else np.zeros((r, k // self.n), dtype=self.dtype)
-        for p in range(self.planes):
-            dst = out[p] if planes_first else plane
-            self.from_float(src, dst.ctypes.data, r * k)
-            if not planes_first:
-                out[:, p] = plane
-            if p + 1 < self.planes:
-                d = dst["d"].astype(np.float32)
-                resid -= (d[..., None] * dst["qs"]).reshape(r, k)
+        if planes_first:
+            self.quantize_into(x, self.target(out))
+            return out
+        tmp = np.empty((self.planes, r, k // self.n), dtype=self.dtype)
+        self.quantize_into(x, self.target(tmp))
+        out[...] = tmp.transpose(1, 0, 2)
         return out
+
+
+class _PlanesTarget:
+    """A planes-first buffer's addresses and field views for ``_Planes.quantize_into``, and the
+    residual's scratch."""
+
+    def __init__(self, q: _Planes, out: np.ndarray):
+        p, r, nb = out.shape
+        if p != q.planes or out.dtype != q.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"planes: want a contiguous {q.planes}-plane buffer of {q.dtype}, got "
+                             f"{out.dtype} {out.shape}")
+        self.out = out  # kept: the addresses point into it
+        self.shape = (r, nb * q.n)
+        base, step = out.ctypes.data, out[0].nbytes
+        self.addr = [base + i * step for i in range(p)]
+        self.d = [out[i]["d"] for i in range(p)]
+        self.qs = [out[i]["qs"] for i in range(p)]
+        self.bsums = out["bsums"] if q.dtype is _Q8K_DTYPE else None
+        self.d32 = None if q.dtype is _Q8K_DTYPE else np.empty((r, nb), np.float32)
+        self.resid = np.empty(self.shape, np.float32)
+        self.src = self.resid.ctypes.data
+        self.prod = np.empty((r, nb, q.n), np.float32)
 
 
 def _pow2_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -475,6 +518,8 @@ class _GgmlPlan:
         h = self._bind(g.ggml_new_tensor_3d(self.ctx, a, f, n0, n1), self.h_in)
         self.y = np.empty((n1, n0, d), np.float32)
         self.graph2, self.plan2 = self._graph([self._bind(g.ggml_mul_mat_id(self.ctx, w[2], h, self.ids), self.y)])
+        # the token layout's buffers are planes first: their views made once (_PlanesTarget)
+        self.h_target = layer.quant[a].target(self.h_in) if token else None
 
     def _bind(self, t, arr: np.ndarray):
         if self.layer.g.ggml_nbytes(t) != arr.nbytes:
@@ -531,12 +576,18 @@ class _GgmlPlan:
             h = (gate / (np.float32(1) + np.exp(-gate))) * up  # silu(g) * u, float32
         if lay.act[2] == _Q8_0:
             hs, sh = _pow2_rows(h)
-            lay.quant[_Q8_0].quantize(hs, self.h_in, planes_first=self.token)
+            self._quantize_h(_Q8_0, hs)
             self._compute(self.graph2, self.plan2)
             return np.ldexp(self.y.sum(axis, dtype=np.float32), -sh[:, None])
-        lay.quant[lay.act[2]].quantize(h, self.h_in, planes_first=self.token)
+        self._quantize_h(lay.act[2], h)
         self._compute(self.graph2, self.plan2)
         return self.y.sum(axis, dtype=np.float32)
+
+    def _quantize_h(self, act: int, h: np.ndarray) -> None:
+        if self.h_target is not None:
+            self.layer.quant[act].quantize_into(h, self.h_target)
+        else:
+            self.layer.quant[act].quantize(h, self.h_in)
 
     def __del__(self) -> None:
         if getattr(self, "ctx", None) is not None:
@@ -552,14 +603,15 @@ class _GgmlToken(_GgmlPlan):
 
     def __init__(self, layer: _GgmlLayer, m: int):
         super().__init__(layer, m, token=True)
+        self.x_targets = [(layer.quant[a], layer.quant[a].target(buf)) for a, (_, buf) in self.x_in.items()]
 
     def run(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
         lay = self.layer
         self.ids_buf[:] = experts
         xr = x.reshape(1, -1)
         xr, sx = _pow2_rows(xr) if lay.pow2 else (xr, None)
-        for a, (_, buf) in self.x_in.items():
-            lay.quant[a].quantize(xr, buf, planes_first=True)
+        for q, t in self.x_targets:
+            q.quantize_into(xr, t)
         out += weights @ self._products(None if sx is None else sx[0])
 
 
