@@ -273,3 +273,141 @@ def test_a_continued_sequence_is_matched_without_hashing_its_blocks_again(monkey
     monkeypatch.setattr(bm_module, "_key", lambda *a: calls.append(a) or real(*a))
     assert bm.match(nxt) == want
     assert len(calls) == 2  # the first block's key, and the one past the cached blocks (a miss)
+
+
+def _walk(bm: BlockManager, tokens: list[int], n_memo: int = 0) -> tuple[list[int], int]:
+    """What ``match`` must give, worked out by hashing every block: (the hit, the length of the
+    key memo after it, given one holding the right keys of the first ``n_memo`` blocks). The
+    memo grows to every block looked at past it, the first one not found included."""
+    out, parent, usable, looked = [], b"", 0, 0
+    for i in range((len(tokens) - 1) // bm.block_size):
+        block = tuple(tokens[i * bm.block_size : (i + 1) * bm.block_size])
+        parent = chain_key(parent, block)
+        looked = i + 1
+        b = bm._by_key.get(parent)
+        if b is None or bm._sealed[b] is None or bm._sealed[b].tokens != pack_tokens(block):
+            break
+        out.append(b)
+        if bm._sealed[b].state is not None:
+            usable = len(out)
+    return (out[:usable] if bm.needs_state else out), max(n_memo, looked)
+
+
+def _check_match(bm: BlockManager, tokens: list[int], n_memo: int = 0, packed=None) -> list[int]:
+    keys = _keys(tokens, n_memo)
+    hit = bm.match(tokens, keys, packed)
+    want, n_keys = _walk(bm, tokens, n_memo)
+    assert hit == want
+    assert keys == _keys(tokens, n_keys)  # the chain keys, as hashing finds them
+    return hit
+
+
+def _sealed_sequence(bm: BlockManager, tokens: list[int]) -> list[int]:
+    """``tokens`` prefilled, sealed with a key memo (so their blocks carry it as their chain)
+    and let go, as the engine does; returns the table it had."""
+    keys: list[bytes] = []
+    table, cached = bm.allocate(tokens, len(tokens), bm.match(tokens, keys))
+    bm.seal(table, tokens, len(tokens), cached // BS, keys)
+    held = list(table)
+    bm.free(table)
+    return held
+
+
+def test_match_on_a_long_chain_stops_at_the_first_block_that_differs():
+    """A prompt that follows a sealed sequence's chain for hundreds of blocks (spans checked at
+    once) but differs inside block p: the match is exactly the p blocks before it, and the memo
+    holds the chain keys up to block p, the first one not found."""
+    bm = BlockManager(400, BS)
+    rng = random.Random(1)
+    tokens = [rng.randrange(1000) for _ in range(300 * BS)]
+    table = _sealed_sequence(bm, tokens)
+    assert _check_match(bm, tokens + [7]) == table  # every block, then one past the chain
+    for m in (300, 100, 33):  # a prompt ending inside the chain: all but its last token
+        assert _check_match(bm, tokens[: m * BS]) == table[: m - 1]
+        assert _check_match(bm, tokens[: m * BS], packed=pack_tokens(tokens)) == table[: m - 1]
+    for p in (0, 1, 2, 31, 32, 33, 95, 96, 97, 150, 223, 224, 298, 299):
+        for pos in (0, BS - 1):
+            other = list(tokens)
+            other[p * BS + pos] += 1
+            for tail in ([5], list(range(40))):  # the prompt ends right there, or goes on
+                hit = _check_match(bm, other + tail)
+                assert hit == table[:p]
+                hit = _check_match(bm, other + tail, n_memo=p // 2, packed=pack_tokens(other))
+                assert hit == table[:p]
+    bm.check()
+
+
+def test_match_on_a_chain_whose_block_was_evicted_and_reused():
+    """A block in the middle of a cached chain evicted and sealed again with other tokens: the
+    chain's key is gone from the cache, and the block's new tokens are not the prompt's."""
+    bm = BlockManager(1 + 120 + 4, BS)
+    rng = random.Random(2)
+    tokens = [rng.randrange(1000) for _ in range(120 * BS)]
+    table = _sealed_sequence(bm, tokens)
+    victim = table[70]
+    bm._lru.move_to_end(victim, last=False)  # the next block handed out after the free ones
+    other = [rng.randrange(1000, 2000) for _ in range(5 * BS)]
+    t2, _ = bm.allocate(other, len(other))
+    assert victim in t2
+    bm.seal(t2, other, len(other), 0, [])
+    for prompt in (tokens + [1], tokens[: 71 * BS] + [1]):
+        assert _check_match(bm, prompt) == table[:70]
+        assert _check_match(bm, prompt, n_memo=80) == table[:70]  # the memo's key: not cached
+    bm.free(t2)
+    # sealed again by a sequence that continues the prompt: the chain after block 70 is found
+    # from the new blocks' chains
+    t3 = _sealed_sequence(bm, tokens + [1])
+    assert t3[:70] == table[:70] and _check_match(bm, tokens + [1]) == t3[:120]
+    bm.check()
+
+
+def test_match_on_a_chain_keeps_only_up_to_the_last_state_snapshot():
+    """A hybrid model's cache: a long chain is matched (and its keys memoized) to its end, but
+    usable only up to the last block holding a recurrent state snapshot."""
+    bm = BlockManager(200, BS, needs_state=True)
+    rng = random.Random(3)
+    tokens = [rng.randrange(1000) for _ in range(150 * BS)]
+    table = _sealed_sequence(bm, tokens)
+    assert _check_match(bm, tokens + [1]) == []  # no snapshot anywhere
+    bm.attach_state(table[40], object())
+    assert _check_match(bm, tokens + [1]) == table[:41]
+    bm.attach_state(table[100], object())  # another sequence's: both kept
+    assert _check_match(bm, tokens + [1]) == table[:101]
+    other = list(tokens)
+    other[90 * BS] += 1  # differs before the later snapshot
+    assert _check_match(bm, other + [1]) == table[:41]
+    assert _check_match(bm, other + [1], n_memo=60) == table[:41]
+    bm.check()
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["plain", "hybrid"])
+@pytest.mark.parametrize("seed", range(3))
+def test_match_on_long_prompts_equals_hashing_every_block(hybrid, seed):
+    """Long conversations (hundreds of blocks) continued, cut, edited inside and re-sent in a
+    pool that evicts, some sealed without a memo (no chain): ``match`` with no memo, a part of
+    the right one, and with or without the packed prompt, against hashing every block."""
+    rng = random.Random(seed)
+    bm = BlockManager(700, BS, needs_state=hybrid)
+    history: list[list[int]] = [[]]
+    for _ in range(60):
+        base = list(rng.choice(history))
+        r = rng.random()
+        if r < 0.25 and base:
+            base = base[: rng.randrange(len(base) + 1)]
+        elif r < 0.5 and base:
+            base[rng.randrange(len(base))] = rng.randrange(3)
+        tokens = base + [rng.randrange(3) for _ in range(rng.randrange(1, 200))]
+        n = (len(tokens) - 1) // BS
+        for n_memo in {0, rng.randrange(n + 1)}:
+            packed = rng.choice([None, pack_tokens(tokens), pack_tokens(tokens[: rng.randrange(len(tokens))])])
+            hit = _check_match(bm, tokens, n_memo, packed)
+        if not bm.can_allocate(len(tokens), hit):
+            continue
+        keys = _keys(tokens, n_memo) if rng.random() < 0.8 else None  # None: blocks without chains
+        table, cached = bm.allocate(tokens, len(tokens), bm.match(tokens, keys))
+        n_sealed = bm.seal(table, tokens, len(tokens), cached // BS, keys)
+        if hybrid and n_sealed:
+            bm.attach_state(table[rng.randrange(n_sealed)], object())
+        bm.free(table)
+        history.append(tokens)
+        bm.check()

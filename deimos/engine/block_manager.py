@@ -148,8 +148,15 @@ class BlockManager:
         token), in order; nothing is held yet. With ``needs_state``: up to the last of them
         that holds a state snapshot. ``keys``: the chain keys of ``tokens``' leading full
         blocks known so far (a sequence's memo: its tokens only grow), extended with the ones
-        computed here; ``packed``: ``pack_tokens`` of a leading part of ``tokens`` (the
-        prompt), used where it reaches."""
+        computed here (every block looked at past it, the first one not found included);
+        ``packed``: ``pack_tokens`` of a leading part of ``tokens`` (the prompt), used where
+        it reaches.
+
+        A block's key comes from the memo, else from the chain of the sequence that sealed
+        the previous block, else is hashed; the block under it must hold the same tokens.
+        Keys already known (the memo's, a chain's) are checked a span at a time (``_run``):
+        an agent's next turn re-sends the whole conversation, 20k tokens = 1,250 blocks, and
+        a Python step per block lands on its time to first token."""
         if not self.prefix_cache:
             return []
         bs = self.block_size
@@ -161,42 +168,105 @@ class BlockManager:
             packed = pack_tokens(tokens[: n * bs])
         if keys is None:
             keys = []
-        header = struct.pack("<I", bs)
         by_key, sealed_of = self._by_key, self._sealed
         out: list[int] = []
         parent = b""
-        usable = 0
-        s = None  # the last block's _Sealed
-        for i in range(n):
+        s = None  # the last matched block's _Sealed
+        i = min(len(keys), n)
+        if i:  # the memo's keys: a miss or other tokens there ends the match
+            out = self._run(keys, 0, i, packed, w)
+            if len(out) < i:
+                return self._usable(out)
+            s, parent = sealed_of[out[-1]], keys[i - 1]
+        # past the memo (i == len(keys) from here on): every key looked at joins it
+        key_of, header = _key, struct.pack("<I", bs)
+        failed = None  # the chain whose run just ended at block i (it would end there again)
+        while i < n:
+            # the keys the sequence that sealed the last block gave its next blocks: where the
+            # blocks under them hold these tokens, they are these blocks' keys too (the same
+            # parent key and the same tokens), and no hash is needed. The chain is followed
+            # as far as it holds, whoever sealed the blocks on the way: a key is the hash of
+            # the whole prefix, so any chain that reaches a block gives it the same key
+            chain = s.chain if s is not None else None
+            if (chain is not None and chain is not failed and len(chain) > i
+                    and chain[i - 1] == parent):  # fmt: skip
+                got = self._run(chain, i, min(n, len(chain)), packed, w)
+                failed = chain
+                if got:
+                    out += got
+                    keys += chain[i : i + len(got)]
+                    i += len(got)
+                    s, parent = sealed_of[got[-1]], keys[-1]
+                    continue  # the next block: on the last one's chain if it goes on, or hashed
             block = packed[i * w : (i + 1) * w]
-            if i < len(keys):
-                key = keys[i]
-                b = by_key.get(key)
-            else:
-                # the key the sequence that sealed the last block gave its next block: when the
-                # block under it holds these tokens, it is this block's key too (the same
-                # parent key and the same tokens), and no hash is needed
-                chain = s.chain if s is not None else None
-                b = None
-                if chain is not None and len(chain) > i and chain[i - 1] == parent:
-                    key = chain[i]
-                    b = by_key.get(key)
-                    if b is not None and (sealed_of[b] is None or sealed_of[b].tokens != block):
-                        b = None
-                if b is None:
-                    key = _key(parent, header, block)
-                    b = by_key.get(key)
-                keys.append(key)
+            key = key_of(parent, header, block)
+            keys.append(key)
+            b = by_key.get(key)
             if b is None:
                 break
             s = sealed_of[b]
             if s is None or s.tokens != block:
                 break
             out.append(b)
-            if s.state is not None:
-                usable = len(out)
             parent = key
-        return out[:usable] if self.needs_state else out
+            i += 1
+            failed = None
+        return self._usable(out)
+
+    def _run(self, ks: list[bytes], i: int, stop: int, packed: bytes, w: int) -> list[int]:
+        """The blocks under keys ``ks[i:stop]`` (of blocks i.. of ``packed``, ``w`` bytes
+        each), as long as each is cached and holds its block's tokens.
+
+        Spans of blocks are checked at once (``_span``), not a Python step per block. They
+        grow from 32 blocks, doubling; a span that fails is halved down to its first bad
+        block (the good half kept each time), so a run costs about twice its length in C
+        loops wherever it ends, and a few lookups where its first block is bad."""
+        out: list[int] = []
+        step = 32
+        while i < stop:
+            j = min(stop, i + step)
+            span = self._span(ks, i, j, packed, w)
+            if span is None:  # a bad block in [i, j), every one before i good
+                if self._span(ks, i, i + 1, packed, w) is None:
+                    return out  # block i itself (mostly where a chain just entered ends)
+                while j - i > 1:
+                    h = (i + j) // 2
+                    span = self._span(ks, i, h, packed, w)
+                    if span is None:
+                        j = h
+                    else:
+                        out += span
+                        i = h
+                return out
+            out += span
+            i = j
+            step *= 2
+        return out
+
+    def _span(self, ks: list[bytes], i: int, j: int, packed: bytes, w: int) -> list[int] | None:
+        """The blocks under keys ``ks[i:j]`` if every one is cached and holds its block's
+        tokens, else None: C loops (the lookups, then one ``bytes`` comparison of their
+        joined tokens: a sealed block's tokens are ``w`` bytes, so equal joins mean equal
+        blocks)."""
+        sealed_of = self._sealed
+        try:
+            span = list(map(self._by_key.__getitem__, ks[i:j]))
+            if b"".join([sealed_of[b].tokens for b in span]) == packed[i * w : j * w]:
+                return span
+        except (KeyError, AttributeError):  # a key not cached (or, never, a block not sealed)
+            pass
+        return None
+
+    def _usable(self, out: list[int]) -> list[int]:
+        """``out``, the blocks matched; with ``needs_state`` only up to the last of them that
+        holds a state snapshot (a recurrent state can start nowhere else)."""
+        if self.needs_state:
+            sealed_of = self._sealed
+            for k in range(len(out) - 1, -1, -1):  # the latest snapshot is mostly near the end
+                if sealed_of[out[k]].state is not None:
+                    return out[: k + 1]
+            return []
+        return out
 
     def state_at(self, block: int):
         """The recurrent state snapshot a cached block holds (None if none); a use keeps it."""
