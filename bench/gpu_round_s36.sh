@@ -41,6 +41,13 @@ moe)
     | cut -c1-220 | tail -6
   wait
   [ -n "${HOSTREAD:-}" ] && timeout 120 python3 bench/host_read.py 2>&1 | grep -v Warn | tee "$OUT/host-read.txt" | tail -12
+  # the host's memory read rate with every core (what ggml's share of the misses can reach)
+  [ -n "${MEMBW:-}" ] && python3 -c "
+import time, torch
+torch.set_num_threads($(nproc)); a = torch.ones(1 << 29, dtype=torch.int64)  # 4 GiB
+for _ in range(2): a.sum()
+t = time.perf_counter(); [a.sum() for _ in range(5)]; dt = (time.perf_counter() - t) / 5
+print(f'host memory: {a.numel() * 8 / dt / 1e9:.1f} GB/s read by torch.sum on $(nproc) threads')"
   idle
   timeout ${PROF_S:-240} python3 bench/profile_offload.py $M30 --slots ${SLOTS:-0} --shares ${SHARES:-tune} \
     --answer ${ANSWER:-token,rows} -n ${NTOK:-32} -p 512 --top 12 2>&1 | grep -v Warn > "$OUT/profile-offload.txt"
