@@ -396,3 +396,25 @@ def test_the_gpu_path_leaves_the_mtp_layers_in_the_file(paths, preset):
     assert names == set(f.tensors) - mtp
     experts, other = expert_bytes(f)
     assert experts + other == sum(f.tensors[name].nbytes for name in names)
+    experts, other = expert_bytes(f, mtp=True)  # MTP drafting asked for: they go on the device
+    assert experts + other == sum(t.nbytes for t in f.tensors.values())
+
+
+def test_the_placement_counts_the_mtp_layers_when_mtp_drafting_is_asked_for(paths):
+    """With free memory for the main layers but not for the MTP layer's weights too (a MoE
+    layer, its experts among them), MTP drafting sends the experts to the host (where
+    LLM refuses it before loading, naming why), and without it they stay on the GPU."""
+    from deimos.models.gpu.placement import expert_bytes, plan_experts
+    from deimos.runtime.gpu_memory import headroom
+
+    f = GGUFFile(paths["qwen35moe-tiny-mtp"])
+    main = sum(expert_bytes(f))
+    extra = sum(expert_bytes(f, mtp=True)) - main
+    assert extra > 0
+    free = 0
+    while free - headroom(free) < main + extra // 2:  # the room: main + half the MTP layer's bytes
+        free += 1 << 20
+    room = free - headroom(free)
+    assert main <= room < main + extra
+    assert plan_experts(f, "auto", free_bytes=free).device == "gpu"
+    assert plan_experts(f, "auto", free_bytes=free, mtp=True).device == "cpu"

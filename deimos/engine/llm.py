@@ -201,8 +201,14 @@ class LLM:
         # what is allocated after the experts: two contexts of KV (at least), the step's activations
         reserve = 2 * ctx * bytes_per_token(cfg, torch.float16) + 64 * engine.get("max_batch_tokens", 2048) * cfg.n_embd * 4
         reserve = max(reserve, min(seqs, 4) * ctx * bytes_per_token(cfg, torch.float16))
-        plan = plan_experts(self.file, experts, reserve_bytes=reserve)
+        spec = engine.get("spec")
+        mtp = spec is not None and spec.method == "mtp"
+        plan = plan_experts(self.file, experts, reserve_bytes=reserve, mtp=mtp)
         log.info("routed experts: %s", plan.reason)
+        if mtp and plan.device == "cpu":  # said before the load, not after it (load_mtp's refusal)
+            raise ValueError(f"{self.path.name}: MTP drafting needs the routed experts on the GPU, "
+                             f"and they go to the host ({plan.reason}); use --speculative ngram, "
+                             "or no speculation")
         if plan.device == "gpu":
             return load_model(self.file, device=device)
         from deimos.models.gpu.offload import ExpertOffload

@@ -115,23 +115,28 @@ class ExpertPlan:
     reason: str
 
 
-def expert_bytes(file) -> tuple[int, int]:
-    """(routed experts' bytes, every other tensor's bytes) of a GGUF file's main layers: its
-    blocks as stored, which is what the packed layouts take within a few percent."""
-    infos = main_tensors(file)  # an MTP layer's tensors are not loaded on the GPU path
+def expert_bytes(file, mtp: bool = False) -> tuple[int, int]:
+    """(routed experts' bytes, every other tensor's bytes) of a GGUF file's main layers (with
+    ``mtp``, its MTP layers' too: what ``load_mtp`` puts on the device when MTP drafting is
+    asked for): its blocks as stored, which is what the packed layouts take within a few
+    percent."""
+    # an MTP layer's tensors are loaded on the GPU path only for MTP drafting (load_mtp)
+    infos = list(file.tensors.values()) if mtp else main_tensors(file)
     experts = sum(t.nbytes for t in infos if len(t.dims) >= 3)
     return experts, sum(t.nbytes for t in infos if len(t.dims) < 3)
 
 
 def plan_experts(file, mode: str = "auto", free_bytes: int | None = None,
-                 reserve_bytes: int = 0) -> ExpertPlan:
+                 reserve_bytes: int = 0, mtp: bool = False) -> ExpertPlan:
     """Where a MoE file's routed experts go, decided before loading. "auto": on the GPU when
     every weight fits in the free memory less ``reserve_bytes`` (the KV pool's share and the
     step's activations) and the cache's headroom (runtime.gpu_memory); else host copies with a
-    GPU cache of slots (deimos.models.gpu.offload). "gpu" / "cpu" force it."""
+    GPU cache of slots (deimos.models.gpu.offload). "gpu" / "cpu" force it. ``mtp``: MTP
+    drafting is asked for, so the MTP layers' weights (a MoE layer's experts among them) are
+    counted as going on the device too."""
     if mode not in EXPERT_MODES:
         raise ValueError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {mode!r}")
-    e, other = expert_bytes(file)
+    e, other = expert_bytes(file, mtp=mtp)
     if e == 0:
         return ExpertPlan("gpu", 0, other, "no routed experts")
     if mode != "auto":
