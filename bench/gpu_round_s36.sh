@@ -4,8 +4,9 @@
 #                                 # the offload's GPU tests, bench/host_read.py, then where an
 #                                 # offloaded token goes with the one-token and the general host
 #                                 # answer (bench/profile_offload.py, SLOTS slots, SHARES shares)
-#   bench/gpu_round_s36.sh moe8   # same warm machine: deimos bench --gpu-mem 8 on qwen3moe 30B-A3B
-#                                 # beside llama.cpp's -ncmoe 33 under the same limit
+#   bench/gpu_round_s36.sh moe8   # deimos bench --gpu-mem 8 on qwen3moe 30B-A3B beside llama.cpp's
+#                                 # -ncmoe 33 under the same limit (the GPU tests in TESTS first,
+#                                 # while the file is written)
 #   bench/gpu_round_s36.sh q3     # carry .whl .peer/lc .peer/td (qwen2 vocabulary, templates): the
 #                                 # agent sessions on qwen3 4B Q4_K_M (Qwen3's template), Deimos
 #                                 # against llama-server -np 1 (after the GPU tests in TESTS)
@@ -54,7 +55,10 @@ print(f'host memory: {a.numel() * 8 / dt / 1e9:.1f} GB/s read by torch.sum on $(
   grep -E "^(offload|cpu side)|^  (timed|host|  cpu|    ggml|    act|  promote|eager)|GB/s" "$OUT/profile-offload.txt" | cut -c1-160
   idle ;;
 moe8)
-  moe_setup; synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2; idle
+  moe_setup; (synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2) &
+  [ -n "${TESTS:-}" ] && timeout ${TEST_S:-200} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider $TESTS 2>&1 \
+    | cut -c1-220 | tail -6
+  wait; idle
   timeout ${BENCH_S:-420} python3 -m deimos bench $M30 -p 512 -n 128 -r 3 --gpu-mem 8 \
     --vs-llama /tmp/lc/llama-bench "--llama-args=${LARGS:--ngl 99 -fa 1 -t 16 -ncmoe 33}" --json "$OUT/moe-8g.json" 2>&1 \
     | grep -v Warn | tee "$OUT/moe-8g.txt" | tail -24
