@@ -54,6 +54,19 @@ print(f'host memory: {a.numel() * 8 / dt / 1e9:.1f} GB/s read by torch.sum on $(
     --answer ${ANSWER:-token,rows} -n ${NTOK:-32} -p 512 --top 12 2>&1 | grep -v Warn > "$OUT/profile-offload.txt"
   grep -E "^(offload|cpu side)|^  (timed|host|  cpu|    ggml|    act|  promote|eager)|GB/s" "$OUT/profile-offload.txt" | cut -c1-160
   idle ;;
+lite)  # little device time left: the GPU tests while the file is written, where an offloaded
+       # token goes (0 slots, the tuned share, the one-token host path), then 8 GiB alone
+  moe_setup; (synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2) &
+  [ -n "${TESTS:-}" ] && timeout ${TEST_S:-100} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider $TESTS 2>&1 \
+    | cut -c1-220 | tail -6
+  wait; idle
+  timeout ${PROF_S:-150} python3 bench/profile_offload.py $M30 --slots 0 --shares tune --answer token -n 32 -p 512 \
+    --top 12 2>&1 | grep -v Warn > "$OUT/profile-offload.txt"
+  grep -E "^(offload|cpu side)|^  (timed|host|  cpu|    ggml|    act|  promote|eager)|GB/s|tok/s" "$OUT/profile-offload.txt" | cut -c1-160
+  idle
+  timeout ${BENCH_S:-200} python3 -m deimos bench $M30 -p 512 -n 128 -r 2 --gpu-mem 8 2>&1 | grep -v Warn \
+    | tee "$OUT/moe-8g.txt" | tail -8
+  idle ;;
 moe8)
   moe_setup; (synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2) &
   [ -n "${TESTS:-}" ] && timeout ${TEST_S:-200} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider $TESTS 2>&1 \
