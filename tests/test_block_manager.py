@@ -180,18 +180,7 @@ def test_scheduler_config_checks():
 
 def _slow_match(bm: BlockManager, tokens: list[int]) -> list[int]:
     """``match`` as it was: every block's chain key hashed from the tokens, nothing remembered."""
-    out, parent, usable = [], b"", 0
-    for i in range((len(tokens) - 1) // bm.block_size):
-        block = tuple(tokens[i * bm.block_size : (i + 1) * bm.block_size])
-        key = chain_key(parent, block)
-        b = bm._by_key.get(key)
-        if b is None or bm._sealed[b] is None or bm._sealed[b].tokens != pack_tokens(block):
-            break
-        out.append(b)
-        if bm._sealed[b].state is not None:
-            usable = len(out)
-        parent = key
-    return out[:usable] if bm.needs_state else out
+    return _walk(bm, tokens)[0]
 
 
 def _keys(tokens: list[int], n: int) -> list[bytes]:
