@@ -384,13 +384,10 @@ class _Planes:
                 np.multiply(d[..., None], t.qs[p], out=t.prod)
                 resid -= t.prod.reshape(resid.shape)
 
-    def quantize(self, x: np.ndarray, out: np.ndarray, planes_first: bool = False) -> np.ndarray:
-        """x float32 [R, K] -> ``out`` [R, planes, K / block] (structured), or with
-        ``planes_first`` [planes, R, K / block]: each plane written where it goes."""
+    def quantize(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """x float32 [R, K] -> ``out`` [R, planes, K / block] (structured): the rows layout
+        (a planes-first buffer written again and again takes ``target`` / ``quantize_into``)."""
         r, k = x.shape
-        if planes_first:
-            self.quantize_into(x, self.target(out))
-            return out
         tmp = np.empty((self.planes, r, k // self.n), dtype=self.dtype)
         self.quantize_into(x, self.target(tmp))
         out[...] = tmp.transpose(1, 0, 2)
