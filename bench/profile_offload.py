@@ -185,9 +185,10 @@ def main() -> None:
         if share == "tune":  # the engine's: the tuner from the calibrated share
             off.tuner = ShareTuner(shares.get(pool, auto))
             share = off.tuner.share
+            off.gpu_share = share = float(share)
         else:
-            off.tuner = None  # fixed for this run
-        off.gpu_share = share = float(share)
+            off.fix_share(float(share))  # fixed for this run
+            share = off.gpu_share
         with torch.inference_mode():  # the cache's tables were made in the engine's steps
             off.cache.resize(min(n_slots, off.n_expert))
         decode(llm, a.p, a.n, 1)  # warm: the cache fills, the plans for each miss count exist

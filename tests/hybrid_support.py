@@ -32,13 +32,17 @@ def ref_file(preset: str) -> dict:
     return reference(f"synth-{preset}-F32.json")
 
 
-def rebuild(preset: str, tmp: Path) -> Path:
-    """The file llama.cpp ran, written again from the parameters its reference records."""
+def rebuild(preset: str, tmp: Path, ggml_type: str | None = None) -> Path:
+    """The file llama.cpp ran, written again from the parameters its reference records (in
+    ``ggml_type`` instead of the recorded type where given: the same weights quantized)."""
     ref = ref_file(preset)
     s = ref["synth"]
     donor = data_file(s["vocab_from"])
     assert hashlib.sha256(donor.read_bytes()).hexdigest() == s["vocab_from_sha256"], donor
-    return write_model(tmp / ref["model"]["file"], s["arch"], s["preset"], s["ggml_type"], donor, s["seed"])
+    if ggml_type is None:
+        return write_model(tmp / ref["model"]["file"], s["arch"], s["preset"], s["ggml_type"], donor, s["seed"])
+    name = f"synth-{s['preset']}-{ggml_type}.gguf"
+    return write_model(tmp / name, s["arch"], s["preset"], ggml_type, donor, s["seed"])
 
 
 def same_file(path: Path, preset: str) -> bool:

@@ -33,6 +33,14 @@ def paths(tmp_path_factory) -> dict:
     return {p: rebuild(p, tmp) for p in PRESETS}
 
 
+@pytest.fixture(scope="module")
+def gpu_paths(tmp_path_factory) -> dict:
+    """The same models in Q8_0: the GPU path holds routed experts only in quantized layouts
+    (qwen3next's are MoE; the reference files are F32)."""
+    tmp = tmp_path_factory.mktemp("mtp-draft-q8")
+    return {p: rebuild(p, tmp, "Q8_0") for p in PRESETS}
+
+
 def _from_scratch(model, tokens: list[int], k: int) -> list[int]:
     """k greedy MTP drafts after ``tokens`` (its last one not yet run by the main model)."""
     n = len(tokens) - 1
@@ -107,7 +115,7 @@ def test_mtp_drafts_are_the_heads_and_change_nothing(paths, preset):
     assert len(got) > n_first  # it drafted on the cached prefix's hidden rows
     assert again.cached_tokens > 0  # the prefix came from the cache
     for plain, req in zip(plains + plains[:1], reqs + [again]):
-        _same_or_tie(plain, req, preset)
+        _same_or_tie(plain, req, preset, tie=0.05)  # float16: verify rows vs one-row decode kernels
     st = engine.stats()
     print(f"{preset}: {len(got)} proposals, {st.spec_accepted} of {st.spec_drafted} drafts "
           f"accepted in {st.spec_verify_steps} verify steps")
@@ -134,7 +142,7 @@ def test_mtp_needs_the_layers(paths):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", PRESETS)
-def test_gpu_mtp_head_matches_the_reference_and_drafting_changes_nothing(paths, preset):
+def test_gpu_mtp_head_matches_the_reference_and_drafting_changes_nothing(gpu_paths, preset):
     """The kernel path builds the MTP layers on first use (``load_mtp``) and runs them eagerly:
     the same rows (the CPU reference's tokens and post-norm hidden rows) give the CPU head's
     logits within 1e-2 relative RMS (float16 state and activations), a catch-up and two draft
@@ -143,12 +151,12 @@ def test_gpu_mtp_head_matches_the_reference_and_drafting_changes_nothing(paths, 
     from deimos.gguf import GGUFFile
     from deimos.models import load_model
 
-    cpu = load_model(GGUFFile(paths[preset]))
-    gpu = load_model(GGUFFile(paths[preset]), device="cuda")
+    cpu = load_model(GGUFFile(gpu_paths[preset]))
+    gpu = load_model(GGUFFile(gpu_paths[preset]), device="cuda")
     assert cpu.mtp is not None and gpu.mtp is None  # not built until asked
     head = gpu.load_mtp()
     assert head is gpu.load_mtp() and gpu.mtp is head
-    tokens = LLM(paths[preset], n_ctx=64).encode_raw(REPEATING[0])[:24]
+    tokens = LLM(gpu_paths[preset], n_ctx=64).encode_raw(REPEATING[0])[:24]
     n = len(tokens) - 1
     h = _main_hidden(cpu, tokens[:-1])
     rows = torch.cat((torch.zeros_like(h[:1]), h[:-1]))
@@ -169,15 +177,15 @@ def test_gpu_mtp_head_matches_the_reference_and_drafting_changes_nothing(paths, 
             hid = [d[0].hidden, d[0].hidden.cuda()]
     assert states[1].length == n + 2
 
-    plain_llm = LLM(paths[preset], n_ctx=256, max_seqs=4, device="cuda")
-    spec_llm = LLM(paths[preset], n_ctx=256, max_seqs=4, device="cuda", speculative="mtp", spec_k=4)
+    plain_llm = LLM(gpu_paths[preset], n_ctx=256, max_seqs=4, device="cuda")
+    spec_llm = LLM(gpu_paths[preset], n_ctx=256, max_seqs=4, device="cuda", speculative="mtp", spec_k=4)
     assert spec_llm.engine.runner.want_hidden
     prompts = [spec_llm.encode_raw(t) for t in REPEATING]
     plains = [_plain(plain_llm, p, 32) for p in prompts]
     reqs = [Request(list(p), 32, GREEDY, top_logprobs=2) for p in prompts]
     spec_llm.run_many(reqs)
     for plain, req in zip(plains, reqs):
-        _same_or_tie(plain, req, preset)
+        _same_or_tie(plain, req, preset, tie=0.05)  # float16: verify rows vs one-row decode kernels
     s = spec_llm.engine.stats()
     print(f"{preset} on the GPU: {s.spec_accepted} of {s.spec_drafted} drafts accepted in "
           f"{s.spec_verify_steps} verify steps")

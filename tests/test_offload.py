@@ -106,7 +106,10 @@ def test_a_token_layer_is_answered_as_the_rows_path_answers_it(moe_file, models,
         off = ExpertOffload(ker, moe_file, torch.device(DEVICE), n_slots=slots)
         for lay in off.cache.layers:  # the same residents for both paths: experts 0..slots-1
             lay.slot_of_host[:slots] = np.arange(slots)
-        off.token_path, off.gpu_share = token_path, share
+        with pytest.raises(ValueError, match="outside"):
+            off.fix_share(1.5)
+        off.token_path = token_path
+        off.fix_share(share)
         block = off.blocks[0]
         box = _Box(len(off.blocks), block.n_expert_used, ker.config.n_embd, off.n_expert, seed=21)
         box.np_ids[0, 0, :2] = [0, off.n_expert - 1]  # a resident and the last expert
@@ -235,6 +238,13 @@ def test_a_long_step_stages_each_layer_a_layer_ahead(tmp_path):
         assert ((got - want).norm() / want.norm()).item() < 2e-2, f"layer {block.layer}"
         assert sorted(off._staged) == after
     assert staged_for == [2, 3, 4, n - 1]
+    # both ring buffers grown to a layer's E - 1 experts: within the bound the sizing keeps free
+    from deimos.runtime.expert_stream import RING, ExpertStager
+
+    assert all(b is not None for b in off.stager.buffers)
+    assert off.stager.nbytes <= off.stage_bytes == ExpertStager.peak_bytes(off.cache.layers)
+    most = max(off.cache.layers[i].host.expert_nbytes for i in (2, 3, n - 1)) * off.n_expert
+    assert RING * most <= off.stage_bytes < RING * (most + (8 << 20) + 4096)
     assert off.stats.filled_experts == 3 and off.stats.streamed_experts == 3 * (off.n_expert - 1)  # layers run
     assert off.stats.cpu_experts == 0
     layers = off.cache.layers
@@ -252,6 +262,10 @@ def test_the_cache_follows_free_memory(moe_file, models):
     mem = FreeMemory(lambda: (state["free"], total), clock=lambda: state["t"])
     off = ExpertOffload(ker, moe_file, torch.device(DEVICE), memory=mem)
     assert off.cache.n_slots == 0  # nothing free: every expert on the CPU
+    # the staging ring's most is kept free with the step's bytes (a prompt chunk's experts)
+    assert off.stage_bytes > 0 and off.sizer.step_bytes == off.stage_bytes
+    off.set_step_bytes(1 << 20)
+    assert off.sizer.step_bytes == (1 << 20) + off.stage_bytes
     slot = off.cache.slot_nbytes
     state["free"] = off.sizer.headroom + off.sizer.band + 40 * slot  # room for every expert
     state["t"] += 0.2  # past the reader's 100 ms: the new value is read
@@ -330,7 +344,7 @@ def test_gpu_decode_graphs_answer_as_the_eager_steps(moe_file, gib):
         llm = LLM(moe_file.path, n_ctx=128, device="cuda", experts="cpu", expert_cache_gib=gib,
                   max_seqs=4, cuda_graphs=graphs)
         assert 0 < llm.offload.gpu_share < 1  # calibrated at load
-        llm.offload.gpu_share = 0.0  # every miss on the CPU, as the eager steps
+        llm.offload.fix_share(0.0)  # every miss on the CPU, as the eager steps
         one = llm.run_many([Request(prompts[0], 12, greedy)])[0].output_ids
         many = [r.output_ids for r in llm.run_many([Request(p, 12, greedy) for p in prompts])]
         replays = sum(gr.replays for gr in llm.engine.runner.decode_graphs.values())
@@ -352,7 +366,7 @@ def test_gpu_misses_read_from_host_memory_by_the_device(moe_file):
     prompt = torch.randint(0, 30000, (17,), generator=torch.Generator().manual_seed(5)).tolist()
     want = LLM(moe_file.path, n_ctx=128).run_many([Request(prompt, 16, greedy, top_logprobs=2)])[0]
     llm = LLM(moe_file.path, n_ctx=128, device="cuda", experts="cpu", expert_cache_gib=0.0, max_seqs=1)
-    llm.offload.gpu_share = 1.0
+    llm.offload.fix_share(1.0)  # the tuner dropped: it would move the share
     s = llm.offload.stats
     before = s.cpu_experts  # the graphs' eager warm-up
     ids = llm.run_many([Request(prompt, 16, greedy)])[0].output_ids

@@ -138,7 +138,7 @@ def test_gpu_offloaded_decode_graphs_answer_as_the_eager_steps(tmp_path):
     for graphs in (False, True):
         llm = LLM(path, n_ctx=128, device="cuda", experts="cpu", expert_cache_gib=0.0, max_seqs=2,
                   cuda_graphs=graphs)
-        llm.offload.gpu_share = 0.0
+        llm.offload.fix_share(0.0)
         got[graphs] = llm.run_many([Request(prompt, 10, SamplingParams(temperature=0))])[0].output_ids
         assert (sum(g.replays for g in llm.engine.runner.decode_graphs.values()) > 0) == graphs
     assert got[True] == got[False]

@@ -223,8 +223,7 @@ class LLM:
         except Exception as e:  # noqa: BLE001 - an optimisation: the load goes on without it
             log.warning("expert offload: the CPU/device split could not be measured (%s: %s): "
                         "every miss is computed on the CPU", type(e).__name__, e)
-            self.offload.gpu_share = 0.0
-            self.offload.tuner = None
+            self.offload.fix_share(0.0)
         if engine.get("kv_tokens") is None and engine.get("kv_gib") is None:
             engine["kv_tokens"] = 2 * ctx  # the rest of the memory is the cache's
         return model

@@ -79,6 +79,15 @@ class ExpertStager:
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.buffers if b is not None)
 
+    @classmethod
+    def peak_bytes(cls, layers: list[LayerCache]) -> int:
+        """The most the buffers take: every ring buffer grown to a layer's whole set of experts
+        (a prompt chunk with no expert of the layer resident), whole GROW_BYTES steps. The
+        expert cache's sizing keeps this free (models.gpu.offload), so that the first prompt
+        does not make the cache shrink to make room for it."""
+        most = max((cls._layout(lay, lay.n_expert)[1] for lay in layers), default=0)
+        return RING * -(-most // GROW_BYTES) * GROW_BYTES
+
     def release(self) -> None:
         """Give the buffers back (before the cache grows into their memory)."""
         for ev in self.free:

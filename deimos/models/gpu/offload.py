@@ -147,9 +147,12 @@ class ExpertOffload:
             n_slots = min(self.n_expert, int(cache_bytes) // max(1, self.cache.slot_nbytes))
         self.fixed = n_slots is not None
         self.sizer = None
+        # the staging ring's most (a prompt chunk's experts): kept free with the step's bytes
+        self.stage_bytes = ExpertStager.peak_bytes(self.cache.layers)
         if self.memory is not None:
             self.sizer = SlotSizer(self.memory, self.cache.slot_nbytes, self.n_expert,
-                                   chunk_slots=self.cache.slots_per_chunk, step_bytes=reserve_bytes)
+                                   chunk_slots=self.cache.slots_per_chunk,
+                                   step_bytes=reserve_bytes + self.stage_bytes)
         if n_slots is None:
             n_slots = 0 if self.sizer is None else self.sizer.fit(self.memory.free(), 0)
         self.cache.resize(n_slots)
@@ -182,9 +185,10 @@ class ExpertOffload:
 
     def set_step_bytes(self, step_bytes: int) -> None:
         """What the sizing keeps free besides its headroom, once the KV pool is allocated
-        (before: the pool's share too, reserved when the cache was first sized)."""
+        (before: the pool's share too, reserved when the cache was first sized); the staging
+        ring's most (``stage_bytes``) is added."""
         if self.sizer is not None:
-            self.sizer.step_bytes = step_bytes
+            self.sizer.step_bytes = step_bytes + self.stage_bytes
 
     def between_steps(self) -> None:
         for i, ids, ev in self._records:  # the last long step's routing, for the cache's policy
@@ -401,6 +405,13 @@ class ExpertOffload:
         if promote and miss.size and lay.n_slots:  # the copy waits for this step (side stream)
             lay.promote_many([int(ids[miss[0]])], self.stream)
         return int(miss.size)
+
+    def fix_share(self, share: float) -> None:
+        """Pin the device's share of a step's misses at ``share`` (0: every miss on the CPU, 1:
+        every miss read by the device): the tuner dropped, so decoding keeps it."""
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"expert offload: the device's share {share} is outside [0, 1]")
+        self.gpu_share, self.tuner = float(share), None
 
     def calibrate(self, reps: int = 5) -> float:
         """Measure the rate of each side on a token's experts (8 for qwen3moe): the CPU's (ggml)
