@@ -291,6 +291,15 @@ def test_the_cache_follows_free_memory(moe_file, models):
     assert off.stats.resizes == 2
     n = off.numbers()
     assert n["expert_slots"] == 0 and 0 <= n["expert_hit_rate"] <= 1 and n["cpu_experts_per_token"] > 0
+    # a prompt chunk's staging buffers, once held, count as used: only the rest is kept free
+    from deimos.models.gpu.offload import STREAM_TOKENS
+
+    off.set_step_bytes(0)
+    off.moe(_x(STREAM_TOKENS + 1, ref.config.n_embd, 4).to(DEVICE), block)
+    held = off.stager.nbytes
+    assert held > 0
+    off.between_steps()
+    assert off.sizer.step_bytes == off.stage_bytes - held
 
 
 TIE = 0.1  # reference top-2 logprob gap under which int8 activations may flip a token

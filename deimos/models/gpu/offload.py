@@ -149,6 +149,7 @@ class ExpertOffload:
         self.sizer = None
         # the staging ring's most (a prompt chunk's experts): kept free with the step's bytes
         self.stage_bytes = ExpertStager.peak_bytes(self.cache.layers)
+        self._step_bytes = reserve_bytes
         if self.memory is not None:
             self.sizer = SlotSizer(self.memory, self.cache.slot_nbytes, self.n_expert,
                                    chunk_slots=self.cache.slots_per_chunk,
@@ -186,9 +187,10 @@ class ExpertOffload:
     def set_step_bytes(self, step_bytes: int) -> None:
         """What the sizing keeps free besides its headroom, once the KV pool is allocated
         (before: the pool's share too, reserved when the cache was first sized); the staging
-        ring's most (``stage_bytes``) is added."""
+        ring's most (``stage_bytes``) is added, less what its buffers hold already."""
+        self._step_bytes = step_bytes
         if self.sizer is not None:
-            self.sizer.step_bytes = step_bytes + self.stage_bytes
+            self.sizer.step_bytes = step_bytes + max(0, self.stage_bytes - self.stager.nbytes)
 
     def between_steps(self) -> None:
         for i, ids, ev in self._records:  # the last long step's routing, for the cache's policy
@@ -203,6 +205,7 @@ class ExpertOffload:
         if self.fixed or self.sizer is None:
             return
         cur = self.cache.n_slots
+        self.set_step_bytes(self._step_bytes)  # the staging buffers held now count as used
         want = self.sizer.target(cur)
         if want == cur:
             return
