@@ -7,6 +7,8 @@
 #   bench/gpu_round_s36.sh moe8   # deimos bench --gpu-mem 8 on qwen3moe 30B-A3B beside llama.cpp's
 #                                 # -ncmoe 33 under the same limit (the GPU tests in TESTS first,
 #                                 # while the file is written)
+#   bench/gpu_round_s36.sh moe35  # (carry as moe8) qwen35moe 35B-A3B under --gpu-mem 8 against
+#                                 # llama.cpp's -ncmoe search (LARGS: fixed llama-bench flags)
 #   bench/gpu_round_s36.sh q3     # carry .whl .peer/lc .peer/td (qwen2 vocabulary, templates): the
 #                                 # agent sessions on qwen3 4B Q4_K_M (Qwen3's template), Deimos
 #                                 # against llama-server -np 1 (after the GPU tests in TESTS)
@@ -72,9 +74,18 @@ moe8)
   [ -n "${TESTS:-}" ] && timeout ${TEST_S:-200} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider $TESTS 2>&1 \
     | cut -c1-220 | tail -6
   wait; idle
+  # where the 8 GiB go, after the load and after a round (the cache's slots should stay)
+  timeout 90 python3 bench/mem_breakdown.py $M30 --gib 8 2>&1 | grep -v Warn | tee "$OUT/mem-8g.txt" | tail -12
   timeout ${BENCH_S:-420} python3 -m deimos bench $M30 -p 512 -n 128 -r 3 --gpu-mem 8 \
     --vs-llama /tmp/lc/llama-bench "--llama-args=${LARGS:--ngl 99 -fa 1 -t 16 -ncmoe 33}" --json "$OUT/moe-8g.json" 2>&1 \
     | grep -v Warn | tee "$OUT/moe-8g.txt" | tail -24
+  idle ;;
+moe35) # qwen35moe 35B-A3B Q4_K_M with 8 GiB left against llama.cpp's best -ncmoe (its search)
+  moe_setup; M35=/tmp/m/qwen35moe-35b-Q4_K_M.gguf; synth qwen35moe-35b-a3b $M35 Q4_K_M qwen2; idle
+  timeout 90 python3 bench/mem_breakdown.py $M35 --gib 8 2>&1 | grep -v Warn | tail -12
+  timeout ${BENCH_S:-420} python3 -m deimos bench $M35 -p 512 -n 128 -r 3 --gpu-mem 8 \
+    --vs-llama /tmp/lc/llama-bench ${LARGS:+"--llama-args=$LARGS"} --json "$OUT/moe35-8g.json" 2>&1 \
+    | grep -v Warn | tee "$OUT/moe35-8g.txt" | tail -24
   idle ;;
 q3)
   setup; (mkq3) &
@@ -110,5 +121,5 @@ soak)
   setup; mkq3; idle
   soak $Q3
   idle ;;
-*) echo "usage: $0 moe|moe8|q3|spec|soak" >&2; exit 2 ;;
+*) echo "usage: $0 moe|lite|moe8|moe35|q3|spec|soak" >&2; exit 2 ;;
 esac
