@@ -832,3 +832,37 @@ def test_gpu_hybrid_speculation_restores_state_pool_slots(tmp_path, right):
     path = tmp_path / "qwen35-tiny-Q8_0.gguf"
     write_model(path, "qwen35", "qwen35-tiny", "Q8_0", llama_cpp_path(DONOR), seed=2)
     _hybrid_rollback(path, right, tie=0.05, device="cuda")
+
+
+# ---- preemption while speculating ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sequences_preempted_while_speculating_give_the_plain_tokens(tiny, method):
+    """Four sequences in a pool too small for all of them: the newest are preempted (their
+    blocks dropped, recomputed later) between verifications, and a draft model's per-sequence
+    cache with them. n-gram drafts on the real SmolLM2 (answers that copy their prompts), the
+    draft model on llama-tiny drafting for itself. Every answer is the plain run's (or differs
+    at a near-tie), drafts were verified, and no block of either pool is left."""
+    path = model_path(SMOL) if method == "ngram" else tiny
+    plain = LLM(path, n_ctx=256, max_seqs=4)
+    texts = [*REPEATING, "Copy: " + "a b c d e f g. " * 4,
+             "Here is a list:\n1, 2, 3, 4, 5, 6, 7\nThe same list again:\n1, 2"]
+    prompts = [plain.encode_raw(t)[:90] for t in texts]
+    want = [_plain(plain, p, 48) for p in prompts]
+    kw = {"draft_model": tiny} if method == "draft" else {}
+    # the four want ~24 blocks of 16 at their ends: 17 make the newest wait or be preempted
+    llm = LLM(path, n_ctx=256, max_seqs=4, kv_tokens=17 * 16, prefix_cache=False,
+              speculative=method, **kw)
+    reqs = [Request(list(p), 48, GREEDY, top_logprobs=2) for p in prompts]
+    llm.run_many(reqs)
+    for i, (w, r) in enumerate(zip(want, reqs)):
+        _same_or_tie(w, r, f"{method} sequence {i}")
+    st = llm.engine.stats()
+    print(f"{method}: {st.preemptions} preemptions, {st.spec_accepted} of {st.spec_drafted} "
+          f"drafts accepted in {st.spec_verify_steps} verify steps")
+    assert st.preemptions > 0 and st.spec_verify_steps > 0 and st.spec_accepted > 0
+    _all_free(llm.engine)
+    if method == "draft":
+        assert llm.engine.drafter.blocks.n_used == 0
+        llm.engine.drafter.blocks.check()
