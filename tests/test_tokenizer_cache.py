@@ -28,7 +28,7 @@ def _texts() -> list[str]:
 def test_cached_ids_are_the_uncached_ones(rel: str) -> None:
     vocab = load_tokenizer(rel).vocab
     plain = Tokenizer(vocab, EncodeCache(max_chars=0))
-    tok = Tokenizer(vocab, EncodeCache())
+    tok = Tokenizer(vocab, EncodeCache(min_chars=512))
     flags = [(a, p) for a in (False, True) for p in (False, True)]
     for _ in range(2):  # the second pass: every long text a hit
         for text in _texts():
@@ -76,6 +76,23 @@ def test_least_recently_used_texts_go_first() -> None:
     assert calls[-2:] == ["short", "short"] and len(cache) == 3
     with pytest.raises(ValueError, match="min_chars"):
         EncodeCache(min_chars=0)
+
+
+def test_the_number_of_texts_is_bounded_too() -> None:
+    """Short texts (the template's text between messages) are kept from min_chars on; past
+    max_entries the least recently used goes, whatever the characters held."""
+    cache = EncodeCache(min_chars=4, max_entries=3)
+    texts = [f"text {i:02d}" for i in range(5)]
+    for t in texts:
+        assert cache.get((t, False, True), lambda t=t: [len(t)]) == [len(t)]
+    assert len(cache) == 3 and cache.chars == 3 * len(texts[0])
+    calls = []
+    for t in texts[2:]:  # the newest three: hits
+        cache.get((t, False, True), lambda t=t: calls.append(t) or [0])
+    cache.get((texts[0], False, True), lambda: calls.append(texts[0]) or [0])  # gone: encoded
+    assert calls == [texts[0]]
+    with pytest.raises(ValueError, match="max_entries"):
+        EncodeCache(max_entries=-1)
 
 
 def test_threads_share_one_cache() -> None:

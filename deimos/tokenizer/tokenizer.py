@@ -141,16 +141,22 @@ class Tokenizer:
             out.append(v.eos_id)
         return out
 
+    @functools.cached_property
+    def _specials(self) -> tuple[tuple[tuple[int, str, bool, bool], ...], ...]:
+        """(id, text, lstrip, rstrip) of the special tokens in partition order, plain values
+        (the flags' enum arithmetic was most of a short text's encode): [0] without the
+        control and unknown tokens (parse_special False), [1] all."""
+        v = self.vocab
+        rows = [(tid, v.tokens[tid], bool(v.attrs[tid] & TokenAttr.LSTRIP),
+                 bool(v.attrs[tid] & TokenAttr.RSTRIP), bool(v.attrs[tid] & _SPECIAL_OUT))
+                for tid in v.special_token_ids]
+        return (tuple(r[:4] for r in rows if not r[4]), tuple(r[:4] for r in rows))
+
     def _partition(self, text: str, parse_special: bool) -> list[int | tuple[int, int]]:
         """Split text into special-token ids and raw (start, end) spans
         (tokenizer_st_partition: each special token in turn, longest first)."""
-        v = self.vocab
         frags: list[int | tuple[int, int]] = [(0, len(text))]
-        for tid in v.special_token_ids:
-            attr = v.attrs[tid]
-            if not parse_special and attr & _SPECIAL_OUT:
-                continue
-            tok = v.tokens[tid]
+        for tid, tok, lstrip, rstrip in self._specials[parse_special]:
             if tok not in text:
                 continue
             new: list[int | tuple[int, int]] = []
@@ -166,14 +172,14 @@ class Tokenizer:
                             new.append((s, e))
                         break
                     ls, le = s, m
-                    if attr & TokenAttr.LSTRIP:
+                    if lstrip:
                         while le > ls and text[le - 1] in _C_SPACE:
                             le -= 1
                     if le > ls:
                         new.append((ls, le))
                     new.append(tid)
                     s = m + len(tok)
-                    if attr & TokenAttr.RSTRIP:
+                    if rstrip:
                         while s < e and text[s] in _C_SPACE:
                             s += 1
             frags = new
