@@ -214,6 +214,9 @@ def test_tojson_follows_hf():
         json.dumps(data, ensure_ascii=False, separators=(",", ":")),
         json.dumps(data, ensure_ascii=False, sort_keys=True),
     ]
+    # a lazy part (written as a list, as llama.cpp's engine does): charged as produced
+    lazy = ChatTemplate("{{ d.a | map('string') | tojson }}|{{ {'x': d.a | map('string')} | tojson }}")
+    assert lazy.render([], d=data).split("|") == ['["1", "2"]', '{"x": ["1", "2"]}']
 
 
 def test_strftime_now_and_loop_controls():

@@ -164,6 +164,15 @@ class Budget:
             return len(value)
         return _Measure(self, json=json, ascii_only=ascii_only).run(value)
 
+    def _measure_json(self, value: Any, *, ascii_only: bool) -> tuple[int, bool]:
+        """``_measure(value, json=True)`` and whether the bound holds for the whole text: False
+        when the value has a part only its own iteration sizes (a lazy sequence), whose JSON
+        must then be charged as it is produced."""
+        if isinstance(value, str):
+            return _str_repr_bound(value, json=True, ascii_only=ascii_only), True
+        m = _Measure(self, json=True, ascii_only=ascii_only)
+        return m.run(value), not m.opaque
+
     def _str_cost(self, value: Any) -> int:
         """Bytes that ``str(value)`` will allocate: nothing for a plain str, else its size."""
         if type(value) is str:
@@ -196,7 +205,7 @@ class _Measure:
     """One walk over a value graph, memoized by object identity (shared parts are sized once
     and counted once per reference). A cycle counts as the ``[...]`` Python prints for it."""
 
-    __slots__ = ("budget", "json", "ascii_only", "sizes", "active", "walked")
+    __slots__ = ("budget", "json", "ascii_only", "sizes", "active", "walked", "opaque")
 
     def __init__(self, budget: Budget, *, json: bool, ascii_only: bool) -> None:
         self.budget = budget
@@ -205,6 +214,7 @@ class _Measure:
         self.sizes: dict[int, tuple[int, int]] = {}  # id -> (printed size, expanded nodes)
         self.active: set[int] = set()
         self.walked = 0
+        self.opaque = False  # a value sized by a constant guess (an iterator, an object)
 
     def run(self, value: Any) -> int:
         size, _ = self._walk(value, 0)
@@ -232,6 +242,7 @@ class _Measure:
         elif isinstance(value, jinja2.Undefined):
             return 16, 1
         else:
+            self.opaque = True
             return _OPAQUE_REPR, 1
         key = id(value)
         if key in self.sizes:

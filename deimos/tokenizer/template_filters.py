@@ -355,11 +355,16 @@ def _do_tojson(budget: Budget, value: Any, ensure_ascii: bool = False, indent: A
         separators = tuple(separators)  # templates pass a Jinja list
         if sum(len(s) for s in separators if isinstance(s, str)) > 1024:
             raise BudgetExceeded("tojson separators longer than 1024")
-    budget._reserve(budget._measure(value, json=True, ascii_only=bool(ensure_ascii)), "JSON text")
+    bound, exact = budget._measure_json(value, ascii_only=bool(ensure_ascii))
+    budget._reserve(bound, "JSON text")
     if isinstance(indent, float):
         raise TypeError("tojson indent must be an integer or a string")
     encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                                sort_keys=sort_keys, default=_json_default)
+    if exact and indent is None:  # within the bound reserved: json's C encoder in one call
+        text = encoder.encode(value)
+        budget._charge(str_units(text))
+        return text
     chunks = []
     # chunk by chunk, so a lazy part (sized only as it is produced) is charged as it grows
     for chunk in encoder.iterencode(value):
