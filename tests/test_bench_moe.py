@@ -401,6 +401,68 @@ def test_render_moe_report() -> None:
     assert json.loads(json.dumps(r.to_json()))["ncmoe_best"] == 33
 
 
+def test_llama_cpp_under_the_squeeze_is_searched_again_with_the_take_held(monkeypatch) -> None:
+    """llama.cpp's best -ncmoe again while a helper holds the squeeze's take: the search sees
+    the free memory the helper left, counts the helper's PID as the bench's own, and the
+    helper is closed after it; the report says both settings and the kept fraction."""
+    from deimos.bench import moe_run
+    from deimos.bench.memhold import Held
+    from deimos.bench.stats import EngineResult
+
+    class FakeHold:
+        pid = 4242
+        closed = False
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            FakeHold.closed = True
+
+        def wait_ready(self):
+            return Held(2 * GIB, 8 * GIB, 6 * GIB, True, 0.0)
+
+    def result(tps):
+        return EngineResult("llama.cpp", Spread.of([300.0]), Spread.of([tps]))
+
+    seen = {}
+
+    def fake_search(cfg, path, file, n_layer, nvml, ours, free):
+        seen.update(ours=ours, free=free, open=not FakeHold.closed)
+        s = NcmoeSearch(n_layer, 40)
+        s.record(NcmoeTry(36, error="out of memory"))
+        s.record(NcmoeTry(40, Spread.of([250.0]), Spread.of([30.0])))
+        return result(30.0), 0, ["a note"], s
+
+    monkeypatch.setattr(moe_run, "search_llama", fake_search)
+    before = NcmoeSearch(48, 33)
+    before.record(NcmoeTry(33, Spread.of([330.0]), Spread.of([50.0])))
+    cfg = BenchConfig("m", squeeze=True, vs_llama="/x/llama-bench", gpu_mem=8)
+    out = moe_run.squeezed_llama(cfg, "m", None, 48, None, frozenset({1}), result(50.0), before,
+                                 make_hold=FakeHold)
+    assert seen == {"ours": frozenset({1, 4242}), "free": 6 * GIB, "open": True}
+    assert FakeHold.closed
+    assert (out.before_ncmoe, out.before_tps, out.squeezed_ncmoe, out.squeezed_tps) == (33, 50.0, 40, 30.0)
+    assert out.kept == pytest.approx(0.6) and [t["n"] for t in out.tried] == [36, 40]
+    text = "\n".join(out.lines())
+    assert "-ncmoe 33: 50.00 t/s before, -ncmoe 40: 30.00 t/s with 2 GiB less: kept 60.0%" in text
+    assert "squeezed: a note" in text
+    r = MoeBenchReport("m.gguf", "offloaded", MemorySeen(8.0, 80 * GIB, 70 * GIB, 78 * GIB, 8 * GIB,
+                                                          2 * GIB), llama_squeeze=out)
+    con = Console(width=300, record=True)
+    for part in render_moe(r):
+        con.print(part)
+    assert "kept 60.0%" in con.export_text()
+    assert json.loads(json.dumps(r.to_json()))["llama_squeeze"]["kept"] == pytest.approx(0.6)
+    # nothing fits with the take held: said, no kept fraction
+    monkeypatch.setattr(moe_run, "search_llama", lambda *a: (None, 0, ["llama.cpp: no -ncmoe fit"],
+                                                             NcmoeSearch(48, 40)))
+    out = moe_run.squeezed_llama(cfg, "m", None, 48, None, frozenset(), result(50.0), before,
+                                 make_hold=FakeHold)
+    assert out.squeezed_tps is None and out.kept is None
+    assert "no -ncmoe fit with 2 GiB less" in out.lines()[0]
+
+
 # ---- the flags ---------------------------------------------------------------------------------
 
 def test_config_checks() -> None:
@@ -408,8 +470,9 @@ def test_config_checks() -> None:
         BenchConfig("m", release=True)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         BenchConfig("m", device="cpu", gpu_mem=8)
-    with pytest.raises(ValueError, match="does not run llama.cpp"):
+    with pytest.raises(ValueError, match="with --vs-llama needs --gpu-mem"):
         BenchConfig("m", squeeze=True, vs_llama="/x/llama-bench")
+    BenchConfig("m", squeeze=True, vs_llama="/x/llama-bench", gpu_mem=8)  # both limits searched
     with pytest.raises(ValueError, match="too few"):
         BenchConfig("m", squeeze=True, release=True, squeeze_requests=5)
     with pytest.raises(ValueError, match="positive"):

@@ -107,6 +107,42 @@ class MemorySeen:
 
 
 @dataclass
+class LlamaSqueeze:
+    """llama.cpp under the squeeze's limits: it cannot give memory back to a process that
+    wants some, so what it runs at once the other program holds its share is a restart with
+    more expert layers on the CPU: its best -ncmoe at the bench's limit and at that limit less
+    the squeeze's take (the same helper process, holding and rewriting it). Decode t/s of each
+    best; None where no setting fit."""
+
+    take_gib: float
+    before_ncmoe: int | None
+    before_tps: float | None
+    squeezed_ncmoe: int | None
+    squeezed_tps: float | None
+    tried: list[dict] = field(default_factory=list)  # the squeezed search's runs (NcmoeTry)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def kept(self) -> float | None:
+        if not self.before_tps or self.squeezed_tps is None:
+            return None
+        return self.squeezed_tps / self.before_tps
+
+    def lines(self) -> list[str]:
+        def one(n: int | None, tps: float | None) -> str:
+            if tps is None:
+                return "no -ncmoe fit"
+            return f"{tps:.2f} t/s (--llama-args' -ncmoe)" if n is None else f"-ncmoe {n}: {tps:.2f} t/s"
+
+        kept = self.kept
+        return [f"llama.cpp, restarted for each limit (it keeps its memory; without a restart the "
+                f"other program's {self.take_gib:g} GiB are not there to take): "
+                f"{one(self.before_ncmoe, self.before_tps)} before, "
+                f"{one(self.squeezed_ncmoe, self.squeezed_tps)} with {self.take_gib:g} GiB less"
+                + (f": kept {kept:.1%}" if kept is not None else ""), *self.notes]
+
+
+@dataclass
 class MoeBenchReport:
     """A MoE bench's report: the usual rounds (``base``; None for a squeeze replay), the
     experts' placement and numbers per phase, the memory, llama.cpp's -ncmoe runs, the squeeze."""
@@ -119,6 +155,7 @@ class MoeBenchReport:
     ncmoe: list[dict] = field(default_factory=list)  # NcmoeTry as dicts, in the order tried
     ncmoe_best: int | None = None
     squeeze: SqueezeTimeline | None = None
+    llama_squeeze: LlamaSqueeze | None = None
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -129,6 +166,8 @@ class MoeBenchReport:
             d["bench"] = self.base.to_json()
         if self.squeeze is not None:
             d["squeeze"] = self.squeeze.to_json()
+        if self.llama_squeeze is not None:
+            d["llama_squeeze"] = {**asdict(self.llama_squeeze), "kept": self.llama_squeeze.kept}
         return d
 
 
@@ -180,6 +219,8 @@ def render_moe(r: MoeBenchReport) -> list:
         out.append(t)
     if r.squeeze is not None:
         out.append(render_squeeze(r.squeeze))
+    if r.llama_squeeze is not None:
+        out.append("\n".join(r.llama_squeeze.lines()))
     if r.notes:
         out.append("\n".join(r.notes))
     return out

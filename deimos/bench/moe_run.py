@@ -15,6 +15,7 @@ from deimos.bench.contention import ContentionCheck, Nvml
 from deimos.bench.llama import llama_args
 from deimos.bench.memhold import MemHold
 from deimos.bench.moe import (
+    LlamaSqueeze,
     MemorySeen,
     MoeBenchReport,
     active_weight_bytes,
@@ -131,6 +132,9 @@ def run_moe_bench(cfg: BenchConfig, path, file, nvml: Nvml | None, before: list,
     if cfg.vs_llama:
         theirs, refused, notes, search = search_llama(cfg, path, file, mcfg.n_layer, nvml, ours,
                                                       free)
+    llama_squeeze = None
+    if cfg.vs_llama and cfg.squeeze:  # llama.cpp again, the squeeze's take held (before we load)
+        llama_squeeze = squeezed_llama(cfg, path, file, mcfg.n_layer, nvml, ours, theirs, search)
     free_at_load, total = _free_now(device)
     n_ctx = (SQUEEZE_WARM_PROMPT if cfg.squeeze else cfg.n_prompt) + cfg.n_gen + 1
     llm = LLM(path, device=cfg.device, n_ctx=n_ctx, max_seqs=1, max_batch_tokens=512,
@@ -148,7 +152,7 @@ def run_moe_bench(cfg: BenchConfig, path, file, nvml: Nvml | None, before: list,
     check = ContentionCheck.from_snapshots(before, nvml.processes() if nvml else [], os.getpid())
     check = ContentionCheck(check.own | ours)
     others = check.others(nvml.processes()) if nvml is not None else []
-    report = MoeBenchReport(path.name, placement, memory, notes=notes)
+    report = MoeBenchReport(path.name, placement, memory, notes=notes, llama_squeeze=llama_squeeze)
     if search is not None:
         report.ncmoe = [asdict(t) for t in search.tried]
         best = search.best()
@@ -203,6 +207,37 @@ def run_moe_bench(cfg: BenchConfig, path, file, nvml: Nvml | None, before: list,
         contention=("checked" if nvml.available else f"not checked: {nvml.error}") if nvml
         else "not applicable (CPU)")
     return report
+
+
+def squeezed_llama(cfg: BenchConfig, path, file, n_layer: int, nvml: Nvml | None,
+                   ours: frozenset[int], before: EngineResult | None,
+                   search: NcmoeSearch | None, make_hold=None) -> LlamaSqueeze:
+    """llama.cpp's best -ncmoe again while a second helper holds the squeeze's take (and
+    rewrites it, as in our replay): what llama.cpp runs at when another program holds that
+    memory (deimos.bench.moe.LlamaSqueeze). ``before``/``search``: the search at the bench's
+    own limit. ``make_hold``: the helper's factory (tests)."""
+    plan = SqueezePlan.of(cfg.squeeze_requests, cfg.release)
+    hold = (make_hold or (lambda: MemHold(take_gib=plan.take_gib, rewrite_ms=plan.rewrite_ms,
+                                          device=cfg.device)))()
+    best = search.best() if search is not None else None
+    out = LlamaSqueeze(plan.take_gib, best.n if best else None,
+                       before.decode.mean if before is not None else None, None, None)
+    with hold:
+        try:
+            held = hold.wait_ready()
+        except RuntimeError as e:
+            out.notes.append(f"llama.cpp's squeezed search not run: the helper failed ({e})")
+            return out
+        mine = ours | {hold.pid} if hold.pid is not None else ours
+        after, _, notes, s2 = search_llama(cfg, path, file, n_layer, nvml, mine, held.free_after)
+    out.notes += [f"squeezed: {n}" for n in notes]
+    if after is not None:
+        b2 = s2.best() if s2 is not None else None
+        out.squeezed_ncmoe = b2.n if b2 else None
+        out.squeezed_tps = after.decode.mean
+    if s2 is not None:
+        out.tried = [asdict(t) for t in s2.tried]
+    return out
 
 
 def _squeeze(cfg: BenchConfig, llm, device: torch.device, gen: torch.Generator):

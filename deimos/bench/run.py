@@ -81,9 +81,9 @@ class BenchConfig:
             raise ValueError("bench: --gpu-mem needs a CUDA device")
         if self.release and not self.squeeze:
             raise ValueError("bench: --release is a variant of --squeeze")
-        if self.squeeze and self.vs_llama:
-            raise ValueError("bench: --squeeze does not run llama.cpp (run --vs-llama on its own "
-                             "for the -ncmoe search under the same --gpu-mem)")
+        if self.squeeze and self.vs_llama and self.gpu_mem is None:
+            raise ValueError("bench: --squeeze with --vs-llama needs --gpu-mem (llama.cpp's best "
+                             "-ncmoe is searched at that limit and at that limit less the take)")
         if self.squeeze:
             from deimos.bench.squeeze import SqueezePlan
 
