@@ -7,6 +7,8 @@
 #   bench/gpu_round_s36.sh moe8   # deimos bench --gpu-mem 8 on qwen3moe 30B-A3B beside llama.cpp's
 #                                 # -ncmoe 33 under the same limit (the GPU tests in TESTS first,
 #                                 # while the file is written)
+#   bench/gpu_round_s36.sh squeeze # (carry as moe8) the squeeze replay at 8 GiB beside llama.cpp
+#                                 # restarted for 8 and for 6 GiB (REL=1: the release variant)
 #   bench/gpu_round_s36.sh moe35  # (carry as moe8) qwen35moe 35B-A3B under --gpu-mem 8 against
 #                                 # llama.cpp's -ncmoe search (LARGS: fixed llama-bench flags)
 #   bench/gpu_round_s36.sh q3     # carry .whl .peer/lc .peer/td (qwen2 vocabulary, templates): the
@@ -80,6 +82,13 @@ moe8)
     --vs-llama /tmp/lc/llama-bench "--llama-args=${LARGS:--ngl 99 -fa 1 -t 16 -ncmoe 33}" --json "$OUT/moe-8g.json" 2>&1 \
     | grep -v Warn | tee "$OUT/moe-8g.txt" | tail -24
   idle ;;
+squeeze) # (carry as moe8) issue 15's squeeze on qwen3moe 30B-A3B at 8 GiB: 2 GiB taken before
+         # request 4 (REL=1: given back later), llama.cpp's best -ncmoe at 8 GiB and with the 2 GiB held
+  moe_setup; synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2; idle
+  timeout ${BENCH_S:-560} python3 -m deimos bench $M30 -n 128 --gpu-mem 8 --squeeze ${REL:+--release} \
+    --vs-llama /tmp/lc/llama-bench --llama-reps 3 --json "$OUT/squeeze.json" 2>&1 | grep -v Warn \
+    | tee "$OUT/squeeze.txt" | tail -40
+  idle ;;
 moe35) # qwen35moe 35B-A3B Q4_K_M with 8 GiB left against llama.cpp's best -ncmoe (its search)
   moe_setup; M35=/tmp/m/qwen35moe-35b-Q4_K_M.gguf; synth qwen35moe-35b-a3b $M35 Q4_K_M qwen2; idle
   timeout 90 python3 bench/mem_breakdown.py $M35 --gib 8 2>&1 | grep -v Warn | tail -12
@@ -121,5 +130,5 @@ soak)
   setup; mkq3; idle
   soak $Q3
   idle ;;
-*) echo "usage: $0 moe|lite|moe8|moe35|q3|spec|soak" >&2; exit 2 ;;
+*) echo "usage: $0 moe|lite|moe8|squeeze|moe35|q3|spec|soak" >&2; exit 2 ;;
 esac
