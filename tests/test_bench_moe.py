@@ -463,6 +463,17 @@ def test_llama_cpp_under_the_squeeze_is_searched_again_with_the_take_held(monkey
     assert "no -ncmoe fit with 2 GiB less" in out.lines()[0]
 
 
+def test_squeeze_against_llama_cpp_needs_a_moe_file(tmp_path) -> None:
+    """A dense file has no -ncmoe to search: refused by name before any helper starts."""
+    from deimos.bench.run import run_bench
+    from deimos.synth import write_model
+
+    dense = write_model(tmp_path / "dense.gguf", "llama", "llama-tiny", "Q8_0",
+                        data_file("models/SmolLM2-135M-Instruct.Q4_1.gguf"), seed=5)
+    with pytest.raises(ValueError, match="dense.gguf has no routed experts"):
+        run_bench(BenchConfig(str(dense), squeeze=True, vs_llama="/x/llama-bench", gpu_mem=8))
+
+
 # ---- the flags ---------------------------------------------------------------------------------
 
 def test_config_checks() -> None:

@@ -200,7 +200,7 @@ def test_from_metadata_rejects_bad_token_id():
 # -- helpers templates use ------------------------------------------------------------------------
 
 
-def test_tojson_follows_hf():
+def test_tojson_follows_hf(monkeypatch):
     data = {"b": "é<x>", "a": [1, 2]}
     t = ChatTemplate(
         "{{ d | tojson }}|{{ d | tojson(indent=2) }}|{{ d | tojson(ensure_ascii=True) }}|"
@@ -214,9 +214,26 @@ def test_tojson_follows_hf():
         json.dumps(data, ensure_ascii=False, separators=(",", ":")),
         json.dumps(data, ensure_ascii=False, sort_keys=True),
     ]
-    # a lazy part (written as a list, as llama.cpp's engine does): charged as produced
-    lazy = ChatTemplate("{{ d.a | map('string') | tojson }}|{{ {'x': d.a | map('string')} | tojson }}")
-    assert lazy.render([], d=data).split("|") == ['["1", "2"]', '{"x": ["1", "2"]}']
+    # a lazy part (written as a list, as llama.cpp's engine does): charged as produced, never
+    # through the one-call encoder (which would build the whole text before any charge); nor
+    # a value with separators the walk's bound does not count
+    want = ['["1", "2"]', '{"x": ["1", "2"]}', json.dumps(data, ensure_ascii=False, separators=(",", ":"))]
+    plain = json.dumps(data, ensure_ascii=False)
+    calls = []
+    real = json.JSONEncoder.encode
+    monkeypatch.setattr(json.JSONEncoder, "encode", lambda self, o: calls.append(o) or real(self, o))
+    lazy = ChatTemplate("{{ d.a | map('string') | tojson }}|{{ {'x': d.a | map('string')} | tojson }}"
+                        "|{{ d | tojson(separators=[',', ':']) }}")
+    assert lazy.render([], d=data).split("|") == want
+    assert calls == []
+    assert t.render([], d=data).split("|")[0] == plain
+    assert len(calls) >= 1  # the plain value: the fast path
+    # the walk's bound holds for JSON text with keys that are not strings (written quoted)
+    from deimos.tokenizer.template_budget import Budget, TemplateLimits
+
+    for v in ({i: "" for i in range(1, 8)}, {True: None, None: 1.5, 2.5: [1]}):
+        bound, exact = Budget(TemplateLimits())._measure_json(v, ascii_only=False)
+        assert exact and bound >= len(json.dumps(v, ensure_ascii=False)), v
 
 
 def test_strftime_now_and_loop_controls():

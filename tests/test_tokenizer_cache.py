@@ -38,6 +38,16 @@ def test_cached_ids_are_the_uncached_ones(rel: str) -> None:
     assert n_long == 3
     assert tok.cache.misses == n_long * len(flags) and tok.cache.hits == n_long * len(flags)
     assert len(plain.cache) == 0 and plain.cache.hits == 0
+    # the default min_chars (64) keeps shorter texts too, e.g. the template's text between two
+    # messages, special tokens included: the same ids
+    texts = [*_texts(), ("<|im_end|>\n<|im_start|>user\n" + PARTS[0])[:90]]
+    default = Tokenizer(vocab, EncodeCache())
+    for _ in range(2):
+        for text in texts:
+            for add, parse in flags:
+                assert default.encode(text, add, parse) == plain.encode(text, add, parse)
+    kept = sum(len(t) >= default.cache.min_chars for t in texts)
+    assert kept == 4 and default.cache.hits == default.cache.misses == kept * len(flags)
 
 
 def test_a_hit_is_a_new_list() -> None:

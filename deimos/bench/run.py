@@ -272,6 +272,9 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     file = GGUFFile(path)
     from deimos.bench.moe import is_moe
 
+    if cfg.squeeze and cfg.vs_llama and not is_moe(file):
+        raise ValueError(f"bench: {path.name} has no routed experts: --squeeze --vs-llama compares "
+                         "llama.cpp's -ncmoe settings (run --squeeze alone on a dense file)")
     hold, ours = hold_memory(cfg, nvml)
     try:
         if is_moe(file) or cfg.squeeze:

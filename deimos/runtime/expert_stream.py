@@ -65,8 +65,12 @@ class ExpertStager:
     bytes carved per layer into its arrays (a Q4_K_M file's layers differ in the down
     projection's format: Q4_K or Q6_K)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, buffer_bytes: int = 0):
+        """``buffer_bytes``: each ring buffer's size when first made (``peak_bytes // RING``:
+        it never grows after, so what it holds is what the cache's sizing kept free for it;
+        0: as the first staging needs, grown in GROW_BYTES steps)."""
         self.device = torch.device(device)
+        self.buffer_bytes = buffer_bytes
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.turn = 0
@@ -89,12 +93,15 @@ class ExpertStager:
         return RING * -(-most // GROW_BYTES) * GROW_BYTES
 
     def release(self) -> None:
-        """Give the buffers back (before the cache grows into their memory)."""
+        """Give the buffers back, to the driver too (free memory as NVML reads it: the cache's
+        sizing then sees the bytes it counted free again)."""
         for ev in self.free:
             if ev is not None:
                 ev.synchronize()
         self.buffers = [None] * RING
         self.free = [None] * RING
+        if self.cuda:
+            torch.cuda.empty_cache()
 
     @staticmethod
     def _layout(lay: LayerCache, n: int) -> tuple[list[tuple[str, str, int, int]], int]:
@@ -114,8 +121,8 @@ class ExpertStager:
         if self.free[k] is not None:  # the old buffer's last reader
             self.free[k].synchronize()
         self.buffers[k] = None
-        self.buffers[k] = torch.empty(-(-nbytes // GROW_BYTES) * GROW_BYTES, dtype=torch.uint8,
-                                      device=self.device)
+        size = max(-(-nbytes // GROW_BYTES) * GROW_BYTES, self.buffer_bytes)
+        self.buffers[k] = torch.empty(size, dtype=torch.uint8, device=self.device)
         return self.buffers[k]
 
     def stage(self, lay: LayerCache, fill: bool = True) -> Staged:

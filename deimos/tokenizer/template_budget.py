@@ -165,9 +165,9 @@ class Budget:
         return _Measure(self, json=json, ascii_only=ascii_only).run(value)
 
     def _measure_json(self, value: Any, *, ascii_only: bool) -> tuple[int, bool]:
-        """``_measure(value, json=True)`` and whether the bound holds for the whole text: False
-        when the value has a part only its own iteration sizes (a lazy sequence), whose JSON
-        must then be charged as it is produced."""
+        """``_measure(value, json=True)`` (with json.dumps' default separators) and whether the
+        bound holds for the whole text: False when the value has a part only its own iteration
+        sizes (a lazy sequence), whose JSON must then be charged as it is produced."""
         if isinstance(value, str):
             return _str_repr_bound(value, json=True, ascii_only=ascii_only), True
         m = _Measure(self, json=True, ascii_only=ascii_only)
@@ -259,6 +259,8 @@ class _Measure:
                 self.budget._tick()
             if isinstance(child, tuple) and isinstance(value, (Mapping, Namespace)):
                 ks, kn = self._walk(child[0], depth + 1)
+                if self.json and not isinstance(child[0], str):
+                    ks += 2  # JSON writes a number, true/false or null key in quotes
                 vs, vn = self._walk(child[1], depth + 1)
                 size, nodes = size + ks + vs + 4, nodes + kn + vn
             else:

@@ -361,7 +361,7 @@ def _do_tojson(budget: Budget, value: Any, ensure_ascii: bool = False, indent: A
         raise TypeError("tojson indent must be an integer or a string")
     encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                                sort_keys=sort_keys, default=_json_default)
-    if exact and indent is None:  # within the bound reserved: json's C encoder in one call
+    if exact and indent is None and separators is None:  # within the bound: C encoder, one call
         text = encoder.encode(value)
         budget._charge(str_units(text))
         return text

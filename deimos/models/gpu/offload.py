@@ -65,7 +65,7 @@ from deimos.quant.triton.layout import PackedWeight
 from deimos.quant.triton.moe_gemv import ExpertChunks
 from deimos.runtime.cpu_experts import CpuExperts, LayerExperts
 from deimos.runtime.expert_cache import ExpertCache, HostExperts
-from deimos.runtime.expert_stream import ExpertStager, Staged
+from deimos.runtime.expert_stream import RING, ExpertStager, Staged
 from deimos.runtime.gpu_memory import FreeMemory, SlotSizer, nvml_reader, torch_reader
 from deimos.runtime.host_mailbox import HostMailbox
 from deimos.runtime.share_tuner import ShareTuner
@@ -175,7 +175,8 @@ class ExpertOffload:
         self.token_path = True
         self.gpu_share = 0.0  # of a layer's missed experts, the share the device reads (calibrate)
         self.tuner: ShareTuner | None = None  # tunes gpu_share while decoding (made by calibrate)
-        self.stager = ExpertStager(self.device)  # long steps' staging (runtime.expert_stream)
+        # long steps' staging (runtime.expert_stream), each ring buffer made at its most at once
+        self.stager = ExpertStager(self.device, self.stage_bytes // RING)
         self._staged: dict[int, Staged] = {}  # layer -> its staging, enqueued a layer ahead
         self._records: list = []  # (layer, pinned ids, event): a long step's routing, recorded after
         log.info("expert offload: %d MoE layers, %d of %d experts a layer on the GPU (%.2f GiB), "
