@@ -342,10 +342,12 @@ def test_drive_closes_the_helper_when_a_request_fails() -> None:
 
 # ---- the expert cache's phase numbers, the report ----------------------------------------------
 
-def _snap(slots, hits, misses, cpu, tokens, streamed=0, prom=0, resizes=0, host_read=0) -> dict:
+def _snap(slots, hits, misses, cpu, tokens, streamed=0, prom=0, resizes=0, host_read=0,
+          share=0.5, moves=0) -> dict:
     return {"slots": slots, "bytes": slots * GIB // 8, "hits": hits, "misses": misses,
             "promotions": prom, "cpu_experts": cpu, "host_read_experts": host_read,
-            "streamed_experts": streamed, "tokens": tokens, "resizes": resizes}
+            "streamed_experts": streamed, "tokens": tokens, "resizes": resizes,
+            "gpu_share": share, "share_moves": moves}
 
 
 def test_phase_numbers_count_only_the_phase() -> None:
@@ -354,8 +356,9 @@ def test_phase_numbers_count_only_the_phase() -> None:
     n = phase_numbers(a, b)
     assert n["hits"] == 900 and n["misses"] == 100 and n["hit_rate"] == pytest.approx(0.9)
     assert n["cpu_experts_per_token"] == pytest.approx(100 / 50)
-    c = _snap(8, 2000, 1400, 900, 200, resizes=1, host_read=150)
+    c = _snap(8, 2000, 1400, 900, 200, resizes=1, host_read=150, share=0.35, moves=3)
     both = add_phase(n, phase_numbers(b, c))
+    assert (both["gpu_share"], both["share_moves"]) == (0.35, 3)  # the level at the end, moves summed
     assert both["host_read_per_token"] == pytest.approx(150 / 100)
     assert both["hits"] == 1000 and both["misses"] == 400
     assert both["hit_rate"] == pytest.approx(1000 / 1400)

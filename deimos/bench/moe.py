@@ -31,7 +31,7 @@ log = logging.getLogger("deimos")
 GIB = 1 << 30
 # counters of the expert offload, summed over a phase (the rest are levels: slots, bytes)
 COUNTERS = ("hits", "misses", "promotions", "cpu_experts", "host_read_experts", "streamed_experts",
-            "tokens", "resizes")
+            "tokens", "resizes", "share_moves")
 
 
 def is_moe(file) -> bool:
@@ -60,7 +60,8 @@ def snapshot(offload) -> dict[str, float]:
     return {"slots": c["slots"], "bytes": c["bytes"], "hits": c["hits"], "misses": c["misses"],
             "promotions": c["promotions"], "cpu_experts": s.cpu_experts,
             "host_read_experts": s.host_read_experts, "streamed_experts": s.streamed_experts,
-            "tokens": s.tokens, "resizes": s.resizes}
+            "tokens": s.tokens, "resizes": s.resizes, "gpu_share": offload.gpu_share,
+            "share_moves": offload.tuner.moves if offload.tuner is not None else 0}
 
 
 def phase_numbers(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -75,6 +76,7 @@ def phase_numbers(before: dict[str, float], after: dict[str, float]) -> dict[str
     d["host_read_per_token"] = d["host_read_experts"] / d["tokens"] if d["tokens"] else 0.0
     d["slots"] = after["slots"]
     d["cache_gib"] = after["bytes"] / GIB
+    d["gpu_share"] = after["gpu_share"]  # the device's share of the misses at the phase's end
     return d
 
 
@@ -89,7 +91,7 @@ def add_phase(total: dict[str, float], part: dict[str, float]) -> dict[str, floa
     out["hit_rate"] = out["hits"] / looked if looked else 0.0
     out["cpu_experts_per_token"] = out["cpu_experts"] / out["tokens"] if out["tokens"] else 0.0
     out["host_read_per_token"] = out["host_read_experts"] / out["tokens"] if out["tokens"] else 0.0
-    out["slots"], out["cache_gib"] = part["slots"], part["cache_gib"]
+    out["slots"], out["cache_gib"], out["gpu_share"] = part["slots"], part["cache_gib"], part["gpu_share"]
     return out
 
 
@@ -199,11 +201,12 @@ def render_moe(r: MoeBenchReport) -> list:
     if r.experts:
         t = Table(title="expert cache over the timed rounds (per layer; rates of the phase)")
         for col in ("phase", "slots", "GiB", "hit rate", "CPU experts/token", "GPU-read/token",
-                    "streamed", "promotions", "resizes"):
+                    "device share", "share moves", "streamed", "promotions", "resizes"):
             t.add_column(col, justify="left" if col == "phase" else "right")
         for phase, n in r.experts.items():
             t.add_row(phase, str(int(n["slots"])), f"{n['cache_gib']:.2f}", f"{n['hit_rate']:.1%}",
                       f"{n['cpu_experts_per_token']:.2f}", f"{n.get('host_read_per_token', 0.0):.2f}",
+                      f"{n.get('gpu_share', 0.0):.2f}", str(int(n.get("share_moves", 0))),
                       str(int(n["streamed_experts"])),
                       str(int(n["promotions"])), str(int(n["resizes"])))
         out.append(t)

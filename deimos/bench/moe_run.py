@@ -153,6 +153,10 @@ def run_moe_bench(cfg: BenchConfig, path, file, nvml: Nvml | None, before: list,
     check = ContentionCheck(check.own | ours)
     others = check.others(nvml.processes()) if nvml is not None else []
     report = MoeBenchReport(path.name, placement, memory, notes=notes, llama_squeeze=llama_squeeze)
+    if off is not None and off.calibrated_share is not None:
+        report.notes.append(f"the device's share of a decode step's misses: {off.calibrated_share:.2f} "
+                            "calibrated at load, then tuned while decoding (the table: its value at "
+                            "each phase's end, and the tuner's moves)")
     if search is not None:
         report.ncmoe = [asdict(t) for t in search.tried]
         best = search.best()

@@ -175,6 +175,7 @@ class ExpertOffload:
         self.token_path = True
         self.gpu_share = 0.0  # of a layer's missed experts, the share the device reads (calibrate)
         self.tuner: ShareTuner | None = None  # tunes gpu_share while decoding (made by calibrate)
+        self.calibrated_share: float | None = None  # calibrate's answer, where it ran
         # long steps' staging (runtime.expert_stream), each ring buffer made at its most at once
         self.stager = ExpertStager(self.device, self.stage_bytes // RING)
         self._staged: dict[int, Staged] = {}  # layer -> its staging, enqueued a layer ahead
@@ -457,7 +458,7 @@ class ExpertOffload:
             t_cpu.append(time.perf_counter() - t0)
             nbytes = k * self.cache.layers[li].host.expert_nbytes
         td, tc = sorted(t_dev)[reps // 2], sorted(t_cpu)[reps // 2]
-        self.gpu_share = tc / (td + tc)  # rates k / td and k / tc: g / (g + c)
+        self.gpu_share = self.calibrated_share = tc / (td + tc)  # rates k / td and k / tc: g / (g + c)
         self.tuner = ShareTuner(self.gpu_share)  # the start: decoding tunes it (runtime.share_tuner)
         log.info("expert offload: the device reads misses from host memory at %.1f GB/s, the CPU "
                  "computes them at %.1f GB/s: %.0f%% of a step's missed experts go to the device",
