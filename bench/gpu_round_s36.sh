@@ -7,6 +7,7 @@
 #   bench/gpu_round_s36.sh moe8   # deimos bench --gpu-mem 8 on qwen3moe 30B-A3B beside llama.cpp's
 #                                 # -ncmoe 33 under the same limit (the GPU tests in TESTS first,
 #                                 # while the file is written)
+#   bench/gpu_round_s36.sh llamalm # (carry as moe8) llama.cpp at 8 GiB with -lm mmap and -lm none
 #   bench/gpu_round_s36.sh squeeze # (carry as moe8) the squeeze replay at 8 GiB beside llama.cpp
 #                                 # restarted for 8 and for 6 GiB (REL=1: the release variant)
 #   bench/gpu_round_s36.sh moe35  # (carry as moe8) qwen35moe 35B-A3B under --gpu-mem 8 against
@@ -82,6 +83,17 @@ moe8)
     --vs-llama /tmp/lc/llama-bench "--llama-args=${LARGS:--ngl 99 -fa 1 -t 16 -ncmoe 33}" --json "$OUT/moe-8g.json" 2>&1 \
     | grep -v Warn | tee "$OUT/moe-8g.txt" | tail -24
   idle ;;
+llamalm) # (carry as moe8) llama.cpp's load modes under 8 GiB at -ncmoe N (33): mmap (llama-bench's
+         # default: CPU experts in pageable file pages) against none (a pinned host copy, which its
+         # op-offloaded prompt batches read at PCIe speed): its best conditions for the comparison
+  moe_setup; synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2; idle
+  sleep 100000 | python3 -m deimos.bench.memhold --leave 8 > /tmp/memhold.out 2>&1 &
+  for i in $(seq 60); do grep -q "^ready" /tmp/memhold.out && break; sleep 1; done; head -1 /tmp/memhold.out
+  for lm in mmap none; do
+    timeout 200 /tmp/lc/llama-bench -m $M30 -p 512 -n 128 -r 3 -ngl 99 -fa 1 -t 16 -ncmoe ${N:-33} \
+      -lm $lm -o md 2>&1 | grep -E "^\|" | tee -a "$OUT/llama-lm.txt"
+  done
+  pkill -f "sleep 100000"; sleep 2; idle ;;
 squeeze) # (carry as moe8) issue 15's squeeze on qwen3moe 30B-A3B at 8 GiB: 2 GiB taken before
          # request 4 (REL=1: given back later), llama.cpp's best -ncmoe at 8 GiB and with the 2 GiB held
   moe_setup; synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2; idle
@@ -130,5 +142,5 @@ soak)
   setup; mkq3; idle
   soak $Q3
   idle ;;
-*) echo "usage: $0 moe|lite|moe8|squeeze|moe35|q3|spec|soak" >&2; exit 2 ;;
+*) echo "usage: $0 moe|lite|moe8|llamalm|squeeze|moe35|q3|spec|soak" >&2; exit 2 ;;
 esac
