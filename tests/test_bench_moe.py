@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import pytest
@@ -464,6 +465,61 @@ def test_llama_cpp_under_the_squeeze_is_searched_again_with_the_take_held(monkey
                                  make_hold=FakeHold)
     assert out.squeezed_tps is None and out.kept is None
     assert "no -ncmoe fit with 2 GiB less" in out.lines()[0]
+
+
+def test_llama_cpp_is_also_run_with_its_weights_pinned(monkeypatch) -> None:
+    """After its -ncmoe (given or searched), llama-bench runs once more with ``-lm none`` (a
+    pinned host copy instead of mmap'd pages) unless the flags choose a load mode; the better
+    run is the table's, by decode within 2% and then prefill, and the notes give both."""
+    from deimos.bench import moe_run
+    from deimos.bench.stats import EngineResult
+
+    runs = []
+
+    def fake_alone(table):
+        def run(cfg, path, nvml, args, ours):
+            runs.append(list(args))
+            pp, tg = table["-lm" in args]
+            if pp is None:
+                return None, 0, [], "ggml_cuda: out of memory"
+            return EngineResult("llama.cpp", Spread.of([pp]), Spread.of([tg]), "m"), 0, [], ""
+        return run
+
+    cfg = BenchConfig("m", vs_llama="/x/llama-bench", llama_args="-ngl 99 -fa 1 -ncmoe 33")
+    for table, want, note in (({False: (330.0, 54.0), True: (1900.0, 53.5)}, (1900.0, 53.5), "-lm none's"),
+                              ({False: (330.0, 54.0), True: (1900.0, 50.0)}, (330.0, 54.0), "mmap's"),
+                              ({False: (330.0, 54.0), True: (None, None)}, (330.0, 54.0), "out of memory")):
+        runs.clear()
+        monkeypatch.setattr(moe_run, "_llama_alone", fake_alone(table))
+        res, refused, notes, search = moe_run.search_llama(cfg, "m", None, 48, None, frozenset(), None)
+        assert search is None and runs == [["-ngl", "99", "-fa", "1", "-ncmoe", "33"],
+                                           ["-ngl", "99", "-fa", "1", "-ncmoe", "33", "-lm", "none"]]
+        assert (res.prefill.mean, res.decode.mean) == want and note in notes[-1]
+        assert res.method.endswith("-lm none") == (want[0] == 1900.0)
+    runs.clear()
+    cfg = BenchConfig("m", vs_llama="/x/llama-bench", llama_args="-ngl 99 -ncmoe 33 -lm mmap")
+    moe_run.search_llama(cfg, "m", None, 48, None, frozenset(), None)
+    assert len(runs) == 1  # a load mode chosen: no second run
+    # after a search: the pinned run at the best -ncmoe found (33: 32 and below do not fit)
+    runs.clear()
+
+    def searched(cfg, path, nvml, args, ours):
+        runs.append(list(args))
+        n = int(args[args.index("-ncmoe") + 1])
+        if n < 33:
+            return None, 0, [], "cudaMalloc failed: out of memory"
+        pinned = "-lm" in args
+        return EngineResult("llama.cpp", Spread.of([1900.0 if pinned else 330.0]),
+                            Spread.of([60.0 - (n - 33) * (1 if not pinned else 1.2)]), "m"), 0, [], ""
+
+    monkeypatch.setattr(moe_run, "_llama_alone", searched)
+    monkeypatch.setattr(moe_run, "first_guess", lambda *a: 36)
+    monkeypatch.setattr(moe_run, "expert_bytes_by_layer", lambda *a: [])
+    cfg = BenchConfig("m", vs_llama="/x/llama-bench")
+    f = SimpleNamespace(tensors={}, file_size=0)
+    res, _, notes, search = moe_run.search_llama(cfg, "m", f, 48, None, frozenset(), None)
+    assert search.best().n == 33 and runs[-1][-4:] == ["-ncmoe", "33", "-lm", "none"]
+    assert (res.prefill.mean, res.decode.mean) == (1900.0, 60.0) and "-lm none's" in notes[-1]
 
 
 def test_squeeze_against_llama_cpp_needs_a_moe_file(tmp_path) -> None:
