@@ -491,7 +491,7 @@ def test_llama_cpp_is_also_run_with_its_weights_pinned(monkeypatch) -> None:
                               ({False: (330.0, 54.0), True: (None, None)}, (330.0, 54.0), "out of memory")):
         runs.clear()
         monkeypatch.setattr(moe_run, "_llama_alone", fake_alone(table))
-        res, refused, notes, search = moe_run.search_llama(cfg, "m", None, 48, None, frozenset(), None)
+        res, _, notes, search = moe_run.search_llama(cfg, "m", None, 48, None, frozenset(), None)
         assert search is None and runs == [["-ngl", "99", "-fa", "1", "-ncmoe", "33"],
                                            ["-ngl", "99", "-fa", "1", "-ncmoe", "33", "-lm", "none"]]
         assert (res.prefill.mean, res.decode.mean) == want and note in notes[-1]
