@@ -123,3 +123,66 @@ def test_threads_share_one_cache() -> None:
     for t in threads:
         t.join()
     assert not errors and tok.cache.chars <= 4000
+
+
+def _partition_oracle(vocab, text: str, parse_special: bool) -> list:
+    """tokenizer_st_partition written out plainly: each special token in turn (longest first),
+    split out of every raw span, spaces stripped beside it as its LSTRIP / RSTRIP flags say."""
+    from deimos.tokenizer.vocab import TokenAttr
+
+    frags = [(0, len(text))]
+    for tid in vocab.special_token_ids:
+        attr = TokenAttr(vocab.attrs[tid])
+        if not parse_special and attr & (TokenAttr.CONTROL | TokenAttr.UNKNOWN):
+            continue
+        tok = vocab.tokens[tid]
+        out = []
+        for fr in frags:
+            if isinstance(fr, int):
+                out.append(fr)
+                continue
+            s, e = fr
+            while (m := text.find(tok, s, e)) >= 0:
+                le = m
+                while TokenAttr.LSTRIP in attr and le > s and text[le - 1] in " \t\n\v\f\r":
+                    le -= 1
+                if le > s:
+                    out.append((s, le))
+                out.append(tid)
+                s = m + len(tok)
+                while TokenAttr.RSTRIP in attr and s < e and text[s] in " \t\n\v\f\r":
+                    s += 1
+            if e > s:
+                out.append((s, e))
+        frags = out
+    return frags
+
+
+def test_the_partition_strips_beside_lstrip_and_rstrip_tokens() -> None:
+    """SmolLM2's vocabulary with two special tokens given LSTRIP / RSTRIP (no vocabulary at
+    hand has an LSTRIP one): the tokenizer's partition (flags read once, plain values) equals the
+    oracle on random texts around them, with and without parse_special."""
+    import copy
+    import random
+
+    from deimos.tokenizer.vocab import TokenAttr
+
+    vocab = copy.copy(load_tokenizer(SMOLLM).vocab)
+    vocab.attrs = list(vocab.attrs)
+    vocab.__dict__.pop("special_token_ids", None)  # a cached property of the original's attrs
+    control = [t for t in vocab.special_token_ids
+               if TokenAttr(vocab.attrs[t]) & TokenAttr.CONTROL][:2]
+    a, b = control
+    vocab.attrs[a] |= TokenAttr.LSTRIP
+    vocab.attrs[b] |= TokenAttr.RSTRIP | TokenAttr.LSTRIP
+    tok = Tokenizer(vocab, EncodeCache(max_chars=0))
+    rng = random.Random(4)
+    pieces = [vocab.tokens[a], vocab.tokens[b], " ", "  \n", "\t", "word", "x y", "<|", "|>"]
+    seen = set()
+    for _ in range(400):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
+        for parse in (False, True):
+            got = tok._partition(text, parse)
+            assert got == _partition_oracle(vocab, text, parse), (text, parse)
+            seen |= {x for x in got if isinstance(x, int)}
+    assert {a, b} <= seen  # both tokens were split out, with their spaces
