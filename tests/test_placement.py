@@ -116,3 +116,23 @@ def test_a_group_lets_go_of_its_output_once_every_part_read_it(kernel_model):
     lin = group.linear
     full = lin(x).cpu()
     assert torch.equal(g.cpu(), full[:, : g.shape[1]]) and torch.equal(u.cpu(), full[:, g.shape[1]:])
+
+
+def test_an_offloaded_models_kv_pool_is_one_or_two_contexts_or_a_named_error():
+    """qwen3moe 30B-A3B's numbers (98,304 KV bytes a token, ~1.1 GB of weights on the device)
+    on an 8 GB card: the default 4k context gets two contexts, an agent's 40k one (3.8 GiB), a
+    64k context does not fit and the error names the longest that would."""
+    from deimos.models.gpu.placement import offload_kv_tokens
+
+    gib = 2**30
+    bpt, other, act, free, total = 98_304, int(1.1 * gib), 256 << 20, int(7.3 * gib), 8 * gib
+    assert offload_kv_tokens(4096, bpt, other, act, free, total) == 8192
+    assert offload_kv_tokens(40960, bpt, other, act, free, total) == 40960
+    with pytest.raises(ValueError, match=r"m.gguf: a 65536-token context needs 6.0 GiB of KV "
+                                         r"cache.*use a context of at most 5[0-9]{4} tokens"):
+        offload_kv_tokens(65536, bpt, other, act, free, total, "m.gguf")
+    # the prompt staging ring counts: less room, the same 40k context no longer fits
+    with pytest.raises(ValueError, match="at most"):
+        offload_kv_tokens(40960, bpt, other, act, free, total, stage_bytes=2 * gib)
+    with pytest.raises(ValueError, match="too small for this model"):
+        offload_kv_tokens(4096, bpt, 7 * gib, act, free, total)

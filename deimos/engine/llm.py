@@ -212,7 +212,19 @@ class LLM:
         if plan.device == "gpu":
             return load_model(self.file, device=device)
         from deimos.models.gpu.offload import ExpertOffload
+        from deimos.models.gpu.placement import offload_kv_tokens
 
+        act = 64 * engine.get("max_batch_tokens", 2048) * cfg.n_embd * 4
+        if engine.get("kv_tokens") is None and engine.get("kv_gib") is None:
+            # before loading: a context that cannot fit is said now, and the pool's share known
+            free, total = torch.cuda.mem_get_info(torch.device(device))
+            ring = 2 * -(-plan.expert_bytes // max(1, cfg.n_layer))  # two layers' experts
+            engine["kv_tokens"] = offload_kv_tokens(ctx, bytes_per_token(cfg, torch.float16),
+                                                    plan.other_bytes, act, free, total, self.path.name,
+                                                    stage_bytes=ring)
+        kv = (engine["kv_tokens"] * bytes_per_token(cfg, torch.float16) if engine.get("kv_tokens")
+              is not None else int(engine["kv_gib"] * 2**30))
+        reserve = kv + act  # what is allocated after the cache: the pool, the step's activations
         model = load_model(self.file, device=device, expert_device="cpu")
         self.offload = ExpertOffload(model, self.file, torch.device(device), reserve_bytes=reserve,
                                      cache_bytes=None if cache_gib is None else int(cache_gib * 2**30),
@@ -224,8 +236,6 @@ class LLM:
             log.warning("expert offload: the CPU/device split could not be measured (%s: %s): "
                         "every miss is computed on the CPU", type(e).__name__, e)
             self.offload.fix_share(0.0)
-        if engine.get("kv_tokens") is None and engine.get("kv_gib") is None:
-            engine["kv_tokens"] = 2 * ctx  # the rest of the memory is the cache's
         return model
 
     @property

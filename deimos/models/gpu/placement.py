@@ -150,3 +150,32 @@ def plan_experts(file, mode: str = "auto", free_bytes: int | None = None,
         return ExpertPlan("gpu", e, other, f"auto: {(e + other) / 2**30:.1f} GiB of weights fit")
     return ExpertPlan("cpu", e, other, f"auto: {(e + other) / 2**30:.1f} GiB of weights, "
                       f"{max(room, 0) / 2**30:.1f} GiB free for them: experts on the host, a GPU cache")
+
+
+KV_CONTEXTS_SHARE = 0.25  # a second context's KV, when two take at most this share of the room
+
+
+def offload_kv_tokens(n_ctx: int, kv_bytes_per_token: int, other_bytes: int, step_bytes: int,
+                      free_bytes: int, total_bytes: int, name: str = "the model",
+                      stage_bytes: int = 0) -> int:
+    """The KV pool of a model whose experts are offloaded, in tokens, decided before loading:
+    the room is the free memory less the weights that go on the device (``other_bytes``), the
+    step's activations, the prompt staging ring (``stage_bytes``: runtime.expert_stream) and
+    the headroom (runtime.gpu_memory); what the pool does not take is
+    the expert cache's. Two contexts (a second sequence, a prefix kept for the next turn) when
+    they take at most KV_CONTEXTS_SHARE of the room, else one: an agent's 40k-token context of
+    qwen3moe 30B-A3B is 3.8 GiB of KV a context, on an 8 GB card all it can spare. A context
+    whose KV does not fit at all is an error naming the longest that would."""
+    from deimos.runtime.gpu_memory import headroom
+
+    room = free_bytes - other_bytes - step_bytes - stage_bytes - headroom(total_bytes)
+    one = n_ctx * kv_bytes_per_token
+    if one > room:
+        most = max(0, room) // kv_bytes_per_token // 256 * 256
+        raise ValueError(
+            f"{name}: a {n_ctx}-token context needs {one / 2**30:.1f} GiB of KV cache, and "
+            f"{max(room, 0) / 2**30:.1f} GiB of the GPU's {free_bytes / 2**30:.1f} GiB free are "
+            f"left beside {other_bytes / 2**30:.1f} GiB of weights and the step's room"
+            + (f": use a context of at most {most} tokens (-c / n_ctx)" if most >= 256
+               else ": the GPU is too small for this model even with its experts on the host"))
+    return 2 * n_ctx if 2 * one <= KV_CONTEXTS_SHARE * room else n_ctx
