@@ -17,6 +17,7 @@ from chat_support import read_vocab
 from testdata import llama_cpp_path, model_path
 
 from deimos.server.tools import (
+    SchemaMemo,
     parse_tool_calls,
     prepare_chat,
     template_renders_tools,
@@ -359,6 +360,41 @@ def _fn(**kw):
 def test_invalid_tools(tools, message):
     with pytest.raises(ValueError, match=message):
         validate_tools(tools)
+    memo = SchemaMemo()
+    for _ in range(2):  # with the memo, the same error each time: an invalid schema is not kept
+        with pytest.raises(ValueError, match=message):
+            validate_tools(tools, memo)
+
+
+def test_the_schema_memo_skips_only_schemas_found_valid(monkeypatch):
+    """A turn's tools again: their schemas are not checked against the meta-schema a second
+    time (the same JSON text, key order aside); a changed schema is; the memo is bounded."""
+    import jsonschema
+
+    checked = []
+    cls = jsonschema.validators.validator_for({})  # the draft of a schema without $schema
+    real = cls.check_schema
+
+    def counting(schema, *a, **k):
+        checked.append(json.dumps(schema, sort_keys=True))
+        return real(schema, *a, **k)
+
+    monkeypatch.setattr(cls, "check_schema", counting)
+    memo = SchemaMemo(size=2)
+    validate_tools(TOOLS, memo)
+    first = len(checked)
+    assert first == sum("parameters" in t["function"] for t in TOOLS) > 0
+    reordered = json.loads(json.dumps(TOOLS))
+    for t in reordered:
+        if "parameters" in t["function"]:
+            t["function"]["parameters"] = dict(reversed(list(t["function"]["parameters"].items())))
+    validate_tools(reordered, memo)
+    kept = min(first, 2)  # the memo holds the last two
+    assert len(checked) == first + (first - kept)
+    changed = _fn(parameters={"type": "object", "properties": {"x": {"type": "integer"}}})
+    validate_tools(changed, memo)
+    validate_tools(changed, memo)
+    assert len(checked) == first + (first - kept) + 1
 
 
 def test_tool_choice():

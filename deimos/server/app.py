@@ -56,6 +56,7 @@ class Server:
     def __post_init__(self) -> None:
         self.tool_style = tools.tool_call_style(self.llm.template.source, self.llm.tokenizer)
         self.logprobs = LogprobFormatter(self.llm.tokenizer)
+        self.schemas = tools.SchemaMemo()  # tool parameter schemas already checked
         self.metrics.set_engine(self.llm.engine.stats())  # /metrics has them before a step
 
 
@@ -214,7 +215,7 @@ def _chat_prompt(server: Server, body: ChatCompletionRequest) -> ChatPlan:
     choice = choice.model_dump() if hasattr(choice, "model_dump") else choice
     try:
         if tool_list is not None:
-            tools.validate_tools(tool_list)
+            tools.validate_tools(tool_list, server.schemas)
     except ValueError as e:
         raise bad_request(str(e), "tools", "invalid_tools") from None
     try:
