@@ -39,10 +39,8 @@ def rebuild(preset: str, tmp: Path, ggml_type: str | None = None) -> Path:
     s = ref["synth"]
     donor = data_file(s["vocab_from"])
     assert hashlib.sha256(donor.read_bytes()).hexdigest() == s["vocab_from_sha256"], donor
-    if ggml_type is None:
-        return write_model(tmp / ref["model"]["file"], s["arch"], s["preset"], s["ggml_type"], donor, s["seed"])
-    name = f"synth-{s['preset']}-{ggml_type}.gguf"
-    return write_model(tmp / name, s["arch"], s["preset"], ggml_type, donor, s["seed"])
+    name = ref["model"]["file"] if ggml_type is None else f"synth-{s['preset']}-{ggml_type}.gguf"
+    return write_model(tmp / name, s["arch"], s["preset"], ggml_type or s["ggml_type"], donor, s["seed"])
 
 
 def same_file(path: Path, preset: str) -> bool:

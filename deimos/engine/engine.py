@@ -41,7 +41,7 @@ from deimos.engine.sequence import SeqStatus, Sequence
 from deimos.engine.speculate import SpecConfig, SpecState, make_drafter
 from deimos.kernels.sampling import Sampler, logprobs
 from deimos.models.blocks import DecoderModel
-from deimos.runtime.kv_pool import KVPool, bytes_per_token, pool_blocks
+from deimos.runtime.kv_pool import KVPool, bytes_per_token, pool_blocks, step_bytes
 from deimos.runtime.state_pool import state_pool_for
 
 log = logging.getLogger("deimos")
@@ -124,7 +124,7 @@ def _make_pool(model: DecoderModel, cfg: EngineConfig) -> KVPool:
         n = pool_blocks(model.config, cfg.block_size, dtype, tokens=cfg.kv_tokens, gib=cfg.kv_gib)
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        reserve = 2 * 2**30 + 64 * cfg.max_batch_tokens * model.config.n_embd * 4  # activations
+        reserve = 2 * 2**30 + step_bytes(model.config, cfg.max_batch_tokens)  # activations
         n = pool_blocks(model.config, cfg.block_size, dtype, free_bytes=free, fraction=cfg.kv_fraction,
                         reserve_bytes=reserve, max_tokens=want)
     else:

@@ -23,6 +23,7 @@ from deimos.kernels.sampling import SamplingParams
 from deimos.models import load_model
 from deimos.registry import resolve
 from deimos.runtime.kernel_cache import use_kernel_cache
+from deimos.runtime.kv_pool import bytes_per_token, step_bytes
 from deimos.tokenizer import Tokenizer
 from deimos.tokenizer.chat import encode_chat
 from deimos.tokenizer.stops import end_of_generation_ids
@@ -180,7 +181,7 @@ class LLM:
         self.engine = Engine(self.model, EngineConfig(n_ctx=n_ctx, **engine))
         if self.offload is not None:  # the pool exists now: the cache keeps only a step's room free
             cfg_e = self.engine.cfg
-            self.offload.set_step_bytes(64 * cfg_e.max_batch_tokens * self.config.n_embd * 4)
+            self.offload.set_step_bytes(step_bytes(self.config, cfg_e.max_batch_tokens))
         self.engine.warm(progress)  # CUDA graphs (and every kernel) before the first request
 
     def _load_gpu(self, device: str, n_ctx: int | None, experts: str, cache_gib: float | None,
@@ -190,8 +191,7 @@ class LLM:
         import torch
 
         from deimos.models.config import ModelConfig
-        from deimos.models.gpu.placement import plan_experts
-        from deimos.runtime.kv_pool import bytes_per_token
+        from deimos.models.gpu.placement import offload_kv_tokens, plan_experts
 
         cfg = ModelConfig.from_gguf(self.file.metadata, source=str(self.file.path), tensors=self.file.tensors)
         if not cfg.is_moe:
@@ -199,8 +199,9 @@ class LLM:
         ctx = context_size(n_ctx, cfg.context_length)
         seqs = engine.get("max_seqs", 64)
         # what is allocated after the experts: two contexts of KV (at least), the step's activations
-        reserve = 2 * ctx * bytes_per_token(cfg, torch.float16) + 64 * engine.get("max_batch_tokens", 2048) * cfg.n_embd * 4
-        reserve = max(reserve, min(seqs, 4) * ctx * bytes_per_token(cfg, torch.float16))
+        bpt = bytes_per_token(cfg, torch.float16)
+        act = step_bytes(cfg, engine.get("max_batch_tokens", 2048))
+        reserve = max(2 * ctx * bpt + act, min(seqs, 4) * ctx * bpt)
         spec = engine.get("spec")
         mtp = spec is not None and spec.method == "mtp"
         plan = plan_experts(self.file, experts, reserve_bytes=reserve, mtp=mtp)
@@ -212,18 +213,16 @@ class LLM:
         if plan.device == "gpu":
             return load_model(self.file, device=device)
         from deimos.models.gpu.offload import ExpertOffload
-        from deimos.models.gpu.placement import offload_kv_tokens
+        from deimos.runtime.expert_stream import RING
 
-        act = 64 * engine.get("max_batch_tokens", 2048) * cfg.n_embd * 4
         if engine.get("kv_tokens") is None and engine.get("kv_gib") is None:
             # before loading: a context that cannot fit is said now, and the pool's share known
             free, total = torch.cuda.mem_get_info(torch.device(device))
-            ring = 2 * -(-plan.expert_bytes // max(1, cfg.n_layer))  # two layers' experts
-            engine["kv_tokens"] = offload_kv_tokens(ctx, bytes_per_token(cfg, torch.float16),
-                                                    plan.other_bytes, act, free, total, self.path.name,
-                                                    stage_bytes=ring)
-        kv = (engine["kv_tokens"] * bytes_per_token(cfg, torch.float16) if engine.get("kv_tokens")
-              is not None else int(engine["kv_gib"] * 2**30))
+            ring = RING * -(-plan.expert_bytes // max(1, cfg.n_layer))  # a layer's experts a buffer
+            engine["kv_tokens"] = offload_kv_tokens(ctx, bpt, plan.other_bytes, act, free, total,
+                                                    self.path.name, stage_bytes=ring)
+        kv = (engine["kv_tokens"] * bpt if engine.get("kv_tokens") is not None
+              else int(engine["kv_gib"] * 2**30))
         reserve = kv + act  # what is allocated after the cache: the pool, the step's activations
         model = load_model(self.file, device=device, expert_device="cpu")
         self.offload = ExpertOffload(model, self.file, torch.device(device), reserve_bytes=reserve,

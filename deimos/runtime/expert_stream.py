@@ -65,10 +65,9 @@ class ExpertStager:
     bytes carved per layer into its arrays (a Q4_K_M file's layers differ in the down
     projection's format: Q4_K or Q6_K)."""
 
-    def __init__(self, device: torch.device, buffer_bytes: int = 0):
+    def __init__(self, device: torch.device, buffer_bytes: int):
         """``buffer_bytes``: each ring buffer's size when first made (``peak_bytes // RING``:
-        it never grows after, so what it holds is what the cache's sizing kept free for it;
-        0: as the first staging needs, grown in GROW_BYTES steps)."""
+        it never grows after, so what it holds is what the cache's sizing kept free for it)."""
         self.device = torch.device(device)
         self.buffer_bytes = buffer_bytes
         self.cuda = self.device.type == "cuda"

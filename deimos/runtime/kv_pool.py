@@ -49,6 +49,13 @@ def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     return config.n_layer * config.n_head_kv * (config.head_dim + config.head_dim_v) * size
 
 
+def step_bytes(config: ModelConfig, max_batch_tokens: int) -> int:
+    """An upper bound on what a step of ``max_batch_tokens`` tokens allocates besides the
+    weights and the KV pool (its activations: 64 float32 rows of the model's width a token; a
+    30B-A3B prompt chunk of 512 measured ~40 of them, bench/mem_breakdown.py)."""
+    return 64 * max_batch_tokens * config.n_embd * 4
+
+
 def pool_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, *, tokens: int | None = None,
                 gib: float | None = None, free_bytes: int | None = None, fraction: float = 0.9,
                 reserve_bytes: int = 0, max_tokens: int | None = None) -> int:

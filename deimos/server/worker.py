@@ -101,16 +101,11 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.monotonic)
-    outbox: Outbox | None = None  # set by the worker that runs it: events go out per step
+    outbox: Outbox | None = None  # set by the worker when it admits the job (before any event)
 
     def emit(self, event: Piece | Done | Failed) -> None:
-        if self.outbox is not None:
-            self.outbox.put(self, event)
-            return
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-            self.cancelled.set()
+        """From the worker thread: the event goes out with the step's others (``Outbox``)."""
+        self.outbox.put(self, event)
 
 
 class _Active:

@@ -155,19 +155,20 @@ class Budget:
 
     # -- sizes of existing values ------------------------------------------------------------
 
-    def _measure(self, value: Any, *, json: bool = False, ascii_only: bool = False) -> int:
-        """An upper bound on ``len(str(value))`` (``json``: of its JSON text). Raises when the
-        value expands beyond ``max_nodes`` elements or nests beyond ``max_nesting``."""
+    def _measure(self, value: Any) -> int:
+        """An upper bound on ``len(str(value))``. Raises when the value expands beyond
+        ``max_nodes`` elements or nests beyond ``max_nesting``."""
         if isinstance(value, str):
-            if json or type(value) is not str:
-                return _str_repr_bound(value, json=json, ascii_only=ascii_only)
+            if type(value) is not str:
+                return _str_repr_bound(value, json=False, ascii_only=False)
             return len(value)
-        return _Measure(self, json=json, ascii_only=ascii_only).run(value)
+        return _Measure(self, json=False, ascii_only=False).run(value)
 
     def _measure_json(self, value: Any, *, ascii_only: bool) -> tuple[int, bool]:
-        """``_measure(value, json=True)`` (with json.dumps' default separators) and whether the
-        bound holds for the whole text: False when the value has a part only its own iteration
-        sizes (a lazy sequence), whose JSON must then be charged as it is produced."""
+        """An upper bound on the length of ``value``'s JSON text (with json.dumps' default
+        separators; limits as ``_measure``), and whether it holds for the whole text: False
+        when the value has a part only its own iteration sizes (a lazy sequence), whose JSON
+        must then be charged as it is produced."""
         if isinstance(value, str):
             return _str_repr_bound(value, json=True, ascii_only=ascii_only), True
         m = _Measure(self, json=True, ascii_only=ascii_only)
