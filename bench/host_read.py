@@ -80,14 +80,16 @@ def main() -> int:
                              for i in range(len(sets))], calls=len(sets) * 2)
         t_dev = time_graph([lambda i=i: expert_products(x, block, ids[i], tables[i], device)
                             for i in range(len(sets))], calls=len(sets) * 2)
-        dst = {p: {n: torch.empty((k * w.n, *v.shape[1:]), dtype=v.dtype, device=dev)
+        # each packed tensor holds E experts' rows along its first axis (not always w.n of them)
+        dst = {p: {n: torch.empty((k * (v.shape[0] // E), *v.shape[1:]), dtype=v.dtype, device=dev)
                    for n, v in w.tensors.items()} for p, w in pinned.items()}
 
         def copy(s):
             for p, w in pinned.items():
                 for n, v in w.tensors.items():
+                    r = v.shape[0] // E
                     for j, e in enumerate(s.tolist()):
-                        dst[p][n][j * w.n:(j + 1) * w.n].copy_(v[e * w.n:(e + 1) * w.n], non_blocking=True)
+                        dst[p][n][j * r:(j + 1) * r].copy_(v[e * r:(e + 1) * r], non_blocking=True)
         t_copy = time_graph([lambda s=s: copy(s) for s in sets], calls=len(sets) * 2)
         nb = k * per_expert
         print(f"| {k} | {t_host * 1e6:.1f} | {nb / t_host / 1e9:.1f} | {t_dev * 1e6:.1f} | "

@@ -61,6 +61,8 @@ class Timers:
     TARGETS = (("host: wait for the device's post", "deimos.runtime.host_mailbox", "HostMailbox", "wait_posted"),
                ("host: answer a layer", "deimos.models.gpu.offload", "ExpertOffload", "_answer"),
                ("  cpu experts (all)", "deimos.runtime.cpu_experts", "CpuExperts", "__call__"),
+               ("  cpu experts (token)", "deimos.runtime.cpu_experts", "CpuExperts", "token"),
+               ("    planes (token)", "deimos.runtime.cpu_experts", "_Planes", "quantize_into"),
                ("    ggml compute", "deimos.runtime.cpu_experts", "_GgmlPlan", "_compute"),
                ("    activation planes", "deimos.runtime.cpu_experts", "_Planes", "quantize"),
                ("  promote", "deimos.runtime.expert_cache", "LayerCache", "promote_many"),
@@ -143,6 +145,8 @@ def main() -> None:
                     "(auto: the load's calibration; tune: the engine's tuner from there)")
     ap.add_argument("--answer", default="token", help="a decode layer's host side: token "
                     "(ExpertOffload._answer_token), rows (the general path), or both")
+    ap.add_argument("--promote", default=None, help="layers promoting a miss each step, one run "
+                    "each (default: the engine's)")
     ap.add_argument("--cpu", default="pool", help="CPU sides to run: pool, nopool, planes1, planes3")
     a = ap.parse_args()
     bad = [c for c in a.cpu.split(",") if c not in ("pool", "nopool", "planes1", "planes3")]
@@ -171,10 +175,12 @@ def main() -> None:
             "planes3": lambda: CpuExperts(c.layers, planes=3, n_threads=c.n_threads)}
     built = {}
     shares = {}
-    runs = [(pool, int(n), sh, ans) for pool in a.cpu.split(",") for n in a.slots.split(",")
-            for sh in a.shares.split(",") for ans in a.answer.split(",")]
-    for pool, n_slots, share, ans in runs:
+    promotes = [int(v) for v in a.promote.split(",")] if a.promote else [off.promote_layers]
+    runs = [(pool, int(n), sh, ans, pr) for pool in a.cpu.split(",") for n in a.slots.split(",")
+            for sh in a.shares.split(",") for ans in a.answer.split(",") for pr in promotes]
+    for pool, n_slots, share, ans, pr in runs:
         off.token_path = ans == "token"
+        off.promote_layers = pr
         if pool not in built:
             built[pool] = cpus[pool]()
         off.cpu = built[pool]
@@ -210,8 +216,8 @@ def main() -> None:
         ms = sec * 1e3 / made
         if off.tuner is not None:
             share = off.gpu_share  # where the tuner ended
-        rows.append((f"{pool}/{ans}", off.cache.n_slots, share, ms, hit, a.p / tp))
-        print(f"\ncpu side {pool}, answer {ans}, slots {off.cache.n_slots}, device share {share:.2f}: {ms:.2f} ms a token ({1e3 / ms:.1f} tok/s), hit rate "
+        rows.append((f"{pool}/{ans}/p{pr}", off.cache.n_slots, share, ms, hit, a.p / tp))
+        print(f"\ncpu side {pool}, answer {ans}, promoting layers {pr}, slots {off.cache.n_slots}, device share {share:.2f}: {ms:.2f} ms a token ({1e3 / ms:.1f} tok/s), hit rate "
               f"{hit:.3f}; prompt {a.p} tokens {tp * 1e3:.0f} ms ({a.p / tp:.0f} tok/s); under cProfile {psec * 1e3 / pmade:.2f} ms a token; per token:")
         print(f"  timed (perf_counter, {tsec * 1e3 / tmade:.2f} ms a token; the prompt's eager "
               f"steps included, so per decode token):")
@@ -221,9 +227,9 @@ def main() -> None:
         for label, v, calls in parts(st, pmade):
             print(f"  {label:28s} {v:8.2f} ms  {calls:5d} calls")
         st.sort_stats("tottime").print_stats(a.top)
-    print("\ncpu side/answer  slots  share  ms/token  tok/s  hit rate  prompt tok/s")
+    print("\ncpu/answer/promote slots  share  ms/token  tok/s  hit rate  prompt tok/s")
     for pool, n_slots, share, ms, hit, pp in rows:
-        print(f"{pool:15s}  {n_slots:5d}  {share:5.2f}  {ms:8.2f}  {1e3 / ms:5.1f}  {hit:8.3f}  {pp:12.0f}")
+        print(f"{pool:17s}{n_slots:5d}  {share:5.2f}  {ms:8.2f}  {1e3 / ms:5.1f}  {hit:8.3f}  {pp:12.0f}")
 
 
 if __name__ == "__main__":

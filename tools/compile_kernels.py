@@ -662,7 +662,8 @@ def _shared_gate_jobs() -> list[Job]:
 
 
 def _host_link_jobs() -> list[Job]:
-    """The offload's device-host handshake (kernels.triton.host_link) at qwen3moe's k = 8."""
+    """The offload's device-host handshake (kernels.triton.host_link) at qwen3moe's k = 8, and
+    its promotions' batched copy (kernels.triton.copy_ranges) at each word size."""
     import importlib
 
     import torch
@@ -678,6 +679,10 @@ def _host_link_jobs() -> list[Job]:
     jobs.append(Job("host_wait", "D=2048",
                     _warm(hl._wait_kernel, [i32, i32, i32, f32, f32, 2048, 3, hl.MAX_SPIN],
                           BLOCK_D=1024, ASM=True, num_warps=4)))
+    cr = importlib.import_module("deimos.kernels.triton.copy_ranges")
+    for word, dt in ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)):
+        jobs.append(Job("copy_ranges", f"word={word}",
+                        _warm(cr._copy_ranges, [torch.int64, dt], WORD=word, BLOCK=cr.BLOCK_BYTES // word)))
     return jobs
 
 

@@ -39,10 +39,11 @@ the ids, weights and x to the host's mailbox (``post_rows``: plain stores over P
 layer's flag), computes the hits, then waits for the host's answer (``wait_rows``, spinning
 on the layer's done flag) and combines. After launching the graph the engine calls
 ``serve_step``: for each layer in turn the host spins until it is posted, computes the misses
-on the CPU into the mailbox, answers, then starts the layer's promotions (their copies wait
-for the step: the side stream follows the current one). The table the device reads
-(``slot_of``) is the one published before the launch, which is the host's mirror while the
-step runs: a layer's promotions change it only after its answer. A graph's kernels read
+on the CPU into the mailbox, answers, and notes the layer's promotion; after the last layer
+the step's promotions start together (``ExpertCache.promote_batch``: one copy kernel on the
+side stream, which follows the current one, so the copies wait for the step). The table the
+device reads (``slot_of``) is the one published before the launch, which is the host's
+mirror while the step runs: promotions change it only after the last answer. A graph's kernels read
 every cache address from the chunk tables, so a graph captured with any number of slots
 serves every later size. Prefill chunks (``STREAM_TOKENS`` and more: staged experts) and
 other eager steps are not captured (their staging is decided by the host at each call).
@@ -75,8 +76,9 @@ log = logging.getLogger("deimos")
 PARTS = ("gate", "up", "down")
 PROMOTE_PER_STEP = 2  # experts a layer copies in per step (the hit-rate study's PCIe budget)
 # a captured step promotes one miss in each of this many layers (in turn: every layer's cache
-# fills over the steps): each promotion costs the host ~0.1-0.3 ms of copy launches on the
-# step's critical path (measured on the H200: 2 a layer took 35 ms of a 46-slot token)
+# fills over the steps), all started after the step's last layer with one copy kernel (a
+# copy-engine call per array had cost the host 0.25-0.5 ms a promotion inside the step: 2-4 ms
+# of a ~20 ms token on an H100, qwen3moe 30B-A3B at 8 GiB)
 PROMOTE_LAYERS_PER_STEP = 8
 # from this many tokens a step (prefill), a layer's non-resident experts are staged on the GPU for
 # the step (host-to-device copies a layer ahead, then the grouped GEMM) instead of computed on
@@ -173,6 +175,10 @@ class ExpertOffload:
         # a one-token step's layers answered by _answer_token (False: the rows path, which gives
         # the same answer with more host work; bench/profile_offload.py compares the two)
         self.token_path = True
+        # layers that promote a miss each captured step (bench/profile_offload.py varies it),
+        # and the step's (layer, expert) promotions, started together after its last layer
+        self.promote_layers = PROMOTE_LAYERS_PER_STEP
+        self._promos: list[tuple[int, int]] = []
         self.gpu_share = 0.0  # of a layer's missed experts, the share the device reads (calibrate)
         self.tuner: ShareTuner | None = None  # tunes gpu_share while decoding (made by calibrate)
         self.calibrated_share: float | None = None  # calibrate's answer, where it ran
@@ -333,12 +339,18 @@ class ExpertOffload:
         t0 = time.perf_counter()
         misses = 0
         n_layer = len(self.blocks)
-        first = step * PROMOTE_LAYERS_PER_STEP % n_layer  # the layers that promote this step
+        per = self.promote_layers
+        first = step * per % n_layer  # the layers that promote this step
+        self._promos.clear()
         try:
             with torch.inference_mode():  # the cache's tables were made in it (the engine's steps)
                 for i in range(n_layer):
                     box.wait_posted(i)
-                    misses += self._answer(i, n_rows, (i - first) % n_layer < PROMOTE_LAYERS_PER_STEP)
+                    misses += self._answer(i, n_rows, (i - first) % n_layer < per)
+                # the step's promotions, one copy for every layer, after the last layer's answer:
+                # off the layers' critical path (the device ends the step meanwhile)
+                if self._promos:
+                    self.cache.promote_batch(self._promos, self.stream)
         finally:
             box.release_all()  # after a failure: the device's step still ends
         if self.tuner is not None:
@@ -376,8 +388,8 @@ class ExpertOffload:
                      box.np_weights[i, :n][rows, slots], out=torch.from_numpy(out))
             self.stats.cpu_experts += int(rows.size)
         box.answer(i)
-        if promote and ranked is not None and lay.n_slots:  # the copy waits for this step (side stream)
-            lay.promote_many(ranked[:1].tolist(), self.stream)
+        if promote and ranked is not None and lay.n_slots:  # copied after the step's last layer
+            self._promos.append((i, int(ranked[0])))
         return missed
 
     def _answer_token(self, i: int, promote: bool) -> int:
@@ -407,8 +419,8 @@ class ExpertOffload:
         self.stats.tokens += 1
         self.stats.host_read_experts += n_dev
         self.stats.cpu_experts += int(cpu.size)
-        if promote and miss.size and lay.n_slots:  # the copy waits for this step (side stream)
-            lay.promote_many([int(ids[miss[0]])], self.stream)
+        if promote and miss.size and lay.n_slots:  # copied after the step's last layer
+            self._promos.append((i, int(ids[miss[0]])))
         return int(miss.size)
 
     def fix_share(self, share: float) -> None:

@@ -1,0 +1,36 @@
+"""The reference of the batched byte-range copy (deimos.kernels.triton.copy_ranges): each
+descriptor (source address, destination address, bytes) copied with ``ctypes.memmove``, in
+order. Addresses are process addresses (host memory here; the kernel also takes device and
+pinned host addresses, which the device reads over PCIe)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+
+def check_ranges(desc: np.ndarray) -> np.ndarray:
+    """``desc`` as int64 [n, 3] (src, dst, nbytes), each count >= 0; a clear error otherwise."""
+    d = np.asarray(desc)
+    if d.ndim != 2 or d.shape[1] != 3 or d.dtype != np.int64:
+        raise ValueError(f"copy ranges: want int64 [n, 3] (src, dst, nbytes), got {d.dtype} {d.shape}")
+    if d.size and (d[:, 2] < 0).any():
+        raise ValueError("copy ranges: a negative byte count")
+    return d
+
+
+def range_word(desc: np.ndarray) -> int:
+    """The widest word (8, 4, 2 or 1 bytes) that every address and length of ``desc`` is a
+    multiple of: the kernel's load width."""
+    d = check_ranges(desc)
+    for w in (8, 4, 2):
+        if not (d % w).any():
+            return w
+    return 1
+
+
+def copy_ranges_reference(desc: np.ndarray) -> None:
+    for src, dst, n in check_ranges(desc).tolist():
+        if n:
+            ctypes.memmove(dst, src, n)
