@@ -341,6 +341,18 @@ def test_headroom(total, step, want):
     assert headroom(total, step) == want
 
 
+def test_headroom_is_the_engines_cards_not_the_devices():
+    """80 GiB card with 8 GiB left to the engine: an 8 GiB card's headroom (512 MiB), not the
+    big card's 1 GiB; a card_bytes above the device's total is the total."""
+    card = Card(80 * GiB, 7 * GiB)
+    mem = FreeMemory(card.read, card.clock)
+    assert SlotSizer(mem, 100 * MiB, 128).headroom == 1 * GiB
+    s = SlotSizer(mem, 100 * MiB, 128, step_bytes=64 * MiB, card_bytes=8 * GiB)
+    assert s.headroom == 512 * MiB + 64 * MiB
+    assert s.fit(7 * GiB, 0) == (7 * GiB - s.headroom - s.band) // (100 * MiB)
+    assert SlotSizer(mem, 100 * MiB, 128, card_bytes=900 * GiB).card_bytes == 80 * GiB
+
+
 def sizer(card: Card, slot_bytes: int = 100 * MiB, chunk_slots: int = 4, max_slots: int = 128):
     return SlotSizer(FreeMemory(card.read, card.clock), slot_bytes, max_slots, chunk_slots=chunk_slots)
 
@@ -420,3 +432,37 @@ def test_nvml_reader_on_this_machine():
     if read is not None:
         free, total = read()
         assert 0 <= free <= total
+
+
+def test_claimed_ranges_copy_each_expert_into_its_slot():
+    """``claim_many`` + ``ranges``: the byte ranges the batched promotion's kernel copies
+    (here with its reference, memmove) leave every slot as ``promote_many``'s copies do."""
+    from deimos.kernels.copy_ranges import copy_ranges_reference
+
+    cache = LayerCache(host_experts(), 4, "cpu", policy="lru", slots_per_chunk=3)
+    for wanted in ([0, 5, 0, 2], [6, 1, 3, 4]):  # free slots (two chunks), then victims
+        cache.record(np.array(wanted))
+        claims = cache.claim_many(wanted)
+        assert [e for e, _ in claims] == list(dict.fromkeys(wanted))[: len(claims)]
+        desc = np.array([r for e, s in claims for r in cache.ranges(e, s)], np.int64)
+        assert desc.shape[0] == len(claims) * len(cache.views)
+        copy_ranges_reference(desc)
+        for e, s in claims:
+            cache.pending[s] = (e, None)
+        cache.poll()
+        check_consistent(cache)
+        assert set(cache.resident.tolist()) >= {e for e, _ in claims}
+
+
+def test_promote_batch_without_a_stream_is_each_layers_promote_many():
+    hosts = [host_experts(seed=i) for i in range(3)]
+    a, b = ExpertCache(hosts, 2, "cpu"), ExpertCache(hosts, 2, "cpu")
+    wanted = [(0, 3), (2, 5), (0, 6), (1, 1), (0, 2), (2, 5)]
+    got = a.promote_batch(wanted)
+    assert got == [(0, 3), (0, 6), (2, 5), (1, 1)]  # by layer; at most 2 slots; no repeats
+    for i, e in got:
+        b.promote_many(i, [e])
+    a.poll(), b.poll()
+    for la, lb in zip(a.layers, b.layers):
+        assert np.array_equal(la.slot_of_host, lb.slot_of_host)
+        check_consistent(la)

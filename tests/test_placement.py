@@ -125,14 +125,14 @@ def test_an_offloaded_models_kv_pool_is_one_or_two_contexts_or_a_named_error():
     from deimos.models.gpu.placement import offload_kv_tokens
 
     gib = 2**30
-    bpt, other, act, free, total = 98_304, int(1.1 * gib), 256 << 20, int(7.3 * gib), 8 * gib
-    assert offload_kv_tokens(4096, bpt, other, act, free, total) == 8192
-    assert offload_kv_tokens(40960, bpt, other, act, free, total) == 40960
+    bpt, other, act, free = 98_304, int(1.1 * gib), 256 << 20, int(7.3 * gib)
+    assert offload_kv_tokens(4096, bpt, other, act, free) == 8192
+    assert offload_kv_tokens(40960, bpt, other, act, free) == 40960
     with pytest.raises(ValueError, match=r"m.gguf: a 65536-token context needs 6.0 GiB of KV "
                                          r"cache.*use a context of at most 5[0-9]{4} tokens"):
-        offload_kv_tokens(65536, bpt, other, act, free, total, "m.gguf")
+        offload_kv_tokens(65536, bpt, other, act, free, "m.gguf")
     # the prompt staging ring counts: less room, the same 40k context no longer fits
     with pytest.raises(ValueError, match="at most"):
-        offload_kv_tokens(40960, bpt, other, act, free, total, stage_bytes=2 * gib)
+        offload_kv_tokens(40960, bpt, other, act, free, stage_bytes=2 * gib)
     with pytest.raises(ValueError, match="too small for this model"):
-        offload_kv_tokens(4096, bpt, 7 * gib, act, free, total)
+        offload_kv_tokens(4096, bpt, 7 * gib, act, free)

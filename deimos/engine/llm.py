@@ -217,9 +217,9 @@ class LLM:
 
         if engine.get("kv_tokens") is None and engine.get("kv_gib") is None:
             # before loading: a context that cannot fit is said now, and the pool's share known
-            free, total = torch.cuda.mem_get_info(torch.device(device))
+            free, _ = torch.cuda.mem_get_info(torch.device(device))
             ring = RING * -(-plan.expert_bytes // max(1, cfg.n_layer))  # a layer's experts a buffer
-            engine["kv_tokens"] = offload_kv_tokens(ctx, bpt, plan.other_bytes, act, free, total,
+            engine["kv_tokens"] = offload_kv_tokens(ctx, bpt, plan.other_bytes, act, free,
                                                     self.path.name, stage_bytes=ring)
         kv = (engine["kv_tokens"] * bpt if engine.get("kv_tokens") is not None
               else int(engine["kv_gib"] * 2**30))

@@ -18,8 +18,11 @@ cache and the CUDA-graph pool, e.g. an eager prefill chunk's activations; the en
 it) + 5% of the card, at least 512 MiB and at most 1 GiB: what the process allocates lazily
 (cuBLAS/cuBLASLt workspaces, Triton's launch scratch, the caching allocator's rounding and
 fragmentation) and what another process can take between two reads. 8 GiB card: 512 MiB;
-from 20 GiB: 1 GiB (an H200 with 8 GiB left to the engine kept 2.6 GiB free at 2 GiB: room
-for 8 more slots a layer of qwen3moe 30B-A3B). Band = max(one chunk of every layer, 256 MiB).
+from 20 GiB: 1 GiB. "The card" is the memory the engine had when the cache was sized (its
+free memory then and what it held: ``card_bytes``), not the device's total: a big card
+that another process fills but for 8 GiB leaves the engine an 8 GiB card's memory, and
+gets its headroom (1 GiB there kept 0.5 GiB of an 8 GiB share idle: 4 slots a layer of
+qwen3moe 30B-A3B, measured on an H100). Band = max(one chunk of every layer, 256 MiB).
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ class SlotSizer:
     dropped in chunks of this many; ``max_slots``: E."""
 
     def __init__(self, memory: FreeMemory, slot_bytes: int, max_slots: int, *, chunk_slots: int = 1,
-                 step_bytes: int = 0, grow_after: float = GROW_AFTER):
+                 step_bytes: int = 0, grow_after: float = GROW_AFTER, card_bytes: int | None = None):
         if slot_bytes <= 0 or chunk_slots < 1 or max_slots < 0:
             raise ValueError(f"SlotSizer: slot_bytes {slot_bytes}, chunk_slots {chunk_slots}, "
                              f"max_slots {max_slots}")
@@ -85,11 +88,13 @@ class SlotSizer:
         self.max_slots = max_slots
         self.step_bytes = step_bytes
         self.grow_after = grow_after
+        # the engine's card (module docstring): at most the device's
+        self.card_bytes = self.memory.total if card_bytes is None else min(int(card_bytes), self.memory.total)
         self._above_since: float | None = None
 
     @property
     def headroom(self) -> int:
-        return headroom(self.memory.total, self.step_bytes)
+        return headroom(self.card_bytes, self.step_bytes)
 
     @property
     def band(self) -> int:

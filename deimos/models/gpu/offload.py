@@ -153,9 +153,12 @@ class ExpertOffload:
         self.stage_bytes = ExpertStager.peak_bytes(self.cache.layers)
         self._step_bytes = reserve_bytes
         if self.memory is not None:
+            # the engine's card: what is free now and what this process holds (the weights)
+            held = torch.cuda.memory_reserved(self.device) if cuda else 0
             self.sizer = SlotSizer(self.memory, self.cache.slot_nbytes, self.n_expert,
                                    chunk_slots=self.cache.slots_per_chunk,
-                                   step_bytes=reserve_bytes + self.stage_bytes)
+                                   step_bytes=reserve_bytes + self.stage_bytes,
+                                   card_bytes=self.memory.free() + held)
         if n_slots is None:
             n_slots = 0 if self.sizer is None else self.sizer.fit(self.memory.free(), 0)
         self.cache.resize(n_slots)

@@ -156,8 +156,7 @@ KV_CONTEXTS_SHARE = 0.25  # a second context's KV, when two take at most this sh
 
 
 def offload_kv_tokens(n_ctx: int, kv_bytes_per_token: int, other_bytes: int, step_bytes: int,
-                      free_bytes: int, total_bytes: int, name: str = "the model",
-                      stage_bytes: int = 0) -> int:
+                      free_bytes: int, name: str = "the model", stage_bytes: int = 0) -> int:
     """The KV pool of a model whose experts are offloaded, in tokens, decided before loading:
     the room is the free memory less the weights that go on the device (``other_bytes``), the
     step's activations, the prompt staging ring (``stage_bytes``: runtime.expert_stream) and
@@ -168,7 +167,7 @@ def offload_kv_tokens(n_ctx: int, kv_bytes_per_token: int, other_bytes: int, ste
     whose KV does not fit at all is an error naming the longest that would."""
     from deimos.runtime.gpu_memory import headroom
 
-    room = free_bytes - other_bytes - step_bytes - stage_bytes - headroom(total_bytes)
+    room = free_bytes - other_bytes - step_bytes - stage_bytes - headroom(free_bytes)  # the engine's card
     one = n_ctx * kv_bytes_per_token
     if one > room:
         most = max(0, room) // kv_bytes_per_token // 256 * 256
