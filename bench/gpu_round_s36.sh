@@ -36,7 +36,7 @@ moe_setup() {
   if [[ $F == *avx512f* && $F == *avx512_vnni* && $F == *avx512vbmi* && $F == *avx512_bf16* ]]; then G=avx512; else G=avx2; fi
   [ -d .whl-ggml/$G ] || G=avx2
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ggml/$G/*.whl
-  echo "ggml-python: $G build; $(python3 -c 'import ggml; print("imports")' 2>&1 | tail -1); $(nproc) cores"
+  echo "ggml-python: $G build; $(python3 -c 'import ggml; print("imports")' 2>&1 | tail -1); $(nproc) CPUs, $(lscpu 2>/dev/null | grep -E "^(Thread\(s\) per core|Model name)" | tr -s " " | tr "\n" ";")"
   [ -x /tmp/lc/llama-bench ] || { mkdir -p /tmp/lc && tar xJf .peer/lc/llama-cuda-sm90.tar.xz -C /tmp/lc; }
 }
 case "${1:-}" in
@@ -56,7 +56,7 @@ t = time.perf_counter(); [a.sum() for _ in range(5)]; dt = (time.perf_counter() 
 print(f'host memory: {a.numel() * 8 / dt / 1e9:.1f} GB/s read by torch.sum on $(nproc) threads')"
   idle
   timeout ${PROF_S:-240} python3 bench/profile_offload.py $M30 --slots ${SLOTS:-0} --shares ${SHARES:-tune} \
-    --answer ${ANSWER:-token,rows} -n ${NTOK:-32} -p 512 --top 12 2>&1 | grep -v Warn > "$OUT/profile-offload.txt"
+    --answer ${ANSWER:-token,rows} ${PROMOTE:+--promote $PROMOTE} ${CPU:+--cpu $CPU} -n ${NTOK:-32} -p 512 --top 12 2>&1 | grep -v Warn > "$OUT/profile-offload.txt"
   grep -E "^(offload|cpu side)|^  (timed|host|  cpu|    ggml|    act|  promote|eager)|GB/s" "$OUT/profile-offload.txt" | cut -c1-160
   idle ;;
 lite)  # little device time left: the GPU tests while the file is written, where an offloaded

@@ -11,7 +11,7 @@ hits' launches, promotions, the combine) per token, and the hit rate of the time
 ``--cpu``: the CPU side of each run: "pool" the engine's (ggml's threads made once, 2
 activation planes), "nopool" ggml making its threads each compute (the engine before the
 pool), "planes1" / "planes3" one or three activation planes (llama.cpp's arithmetic; more
-exact); "auto" shares are calibrated again for each.
+exact), "tN" the engine's with N ggml threads; "auto" shares are calibrated again for each.
 
 A measurement, not a test. Needs a CUDA GPU.
 """
@@ -149,9 +149,10 @@ def main() -> None:
                     "each (default: the engine's)")
     ap.add_argument("--cpu", default="pool", help="CPU sides to run: pool, nopool, planes1, planes3")
     a = ap.parse_args()
-    bad = [c for c in a.cpu.split(",") if c not in ("pool", "nopool", "planes1", "planes3")]
+    bad = [c for c in a.cpu.split(",") if c not in ("pool", "nopool", "planes1", "planes3")
+           and not (c[:1] == "t" and c[1:].isdigit() and int(c[1:]) > 0)]
     if bad:
-        ap.error(f"--cpu: unknown CPU side {bad[0]!r} (pool, nopool, planes1, planes3)")
+        ap.error(f"--cpu: unknown CPU side {bad[0]!r} (pool, nopool, planes1, planes3, tN: N ggml threads)")
     for sh in a.shares.split(","):
         if sh not in ("auto", "tune"):
             try:
@@ -173,6 +174,9 @@ def main() -> None:
             "nopool": lambda: CpuExperts(c.layers, planes=c.planes, n_threads=c.n_threads, pool=False),
             "planes1": lambda: CpuExperts(c.layers, planes=1, n_threads=c.n_threads),
             "planes3": lambda: CpuExperts(c.layers, planes=3, n_threads=c.n_threads)}
+    for name in a.cpu.split(","):  # tN: the engine's CPU side with N ggml threads
+        if name[:1] == "t":
+            cpus[name] = lambda n=int(name[1:]): CpuExperts(c.layers, planes=c.planes, n_threads=n)
     built = {}
     shares = {}
     promotes = [int(v) for v in a.promote.split(",")] if a.promote else [off.promote_layers]
