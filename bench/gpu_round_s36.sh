@@ -98,7 +98,7 @@ squeeze) # (carry as moe8) issue 15's squeeze on qwen3moe 30B-A3B at 8 GiB: 2 Gi
          # request 4 (REL=1: given back later), llama.cpp's best -ncmoe at 8 GiB and with the 2 GiB held
   moe_setup; synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2; idle
   timeout ${BENCH_S:-560} python3 -m deimos bench $M30 -n 128 --gpu-mem 8 --squeeze ${REL:+--release} \
-    --vs-llama /tmp/lc/llama-bench --llama-reps 3 --json "$OUT/squeeze.json" 2>&1 | grep -v Warn \
+    --vs-llama /tmp/lc/llama-bench --llama-reps ${LREPS:-3} --json "$OUT/squeeze.json" 2>&1 | grep -v Warn \
     | tee "$OUT/squeeze.txt" | tail -40
   idle ;;
 moe35) # qwen35moe 35B-A3B Q4_K_M with 8 GiB left against llama.cpp's best -ncmoe (its search)
