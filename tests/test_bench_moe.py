@@ -386,7 +386,7 @@ def test_render_moe_report() -> None:
     for i in range(5):
         tl.requests.append(RequestRecord(i, plan.phase(i), float(i), 1.0, 50, 32, 32 if i < 3
                                          else 24))
-        tl.samples.append(SlotSample(i + 1.0, 32 if i < 3 else 24, i))
+        tl.samples.append(SlotSample(i + 1.0, 32 if i < 3 else 24, i, (3 - i % 3) * GIB // 4, GIB // 2))
     tl.events.append(Event(3.0, "take", "2 GiB"))
     r = MoeBenchReport("m.gguf", "offloaded (32 of 128 slots a layer at load)",
                        MemorySeen(8.0, 140 * GIB, 130 * GIB, 139 * GIB, 8 * GIB, 2 * GIB),
@@ -402,6 +402,10 @@ def test_render_moe_report() -> None:
     assert "--gpu-mem 8: a helper holds 130.00 GiB" in text
     assert "out of memory" in text and "best" in text and "90.0%" in text
     assert "kept 100.0%" in text and "32 before, 24 at the fewest" in text
+    # the sizing's view: the least free memory of each phase against its headroom
+    flat = " ".join(text.split())  # the caption wraps
+    assert "squeezed: free memory as the sizing read it at least 0.50 GiB (headroom 0.50 GiB) at 5.00s" in flat
+    assert "before: free memory as the sizing read it at least 0.25 GiB (headroom 0.50 GiB) at 3.00s" in flat
     assert json.loads(json.dumps(r.to_json()))["ncmoe_best"] == 33
 
 

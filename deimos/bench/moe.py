@@ -263,6 +263,12 @@ def render_squeeze(tl: SqueezeTimeline) -> Table:
             last = x.slots
     lines.append("slots over time (t:slots, at each change): " + " ".join(changes[:40])
                  + (" ..." if len(changes) > 40 else ""))
+    for phase in ("before", "squeezed", "released"):  # what the sizing read (below headroom: shrink)
+        m = [x for x in tl.samples if x.free is not None and plan.phase(x.request) == phase]
+        if m:
+            low = min(m, key=lambda x: x.free)
+            lines.append(f"{phase}: free memory as the sizing read it at least {_gib(low.free)} "
+                         f"(headroom {_gib(low.headroom)}) at {low.t:.2f}s")
     lines += [f"{e.t:.2f}s {e.what} {e.detail}".rstrip()
               for e in sorted(tl.events, key=lambda e: e.t)]
     t.caption = "\n".join(lines)

@@ -305,4 +305,9 @@ def _squeeze(cfg: BenchConfig, llm, device: torch.device, gen: torch.Generator):
     def make_hold() -> MemHold:
         return MemHold(take_gib=plan.take_gib, rewrite_ms=plan.rewrite_ms, device=str(device))
 
-    return drive(plan, run_request, slots, make_hold)
+    def memory() -> tuple[int | None, int | None]:
+        if off is None or off.sizer is None:
+            return None, None
+        return off.memory.free(), off.sizer.headroom
+
+    return drive(plan, run_request, slots, make_hold, memory=memory)

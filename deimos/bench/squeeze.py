@@ -90,6 +90,8 @@ class SlotSample:
     t: float  # seconds since the replay began
     slots: int | None
     request: int
+    free: int | None = None  # the device's free bytes as the cache's sizing read them
+    headroom: int | None = None  # what the sizing keeps free (below it: shrink)
 
 
 @dataclass(frozen=True)
@@ -161,11 +163,13 @@ class SqueezeTimeline:
 
 def drive(plan: SqueezePlan, run_request: Callable[[int, Callable[[], None]], int],
           slots: Callable[[], int | None], make_hold: Callable[[], object],
-          clock: Callable[[], float] = time.monotonic) -> SqueezeTimeline:
+          clock: Callable[[], float] = time.monotonic,
+          memory: Callable[[], tuple[int | None, int | None]] | None = None) -> SqueezeTimeline:
     """Runs the replay: ``run_request(i, after_step)`` runs request ``i`` to its end, calling
     ``after_step()`` after each engine step, and returns the tokens it made; ``slots()``: the
-    cache's slots now (None without a cache); ``make_hold()``: a MemHold not yet started. The
-    helper is closed on the way out, whatever happens."""
+    cache's slots now (None without a cache); ``make_hold()``: a MemHold not yet started;
+    ``memory()``: (free bytes, headroom) as the cache's sizing sees them, sampled with the
+    slots. The helper is closed on the way out, whatever happens."""
     tl = SqueezeTimeline(plan)
     t0 = clock()
     hold = None
@@ -175,7 +179,8 @@ def drive(plan: SqueezePlan, run_request: Callable[[int, Callable[[], None]], in
     def after_step() -> None:
         nonlocal seen_ready
         now = clock() - t0
-        tl.samples.append(SlotSample(now, slots(), current))
+        free, room = memory() if memory is not None else (None, None)
+        tl.samples.append(SlotSample(now, slots(), current, free, room))
         if hold is not None and not seen_ready and hold.held is not None:
             seen_ready = True
             tl.held_bytes = hold.held.held
