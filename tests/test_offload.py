@@ -389,3 +389,37 @@ def test_gpu_misses_read_from_host_memory_by_the_device(moe_file):
     # the prompt (STREAM_TOKENS or more) streamed, every decode miss read by the device
     assert s.host_read_experts > 0 and s.cpu_experts == before
     same_up_to_a_tie(want, ids, "every miss read by the device")
+
+
+@pytest.mark.gpu
+def test_gpu_a_chained_greedy_decode_still_resizes_the_cache(moe_file):
+    """A greedy answer decodes as one chain of steps (each launched from the last one's tokens
+    on the device); the expert cache's between-steps work runs before each of them: memory
+    taken by another process mid-answer shrinks the cache before the answer ends (session
+    39: an H100 squeeze kept every slot while free memory sat below the headroom)."""
+    from deimos.bench.run import run_to_end
+    from deimos.engine import LLM
+    from deimos.engine.request import Request
+    from deimos.kernels.sampling import SamplingParams
+
+    llm = LLM(moe_file.path, n_ctx=128, device="cuda", experts="cpu", max_seqs=1)
+    off = llm.offload
+    assert off.sizer is not None and off.cache.n_slots > 0
+    total = torch.cuda.mem_get_info()[1]
+    card = {"free": total, "now": 0.0}
+    off.sizer.memory = FreeMemory(lambda: (card["free"], total), lambda: card["now"])
+    chained = []
+    run = llm.engine.runner.run_chained
+    llm.engine.runner.run_chained = lambda seqs: chained.append(1) or run(seqs)
+    slots = []
+
+    def after_step():
+        card["now"] += 0.2
+        if len(slots) == 4:
+            card["free"] = 0  # another process took the card
+        slots.append(off.cache.n_slots)
+
+    prompt = torch.randint(0, 30000, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+    made = run_to_end(llm.engine, Request(prompt, 24, SamplingParams(temperature=0)), after_step)
+    assert made == 24 and len(chained) > 10, "the answer's steps were chained"
+    assert slots[3] > 0 and slots[-1] == 0, slots

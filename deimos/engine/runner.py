@@ -283,10 +283,16 @@ class ModelRunner:
         return None
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> StepResult:
+    def _between_steps(self) -> None:
+        """The model's work between two steps (an offloaded MoE's expert cache: finished
+        promotions published, its size re-derived from free memory): before every step,
+        chained decode steps included."""
         between = getattr(self.model.ops, "between_steps", None)
-        if between is not None:  # the expert cache: finished promotions, its size
+        if between is not None:
             between()
+
+    def run(self, plan: StepPlan) -> StepResult:
+        self._between_steps()
         x = step_inputs(plan, self.block_size, self.max_blocks)
         if not len(x.logits_at) and not len(x.tokens):
             return StepResult(None, [])
@@ -335,6 +341,9 @@ class ModelRunner:
         """The decode step after the last one, on the same graph and rows, its tokens fed on
         the device by that step's choices: ``seqs`` are that step's rows, each with a block
         for its next position (the caller grew the tables); only the tables are copied in."""
+        # the expert cache between steps here too: a long greedy answer is one chain of steps,
+        # and without this its promotions were never published and a squeeze never shrank it
+        self._between_steps()
         graph = self.last_decode
         _, h32 = graph.host_buffers()
         mb, b = graph.max_blocks, graph.n_seqs
