@@ -518,7 +518,7 @@ class _GgmlPlan:
         self.scale_buf = np.ones((m, 1), np.float32) if layer.pow2 else None
         scale = self._bind(g.ggml_new_tensor_2d(self.ctx, g.GGML_TYPE_F32, 1, m), self.scale_buf) \
             if layer.pow2 else None
-        gu = [self._plane_sum(o, f, m, p, scale) for o in outs]
+        gu = [self._plane_sum(o, f, m, p, scale)[0] for o in outs]
         self.h = np.empty((m, f), np.float32)
         h = self._bind(g.ggml_swiglu_split(self.ctx, gu[0], gu[1]), self.h)
         self.graph1, self.plan1 = self._graph([h])
@@ -526,24 +526,33 @@ class _GgmlPlan:
         self.h_in = np.empty((n1, n0, f // _block(a)), dtype=_act_dtype(a))
         h = self._bind(g.ggml_new_tensor_3d(self.ctx, a, f, n0, n1), self.h_in)
         self.y = np.empty((n1, n0, d), np.float32)
-        self.graph2, self.plan2 = self._graph([self._bind(g.ggml_mul_mat_id(self.ctx, w[2], h, self.ids), self.y)])
+        y = self._bind(g.ggml_mul_mat_id(self.ctx, w[2], h, self.ids), self.y)
+        # summed over h's planes (unscaled by h's powers of two for Q8_0) in the same graph
+        q80 = a == _Q8_0
+        self.scale2_buf = np.ones((m, 1), np.float32) if q80 else None
+        scale2 = self._bind(g.ggml_new_tensor_2d(self.ctx, g.GGML_TYPE_F32, 1, m), self.scale2_buf) \
+            if q80 else None
+        ysum, self.y_sum = self._plane_sum(y, d, m, p, scale2)  # [M, D]
+        self.graph2, self.plan2 = self._graph([ysum])
         # the token layout's buffers are planes first: their views made once (_PlanesTarget)
         self.h_target = layer.quant[a].target(self.h_in) if token else None
 
     def _plane_sum(self, t, f: int, m: int, planes: int, scale):
-        """A product [F, M] (a graph node) from ``t``, the mul_mat_id output of every plane:
-        ne [F, M, planes] in the token layout, [F, planes, M] in the rows one."""
+        """A product [F, M] (a graph node, and the buffer its result is in) from ``t``, the
+        mul_mat_id output of every plane: ne [F, M, planes] in the token layout, [F, planes, M]
+        in the rows one; summed in plane order, times ``scale`` [1, M] when given."""
         g, nb = self.layer.g, t.contents.nb
         row, plane = (nb[1], nb[2]) if self.token else (nb[2], nb[1])
         views = [g.ggml_view_2d(self.ctx, t, f, m, row, q * plane) for q in range(planes)]
-        acc = self._bind(g.ggml_cont(self.ctx, views[0]), np.empty((m, f), np.float32)) \
-            if planes == 1 else None
+        nodes = [g.ggml_cont(self.ctx, views[0])] if planes == 1 else []
         for v in views[1:]:
-            acc = self._bind(g.ggml_add(self.ctx, views[0] if acc is None else acc, v),
-                             np.empty((m, f), np.float32))
+            nodes.append(g.ggml_add(self.ctx, nodes[-1] if nodes else views[0], v))
         if scale is not None:
-            acc = self._bind(g.ggml_mul(self.ctx, acc, scale), np.empty((m, f), np.float32))
-        return acc
+            nodes.append(g.ggml_mul(self.ctx, nodes[-1], scale))
+        bufs = [np.empty((m, f), np.float32) for _ in nodes]
+        for n, b in zip(nodes, bufs):
+            self._bind(n, b)
+        return nodes[-1], bufs[-1]
 
     def _bind(self, t, arr: np.ndarray):
         if self.layer.g.ggml_nbytes(t) != arr.nbytes:
@@ -593,17 +602,17 @@ class _GgmlPlan:
         """With x's planes (and their unscaling) in place: graph 1 (gate and up, summed over
         their planes, h = silu(gate) * up), h quantized into planes, graph 2; returns the
         misses' down products [M, D] (unweighted)."""
-        lay, axis = self.layer, 0 if self.token else 1
+        lay = self.layer
         self._compute(self.graph1, self.plan1)
         h = self.h
         if lay.act[2] == _Q8_0:
             hs, sh = _pow2_rows(h)
+            self.scale2_buf[:, 0] = np.ldexp(np.float32(1), -sh)
             self._quantize_h(_Q8_0, hs)
-            self._compute(self.graph2, self.plan2)
-            return np.ldexp(self.y.sum(axis, dtype=np.float32), -sh[:, None])
-        self._quantize_h(lay.act[2], h)
+        else:
+            self._quantize_h(lay.act[2], h)
         self._compute(self.graph2, self.plan2)
-        return self.y.sum(axis, dtype=np.float32)
+        return self.y_sum
 
     def _quantize_h(self, act: int, h: np.ndarray) -> None:
         if self.h_target is not None:
