@@ -49,7 +49,7 @@ PARTS = (("offload.moe (eager steps)", "moe", "offload.py"),
          ("route enqueue", "route", "moe_ops.py"),
          ("to host", "_to_host", "offload.py"),
          ("record", "record", "expert_cache.py"),
-         ("promote", "promote_many", "expert_cache.py"),
+         ("promote", "promote_batch", "expert_cache.py"),
          ("combine", "moe_combine", "moe_route.py"),
          ("between steps", "between_steps", "offload.py"))
 
@@ -65,7 +65,7 @@ class Timers:
                ("    planes (token)", "deimos.runtime.cpu_experts", "_Planes", "quantize_into"),
                ("    ggml compute", "deimos.runtime.cpu_experts", "_GgmlPlan", "_compute"),
                ("    activation planes", "deimos.runtime.cpu_experts", "_Planes", "quantize"),
-               ("  promote", "deimos.runtime.expert_cache", "LayerCache", "promote_many"),
+               ("  promote (the step's batch)", "deimos.runtime.expert_cache", "ExpertCache", "promote_batch"),
                ("eager moe (prompt)", "deimos.models.gpu.offload", "ExpertOffload", "moe"))
 
     def __init__(self):

@@ -404,8 +404,8 @@ def test_render_moe_report() -> None:
     assert "kept 100.0%" in text and "32 before, 24 at the fewest" in text
     # the sizing's view: the least free memory of each phase against its headroom
     flat = " ".join(text.split())  # the caption wraps
-    assert "squeezed: free memory as the sizing read it at least 0.50 GiB (headroom 0.50 GiB) at 5.00s" in flat
-    assert "before: free memory as the sizing read it at least 0.25 GiB (headroom 0.50 GiB) at 3.00s" in flat
+    assert "squeezed: free memory (the sizing's reader) at least 0.50 GiB (headroom 0.50 GiB) at 5.00s" in flat
+    assert "before: free memory (the sizing's reader) at least 0.25 GiB (headroom 0.50 GiB) at 3.00s" in flat
     assert json.loads(json.dumps(r.to_json()))["ncmoe_best"] == 33
 
 

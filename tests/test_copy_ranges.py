@@ -12,8 +12,41 @@ import torch
 
 from kernel_device import DEVICE  # noqa: I001  (first: sets TRITON_INTERPRET)
 
-from deimos.kernels.copy_ranges import check_ranges, copy_ranges_reference, range_word  # noqa: E402
+from deimos.kernels.copy_ranges import (  # noqa: E402
+    by_word,
+    check_ranges,
+    copy_ranges_reference,
+    range_word,
+    range_words,
+)
 from deimos.kernels.triton.copy_ranges import BLOCK_BYTES, copy_ranges  # noqa: E402
+
+
+def test_ranges_are_grouped_by_their_own_word():
+    desc = np.array([[16, 32, 6], [16, 32, 64], [4, 8, 12], [1, 2, 3], [8, 8, 8]], np.int64)
+    assert range_words(desc).tolist() == [2, 8, 4, 1, 8]
+    d, groups = by_word(desc)
+    assert groups == [(8, 0, 2), (4, 2, 3), (2, 3, 4), (1, 4, 5)]
+    assert d.tolist() == [[16, 32, 64], [8, 8, 8], [4, 8, 12], [16, 32, 6], [1, 2, 3]]
+    assert by_word(np.zeros((0, 3), np.int64))[1] == []
+
+
+def test_grouped_launches_copy_what_the_reference_copies():
+    """A batch mixing word sizes, one launch a group (the expert cache's promote_batch)."""
+    rng = np.random.default_rng(5)
+    src = torch.from_numpy(rng.integers(0, 256, 4096, dtype=np.uint8))
+    if DEVICE == "cuda":
+        src = src.pin_memory()
+    dst = torch.zeros(4096, dtype=torch.uint8, device=DEVICE)
+    ref = np.zeros(4096, dtype=np.uint8)
+    rows = [(0, 0, 1024), (3, 1100, 7), (64, 1200, 512), (6, 1800, 6), (16, 2000, 100)]
+    desc, groups = by_word(np.array([(src.data_ptr() + s, dst.data_ptr() + d, k) for s, d, k in rows], np.int64))
+    assert [w for w, _, _ in groups] == [8, 4, 2, 1]
+    dev = torch.from_numpy(desc).to(DEVICE)
+    for w, a, b in groups:
+        copy_ranges(dev[a:b], w, int(desc[a:b, 2].max()))
+    copy_ranges_reference(np.array([(src.data_ptr() + s, ref.ctypes.data + d, k) for s, d, k in rows], np.int64))
+    assert np.array_equal(dst.cpu().numpy(), ref)
 
 
 def test_range_word_is_the_widest_common_alignment():

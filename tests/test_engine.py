@@ -214,3 +214,20 @@ def test_cuda_graphs_only_on_the_kernel_path(smol):
     smol.engine.warm()  # a no-op without graphs
     with pytest.raises(ValueError, match="CUDA"):
         StepGraph(smol.model, smol.engine.pool, 1, 1, 8)
+
+
+def test_a_step_and_the_work_between_steps_run_in_inference_mode(smol, monkeypatch):
+    """The runner's step and the model's between-steps hook (an offloaded MoE's expert cache
+    makes and rewrites tensors there) run under torch.inference_mode: a tensor made in one and
+    written in place outside it is an error (a regression of session 39 moved the decorator
+    from ``run`` to its new helper)."""
+    runner = smol.engine.runner
+    seen = []
+    eager = runner._eager
+    monkeypatch.setattr(runner, "_eager", lambda *a, **k: seen.append(("step", torch.is_inference_mode_enabled()))
+                        or eager(*a, **k))
+    monkeypatch.setattr(runner.model.ops, "between_steps",
+                        lambda: seen.append(("between", torch.is_inference_mode_enabled())), raising=False)
+    smol.generate("Hi", max_tokens=2, temperature=0)
+    assert ("between", True) in seen and ("step", True) in seen
+    assert all(on for _, on in seen), seen

@@ -267,7 +267,7 @@ def render_squeeze(tl: SqueezeTimeline) -> Table:
         m = [x for x in tl.samples if x.free is not None and plan.phase(x.request) == phase]
         if m:
             low = min(m, key=lambda x: x.free)
-            lines.append(f"{phase}: free memory as the sizing read it at least {_gib(low.free)} "
+            lines.append(f"{phase}: free memory (the sizing's reader) at least {_gib(low.free)} "
                          f"(headroom {_gib(low.headroom)}) at {low.t:.2f}s")
     lines += [f"{e.t:.2f}s {e.what} {e.detail}".rstrip()
               for e in sorted(tl.events, key=lambda e: e.t)]

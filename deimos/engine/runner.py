@@ -291,6 +291,7 @@ class ModelRunner:
         if between is not None:
             between()
 
+    @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
         self._between_steps()
         x = step_inputs(plan, self.block_size, self.max_blocks)

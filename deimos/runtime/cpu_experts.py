@@ -284,7 +284,7 @@ class _DecodedCache:
 # ---- ggml ---------------------------------------------------------------------------------------
 
 _Q8_K, _Q8_0 = 15, 8  # ggml's activation block types (GGMLType.Q8_K, Q8_0)
-GRAPH_NODES = 32  # a plan's graphs: stage 1 with 3 planes is 17 nodes (views, adds, scales)
+GRAPH_NODES = 32  # a plan's graphs: stage 1 with 3 planes and Q8_0 scaling is 15 nodes
 # Q8_K: float32 d | int8 qs[256] | int16 bsums[16] (sums of 16 codes, for the k-quants' mins)
 _Q8K_DTYPE = np.dtype([("d", "<f4"), ("qs", "i1", 256), ("bsums", "<i2", 16)])
 _Q8_0_DTYPE = np.dtype([("d", "<f2"), ("qs", "i1", 32)])  # float16 d | int8 qs[32]
@@ -471,7 +471,8 @@ class _GgmlLayer:
         plan.run(x, experts, weights, out)
 
     def __call__(self, x: np.ndarray, rows: np.ndarray, experts: np.ndarray) -> np.ndarray:
-        """x [T, D], the misses' rows and experts [M] -> [M, D] (unweighted)."""
+        """x [T, D], the misses' rows and experts [M] -> [M, D] (unweighted): the plan's own
+        buffer, rewritten by the next call with M misses (read it before)."""
         m = rows.shape[0]
         plan = self._plans.get(m)
         if plan is None:

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deimos.kernels.copy_ranges import range_word
+from deimos.kernels.copy_ranges import by_word
 from deimos.quant.triton.layout import PackedWeight
 
 POLICIES = ("lru", "lfu", "hybrid")
@@ -195,8 +195,8 @@ def copy_expert(host: HostExperts, expert: int, dst: dict[str, dict[str, torch.T
 def copy_arrays(dst: dict[str, dict[str, torch.Tensor]], src: dict[str, dict[str, torch.Tensor]],
                 non_blocking: bool) -> None:
     """Every array of ``dst`` (part -> array -> tensor) from ``src``'s, in one call: the host's
-    cost of a slot's ~10 copies is one dispatch, not ten (a promotion is on a decode step's
-    critical path)."""
+    cost of a slot's ~10 copies is one dispatch, not ten (prompt fills, resizes and eager
+    steps' promotions; a captured decode step's go through ``ExpertCache.promote_batch``)."""
     pairs = [(t, src[p][a]) for p, arrays in dst.items() for a, t in arrays.items()]
     torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=non_blocking)
 
@@ -556,17 +556,20 @@ class ExpertCache:
         claims = [(i, e, s) for i, es in _by_layer(wanted).items() for e, s in self.layers[i].claim_many(es)]
         if not claims:
             return []
-        desc = np.array([r for i, e, s in claims for r in self.layers[i].ranges(e, s)], dtype=np.int64)
+        desc, groups = by_word(np.array([r for i, e, s in claims for r in self.layers[i].ranges(e, s)],
+                                        dtype=np.int64))
         if self._desc_host is None or self._desc_host.shape[0] < desc.shape[0]:
             n = max(desc.shape[0], 64)
             self._desc_host = torch.empty((n, 3), dtype=torch.int64).pin_memory()
-            self._desc_dev = torch.empty((n, 3), dtype=torch.int64, device=self.device)
+            with torch.cuda.stream(stream):  # made on the stream that reads it
+                self._desc_dev = torch.empty((n, 3), dtype=torch.int64, device=self.device)
         self._desc_host[: desc.shape[0]].numpy()[...] = desc
         stream.wait_stream(torch.cuda.current_stream(self.device))  # readers of the victims first
         with torch.cuda.stream(stream):
             d = self._desc_dev[: desc.shape[0]]
             d.copy_(self._desc_host[: desc.shape[0]], non_blocking=True)
-            copy_ranges(d, range_word(desc), int(desc[:, 2].max()))
+            for word, a, b in groups:  # one launch a load width
+                copy_ranges(d[a:b], word, int(desc[a:b, 2].max()))
             ev = self._batch_event = torch.cuda.Event()
             ev.record(stream)
         for i, e, s in claims:
