@@ -861,9 +861,33 @@ def _model_arg(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("tokenize needs the TEXT to tokenize")
 
 
+def parse_cli(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """``argv`` parsed, with a command's options and positionals in any order: ``deimos run
+    MODEL --raw -n 12 "prompt"`` as well as ``deimos run MODEL "prompt" --raw -n 12`` (argparse
+    alone refuses a positional after options once the command's subparser has begun: a first
+    hour's "unrecognized arguments" for the prompt). The command's words are parsed again,
+    intermixed, only when the plain parse leaves some over."""
+    argv = _bench_serve_argv(argv)
+    args, extra = parser.parse_known_args(argv)
+    if not extra:
+        return args
+    sub = next((a.choices.get(args.command) for a in parser._actions
+                if isinstance(a, argparse._SubParsersAction)), None)
+    if sub is None or args.command not in argv:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    at = argv.index(args.command)
+    try:
+        inner = sub.parse_intermixed_args(argv[at + 1:])
+    except TypeError:  # a parser intermixed parsing cannot take: argparse's own message
+        return parser.parse_args(argv)
+    for k, v in vars(inner).items():
+        setattr(args, k, v)
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(_bench_serve_argv(sys.argv[1:] if argv is None else argv))
+    args = parse_cli(parser, sys.argv[1:] if argv is None else argv)
     _model_arg(parser, args)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         stream=sys.stderr, format="deimos: %(levelname)s: %(message)s")

@@ -206,3 +206,29 @@ def test_cli_module_keeps_torch_out_of_the_light_commands():
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) is False
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "m.gguf", "hello there", "--raw", "-n", "12", "--temperature", "0"],  # the README's order
+    ["run", "m.gguf", "--raw", "-n", "12", "--temperature", "0", "hello there"],  # options first
+    ["run", "--raw", "m.gguf", "-n", "12", "hello there", "--temperature", "0"],  # mixed
+    ["-v", "run", "-n", "12", "m.gguf", "--raw", "--temperature", "0", "hello there"],
+], ids=["prompt-first", "options-first", "mixed", "global-flag"])
+def test_a_commands_options_and_positionals_in_any_order(argv):
+    """A first-hour defect: `deimos run MODEL --raw -n 12 "prompt"` was refused with
+    "unrecognized arguments" for the prompt (argparse's subparser stops taking positionals
+    after options); each order gives the same request."""
+    from deimos.cli import parse_cli
+
+    a = parse_cli(build_parser(), argv)
+    assert (a.command, a.model, a.prompt, a.raw, a.max_tokens, a.temperature) == \
+        ("run", "m.gguf", "hello there", True, 12, 0.0)
+    assert a.verbose == (argv[0] == "-v") and a.func is not None
+
+
+def test_an_unknown_option_is_still_refused_by_name(capsys):
+    from deimos.cli import parse_cli
+
+    with pytest.raises(SystemExit) as e:
+        parse_cli(build_parser(), ["run", "m.gguf", "--bogus", "hi"])
+    assert e.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
