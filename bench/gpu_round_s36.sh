@@ -57,7 +57,7 @@ print(f'host memory: {a.numel() * 8 / dt / 1e9:.1f} GB/s read by torch.sum on $(
   idle
   timeout ${PROF_S:-240} python3 bench/profile_offload.py $M30 --slots ${SLOTS:-0} --shares ${SHARES:-tune} \
     --answer ${ANSWER:-token,rows} ${PROMOTE:+--promote $PROMOTE} ${CPU:+--cpu $CPU} -n ${NTOK:-32} -p 512 --top 12 2>&1 | grep -v Warn > "$OUT/profile-offload.txt"
-  grep -E "^(offload|cpu side)|^  (timed|host|  cpu|    ggml|    act|  promote|eager)|GB/s" "$OUT/profile-offload.txt" | cut -c1-160
+  grep -E "^(offload|cpu side)|^  (timed|host|  cpu|    ggml|    act|  promote|promote|eager)|GB/s" "$OUT/profile-offload.txt" | cut -c1-160
   idle ;;
 lite)  # little device time left: the GPU tests while the file is written, where an offloaded
        # token goes (0 slots, the tuned share, the one-token host path), then 8 GiB alone
@@ -67,7 +67,7 @@ lite)  # little device time left: the GPU tests while the file is written, where
   wait; idle
   timeout ${PROF_S:-150} python3 bench/profile_offload.py $M30 --slots 0 --shares tune --answer token -n 32 -p 512 \
     --top 12 2>&1 | grep -v Warn > "$OUT/profile-offload.txt"
-  grep -E "^(offload|cpu side)|^  (timed|host|  cpu|    ggml|    act|  promote|eager)|GB/s|tok/s" "$OUT/profile-offload.txt" | cut -c1-160
+  grep -E "^(offload|cpu side)|^  (timed|host|  cpu|    ggml|    act|  promote|promote|eager)|GB/s|tok/s" "$OUT/profile-offload.txt" | cut -c1-160
   idle
   timeout ${BENCH_S:-200} python3 -m deimos bench $M30 -p 512 -n 128 -r 2 --gpu-mem 8 2>&1 | grep -v Warn \
     | tee "$OUT/moe-8g.txt" | tail -8

@@ -49,7 +49,8 @@ PARTS = (("offload.moe (eager steps)", "moe", "offload.py"),
          ("route enqueue", "route", "moe_ops.py"),
          ("to host", "_to_host", "offload.py"),
          ("record", "record", "expert_cache.py"),
-         ("promote", "promote_batch", "expert_cache.py"),
+         ("promote: claims", "claim", "expert_cache.py"),
+         ("promote: the step's copy", "start_batch", "expert_cache.py"),
          ("combine", "moe_combine", "moe_route.py"),
          ("between steps", "between_steps", "offload.py"))
 
@@ -65,7 +66,8 @@ class Timers:
                ("    planes (token)", "deimos.runtime.cpu_experts", "_Planes", "quantize_into"),
                ("    ggml compute", "deimos.runtime.cpu_experts", "_GgmlPlan", "_compute"),
                ("    activation planes", "deimos.runtime.cpu_experts", "_Planes", "quantize"),
-               ("  promote (the step's batch)", "deimos.runtime.expert_cache", "ExpertCache", "promote_batch"),
+               ("  promote: claims (in the layers)", "deimos.runtime.expert_cache", "ExpertCache", "claim"),
+               ("promote: the step's copy (after them)", "deimos.runtime.expert_cache", "ExpertCache", "start_batch"),
                ("eager moe (prompt)", "deimos.models.gpu.offload", "ExpertOffload", "moe"))
 
     def __init__(self):

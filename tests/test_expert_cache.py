@@ -466,3 +466,24 @@ def test_promote_batch_without_a_stream_is_each_layers_promote_many():
     for la, lb in zip(a.layers, b.layers):
         assert np.array_equal(la.slot_of_host, lb.slot_of_host)
         check_consistent(la)
+
+
+def test_claims_layer_by_layer_then_one_start():
+    """A decode step's way: each layer's promotion claimed after its answer, the copies
+    started together after the last layer; without a stream the copies are made at the start;
+    published by poll; a claim never started leaves its slot free."""
+    hosts = [host_experts(seed=i) for i in range(3)]
+    cache = ExpertCache(hosts, 2, "cpu")
+    assert cache.batch_ready()
+    claims = cache.claim(0, [4]) + cache.claim(2, [1, 1]) + cache.claim(1, [])
+    assert [(i, e) for i, e, _ in claims] == [(0, 4), (2, 1)]
+    cache.start_batch(claims, None)
+    assert all(cache.layers[i].pending[s][0] == e for i, e, s in claims)
+    cache.poll()
+    for lay in cache.layers:
+        check_consistent(lay)
+    assert cache.layers[0].slot_of_host[4] >= 0 and cache.layers[2].slot_of_host[1] >= 0
+    dropped = cache.claim(1, [3])  # a step that failed before its start: the slot stays free
+    cache.poll()
+    assert cache.layers[1].slot_of_host[3] < 0 and not cache.layers[1].pending
+    assert cache.claim(1, [3]) == dropped  # the same free slot is claimed again

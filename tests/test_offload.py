@@ -114,14 +114,16 @@ def test_a_token_layer_is_answered_as_the_rows_path_answers_it(moe_file, models,
         box = _Box(len(off.blocks), block.n_expert_used, ker.config.n_embd, off.n_expert, seed=21)
         box.np_ids[0, 0, :2] = [0, off.n_expert - 1]  # a resident and the last expert
         off.mailbox = box
+        off._promo_ok = None  # serve_step's start of a step
         missed = [off._answer(i, 1, promote=True) for i in range(len(off.blocks))]
-        # a layer's promotion is noted, not started: the step's start together after its last layer
+        # a layer's promotion is claimed, not started: the step's copies start after its last layer
         assert not any(lay.pending for lay in off.cache.layers)
         assert len(off._promos) == (sum(m > 0 for m in missed) if slots else 0)
         runs.append((box, missed, off.stats, [(lay.hits, lay.misses) for lay in off.cache.layers],
                      list(off._promos)))
-        if slots:
-            assert off.cache.promote_batch(off._promos, off.stream) == off._promos
+        off.cache.start_batch(off._promos, off.stream)
+        for i, e, s in off._promos:
+            assert off.cache.layers[i].pending[s][0] == e
     (a, missed_a, stats_a, counts_a, promos_a), (b, missed_b, stats_b, counts_b, promos_b) = runs
     assert promos_a == promos_b
     assert np.array_equal(a.np_out, b.np_out) and not np.isnan(a.np_out).any()

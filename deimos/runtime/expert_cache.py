@@ -542,20 +542,45 @@ class ExpertCache:
         """``promote`` for (layer, expert) pairs of any layers, with one launch: on CUDA with a
         side ``stream``, every claimed slot's ranges go to the device as one descriptor table
         and one copy kernel (deimos.kernels.triton.copy_ranges) reads them from the pinned host
-        copy, after the current stream's work, under one event; the host's cost is a few
-        microseconds a promotion, not a copy-engine call per array (~0.3-0.5 ms a promotion
+        copy, after the current stream's work, under one event; the host's cost is a few tens
+        of microseconds a promotion, not a copy-engine call per array (~0.3-0.5 ms a promotion
         measured in a decode step). While the last batch's copy is still running nothing is
         claimed (its descriptors are being read; a decode step is far longer than a batch's
         copy, so this only sheds load). Elsewhere each layer's ``promote_many``. Returns the
-        (layer, expert) pairs whose copies started."""
+        (layer, expert) pairs whose copies started. ``batch_ready``, ``claim`` and
+        ``start_batch`` are its parts, for a caller that claims layer by layer (a decode step
+        claims each layer's promotion while the device computes the next layer)."""
         if stream is None or self.device.type != "cuda":
             return [(i, e) for i, es in _by_layer(wanted).items() for e in self.layers[i].promote_many(es, stream)]
-        if self._batch_event is not None and not self._batch_event.query():
+        if not self.batch_ready():
             return []
-        from deimos.kernels.triton.copy_ranges import copy_ranges  # CUDA only: Triton's launch
-        claims = [(i, e, s) for i, es in _by_layer(wanted).items() for e, s in self.layers[i].claim_many(es)]
+        claims = [c for i, es in _by_layer(wanted).items() for c in self.claim(i, es)]
+        self.start_batch(claims, stream)
+        return [(i, e) for i, e, _ in claims]
+
+    def batch_ready(self) -> bool:
+        """Whether a batch may be claimed: the last batch's copy has run (always without one)."""
+        return self._batch_event is None or self._batch_event.query()
+
+    def claim(self, layer: int, experts: Sequence[int]) -> list[tuple[int, int, int]]:
+        """Layer ``layer``'s slots for ``experts`` (``LayerCache.claim_many``: victims evicted
+        and published now) as (layer, expert, slot), for ``start_batch``. Claims not started
+        leave their slots free (nothing marks them pending)."""
+        return [(layer, e, s) for e, s in self.layers[layer].claim_many(experts)]
+
+    def start_batch(self, claims: Sequence[tuple[int, int, int]], stream: torch.cuda.Stream | None) -> None:
+        """The copies of ``claims`` (from ``claim``, after ``batch_ready``): one descriptor
+        upload and one copy kernel a load width on CUDA with ``stream``; else each expert's
+        copy now (synchronous). Their slots are pending until ``poll`` publishes them."""
         if not claims:
-            return []
+            return
+        if stream is None or self.device.type != "cuda":
+            for i, e, s in claims:
+                lay = self.layers[i]
+                lay.pending[s] = (e, copy_expert(lay.host, e, lay.slot_arrays(s), None))
+                lay.promotions += 1
+            return
+        from deimos.kernels.triton.copy_ranges import copy_ranges  # CUDA only: Triton's launch
         desc, groups = by_word(np.array([r for i, e, s in claims for r in self.layers[i].ranges(e, s)],
                                         dtype=np.int64))
         if self._desc_host is None or self._desc_host.shape[0] < desc.shape[0]:
@@ -576,7 +601,6 @@ class ExpertCache:
             lay = self.layers[i]
             lay.pending[s] = (e, ev)
             lay.promotions += 1
-        return [(i, e) for i, e, _ in claims]
 
     def poll(self, wait: bool = False) -> int:
         return sum(lay.poll(wait) for lay in self.layers)

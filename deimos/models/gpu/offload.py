@@ -39,9 +39,10 @@ the ids, weights and x to the host's mailbox (``post_rows``: plain stores over P
 layer's flag), computes the hits, then waits for the host's answer (``wait_rows``, spinning
 on the layer's done flag) and combines. After launching the graph the engine calls
 ``serve_step``: for each layer in turn the host spins until it is posted, computes the misses
-on the CPU into the mailbox, answers, and notes the layer's promotion; after the last layer
-the step's promotions start together (``ExpertCache.promote_batch``: one copy kernel on the
-side stream, which follows the current one, so the copies wait for the step). The table the
+on the CPU into the mailbox, answers, and claims the layer's promotion (its victim evicted,
+while the device computes the next layer); after the last layer the step's promotions are
+copied together (``ExpertCache.start_batch``: one copy kernel on the side stream, which
+follows the current one, so the copies wait for the step). The table the
 device reads (``slot_of``) is the one published before the launch, which is the host's
 mirror while the step runs: promotions change it only after the last answer. A graph's kernels read
 every cache address from the chunk tables, so a graph captured with any number of slots
@@ -181,7 +182,8 @@ class ExpertOffload:
         # layers that promote a miss each captured step (bench/profile_offload.py varies it),
         # and the step's (layer, expert) promotions, started together after its last layer
         self.promote_layers = PROMOTE_LAYERS_PER_STEP
-        self._promos: list[tuple[int, int]] = []
+        self._promos: list[tuple[int, int, int]] = []  # (layer, expert, slot) claimed this step
+        self._promo_ok: bool | None = None
         self.gpu_share = 0.0  # of a layer's missed experts, the share the device reads (calibrate)
         self.tuner: ShareTuner | None = None  # tunes gpu_share while decoding (made by calibrate)
         self.calibrated_share: float | None = None  # calibrate's answer, where it ran
@@ -345,15 +347,15 @@ class ExpertOffload:
         per = self.promote_layers
         first = step * per % n_layer  # the layers that promote this step
         self._promos.clear()
+        self._promo_ok = None  # whether this step may claim (the last batch's copy has run)
         try:
             with torch.inference_mode():  # the cache's tables were made in it (the engine's steps)
                 for i in range(n_layer):
                     box.wait_posted(i)
                     misses += self._answer(i, n_rows, (i - first) % n_layer < per)
-                # the step's promotions, one copy for every layer, after the last layer's answer:
-                # off the layers' critical path (the device ends the step meanwhile)
-                if self._promos:
-                    self.cache.promote_batch(self._promos, self.stream)
+                # the step's promotions, claimed layer by layer after each answer (while the
+                # device computes the next layer), copied together after the last one
+                self.cache.start_batch(self._promos, self.stream)
         finally:
             box.release_all()  # after a failure: the device's step still ends
         if self.tuner is not None:
@@ -392,8 +394,17 @@ class ExpertOffload:
             self.stats.cpu_experts += int(rows.size)
         box.answer(i)
         if promote and ranked is not None and lay.n_slots:  # copied after the step's last layer
-            self._promos.append((i, int(ranked[0])))
+            self._claim_promotion(i, int(ranked[0]))
         return missed
+
+    def _claim_promotion(self, i: int, expert: int) -> None:
+        """Layer i's promotion of ``expert`` claimed now (its victim evicted), copied with the
+        step's others after its last layer (``serve_step``); none while the last step's copy
+        still runs."""
+        if self._promo_ok is None:
+            self._promo_ok = self.cache.batch_ready()
+        if self._promo_ok:
+            self._promos.extend(self.cache.claim(i, [expert]))
 
     def _answer_token(self, i: int, promote: bool) -> int:
         """``_answer`` for a one-token step (batch-1 decode), with as little host work as the
@@ -423,7 +434,7 @@ class ExpertOffload:
         self.stats.host_read_experts += n_dev
         self.stats.cpu_experts += int(cpu.size)
         if promote and miss.size and lay.n_slots:  # copied after the step's last layer
-            self._promos.append((i, int(ids[miss[0]])))
+            self._claim_promotion(i, int(ids[miss[0]]))
         return int(miss.size)
 
     def fix_share(self, share: float) -> None:
