@@ -10,6 +10,7 @@
 #   bench/gpu_round_s36.sh llamalm # (carry as moe8) llama.cpp at 8 GiB with -lm mmap and -lm none
 #   bench/gpu_round_s36.sh squeeze # (carry as moe8) the squeeze replay at 8 GiB beside llama.cpp
 #                                 # restarted for 8 and for 6 GiB (REL=1: the release variant)
+#   bench/gpu_round_s36.sh squeeze1 # (carry as moe8) the squeeze alone, without llama.cpp (REL=1)
 #   bench/gpu_round_s36.sh moe35  # (carry as moe8) qwen35moe 35B-A3B under --gpu-mem 8 against
 #                                 # llama.cpp's -ncmoe search (LARGS: fixed llama-bench flags)
 #   bench/gpu_round_s36.sh q3     # carry .whl .peer/lc .peer/td (qwen2 vocabulary, templates): the
@@ -101,6 +102,12 @@ squeeze) # (carry as moe8) issue 15's squeeze on qwen3moe 30B-A3B at 8 GiB: 2 Gi
     --vs-llama /tmp/lc/llama-bench --llama-reps ${LREPS:-3} --json "$OUT/squeeze.json" 2>&1 | grep -v Warn \
     | tee "$OUT/squeeze.txt" | tail -40
   idle ;;
+squeeze1) # (carry as moe8) the squeeze alone (no llama.cpp: ~2 min), REL=1 for the release;
+          # the report's free-memory lines say whether the cache's sizing acted
+  moe_setup; synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2; idle
+  timeout ${BENCH_S:-240} python3 -m deimos bench $M30 -n 128 --gpu-mem 8 --squeeze ${REL:+--release} \
+    --json "$OUT/squeeze1.json" 2>&1 | grep -v Warn | tee "$OUT/squeeze1.txt" | tail -30
+  idle ;;
 moe35) # qwen35moe 35B-A3B Q4_K_M with 8 GiB left against llama.cpp's best -ncmoe (its search)
   moe_setup; M35=/tmp/m/qwen35moe-35b-Q4_K_M.gguf; synth qwen35moe-35b-a3b $M35 Q4_K_M qwen2; idle
   timeout 90 python3 bench/mem_breakdown.py $M35 --gib 8 2>&1 | grep -v Warn | tail -12
@@ -142,5 +149,5 @@ soak)
   setup; mkq3; idle
   soak $Q3
   idle ;;
-*) echo "usage: $0 moe|lite|moe8|llamalm|squeeze|moe35|q3|spec|soak" >&2; exit 2 ;;
+*) echo "usage: $0 moe|lite|moe8|llamalm|squeeze|squeeze1|moe35|q3|spec|soak" >&2; exit 2 ;;
 esac
