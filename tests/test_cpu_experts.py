@@ -251,3 +251,28 @@ def test_ggml_thread_pool_gives_the_disposable_pools_answer():
     for _ in range(3):
         for i in (0, 1):
             assert torch.equal(pooled(i, x, *MISSES), plain(i, x, *MISSES))
+
+
+@needs_ggml
+@pytest.mark.parametrize("mix", MIXES[:2], ids=ids[:2])
+def test_batched_miss_counts_share_bucketed_plans(mix):
+    """Above PLAN_BUCKET misses a layer's plan is the next multiple of it, the extra rows a
+    repeat of the last miss: the sums equal an exact-count plan's bit for bit, and miss counts
+    17..32 share one plan (a batched decode's count changes every step)."""
+    from deimos.runtime.cpu_experts import PLAN_BUCKET
+
+    lay = make_layer(*mix, seed=3)
+    bucketed, exact = CpuExperts([lay]), CpuExperts([lay])
+    exact._ggml[0].bucket = 1 << 30
+    rng = np.random.default_rng(4)
+    t = 9
+    x = torch.from_numpy(rng.standard_normal((t, D)).astype(np.float32) * 2)
+    for m in (PLAN_BUCKET + 1, 2 * PLAN_BUCKET - 3, 2 * PLAN_BUCKET, PLAN_BUCKET):
+        rows = np.sort(rng.integers(0, t, m))
+        experts = rng.integers(0, E, m)
+        w = rng.random(m).astype(np.float32)
+        got, want = bucketed(0, x, rows, experts, w), exact(0, x, rows, experts, w)
+        assert torch.equal(got, want), m
+    assert sorted(bucketed._ggml[0]._plans) == [PLAN_BUCKET, 2 * PLAN_BUCKET]
+    assert sorted(exact._ggml[0]._plans) == sorted({PLAN_BUCKET + 1, 2 * PLAN_BUCKET - 3, 2 * PLAN_BUCKET,
+                                                    PLAN_BUCKET})

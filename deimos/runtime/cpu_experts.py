@@ -285,6 +285,8 @@ class _DecodedCache:
 
 _Q8_K, _Q8_0 = 15, 8  # ggml's activation block types (GGMLType.Q8_K, Q8_0)
 GRAPH_NODES = 32  # a plan's graphs: stage 1 with 3 planes and Q8_0 scaling is 15 nodes
+PLAN_BUCKET = 16  # above this many misses a layer's plans are made for multiples of it
+MAX_PLANS = 24  # plans a layer keeps (least recently used out): 16 exact counts and buckets
 # Q8_K: float32 d | int8 qs[256] | int16 bsums[16] (sums of 16 codes, for the k-quants' mins)
 _Q8K_DTYPE = np.dtype([("d", "<f4"), ("qs", "i1", 256), ("bsums", "<i2", 16)])
 _Q8_0_DTYPE = np.dtype([("d", "<f2"), ("qs", "i1", 32)])  # float16 d | int8 qs[32]
@@ -453,8 +455,9 @@ class _GgmlLayer:
     layer here (of ~75 us around ggml's compute, one thread; bench/profile_offload.py)."""
 
     def __init__(self, ggml, lay: LayerExperts, planes: int, n_threads: int,
-                 pool: _ThreadPool | None):
+                 pool: _ThreadPool | None, bucket: int = PLAN_BUCKET):
         self.g, self.lay, self.planes, self.n_threads, self.pool = ggml, lay, planes, n_threads, pool
+        self.bucket = bucket
         self.act = {i: _act_type(ggml, m.ggml_type) for i, m in enumerate((lay.gate, lay.up, lay.down))}
         self.quant = {a: _Planes(ggml, a, planes) for a in set(self.act.values())}
         self.pow2 = _Q8_0 in self.act.values()  # x's rows scaled into Q8_0's float16 range
@@ -472,16 +475,25 @@ class _GgmlLayer:
 
     def __call__(self, x: np.ndarray, rows: np.ndarray, experts: np.ndarray) -> np.ndarray:
         """x [T, D], the misses' rows and experts [M] -> [M, D] (unweighted): the plan's own
-        buffer, rewritten by the next call with M misses (read it before)."""
+        buffer, rewritten by the next call with as many misses (read it before). Above
+        ``bucket`` misses the plan is the next multiple of ``bucket``'s, its last rows
+        repeating the last miss (their products dropped; each row's are its own): a batched
+        decode's miss count changes every step, and a plan per count held up to 64 plans of
+        megabytes a layer (64 streams: ~200 misses a layer, ~20 GB over 48 layers)."""
         m = rows.shape[0]
-        plan = self._plans.get(m)
+        mb = m if m <= self.bucket else -(-m // self.bucket) * self.bucket
+        if mb > m:
+            pad = mb - m
+            rows = np.concatenate([rows, np.repeat(rows[-1:], pad)])
+            experts = np.concatenate([experts, np.repeat(experts[-1:], pad)])
+        plan = self._plans.get(mb)
         if plan is None:
-            plan = self._plans[m] = _GgmlPlan(self, m)
-            if len(self._plans) > 64:
+            plan = self._plans[mb] = _GgmlPlan(self, mb)
+            if len(self._plans) > MAX_PLANS:
                 self._plans.popitem(last=False)
         else:
-            self._plans.move_to_end(m)
-        return plan.run(x, rows, experts)
+            self._plans.move_to_end(mb)
+        return plan.run(x, rows, experts)[:m]
 
 
 class _GgmlPlan:
