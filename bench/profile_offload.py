@@ -59,7 +59,8 @@ class Timers:
     """Wall time of a few offload functions (perf_counter around each call, ~1 us a call: far
     less than cProfile's cost on every Python call), patched in for one timed run."""
 
-    TARGETS = (("host: wait for the device's post", "deimos.runtime.host_mailbox", "HostMailbox", "wait_posted"),
+    TARGETS = (("host: a step's layers (serve_step)", "deimos.models.gpu.offload", "ExpertOffload", "serve_step"),
+               ("host: wait for the device's post", "deimos.runtime.host_mailbox", "HostMailbox", "wait_posted"),
                ("host: answer a layer", "deimos.models.gpu.offload", "ExpertOffload", "_answer"),
                ("  cpu experts (all)", "deimos.runtime.cpu_experts", "CpuExperts", "__call__"),
                ("  cpu experts (token)", "deimos.runtime.cpu_experts", "CpuExperts", "token"),
@@ -229,6 +230,9 @@ def main() -> None:
               f"steps included, so per decode token):")
         for label, v in timers.total.items():
             print(f"  {label:34s} {v * 1e3 / tmade:8.2f} ms  {timers.calls[label] // max(tmade, 1):5d} calls")
+        layers = timers.total["host: a step's layers (serve_step)"] * 1e3 / tmade
+        print(f"  {'outside the layers (between steps)':34s} {tsec * 1e3 / tmade - layers:8.2f} ms  "
+              "(a token's time less serve_step's: the engine's host work the device may wait for)")
         print("  cProfile:")
         for label, v, calls in parts(st, pmade):
             print(f"  {label:28s} {v:8.2f} ms  {calls:5d} calls")
