@@ -114,7 +114,7 @@ def test_a_token_layer_is_answered_as_the_rows_path_answers_it(moe_file, models,
         box = _Box(len(off.blocks), block.n_expert_used, ker.config.n_embd, off.n_expert, seed=21)
         box.np_ids[0, 0, :2] = [0, off.n_expert - 1]  # a resident and the last expert
         off.mailbox = box
-        off._promo_ok = None  # serve_step's start of a step
+        off._promo_ok = off.cache.batch_ready()  # serve_step's start of a step
         missed = [off._answer(i, 1, promote=True) for i in range(len(off.blocks))]
         # a layer's promotion is claimed, not started: the step's copies start after its last layer
         assert not any(lay.pending for lay in off.cache.layers)

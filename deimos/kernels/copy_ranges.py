@@ -20,22 +20,19 @@ def check_ranges(desc: np.ndarray) -> np.ndarray:
     return d
 
 
-def range_word(desc: np.ndarray) -> int:
-    """The widest word (8, 4, 2 or 1 bytes) that every address and length of ``desc`` is a
-    multiple of: the kernel's load width."""
-    d = check_ranges(desc)
-    for w in (8, 4, 2):
-        if not (d % w).any():
-            return w
-    return 1
-
-
 def range_words(desc: np.ndarray) -> np.ndarray:
     """Each range's widest word (8, 4, 2 or 1): its addresses' and length's common alignment
     (the trailing zero bits of their bitwise or)."""
     d = check_ranges(desc)
     low = np.bitwise_or.reduce(d, axis=1) if d.size else np.zeros(0, np.int64)
     return np.select([low % 8 == 0, low % 4 == 0, low % 2 == 0], [8, 4, 2], 1)
+
+
+def range_word(desc: np.ndarray) -> int:
+    """The widest word (8, 4, 2 or 1 bytes) that every address and length of ``desc`` is a
+    multiple of: one launch's load width (8 for no range)."""
+    words = range_words(desc)
+    return int(words.min()) if words.size else 8
 
 
 def by_word(desc: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int, int]]]:

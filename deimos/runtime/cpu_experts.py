@@ -451,8 +451,8 @@ class _GgmlLayer:
     """One layer's graphs: stage 1 (gate and up on the activation planes of x, each summed over
     its planes, then h = silu(g) * u by ggml's swiglu), stage 2 (down on the planes of h,
     quantized here), kept per miss count M; computed by ``pool``'s threads (None: ggml's
-    disposable pool a compute). The middle in stage 1's graph saved ~25 us of numpy a decode
-    layer here (of ~75 us around ggml's compute, one thread; bench/profile_offload.py)."""
+    disposable pool a compute). The sums and the middle in the graphs saved ~33 us of numpy a
+    decode layer here (80 -> 47 us around ggml's compute, one thread; bench/cpu_token_parts.py)."""
 
     def __init__(self, ggml, lay: LayerExperts, planes: int, n_threads: int,
                  pool: _ThreadPool | None, bucket: int = PLAN_BUCKET):
@@ -522,15 +522,12 @@ class _GgmlPlan:
             if a not in self.x_in:
                 buf = np.empty((xb2, xb1, d // _block(a)), dtype=_act_dtype(a))
                 self.x_in[a] = (self._bind(g.ggml_new_tensor_3d(self.ctx, a, d, xb1, xb2), buf), buf)
-        self.gu = [np.empty((n1, n0, f), np.float32) for _ in range(2)]
         outs = [self._bind(g.ggml_mul_mat_id(self.ctx, w[i], self.x_in[layer.act[i]][0], self.ids),
-                           self.gu[i]) for i in (0, 1)]
+                           np.empty((n1, n0, f), np.float32)) for i in (0, 1)]
         # the middle in the same graph, on ggml's threads: each product summed over its planes
         # (in plane order), unscaled by x's powers of two (Q8_0 activations; exact), then
         # h = silu(gate) * up (ggml's swiglu): one compute and no numpy between the products
-        self.scale_buf = np.ones((m, 1), np.float32) if layer.pow2 else None
-        scale = self._bind(g.ggml_new_tensor_2d(self.ctx, g.GGML_TYPE_F32, 1, m), self.scale_buf) \
-            if layer.pow2 else None
+        scale, self.scale_buf = self._scale(m, layer.pow2)
         gu = [self._plane_sum(o, f, m, p, scale)[0] for o in outs]
         self.h = np.empty((m, f), np.float32)
         h = self._bind(g.ggml_swiglu_split(self.ctx, gu[0], gu[1]), self.h)
@@ -538,17 +535,21 @@ class _GgmlPlan:
         a = layer.act[2]
         self.h_in = np.empty((n1, n0, f // _block(a)), dtype=_act_dtype(a))
         h = self._bind(g.ggml_new_tensor_3d(self.ctx, a, f, n0, n1), self.h_in)
-        self.y = np.empty((n1, n0, d), np.float32)
-        y = self._bind(g.ggml_mul_mat_id(self.ctx, w[2], h, self.ids), self.y)
+        y = self._bind(g.ggml_mul_mat_id(self.ctx, w[2], h, self.ids), np.empty((n1, n0, d), np.float32))
         # summed over h's planes (unscaled by h's powers of two for Q8_0) in the same graph
-        q80 = a == _Q8_0
-        self.scale2_buf = np.ones((m, 1), np.float32) if q80 else None
-        scale2 = self._bind(g.ggml_new_tensor_2d(self.ctx, g.GGML_TYPE_F32, 1, m), self.scale2_buf) \
-            if q80 else None
+        scale2, self.scale2_buf = self._scale(m, a == _Q8_0)
         ysum, self.y_sum = self._plane_sum(y, d, m, p, scale2)  # [M, D]
         self.graph2, self.plan2 = self._graph([ysum])
         # the token layout's buffers are planes first: their views made once (_PlanesTarget)
         self.h_target = layer.quant[a].target(self.h_in) if token else None
+
+    def _scale(self, m: int, on: bool):
+        """A per-miss factor [1, M] for ``_plane_sum`` (a power of two, set before each compute)
+        and its buffer; (None, None) when ``on`` is false."""
+        if not on:
+            return None, None
+        buf = np.ones((m, 1), np.float32)
+        return self._bind(self.layer.g.ggml_new_tensor_2d(self.ctx, self.layer.g.GGML_TYPE_F32, 1, m), buf), buf
 
     def _plane_sum(self, t, f: int, m: int, planes: int, scale):
         """A product [F, M] (a graph node, and the buffer its result is in) from ``t``, the

@@ -302,9 +302,14 @@ class LayerCache:
         if claimed and stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         for e, slot in claimed:
-            self.pending[slot] = (e, copy_expert(self.host, e, self.slot_arrays(slot), stream))
-            self.promotions += 1
+            self.started(e, slot, copy_expert(self.host, e, self.slot_arrays(slot), stream))
         return [e for e, _ in claimed]
+
+    def started(self, expert: int, slot: int, event: torch.cuda.Event | None) -> None:
+        """A claimed slot's copy is under way (``event``: recorded after it; None: done): the
+        slot is pending until ``poll`` publishes it."""
+        self.pending[slot] = (expert, event)
+        self.promotions += 1
 
     def claim_many(self, experts: Sequence[int]) -> list[tuple[int, int]]:
         """A slot for each of ``experts`` (in order) that is neither resident nor on its way:
@@ -546,12 +551,10 @@ class ExpertCache:
         of microseconds a promotion, not a copy-engine call per array (~0.3-0.5 ms a promotion
         measured in a decode step). While the last batch's copy is still running nothing is
         claimed (its descriptors are being read; a decode step is far longer than a batch's
-        copy, so this only sheds load). Elsewhere each layer's ``promote_many``. Returns the
+        copy, so this only sheds load). Elsewhere the copies are made at once. Returns the
         (layer, expert) pairs whose copies started. ``batch_ready``, ``claim`` and
         ``start_batch`` are its parts, for a caller that claims layer by layer (a decode step
         claims each layer's promotion while the device computes the next layer)."""
-        if stream is None or self.device.type != "cuda":
-            return [(i, e) for i, es in _by_layer(wanted).items() for e in self.layers[i].promote_many(es, stream)]
         if not self.batch_ready():
             return []
         claims = [c for i, es in _by_layer(wanted).items() for c in self.claim(i, es)]
@@ -577,8 +580,7 @@ class ExpertCache:
         if stream is None or self.device.type != "cuda":
             for i, e, s in claims:
                 lay = self.layers[i]
-                lay.pending[s] = (e, copy_expert(lay.host, e, lay.slot_arrays(s), None))
-                lay.promotions += 1
+                lay.started(e, s, copy_expert(lay.host, e, lay.slot_arrays(s), None))
             return
         from deimos.kernels.triton.copy_ranges import copy_ranges  # CUDA only: Triton's launch
         desc, groups = by_word(np.array([r for i, e, s in claims for r in self.layers[i].ranges(e, s)],
@@ -598,9 +600,7 @@ class ExpertCache:
             ev = self._batch_event = torch.cuda.Event()
             ev.record(stream)
         for i, e, s in claims:
-            lay = self.layers[i]
-            lay.pending[s] = (e, ev)
-            lay.promotions += 1
+            self.layers[i].started(e, s, ev)
 
     def poll(self, wait: bool = False) -> int:
         return sum(lay.poll(wait) for lay in self.layers)

@@ -183,7 +183,7 @@ class ExpertOffload:
         # and the step's (layer, expert) promotions, started together after its last layer
         self.promote_layers = PROMOTE_LAYERS_PER_STEP
         self._promos: list[tuple[int, int, int]] = []  # (layer, expert, slot) claimed this step
-        self._promo_ok: bool | None = None
+        self._promo_ok = False  # serve_step's: the last step's copy has run
         self.gpu_share = 0.0  # of a layer's missed experts, the share the device reads (calibrate)
         self.tuner: ShareTuner | None = None  # tunes gpu_share while decoding (made by calibrate)
         self.calibrated_share: float | None = None  # calibrate's answer, where it ran
@@ -347,7 +347,7 @@ class ExpertOffload:
         per = self.promote_layers
         first = step * per % n_layer  # the layers that promote this step
         self._promos.clear()
-        self._promo_ok = None  # whether this step may claim (the last batch's copy has run)
+        self._promo_ok = self.cache.batch_ready()  # whether this step may claim (the last copy ran)
         try:
             with torch.inference_mode():  # the cache's tables were made in it (the engine's steps)
                 for i in range(n_layer):
@@ -401,8 +401,6 @@ class ExpertOffload:
         """Layer i's promotion of ``expert`` claimed now (its victim evicted), copied with the
         step's others after its last layer (``serve_step``); none while the last step's copy
         still runs."""
-        if self._promo_ok is None:
-            self._promo_ok = self.cache.batch_ready()
         if self._promo_ok:
             self._promos.extend(self.cache.claim(i, [expert]))
 
