@@ -45,6 +45,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="ggml threads")
     ap.add_argument("--reps", type=int, default=2)
     a = ap.parse_args()
+    if not 1 <= a.misses <= E or a.calls < 1 or a.threads < 1 or a.reps < 1:
+        ap.error(f"--misses must be in 1..{E}, --calls, --threads and --reps >= 1")
     rng = np.random.default_rng(0)
     cpu = CpuExperts([layer(rng)], n_threads=a.threads)
     x = rng.standard_normal(D).astype(np.float32)

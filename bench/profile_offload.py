@@ -163,6 +163,12 @@ def main() -> None:
                     raise ValueError
             except ValueError:
                 ap.error(f"--shares: {sh!r} is not auto, tune or a share in [0, 1]")
+    try:
+        promotes = [int(v) for v in a.promote.split(",")] if a.promote else []
+    except ValueError:
+        ap.error(f"--promote: {a.promote!r} is not a list of layer counts")
+    if any(v < 0 for v in promotes):
+        ap.error("--promote: layer counts must be >= 0")
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the calibration's rates
     llm = LLM(a.model, device="cuda", experts="cpu", expert_cache_gib=0, n_ctx=a.p + a.n + 64,
               max_seqs=1, max_batch_tokens=512, prefix_cache=False)
@@ -182,7 +188,7 @@ def main() -> None:
             cpus[name] = lambda n=int(name[1:]): CpuExperts(c.layers, planes=c.planes, n_threads=n)
     built = {}
     shares = {}
-    promotes = [int(v) for v in a.promote.split(",")] if a.promote else [off.promote_layers]
+    promotes = promotes or [off.promote_layers]
     runs = [(pool, int(n), sh, ans, pr) for pool in a.cpu.split(",") for n in a.slots.split(",")
             for sh in a.shares.split(",") for ans in a.answer.split(",") for pr in promotes]
     for pool, n_slots, share, ans, pr in runs:
