@@ -51,6 +51,7 @@ import torch
 from deimos.gguf import GGUFFile
 from deimos.gguf.constants import GGML_BLOCK, GGMLType
 from deimos.quant import dequantize
+from deimos.runtime.ggml_lib import GgmlLib
 
 EXACT_CACHE_BYTES = 2 << 30  # the exact backend's decoded experts (float32), all layers
 BACKENDS = ("auto", "ggml", "exact")
@@ -294,15 +295,17 @@ _GGML: list = []
 
 
 def _ggml_module():
-    """The ggml-python module, initialized once; None when it is not installed."""
+    """The ggml-python module, its C functions from its own files (``GgmlLib``: not another
+    ggml found on LD_LIBRARY_PATH), initialized once; None when it is not installed."""
     if not _GGML:
         try:
             import ggml
         except ImportError:
             _GGML.append(None)
         else:
-            ggml.ggml_cpu_init()
-            _GGML.append(ggml)
+            lib = GgmlLib(ggml)
+            lib.ggml_cpu_init()
+            _GGML.append(lib)
     return _GGML[0]
 
 
