@@ -36,7 +36,8 @@ def _probe(env_path: str | None) -> dict:
         env["LD_LIBRARY_PATH"] = env_path
     else:
         env.pop("LD_LIBRARY_PATH", None)
-    r = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
+                       timeout=120, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
