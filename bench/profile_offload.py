@@ -6,12 +6,13 @@ wait for the route, the CPU experts and their ggml graphs, the activation quanti
 hits' launches, promotions, the combine) per token, and the hit rate of the timed tokens.
 
     python bench/profile_offload.py MODEL.gguf [--slots 0,46,128] [-n 32] [-p 64] [--top 25]
-        [--shares auto,0] [--cpu pool,nopool,planes1]
+        [--shares auto,0] [--cpu pool,nopool,planes2]
 
-``--cpu``: the CPU side of each run: "pool" the engine's (ggml's threads made once, 2
-activation planes), "nopool" ggml making its threads each compute (the engine before the
-pool), "planes1" / "planes3" one or three activation planes (llama.cpp's arithmetic; more
-exact), "tN" the engine's with N ggml threads; "auto" shares are calibrated again for each.
+``--cpu``: the CPU side of each run: "pool" the engine's (ggml's threads made once,
+offload.CPU_PLANES activation planes), "nopool" ggml making its threads each compute (the
+engine before the pool), "planes1" / "planes2" / "planes3" one (llama.cpp's arithmetic), two
+or three activation planes (more exact), "tN" the engine's with N ggml threads; "auto"
+shares are calibrated again for each.
 
 A measurement, not a test. Needs a CUDA GPU.
 """
@@ -150,12 +151,12 @@ def main() -> None:
                     "(ExpertOffload._answer_token), rows (the general path), or both")
     ap.add_argument("--promote", default=None, help="layers promoting a miss each step, one run "
                     "each (default: the engine's)")
-    ap.add_argument("--cpu", default="pool", help="CPU sides to run: pool, nopool, planes1, planes3")
+    ap.add_argument("--cpu", default="pool", help="CPU sides to run: pool, nopool, planes1, planes2, planes3, tN")
     a = ap.parse_args()
-    bad = [c for c in a.cpu.split(",") if c not in ("pool", "nopool", "planes1", "planes3")
+    bad = [c for c in a.cpu.split(",") if c not in ("pool", "nopool", "planes1", "planes2", "planes3")
            and not (c[:1] == "t" and c[1:].isdigit() and int(c[1:]) > 0)]
     if bad:
-        ap.error(f"--cpu: unknown CPU side {bad[0]!r} (pool, nopool, planes1, planes3, tN: N ggml threads)")
+        ap.error(f"--cpu: unknown CPU side {bad[0]!r} (pool, nopool, planes1, planes2, planes3, tN: N ggml threads)")
     for sh in a.shares.split(","):
         if sh not in ("auto", "tune"):
             try:
@@ -181,8 +182,8 @@ def main() -> None:
     c = off.cpu
     cpus = {"pool": lambda: c,
             "nopool": lambda: CpuExperts(c.layers, planes=c.planes, n_threads=c.n_threads, pool=False),
-            "planes1": lambda: CpuExperts(c.layers, planes=1, n_threads=c.n_threads),
-            "planes3": lambda: CpuExperts(c.layers, planes=3, n_threads=c.n_threads)}
+            **{f"planes{p}": (lambda p=p: CpuExperts(c.layers, planes=p, n_threads=c.n_threads))
+               for p in (1, 2, 3)}}
     for name in a.cpu.split(","):  # tN: the engine's CPU side with N ggml threads
         if name[:1] == "t":
             cpus[name] = lambda n=int(name[1:]): CpuExperts(c.layers, planes=c.planes, n_threads=n)
