@@ -346,13 +346,19 @@ def same_up_to_a_tie(want, ids: list[int], who: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gib", [0.0, 0.006])
-def test_gpu_decode_graphs_answer_as_the_eager_steps(moe_file, gib):
+def test_gpu_decode_graphs_answer_as_the_eager_steps(moe_file, gib, monkeypatch):
     """Decode steps captured as graphs (the host answering each layer through the mailbox
     after the launch) give the eager steps' tokens exactly, one sequence and three at once
-    (a bucket of 4: a padding row), with misses computed on the CPU in both."""
+    (a bucket of 4: a padding row), with misses computed on the CPU in both. With a cache the
+    two differ in which experts are resident (promotions land at other points), so the CPU's
+    misses dot two activation planes here, the hits' precision: with the engine's one
+    (llama.cpp's arithmetic, ~1% an expert) a near-tie may go either way."""
     from deimos.engine import LLM
     from deimos.engine.request import Request
     from deimos.kernels.sampling import SamplingParams
+    from deimos.models.gpu import offload
+
+    monkeypatch.setattr(offload, "CPU_PLANES", 2)
 
     greedy = SamplingParams(temperature=0)
     g = torch.Generator().manual_seed(9)
