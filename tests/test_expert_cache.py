@@ -370,6 +370,23 @@ def test_shrinks_at_once_below_the_headroom_to_leave_headroom_and_band():
     assert n == 24
 
 
+def test_a_shrink_is_decided_again_only_on_a_reading_taken_after_it():
+    """The squeeze on an H100: one reading of 0.34 GiB free (0.75 headroom) shrank 28 -> 16,
+    and the calls within the reading's 0.1 s shrank again on it, to 0 slots, while 16 left
+    the headroom free once the shrink's memory was back."""
+    card = Card(8 * GiB, 2 * GiB)
+    s = sizer(card)
+    assert s.target(32) == 32
+    card.free, card.now = 300 * MiB, 0.2
+    assert s.target(32) == 24
+    reads = s.memory.reads
+    card.free += 8 * 100 * MiB  # the dropped chunks back to the driver; the clock has not moved
+    assert s.target(24) == 24  # read again: the shrink's memory is free
+    assert s.memory.reads == reads + 1
+    card.now = 0.25
+    assert s.target(24) == 24 and s.memory.reads == reads + 1  # no change: the reading holds
+
+
 def test_grows_only_after_free_memory_stays_high():
     card = Card(8 * GiB, 4 * GiB)
     s = sizer(card)

@@ -71,6 +71,11 @@ class FreeMemory:
             self._free, self.total = self._read()
         return self._free
 
+    def stale(self) -> None:
+        """The last reading no longer holds (this process just freed or took memory): the
+        next ``free()`` reads again."""
+        self._at = None
+
 
 class SlotSizer:
     """The sizing rule with hysteresis (module docstring). ``slot_bytes``: device bytes of one
@@ -108,7 +113,16 @@ class SlotSizer:
         return min(chunks * self.chunk_slots, self.max_slots)
 
     def target(self, current: int) -> int:
-        """The slot count to resize to now (``current`` when nothing should change)."""
+        """The slot count to resize to now (``current`` when nothing should change). A change
+        marks the free-memory reading stale: the next call reads the card after the resize
+        (on the reading from before a shrink, the calls in the next 0.1 s shrank again and
+        again: 28 -> 16 -> 8 -> 0 slots in 0.13 s while 16 left the headroom free, H100)."""
+        n = self._target(current)
+        if n != current:
+            self.memory.stale()
+        return n
+
+    def _target(self, current: int) -> int:
         free = self.memory.free()
         now = self.memory.clock()
         if free < self.headroom:
