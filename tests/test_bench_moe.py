@@ -95,7 +95,8 @@ def test_command_line() -> None:
     with pytest.raises(ValueError, match="exactly one"):
         MemHold()
     assert parse_ready("ready held=4 free_before=10 free_after=6 full=0", 1.5) == (4, 10, 6,
-                                                                                   False, 1.5)
+                                                                                   False, 1.5, "")
+    assert parse_ready("ready held=4 free_before=10 free_after=6 full=0 stop=stdin", 1.5).stop == "stdin"
     assert parse_ready("something else", 0.0) is None
     with pytest.raises(ValueError, match="without its numbers"):
         parse_ready("ready held=4", 0.0)

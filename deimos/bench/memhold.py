@@ -9,7 +9,7 @@ its own CUDA context and the allocator's rounding are counted), fills every piec
 not merely reserved), then prints one line ``ready held=B free_before=B free_after=B full=0|1``
 on stdout. ``--take`` waits for memory another process gives back (the squeeze: the engine
 shrinks its expert cache only between steps), retrying an allocation that fails until
-``--wait-s``, then holds what it has (``full=0``). ``--rewrite-ms``: every piece rewritten at
+``--wait-s``, then holds what it has (``full=0``; ``stop=`` says why it stopped taking). ``--rewrite-ms``: every piece rewritten at
 that period, so the driver cannot page it out (unified memory, oversubscription) and the
 holder is not idle memory the driver could reclaim.
 
@@ -102,7 +102,7 @@ class _Device:
             self.torch.cuda.synchronize(self.dev)
 
 
-def _hold(args: argparse.Namespace, done: threading.Event) -> int:
+def _hold(args: argparse.Namespace, done: threading.Event, why: list[str]) -> int:
     dev = _Device(args.device)
     chunk = args.chunk_mib * MIB
     free_before = dev.free()
@@ -131,8 +131,10 @@ def _hold(args: argparse.Namespace, done: threading.Event) -> int:
         held += want
     if done.is_set() or (args.take is not None and held < int(args.take * GIB) // ALIGN * ALIGN):
         full = False  # told to go, or out of time, before it held it all
+    # why it stopped taking: "all" it wanted, "waited" --wait-s out, or what told it to go
+    stop = "all" if full else (why[0] if why else "waited")
     print(f"ready held={held} free_before={free_before} free_after={dev.free()} "
-          f"full={int(full)}", flush=True)
+          f"full={int(full)} stop={stop}", flush=True)
     rewrites = 0
     period = args.rewrite_ms / 1000 if args.rewrite_ms else None
     while not done.wait(period if period else 1.0):
@@ -143,12 +145,13 @@ def _hold(args: argparse.Namespace, done: threading.Event) -> int:
     return 0
 
 
-def _stdin_eof(done: threading.Event) -> None:
+def _stdin_eof(done: threading.Event, why: list[str]) -> None:
     try:
         while sys.stdin.buffer.read(4096):
             pass
     except (OSError, ValueError):
         pass
+    why.append("stdin")
     done.set()
 
 
@@ -174,10 +177,16 @@ def main(argv: list[str] | None = None) -> int:
             or args.chunk_mib < 2:
         raise SystemExit("memhold: --leave/--take and --rewrite-ms must be >= 0, --chunk-mib >= 2")
     done = threading.Event()
+    why: list[str] = []  # what told it to go
+
+    def on_signal(sig, _frame) -> None:
+        why.append(signal.Signals(sig).name)
+        done.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    threading.Thread(target=_stdin_eof, args=(done,), daemon=True).start()
-    return _hold(args, done)
+        signal.signal(sig, on_signal)
+    threading.Thread(target=_stdin_eof, args=(done, why), daemon=True).start()
+    return _hold(args, done, why)
 
 
 # ---- the parent's side --------------------------------------------------------------------------
@@ -191,6 +200,7 @@ class Held(NamedTuple):
     free_after: int
     full: bool
     at: float
+    stop: str = ""  # why it stopped taking (all, waited, stdin, a signal's name)
 
 
 def parse_ready(line: str, at: float) -> Held | None:
@@ -201,7 +211,7 @@ def parse_ready(line: str, at: float) -> Held | None:
     kv = dict(w.split("=", 1) for w in words[1:] if "=" in w)
     try:
         return Held(int(kv["held"]), int(kv["free_before"]), int(kv["free_after"]),
-                    kv.get("full", "1") == "1", at)
+                    kv.get("full", "1") == "1", at, kv.get("stop", ""))
     except (KeyError, ValueError):
         raise ValueError(f"memhold: a ready line without its numbers: {line!r}") from None
 

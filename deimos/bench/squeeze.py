@@ -186,7 +186,9 @@ def drive(plan: SqueezePlan, run_request: Callable[[int, Callable[[], None]], in
             tl.held_bytes = hold.held.held
             tl.events.append(Event(hold.held.at - t0, "taken",
                                    f"{hold.held.held / 2**30:.2f} GiB"
-                                   + ("" if hold.held.full else " (not all it asked for)")))
+                                   + ("" if hold.held.full else
+                                      f" (not all it asked for; stop={hold.held.stop or '?'}, "
+                                      f"{hold.held.free_after / 2**30:.2f} GiB free then)")))
 
     try:
         for i in range(plan.requests):
