@@ -465,7 +465,8 @@ class _GgmlLayer:
         self.quant = {a: _Planes(ggml, a, planes) for a in set(self.act.values())}
         self.pow2 = _Q8_0 in self.act.values()  # x's rows scaled into Q8_0's float16 range
         self._plans: OrderedDict[int, _GgmlPlan] = OrderedDict()
-        self._tokens: dict[int, _GgmlToken] = {}  # by miss count: at most the experts a token uses
+        # by miss count (at most the experts a token uses): one plane, ggml's own quantization
+        self._tokens: dict[int, _GgmlFused | _GgmlToken] = {}
 
     def token(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
         """One token's misses (a decode step): x float32 [D], experts [M], weights [M]; their
@@ -473,7 +474,7 @@ class _GgmlLayer:
         m = experts.shape[0]
         plan = self._tokens.get(m)
         if plan is None:
-            plan = self._tokens[m] = _GgmlToken(self, m)
+            plan = self._tokens[m] = _GgmlFused(self, m) if self.planes == 1 else _GgmlToken(self, m)
         plan.run(x, experts, weights, out)
 
     def __call__(self, x: np.ndarray, rows: np.ndarray, experts: np.ndarray) -> np.ndarray:
@@ -499,19 +500,91 @@ class _GgmlLayer:
         return plan.run(x, rows, experts)[:m]
 
 
-class _GgmlPlan:
+class _GgmlGraphs:
+    """A ggml context of graph metadata for one layer, its tensors bound to numpy buffers
+    (``_bind``), the layer's weights bound to their GGUF bytes, graphs planned for the
+    layer's threads (``_graph``) and computed (``_compute``)."""
+
+    def __init__(self, layer: _GgmlLayer, graphs: int):
+        g = layer.g
+        self.layer = layer
+        size = 64 * g.ggml_tensor_overhead() + graphs * g.ggml_graph_overhead_custom(GRAPH_NODES, False)
+        self.ctx = g.ggml_init(g.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
+        self._keep: list[np.ndarray] = []
+
+    def _bind(self, t, arr: np.ndarray):
+        if self.layer.g.ggml_nbytes(t) != arr.nbytes:
+            raise AssertionError(f"ggml tensor of {self.layer.g.ggml_nbytes(t)} bytes bound to {arr.nbytes}")
+        self._keep.append(arr)
+        t.contents.data = arr.ctypes.data
+        return t
+
+    def _weight(self, m: ExpertMatrix):
+        t = self.layer.g.ggml_new_tensor_3d(self.ctx, int(m.ggml_type), m.n_in, m.n_out, m.n_expert)
+        return self._bind(t, m.raw)
+
+    def _graph(self, outs: list):
+        g = self.layer.g
+        graph = g.ggml_new_graph_custom(self.ctx, GRAPH_NODES, False)
+        for o in outs:
+            g.ggml_build_forward_expand(graph, o)
+        plan = g.ggml_graph_plan(graph, self.layer.n_threads, self.layer.pool.ptr if self.layer.pool else None)
+        work = np.empty(max(plan.work_size, 1), np.uint8)
+        self._keep.append(work)
+        plan.work_data = ctypes.cast(work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
+        return graph, plan
+
+    def _compute(self, graph, plan) -> None:
+        if self.layer.g.ggml_graph_compute(graph, ctypes.pointer(plan)) != 0:
+            raise RuntimeError("ggml_graph_compute failed")
+
+    def __del__(self) -> None:
+        if getattr(self, "ctx", None) is not None:
+            self.layer.g.ggml_free(self.ctx)
+
+
+class _GgmlFused(_GgmlGraphs):
+    """One token's M misses in one graph with one activation plane that ggml quantizes itself,
+    as llama.cpp's CPU layers do: x float32 [D] -> gate and up (ggml_mul_mat_id, ids [1, M]: the
+    token's M experts, x broadcast to them) -> h = swiglu(gate, up) [M, F] -> down (each
+    expert its own row of h) -> [M, D]. The products of ``_GgmlToken`` with one plane, bit for
+    bit where x's and h's rows need no power-of-two scaling (Q8_K activations always; Q8_0
+    rows whose float16 scales are normal), with no activation blocks made here, one compute
+    and no numpy between the stages."""
+
+    def __init__(self, layer: _GgmlLayer, m: int):
+        super().__init__(layer, 1)
+        g, lay = layer.g, layer.lay
+        d, f = lay.n_embd, lay.n_ff
+        self.ids_buf = np.empty((1, m), np.int32)
+        ids = self._bind(g.ggml_new_tensor_2d(self.ctx, g.GGML_TYPE_I32, m, 1), self.ids_buf)
+        self.x = np.empty(d, np.float32)
+        x = self._bind(g.ggml_new_tensor_3d(self.ctx, g.GGML_TYPE_F32, d, 1, 1), self.x)
+        w = [self._weight(t) for t in (lay.gate, lay.up, lay.down)]
+        gate, up = (self._bind(g.ggml_mul_mat_id(self.ctx, w[i], x, ids), np.empty((m, f), np.float32))
+                    for i in (0, 1))
+        h = self._bind(g.ggml_swiglu_split(self.ctx, gate, up), np.empty((m, f), np.float32))
+        self.y = np.empty((m, d), np.float32)
+        y = self._bind(g.ggml_mul_mat_id(self.ctx, w[2], h, ids), self.y)
+        self.graph, self.plan = self._graph([y])
+
+    def run(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
+        self.ids_buf[0] = experts
+        np.copyto(self.x, x)
+        self._compute(self.graph, self.plan)
+        out += weights @ self.y
+
+
+class _GgmlPlan(_GgmlGraphs):
     """The two graphs of one layer for M misses, every tensor bound to a numpy buffer. The
     general layout: each miss a ggml "token" whose expert list is its expert once a plane
     (ids [M, planes]), stage 1 reading x's planes of the miss's row ([M, planes, D]).
     ``token``: ``_GgmlToken``'s layout (there)."""
 
     def __init__(self, layer: _GgmlLayer, m: int, token: bool = False):
+        super().__init__(layer, 2)
         g, lay, p = layer.g, layer.lay, layer.planes
-        self.layer = layer
         d, f = lay.n_embd, lay.n_ff
-        size = 64 * g.ggml_tensor_overhead() + 2 * g.ggml_graph_overhead_custom(GRAPH_NODES, False)
-        self.ctx = g.ggml_init(g.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
-        self._keep: list[np.ndarray] = []
         # ggml's ids [n0, n1]: n1 "tokens" of n0 experts; x [D, xb1, xb2] (xb1 1: broadcast)
         n0, n1, xb1, xb2 = (m, p, 1, p) if token else (p, m, p, m)
         self.token = token  # the planes are the buffers' first axis (else the second)
@@ -571,32 +644,6 @@ class _GgmlPlan:
             self._bind(n, b)
         return nodes[-1], bufs[-1]
 
-    def _bind(self, t, arr: np.ndarray):
-        if self.layer.g.ggml_nbytes(t) != arr.nbytes:
-            raise AssertionError(f"ggml tensor of {self.layer.g.ggml_nbytes(t)} bytes bound to {arr.nbytes}")
-        self._keep.append(arr)
-        t.contents.data = arr.ctypes.data
-        return t
-
-    def _weight(self, m: ExpertMatrix):
-        t = self.layer.g.ggml_new_tensor_3d(self.ctx, int(m.ggml_type), m.n_in, m.n_out, m.n_expert)
-        return self._bind(t, m.raw)
-
-    def _graph(self, outs: list):
-        g = self.layer.g
-        graph = g.ggml_new_graph_custom(self.ctx, GRAPH_NODES, False)
-        for o in outs:
-            g.ggml_build_forward_expand(graph, o)
-        plan = g.ggml_graph_plan(graph, self.layer.n_threads, self.layer.pool.ptr if self.layer.pool else None)
-        work = np.empty(max(plan.work_size, 1), np.uint8)
-        self._keep.append(work)
-        plan.work_data = ctypes.cast(work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
-        return graph, plan
-
-    def _compute(self, graph, plan) -> None:
-        if self.layer.g.ggml_graph_compute(graph, ctypes.pointer(plan)) != 0:
-            raise RuntimeError("ggml_graph_compute failed")
-
     def run(self, x: np.ndarray, rows: np.ndarray, experts: np.ndarray) -> np.ndarray:
         lay = self.layer
         self.ids_buf[:] = experts[:, None]
@@ -636,10 +683,6 @@ class _GgmlPlan:
             self.layer.quant[act].quantize_into(h, self.h_target)
         else:
             self.layer.quant[act].quantize(h, self.h_in)
-
-    def __del__(self) -> None:
-        if getattr(self, "ctx", None) is not None:
-            self.layer.g.ggml_free(self.ctx)
 
 
 class _GgmlToken(_GgmlPlan):
