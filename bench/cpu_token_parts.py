@@ -26,8 +26,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deimos.gguf.constants import GGMLType  # noqa: E402
-from deimos.quant import get_format  # noqa: E402
 from deimos.models.gpu.offload import CPU_PLANES  # noqa: E402
+from deimos.quant import get_format  # noqa: E402
 from deimos.runtime.cpu_experts import (  # noqa: E402
     CpuExperts,
     ExpertMatrix,
