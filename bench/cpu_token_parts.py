@@ -33,7 +33,6 @@ from deimos.runtime.cpu_experts import (  # noqa: E402
     ExpertMatrix,
     LayerExperts,
     _GgmlGraphs,
-    _GgmlToken,
     _Planes,
 )
 
@@ -62,10 +61,7 @@ def main() -> int:
     if not 1 <= a.misses <= E or a.calls < 1 or a.threads < 1 or a.reps < 1 or a.planes not in (1, 2, 3):
         ap.error(f"--misses must be in 1..{E}, --calls, --threads and --reps >= 1, --planes 1-3")
     rng = np.random.default_rng(0)
-    cpu = CpuExperts([layer(rng)], n_threads=a.threads, planes=a.planes)
-    if a.two_graphs:  # the token plan made before the calls would make the fused one
-        g = cpu._ggml[0]
-        g._tokens[a.misses] = _GgmlToken(g, a.misses)
+    cpu = CpuExperts([layer(rng)], n_threads=a.threads, planes=a.planes, fused=not a.two_graphs)
     x = rng.standard_normal(D).astype(np.float32)
     out = np.zeros(D, np.float32)
     w = np.full(a.misses, 1 / a.misses, np.float32)

@@ -6,13 +6,16 @@ wait for the route, the CPU experts and their ggml graphs, the activation quanti
 hits' launches, promotions, the combine) per token, and the hit rate of the timed tokens.
 
     python bench/profile_offload.py MODEL.gguf [--slots 0,46,128] [-n 32] [-p 64] [--top 25]
-        [--shares auto,0] [--cpu pool,nopool,planes2]
+        [--shares auto,0] [--cpu pool,nopool,planes2,twographs] [--split minimax,round]
 
 ``--cpu``: the CPU side of each run: "pool" the engine's (ggml's threads made once,
 offload.CPU_PLANES activation planes), "nopool" ggml making its threads each compute (the
 engine before the pool), "planes1" / "planes2" / "planes3" one (llama.cpp's arithmetic), two
-or three activation planes (more exact), "tN" the engine's with N ggml threads; "auto"
-shares are calibrated again for each.
+or three activation planes (more exact), "twographs" one plane in the two-graph layout with
+the planes made in Python (the engine before _GgmlFused), "tN" the engine's with N ggml
+threads; "auto" shares are calibrated again for each. ``--split``: the device's count of a
+layer's misses from the share, the engine's "minimax" (offload.device_count) or "round"
+(share x misses rounded, the engine before).
 
 A measurement, not a test. Needs a CUDA GPU.
 """
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from deimos.engine import LLM  # noqa: E402
 from deimos.engine.request import Request  # noqa: E402
 from deimos.kernels.sampling import SamplingParams  # noqa: E402
+from deimos.models.gpu.offload import device_count  # noqa: E402
 from deimos.runtime.cpu_experts import CpuExperts  # noqa: E402
 from deimos.runtime.share_tuner import ShareTuner  # noqa: E402
 
@@ -99,6 +103,11 @@ class Timers:
             setattr(c, name, fn)
 
 
+# the device's count of m missed experts at a share: the engine's, and rounding (before it)
+SPLITS = {"minimax": device_count,
+          "round": lambda m, share: int(m * share + 0.5) if share > 0 else 0}
+
+
 def decode(llm: LLM, prompt: int, n: int, seed: int) -> tuple[float, int, float]:
     """(seconds, tokens) of n greedy decode tokens after a prompt of ``prompt`` tokens, and the
     prompt's seconds (to its first token)."""
@@ -151,12 +160,16 @@ def main() -> None:
                     "(ExpertOffload._answer_token), rows (the general path), or both")
     ap.add_argument("--promote", default=None, help="layers promoting a miss each step, one run "
                     "each (default: the engine's)")
-    ap.add_argument("--cpu", default="pool", help="CPU sides to run: pool, nopool, planes1, planes2, planes3, tN")
+    ap.add_argument("--cpu", default="pool", help="CPU sides to run: pool, nopool, planes1, planes2, "
+                    "planes3, twographs, tN")
+    ap.add_argument("--split", default="minimax", help="the device's count of the misses: minimax, round")
     a = ap.parse_args()
-    bad = [c for c in a.cpu.split(",") if c not in ("pool", "nopool", "planes1", "planes2", "planes3")
+    bad = [c for c in a.cpu.split(",") if c not in ("pool", "nopool", "planes1", "planes2", "planes3", "twographs")
            and not (c[:1] == "t" and c[1:].isdigit() and int(c[1:]) > 0)]
     if bad:
-        ap.error(f"--cpu: unknown CPU side {bad[0]!r} (pool, nopool, planes1, planes2, planes3, tN: N ggml threads)")
+        ap.error(f"--cpu: unknown CPU side {bad[0]!r} (pool, nopool, planes1, planes2, planes3, twographs, tN: N ggml threads)")
+    if any(r not in SPLITS for r in a.split.split(",")):
+        ap.error(f"--split: {a.split!r}: the rules are {', '.join(SPLITS)}")
     for sh in a.shares.split(","):
         if sh not in ("auto", "tune"):
             try:
@@ -183,17 +196,20 @@ def main() -> None:
     cpus = {"pool": lambda: c,
             "nopool": lambda: CpuExperts(c.layers, planes=c.planes, n_threads=c.n_threads, pool=False),
             **{f"planes{p}": (lambda p=p: CpuExperts(c.layers, planes=p, n_threads=c.n_threads))
-               for p in (1, 2, 3)}}
+               for p in (1, 2, 3)},
+            "twographs": lambda: CpuExperts(c.layers, planes=1, n_threads=c.n_threads, fused=False)}
     for name in a.cpu.split(","):  # tN: the engine's CPU side with N ggml threads
         if name[:1] == "t":
             cpus[name] = lambda n=int(name[1:]): CpuExperts(c.layers, planes=c.planes, n_threads=n)
     built = {}
     shares = {}
     promotes = promotes or [off.promote_layers]
-    runs = [(pool, int(n), sh, ans, pr) for pool in a.cpu.split(",") for n in a.slots.split(",")
-            for sh in a.shares.split(",") for ans in a.answer.split(",") for pr in promotes]
-    for pool, n_slots, share, ans, pr in runs:
+    runs = [(pool, int(n), sh, ans, pr, sp) for pool in a.cpu.split(",") for n in a.slots.split(",")
+            for sh in a.shares.split(",") for ans in a.answer.split(",") for pr in promotes
+            for sp in a.split.split(",")]
+    for pool, n_slots, share, ans, pr, sp in runs:
         off.token_path = ans == "token"
+        off.split = SPLITS[sp]
         off.promote_layers = pr
         if pool not in built:
             built[pool] = cpus[pool]()
@@ -230,8 +246,8 @@ def main() -> None:
         ms = sec * 1e3 / made
         if off.tuner is not None:
             share = off.gpu_share  # where the tuner ended
-        rows.append((f"{pool}/{ans}/p{pr}", off.cache.n_slots, share, ms, hit, a.p / tp))
-        print(f"\ncpu side {pool}, answer {ans}, promoting layers {pr}, slots {off.cache.n_slots}, device share {share:.2f}: {ms:.2f} ms a token ({1e3 / ms:.1f} tok/s), hit rate "
+        rows.append((f"{pool}/{ans}/p{pr}/{sp}", off.cache.n_slots, share, ms, hit, a.p / tp))
+        print(f"\ncpu side {pool}, answer {ans}, promoting layers {pr}, split {sp}, slots {off.cache.n_slots}, device share {share:.2f}: {ms:.2f} ms a token ({1e3 / ms:.1f} tok/s), hit rate "
               f"{hit:.3f}; prompt {a.p} tokens {tp * 1e3:.0f} ms ({a.p / tp:.0f} tok/s); under cProfile {psec * 1e3 / pmade:.2f} ms a token; per token:")
         print(f"  timed (perf_counter, {tsec * 1e3 / tmade:.2f} ms a token; the prompt's eager "
               f"steps included, so per decode token):")
@@ -244,9 +260,9 @@ def main() -> None:
         for label, v, calls in parts(st, pmade):
             print(f"  {label:28s} {v:8.2f} ms  {calls:5d} calls")
         st.sort_stats("tottime").print_stats(a.top)
-    print("\ncpu/answer/promote slots  share  ms/token  tok/s  hit rate  prompt tok/s")
+    print("\ncpu/answer/promote/split    slots  share  ms/token  tok/s  hit rate  prompt tok/s")
     for pool, n_slots, share, ms, hit, pp in rows:
-        print(f"{pool:17s}{n_slots:5d}  {share:5.2f}  {ms:8.2f}  {1e3 / ms:5.1f}  {hit:8.3f}  {pp:12.0f}")
+        print(f"{pool:27s}{n_slots:5d}  {share:5.2f}  {ms:8.2f}  {1e3 / ms:5.1f}  {hit:8.3f}  {pp:12.0f}")
 
 
 if __name__ == "__main__":

@@ -159,12 +159,14 @@ class CpuExperts:
     - ``backend``: "auto", "ggml" or "exact" (module docstring); ``planes``: ggml's activation
       planes (1 = llama.cpp's arithmetic, 2 = 7e-5, 3 = 4e-7 relative error); ``n_threads``: ggml's
       threads (``default_threads()``); ``cache_bytes``: the exact backend's cache; ``pool``:
-      ggml's threads made once (``_ThreadPool``), else made by each compute (for comparison).
+      ggml's threads made once (``_ThreadPool``), else made by each compute (for comparison);
+      ``fused``: with one plane, one graph that quantizes x and h itself (``_GgmlFused``), else
+      the two-graph layout with the planes made here (for comparison).
     """
 
     def __init__(self, layers: Sequence[LayerExperts], *, backend: str = "auto", planes: int = 2,
                  n_threads: int | None = None, cache_bytes: int = EXACT_CACHE_BYTES,
-                 pool: bool = True):
+                 pool: bool = True, fused: bool = True):
         if backend not in BACKENDS:
             raise ValueError(f"CpuExperts: backend must be one of {BACKENDS}, got {backend!r}")
         if planes not in (1, 2, 3):
@@ -185,7 +187,8 @@ class CpuExperts:
                 raise ValueError(f"CpuExperts: layer {i}'s formats have no 8-bit activation type in ggml")
             if fit and pool and self._pool is None:
                 self._pool = _ThreadPool(ggml, self.n_threads)
-            self._ggml.append(_GgmlLayer(ggml, lay, planes, self.n_threads, self._pool) if fit else None)
+            self._ggml.append(_GgmlLayer(ggml, lay, planes, self.n_threads, self._pool, fused=fused)
+                              if fit else None)
 
     def backend(self, layer: int) -> str:
         return "ggml" if self._ggml[layer] is not None else "exact"
@@ -458,13 +461,14 @@ class _GgmlLayer:
     decode layer here (80 -> 47 us around ggml's compute, one thread; bench/cpu_token_parts.py)."""
 
     def __init__(self, ggml, lay: LayerExperts, planes: int, n_threads: int,
-                 pool: _ThreadPool | None, bucket: int = PLAN_BUCKET):
+                 pool: _ThreadPool | None, bucket: int = PLAN_BUCKET, fused: bool = True):
         self.g, self.lay, self.planes, self.n_threads, self.pool = ggml, lay, planes, n_threads, pool
+        self.fused = fused and planes == 1  # one graph, ggml's own quantization (_GgmlFused)
         self.bucket = bucket
         self.act = {i: _act_type(ggml, m.ggml_type) for i, m in enumerate((lay.gate, lay.up, lay.down))}
         self.quant = {a: _Planes(ggml, a, planes) for a in set(self.act.values())}
         self.pow2 = _Q8_0 in self.act.values()  # x's rows scaled into Q8_0's float16 range
-        self._plans: OrderedDict[int, _GgmlPlan] = OrderedDict()
+        self._plans: OrderedDict[int, _GgmlFused | _GgmlPlan] = OrderedDict()
         # by miss count (at most the experts a token uses): one plane, ggml's own quantization
         self._tokens: dict[int, _GgmlFused | _GgmlToken] = {}
 
@@ -474,8 +478,8 @@ class _GgmlLayer:
         m = experts.shape[0]
         plan = self._tokens.get(m)
         if plan is None:
-            plan = self._tokens[m] = _GgmlFused(self, m) if self.planes == 1 else _GgmlToken(self, m)
-        plan.run(x, experts, weights, out)
+            plan = self._tokens[m] = _GgmlFused(self, m, token=True) if self.fused else _GgmlToken(self, m)
+        plan.token(x, experts, weights, out)
 
     def __call__(self, x: np.ndarray, rows: np.ndarray, experts: np.ndarray) -> np.ndarray:
         """x [T, D], the misses' rows and experts [M] -> [M, D] (unweighted): the plan's own
@@ -492,7 +496,7 @@ class _GgmlLayer:
             experts = np.concatenate([experts, np.repeat(experts[-1:], pad)])
         plan = self._plans.get(mb)
         if plan is None:
-            plan = self._plans[mb] = _GgmlPlan(self, mb)
+            plan = self._plans[mb] = _GgmlFused(self, mb, token=False) if self.fused else _GgmlPlan(self, mb)
             if len(self._plans) > MAX_PLANS:
                 self._plans.popitem(last=False)
         else:
@@ -544,22 +548,24 @@ class _GgmlGraphs:
 
 
 class _GgmlFused(_GgmlGraphs):
-    """One token's M misses in one graph with one activation plane that ggml quantizes itself,
-    as llama.cpp's CPU layers do: x float32 [D] -> gate and up (ggml_mul_mat_id, ids [1, M]: the
-    token's M experts, x broadcast to them) -> h = swiglu(gate, up) [M, F] -> down (each
-    expert its own row of h) -> [M, D]. The products of ``_GgmlToken`` with one plane, bit for
-    bit where x's and h's rows need no power-of-two scaling (Q8_K activations always; Q8_0
-    rows whose float16 scales are normal), with no activation blocks made here, one compute
-    and no numpy between the stages."""
+    """M misses in one graph with one activation plane that ggml quantizes itself, as
+    llama.cpp's CPU layers do: float32 rows -> gate and up (ggml_mul_mat_id) -> h =
+    swiglu(gate, up) -> down -> y [M, D] (unweighted). Two layouts: ``token`` (a decode step's
+    misses: one ggml "token" whose expert list is the M experts, ids [1, M], x [D] broadcast to
+    them) and rows (each miss a "token" of one expert, ids [M, 1], x's row of the miss). The
+    products of the two-graph plans with one plane, bit for bit where x's and h's rows need no
+    power-of-two scaling (Q8_K activations always; Q8_0 rows whose float16 scales are normal),
+    with no activation blocks made here, one compute and no numpy between the stages."""
 
-    def __init__(self, layer: _GgmlLayer, m: int):
+    def __init__(self, layer: _GgmlLayer, m: int, token: bool):
         super().__init__(layer, 1)
         g, lay = layer.g, layer.lay
         d, f = lay.n_embd, lay.n_ff
-        self.ids_buf = np.empty((1, m), np.int32)
-        ids = self._bind(g.ggml_new_tensor_2d(self.ctx, g.GGML_TYPE_I32, m, 1), self.ids_buf)
-        self.x = np.empty(d, np.float32)
-        x = self._bind(g.ggml_new_tensor_3d(self.ctx, g.GGML_TYPE_F32, d, 1, 1), self.x)
+        n0, n1 = (m, 1) if token else (1, m)  # ggml's ids [n0, n1]: n1 "tokens" of n0 experts
+        self.ids_buf = np.empty((n1, n0), np.int32)
+        ids = self._bind(g.ggml_new_tensor_2d(self.ctx, g.GGML_TYPE_I32, n0, n1), self.ids_buf)
+        self.x = np.empty((n1, d), np.float32)
+        x = self._bind(g.ggml_new_tensor_3d(self.ctx, g.GGML_TYPE_F32, d, 1, n1), self.x)
         w = [self._weight(t) for t in (lay.gate, lay.up, lay.down)]
         gate, up = (self._bind(g.ggml_mul_mat_id(self.ctx, w[i], x, ids), np.empty((m, f), np.float32))
                     for i in (0, 1))
@@ -568,11 +574,20 @@ class _GgmlFused(_GgmlGraphs):
         y = self._bind(g.ggml_mul_mat_id(self.ctx, w[2], h, ids), self.y)
         self.graph, self.plan = self._graph([y])
 
-    def run(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
+    def token(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
+        """The token layout: x [D], experts [M], weights [M]; the weighted sum added to ``out``."""
         self.ids_buf[0] = experts
-        np.copyto(self.x, x)
+        np.copyto(self.x[0], x)
         self._compute(self.graph, self.plan)
         out += weights @ self.y
+
+    def run(self, x: np.ndarray, rows: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        """The rows layout: x [T, D], the misses' rows and experts [M] -> y [M, D] (the plan's
+        buffer)."""
+        self.ids_buf[:, 0] = experts
+        np.take(x, rows, axis=0, out=self.x)
+        self._compute(self.graph, self.plan)
+        return self.y
 
 
 class _GgmlPlan(_GgmlGraphs):
@@ -587,7 +602,7 @@ class _GgmlPlan(_GgmlGraphs):
         d, f = lay.n_embd, lay.n_ff
         # ggml's ids [n0, n1]: n1 "tokens" of n0 experts; x [D, xb1, xb2] (xb1 1: broadcast)
         n0, n1, xb1, xb2 = (m, p, 1, p) if token else (p, m, p, m)
-        self.token = token  # the planes are the buffers' first axis (else the second)
+        self.planes_first = token  # the planes are the buffers' first axis (else the second)
         self.ids_buf = np.empty((n1, n0), np.int32)
         self.ids = self._bind(g.ggml_new_tensor_2d(self.ctx, g.GGML_TYPE_I32, n0, n1), self.ids_buf)
         w = [self._weight(t) for t in (lay.gate, lay.up, lay.down)]
@@ -632,7 +647,7 @@ class _GgmlPlan(_GgmlGraphs):
         mul_mat_id output of every plane: ne [F, M, planes] in the token layout, [F, planes, M]
         in the rows one; summed in plane order, times ``scale`` [1, M] when given."""
         g, nb = self.layer.g, t.contents.nb
-        row, plane = (nb[1], nb[2]) if self.token else (nb[2], nb[1])
+        row, plane = (nb[1], nb[2]) if self.planes_first else (nb[2], nb[1])
         views = [g.ggml_view_2d(self.ctx, t, f, m, row, q * plane) for q in range(planes)]
         nodes = [g.ggml_cont(self.ctx, views[0])] if planes == 1 else []
         for v in views[1:]:
@@ -696,7 +711,7 @@ class _GgmlToken(_GgmlPlan):
         super().__init__(layer, m, token=True)
         self.x_targets = [(layer.quant[a], layer.quant[a].target(buf)) for a, (_, buf) in self.x_in.items()]
 
-    def run(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
+    def token(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
         lay = self.layer
         self.ids_buf[:] = experts
         xr = x.reshape(1, -1)
