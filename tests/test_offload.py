@@ -434,7 +434,7 @@ def test_gpu_a_chained_greedy_decode_still_resizes_the_cache(moe_file):
 
 
 def test_device_count_ends_both_sides_first():
-    """device_count is the brute-force argmin of the slower side's cost (the smaller count on a
+    """device_count is the brute-force argmin of the slower side's cost (the larger count on a
     tie) for every miss count and a grid of shares, never more than rounding's error from
     share * m; the edges and the cases rounding got wrong."""
     from deimos.models.gpu.offload import device_count
@@ -442,10 +442,11 @@ def test_device_count_ends_both_sides_first():
     for m in range(70):
         for share in np.linspace(0, 1, 41):
             costs = [max(n * (1 - share), (m - n) * share) for n in range(m + 1)]
-            best = min(range(m + 1), key=lambda n: (costs[n], n))
+            best = min(range(m + 1), key=lambda n: (costs[n], -n))
             got = device_count(m, float(share))
             assert costs[got] == costs[best], (m, share, got, best)
             assert abs(got - share * m) <= 1
     assert device_count(7, 0.24) == 1 and device_count(3, 0.24) == 0  # rounding: 2 and 1
     assert device_count(8, 0.0) == 0 and device_count(8, 1.0) == 8 and device_count(0, 0.5) == 0
+    assert device_count(1, 0.5) == 1  # a tie: the device's
     assert device_count(8, -0.1) == 0 and device_count(8, 1.5) == 8
