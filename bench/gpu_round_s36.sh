@@ -3,7 +3,8 @@
 #   bench/gpu_round_s36.sh moe    # carry .whl-min .whl-ggml .peer/lc .peer/td (qwen2 vocabulary):
 #                                 # the offload's GPU tests, bench/host_read.py, then where an
 #                                 # offloaded token goes with the one-token and the general host
-#                                 # answer (bench/profile_offload.py, SLOTS slots, SHARES shares)
+#                                 # answer (bench/profile_offload.py, SLOTS slots, SHARES shares,
+#                                 # CPU sides, SPLIT rules)
 #   bench/gpu_round_s36.sh moe8   # deimos bench --gpu-mem 8 on qwen3moe 30B-A3B beside llama.cpp's
 #                                 # -ncmoe 33 under the same limit (the GPU tests in TESTS first,
 #                                 # while the file is written)
@@ -57,7 +58,7 @@ t = time.perf_counter(); [a.sum() for _ in range(5)]; dt = (time.perf_counter() 
 print(f'host memory: {a.numel() * 8 / dt / 1e9:.1f} GB/s read by torch.sum on $(nproc) threads')"
   idle
   timeout ${PROF_S:-240} python3 bench/profile_offload.py $M30 --slots ${SLOTS:-0} --shares ${SHARES:-tune} \
-    --answer ${ANSWER:-token,rows} ${PROMOTE:+--promote $PROMOTE} ${CPU:+--cpu $CPU} -n ${NTOK:-32} -p 512 --top 12 2>&1 | grep -v Warn > "$OUT/profile-offload.txt"
+    --answer ${ANSWER:-token,rows} ${PROMOTE:+--promote $PROMOTE} ${CPU:+--cpu $CPU} ${SPLIT:+--split $SPLIT} -n ${NTOK:-32} -p 512 --top 12 2>&1 | grep -v Warn > "$OUT/profile-offload.txt"
   grep -E "^(offload|cpu side)|^  (timed|host|  cpu|    ggml|    act|  promote|promote|eager)|GB/s" "$OUT/profile-offload.txt" | cut -c1-160
   idle ;;
 lite)  # little device time left: the GPU tests while the file is written, where an offloaded
