@@ -18,7 +18,10 @@ Two backends (``CpuExperts(backend=...)``), chosen by measurement (bench/cpu_exp
   (default 2) blocks quantized here: plane 1 = q8(x) (byte for byte ggml's own), plane 2 =
   q8(x - plane 1), the products summed: the GPU decode GEMV's two-int8-plane trick
   (deimos.quant.triton.gemv_q8); 7e-5 relative error, 3 planes 4e-7 (float32's level). Each
-  row is scaled by a power of two (exact) so that Q8_0's float16 scales stay normal.
+  row is scaled by a power of two (exact) so that Q8_0's float16 scales stay normal. With one
+  plane (the expert offload's: deimos.models.gpu.offload.CPU_PLANES) a layer is one graph fed
+  float32 rows that ggml quantizes itself, llama.cpp's own path (``_GgmlFused``). ggml-python's
+  C functions are taken from its own library files (deimos.runtime.ggml_lib).
 - ``"exact"``: deimos.quant's bit-exact decode of each expert touched (kept, float32, in an
   LRU cache of ``cache_bytes``), float32 torch matmuls. Any format. A cold miss decodes in
   numpy: 20x slower than ggml; a cached one reads 7x ggml's bytes.
