@@ -198,6 +198,11 @@ def run_moe_bench(cfg: BenchConfig, path, file, nvml: Nvml | None, before: list,
         report.notes.append(f"the device's share of a decode step's misses: {off.calibrated_share:.2f} "
                             "calibrated at load, then tuned while decoding (the table: its value at "
                             "each phase's end, and the tuner's moves)")
+    if off is not None and off.calibrated_rates is not None:  # this host's bus and cores
+        dev, cpu = off.calibrated_rates
+        report.notes.append(f"this host at load: the device read experts from host memory at "
+                            f"{dev / 1e9:.1f} GB/s, the CPU computed them at {cpu / 1e9:.1f} GB/s "
+                            f"({off.cpu.n_threads} ggml threads)")
     if search is not None:
         report.ncmoe = [asdict(t) for t in search.tried]
         best = search.best()

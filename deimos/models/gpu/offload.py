@@ -212,6 +212,7 @@ class ExpertOffload:
         self.tuner: ShareTuner | None = None  # tunes gpu_share while decoding (made by calibrate)
         self.split = device_count  # (misses, share) -> the device's count (bench: another rule)
         self.calibrated_share: float | None = None  # calibrate's answer, where it ran
+        self.calibrated_rates: tuple[float, float] | None = None  # its (device, CPU) bytes/s
         # long steps' staging (runtime.expert_stream), each ring buffer made at its most at once
         self.stager = ExpertStager(self.device, self.stage_bytes // RING)
         self._staged: dict[int, Staged] = {}  # layer -> its staging, enqueued a layer ahead
@@ -508,10 +509,11 @@ class ExpertOffload:
             nbytes = k * self.cache.layers[li].host.expert_nbytes
         td, tc = sorted(t_dev)[reps // 2], sorted(t_cpu)[reps // 2]
         self.gpu_share = self.calibrated_share = tc / (td + tc)  # rates k / td and k / tc: g / (g + c)
+        self.calibrated_rates = (nbytes / td, nbytes / tc)
         self.tuner = ShareTuner(self.gpu_share)  # the start: decoding tunes it (runtime.share_tuner)
         log.info("expert offload: the device reads misses from host memory at %.1f GB/s, the CPU "
                  "computes them at %.1f GB/s: %.0f%% of a step's missed experts go to the device",
-                 nbytes / td / 1e9, nbytes / tc / 1e9, 100 * self.gpu_share)
+                 *(r / 1e9 for r in self.calibrated_rates), 100 * self.gpu_share)
         return self.gpu_share
 
     def _promote(self, lay, experts: np.ndarray) -> None:
