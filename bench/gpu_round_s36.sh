@@ -12,6 +12,7 @@
 #   bench/gpu_round_s36.sh squeeze # (carry as moe8) the squeeze replay at 8 GiB beside llama.cpp
 #                                 # restarted for 8 and for 6 GiB (REL=1: the release variant)
 #   bench/gpu_round_s36.sh squeeze1 # (carry as moe8) the squeeze alone, without llama.cpp (REL=1)
+#   bench/gpu_round_s36.sh next40 # (carry as moe8) session 40's changes on one host (~7 min)
 #   bench/gpu_round_s36.sh moe35  # (carry as moe8) qwen35moe 35B-A3B under --gpu-mem 8 against
 #                                 # llama.cpp's -ncmoe search (LARGS: fixed llama-bench flags)
 #   bench/gpu_round_s36.sh q3     # carry .whl .peer/lc .peer/td (qwen2 vocabulary, templates): the
@@ -102,6 +103,22 @@ squeeze) # (carry as moe8) issue 15's squeeze on qwen3moe 30B-A3B at 8 GiB: 2 Gi
   timeout ${BENCH_S:-560} python3 -m deimos bench $M30 -n 128 --gpu-mem 8 --squeeze ${REL:+--release} \
     --vs-llama /tmp/lc/llama-bench --llama-reps ${LREPS:-3} --json "$OUT/squeeze.json" 2>&1 | grep -v Warn \
     | tee "$OUT/squeeze.txt" | tail -40
+  idle ;;
+next40) # (carry as moe8) session 40's changes measured on one host: the offload's GPU tests,
+        # where a decode token goes with the one-plane graph (_GgmlFused) against the two-graph
+        # layout and the minimax split against rounding (bench/profile_offload.py), then 8 GiB
+        # against llama.cpp's -ncmoe 33 (both load modes)
+  moe_setup; (synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2) &
+  timeout ${TEST_S:-120} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_offload.py \
+    tests/test_ggml_lib.py 2>&1 | cut -c1-220 | tail -4
+  wait; idle
+  timeout ${PROF_S:-200} python3 bench/profile_offload.py $M30 --slots 28 --shares tune --answer token \
+    --cpu twographs,pool --split round,minimax -n 32 -p 512 --top 5 2>&1 | grep -v Warn > "$OUT/profile-offload.txt"
+  grep -E "^offload|^expert offload" "$OUT/profile-offload.txt" | cut -c1-160; tail -5 "$OUT/profile-offload.txt"
+  idle
+  timeout ${BENCH_S:-300} python3 -m deimos bench $M30 -p 512 -n 128 -r 3 --gpu-mem 8 \
+    --vs-llama /tmp/lc/llama-bench "--llama-args=-ngl 99 -fa 1 -t 16 -ncmoe 33" --json "$OUT/moe-8g.json" 2>&1 \
+    | grep -v Warn | tee "$OUT/moe-8g.txt" | grep -E "deimos|llama|host at load|share" | cut -c1-160
   idle ;;
 squeeze1) # (carry as moe8) the squeeze alone (no llama.cpp: ~2 min), REL=1 for the release;
           # the report's free-memory lines say whether the cache's sizing acted
