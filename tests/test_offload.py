@@ -11,6 +11,7 @@ some and all slots.
 
 from __future__ import annotations
 
+import logging
 import numpy as np
 import pytest
 import torch
@@ -43,6 +44,31 @@ def models(moe_file):
     ker = ARCHITECTURES[ref.config.arch](ref.config, WeightSource(moe_file, DEVICE, kernels=True,
                                                                   expert_device="cpu"))
     return ref, ker
+
+
+def test_misses_on_the_exact_fallback_are_announced(moe_file, models, caplog):
+    """Without ggml's kernels for the misses (ggml-python not installed, or no kernel for a
+    format) the offload says so once at load, with the package that gives them; a cache of
+    every expert (no misses) or ggml's kernels say nothing."""
+    from deimos.runtime.cpu_experts import CpuExperts, LayerExperts
+
+    _, ker = models
+    blocks = [layer.moe for layer in ker.layers if getattr(layer, "moe", None) is not None]
+    layers = [LayerExperts.from_gguf(moe_file, b.layer) for b in blocks]
+    e = blocks[0].n_expert
+    cases = [(CpuExperts(layers, backend="exact"), 0, True), (CpuExperts(layers, backend="exact"), e, False)]
+    try:
+        cases.append((CpuExperts(layers, backend="ggml"), 0, False))
+    except ValueError:  # ggml-python is not installed: the two cases above still run
+        pass
+    for cpu, slots, warned in cases:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="deimos"):
+            ExpertOffload(ker, moe_file, torch.device(DEVICE), n_slots=slots, cpu=cpu)
+        said = [r.getMessage() for r in caplog.records if "exact fallback" in r.getMessage()]
+        assert bool(said) == warned, (cpu.backend(0), slots, said)
+        if warned:
+            assert "deimos-llm[cpu-experts]" in said[0] and f"{len(blocks)} MoE layers" in said[0]
 
 
 def _x(t: int, d: int, seed: int) -> torch.Tensor:

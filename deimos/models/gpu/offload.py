@@ -90,6 +90,8 @@ STREAM_TOKENS = 16
 # the misses on the H100 hosts (fd2fb9c, 28 slots, 15 threads: 19.54 ms a token with two
 # planes, 16.12 ms with one; ggml 10.4 -> 8.1 ms)
 CPU_PLANES = 1
+EXACT_HINT = ("pip install 'deimos-llm[cpu-experts]' (ggml-python) gives them ggml's kernels"
+              " where their formats have them")
 
 
 def slot_table(n_expert: int, experts: np.ndarray, slots: np.ndarray, device) -> torch.Tensor:
@@ -220,6 +222,11 @@ class ExpertOffload:
         log.info("expert offload: %d MoE layers, %d of %d experts a layer on the GPU (%.2f GiB), "
                  "misses on the CPU (%s)", len(self.blocks), self.cache.n_slots, self.n_expert,
                  self.cache.nbytes / 2**30, self.cpu.backend(0))
+        slow = [self.blocks[i].layer for i in range(len(self.blocks)) if self.cpu.backend(i) == "exact"]
+        if slow and self.cache.n_slots < self.n_expert:  # misses happen: say why they are slow
+            log.warning("expert offload: %d MoE layers (the first: %d) compute their misses with "
+                        "the exact fallback, about 20x slower than ggml's kernels: %s", len(slow),
+                        slow[0], EXACT_HINT)
 
     # ---- between steps -------------------------------------------------------------------
 
