@@ -107,9 +107,9 @@ def device_count(m: int, share: float) -> int:
     """Of ``m`` missed experts, how many the device reads for a share ``share`` of the misses:
     the count that ends both sides first, with each expert costing the device ``1 - share`` and
     the CPU ``share`` (at that ratio ``share * m`` experts on the device end them together), so
-    floor or ceil of ``share * m``, the larger on a tie (as rounding half up: the CPU's
-    fixed cost a layer, waking ggml's threads, is not in the model). Rounding ``share * m`` instead gave
-    the device 2 of 7 at 0.24 (the slower side's cost 1.52 against 1.44 with 1) and 1 of 3
+    floor or ceil of ``share * m``, the larger on a tie (as rounding half up: the CPU's fixed
+    cost a layer, waking ggml's threads, is not in the model). Rounding ``share * m`` instead
+    gave the device 2 of 7 at 0.24 (the slower side's cost 1.52 against 1.44 with 1) and 1 of 3
     (0.76 against the CPU alone's 0.72)."""
     if m <= 0 or share <= 0:
         return 0
