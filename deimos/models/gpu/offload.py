@@ -117,8 +117,8 @@ def device_count(m: int, share: float) -> int:
         return m
     lo = int(share * m)
     hi = min(m, lo + 1)
-    cost = lambda n: max(n * (1 - share), (m - n) * share)
-    return hi if cost(hi) <= cost(lo) else lo
+    slower = [max(n * (1 - share), (m - n) * share) for n in (lo, hi)]  # the slower side's cost
+    return hi if slower[1] <= slower[0] else lo
 
 
 def by_use(experts: np.ndarray) -> np.ndarray:
