@@ -26,6 +26,7 @@ import argparse
 import http.client
 import json
 import random
+import shlex
 import socket
 import sys
 import tempfile
@@ -371,10 +372,12 @@ def main() -> int:
     ap.add_argument("--cases", type=int, default=3000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=60, help="seconds before a case hangs")
+    ap.add_argument("--server-args", default="", help="more `deimos serve` flags, one string "
+                    "(e.g. '--speculative ngram --kv-tokens 256')")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         server = ServerProcess(Path(args.model), "-c", "96", "-n", "2", "--max-queue", "512",
-                               log_dir=Path(tmp))
+                               *shlex.split(args.server_args), log_dir=Path(tmp))
         try:
             report = fuzz(server, args.cases, args.seed, Path(args.model).stem, args.timeout)
         finally:

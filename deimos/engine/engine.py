@@ -174,6 +174,7 @@ class Engine:
         self.steps = 0
         self.spec_drafted = self.spec_accepted = self.spec_verify_steps = 0
         self.token_rows = self.tokens_chosen = 0
+        self.memory_recoveries = 0  # steps that ran out of device memory and were recomputed
 
     @property
     def n_ctx(self) -> int:
@@ -269,6 +270,8 @@ class Engine:
                 seq.spec.rollback = self.runner.save_state(seq)
         try:
             result = self.runner.run(plan)
+        except torch.cuda.OutOfMemoryError as e:
+            return self._out_of_memory(plan, e)
         except Exception as e:  # noqa: BLE001 - a fault of the engine: every sequence of the step fails
             return self._failed(plan.decode + [s for s, _ in plan.verify + plan.prefill], e)
         self.steps += 1
@@ -294,6 +297,24 @@ class Engine:
         self.runner.release(seq)
         if self.drafter is not None:
             self.drafter.release(seq)  # a draft model's blocks for it
+
+    def _out_of_memory(self, plan, e: Exception) -> list[StepOutput]:
+        """A step ran out of device memory (another process took what its activations needed
+        after the expert cache's last reading): the cache gives a step's room back and the
+        step's sequences are preempted, recomputed from their cached prefixes (their tokens,
+        answers and recurrent states as if the step had not run: nothing of it was kept).
+        With nothing to give back, they fail (an engine fault, as any other)."""
+        seqs = plan.decode + [s for s, _ in plan.verify + plan.prefill]
+        if not self.runner.shed_memory():
+            return self._failed(seqs, e)
+        log.warning("engine step: out of device memory; the expert cache gave memory back, the "
+                    "step's %d sequences will be recomputed", len(seqs))
+        for seq in reversed(seqs):  # the step's first back at the front of the queue
+            if not seq.finished:
+                self.scheduler.preempt(seq)
+                self.runner.release(seq)
+        self.memory_recoveries += 1
+        return []
 
     def _failed(self, seqs: list[Sequence], e: Exception) -> list[StepOutput]:
         log.error("engine step failed: %s", e, exc_info=True)

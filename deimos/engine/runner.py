@@ -291,6 +291,12 @@ class ModelRunner:
         if between is not None:
             between()
 
+    def shed_memory(self) -> bool:
+        """After a step ran out of device memory: an offloaded MoE's expert cache gives a step's
+        room back (``ExpertOffload.shed``). False when nothing could be given."""
+        off = getattr(self.model.ops, "offload", None)
+        return off is not None and off.shed()
+
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
         self._between_steps()

@@ -116,15 +116,20 @@ class Scheduler:
                     n = aligned
         return n
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """Running ``seq`` back to the front of the queue, its blocks dropped, to be recomputed
+        from its cached prefix when it is admitted again (never failed)."""
         self.blocks.free(seq.table)
         seq.n_computed = 0
         seq.n_sealed = 0
         seq.status = SeqStatus.WAITING
         self.running.remove(seq)
         self.waiting.appendleft(seq)
-        plan.preempted.append(seq)
         self.preemptions += 1
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.preempt(seq)
+        plan.preempted.append(seq)
 
     def _drafts(self, plan: StepPlan, budget: int) -> int:
         """Move the decodes that get drafts to ``plan.verify``; returns the budget left."""

@@ -264,6 +264,28 @@ class ExpertOffload:
         self.stats.resizes += 1
         log.info("expert cache: %d -> %d slots a layer (%.2f GiB)", cur, want, self.cache.nbytes / 2**30)
 
+    def shed(self, nbytes: int | None = None) -> bool:
+        """A step ran out of device memory (another process took it between the sizing's last
+        reading and the step): drop slots, whole chunks, worth ``nbytes`` (default: the step's
+        own bytes, ``set_step_bytes``; one chunk at least), given back to the driver. The
+        sizing regrows them once the memory has stayed free (``between_steps``; a fixed
+        cache stays smaller). False when the cache holds no slot to give."""
+        cur = self.cache.n_slots
+        if cur == 0:
+            return False
+        chunk = self.cache.slots_per_chunk
+        want = self._step_bytes if nbytes is None else int(nbytes)
+        drop = max(1, -(-want // max(1, self.cache.slot_nbytes)))
+        n = max(0, cur - -(-drop // chunk) * chunk)
+        self.cache.resize(n)
+        if self.memory is not None:
+            self.memory.stale()
+        self.stats.resizes += 1
+        log.warning("expert cache: a step ran out of device memory: %d -> %d slots a layer "
+                    "(%.2f GiB)%s", cur, n, self.cache.nbytes / 2**30,
+                    " (a fixed size: it stays there)" if self.fixed else "")
+        return True
+
     # ---- a layer's step ------------------------------------------------------------------
 
     def _to_host(self, t: torch.Tensor, key: str) -> torch.Tensor:
