@@ -122,3 +122,29 @@ def test_a_step_out_of_memory_with_nothing_to_give_back_fails_its_sequences_only
     after = _requests(model.config.n_vocab, 4)  # the engine serves the next requests
     assert _drive(engine, after) == []
     assert all(len(r.output_ids) == 4 for r in after)
+
+
+@pytest.mark.gpu
+def test_gpu_hybrid_offloaded_step_out_of_memory_is_recomputed(tmp_path):
+    """qwen35moe (recurrent states in the state pool, prompt chunks snapshotted at block
+    boundaries) with its experts on the host: a step that runs out of memory mid-prompt is
+    recomputed from the cached prefix and its state snapshot, and the greedy tokens are the
+    clean run's (every miss on the CPU in both)."""
+    from deimos.engine import LLM
+
+    path = write_model(tmp_path / "q8.gguf", "qwen35moe", "qwen35moe-tiny", "Q8_0",
+                       llama_cpp_path(DONOR), seed=12)
+    prompts = [[(7 * i + k) % 30000 for i in range(m)] for k, m in ((1, 40), (2, 9))]
+    got = {}
+    for fail in (set(), {2}):  # the second step: the long prompt's second chunk
+        llm = LLM(path, n_ctx=128, device="cuda", experts="cpu", max_seqs=2, max_batch_tokens=24,
+                  block_size=16)
+        llm.offload.fix_share(0.0)
+        if llm.offload.cache.n_slots == 0:
+            pytest.skip("no room for an expert slot on this card")
+        _fail_at(llm.engine, fail)
+        reqs = [Request(p, 8, GREEDY) for p in prompts]
+        assert _drive(llm.engine, reqs) == []
+        assert llm.engine.memory_recoveries == len(fail)
+        got[bool(fail)] = [r.output_ids for r in reqs]
+    assert got[True] == got[False]
