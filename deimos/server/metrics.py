@@ -258,7 +258,8 @@ class _Collector(Collector):
                 counter("prefix_cache_query_tokens", "prompt tokens looked up in the prefix "
                         "cache", e["prefix_query_tokens"]),
                 counter("preemptions", "sequences preempted (KV blocks dropped, recomputed "
-                        "later) for want of KV blocks", e["preemptions"]),
+                        "later) for want of KV blocks, or after a step ran out of device memory",
+                        e["preemptions"]),
                 counter("spec_drafted_tokens", "speculative drafts verified", e["spec_drafted"]),
                 counter("spec_accepted_tokens", "speculative drafts accepted",
                         e["spec_accepted"]),
