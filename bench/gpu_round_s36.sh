@@ -109,8 +109,8 @@ next40) # (carry as moe8) session 40's changes measured on one host: the offload
         # layout and the minimax split against rounding (bench/profile_offload.py), then 8 GiB
         # against llama.cpp's -ncmoe 33 (both load modes)
   moe_setup; (synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2) &
-  timeout ${TEST_S:-120} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_offload.py \
-    tests/test_ggml_lib.py 2>&1 | cut -c1-220 | tail -4
+  timeout ${TEST_S:-150} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_offload.py \
+    tests/test_ggml_lib.py tests/test_engine_oom.py 2>&1 | cut -c1-220 | tail -4
   wait; idle
   timeout ${PROF_S:-200} python3 bench/profile_offload.py $M30 --slots 28 --shares tune --answer token \
     --cpu twographs,pool --split round,minimax -n 32 -p 512 --top 5 2>&1 | grep -v Warn > "$OUT/profile-offload.txt"
