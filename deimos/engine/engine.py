@@ -313,6 +313,8 @@ class Engine:
             if not seq.finished:
                 self.scheduler.preempt(seq)
                 self.runner.release(seq)
+                if seq.spec is not None:
+                    seq.spec.rollback = None  # its verification never ran
         self.memory_recoveries += 1
         return []
 
