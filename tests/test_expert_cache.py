@@ -75,6 +75,20 @@ def test_promote_copies_then_publishes_on_poll():
     assert cache.slot_of.data_ptr() == table  # the table is updated in place
 
 
+def test_best_missing_is_the_most_used_neither_resident_nor_coming():
+    cache = LayerCache(host_experts(), 4, "cpu", policy="lfu", slots_per_chunk=2)
+    for ids in ([5, 1], [5, 1], [5, 2], [5, 3], [6, 3]):  # uses: 5 x4, 1 x2, 3 x2, 2, 6
+        cache.record(np.array(ids))
+    assert cache.free_slots() == [0, 1, 2, 3]
+    assert cache.best_missing(3) == [5, 3, 1]  # 3 used last of the two-use ties (recency)
+    assert cache.promote(5)  # on its way: neither a free slot nor missing
+    assert cache.free_slots() == [1, 2, 3] and cache.best_missing(2) == [3, 1]
+    cache.poll(wait=True)
+    assert cache.fill([3]) == [3]
+    assert cache.free_slots() == [2, 3] and cache.best_missing(9) == [1, 6, 2, 0, 4]
+    assert cache.best_missing(0) == []
+
+
 def test_promote_many_evicts_in_order_and_publishes_the_evictions():
     cache = LayerCache(host_experts(), 2, "cpu", policy="lru")
     cache.record(np.array([0]))

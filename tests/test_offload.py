@@ -337,6 +337,73 @@ def test_the_cache_follows_free_memory(moe_file, models):
     assert off.sizer.step_bytes == off.stage_bytes - held
 
 
+def test_decode_steps_let_the_cache_grow_into_what_prompt_chunks_keep_free(moe_file, models):
+    """A long step (a prompt chunk) keeps its activations and the staging ring free; a short
+    one (decode) keeps only a decode's activations: at the first short step the ring goes back
+    and the cache takes that room at once (it is the process's own: no growth's wait), as far
+    as the card's free memory allows; the next long step takes it back at once. The card's
+    free memory here is a fixed amount less what the offload itself holds."""
+    from deimos.models.gpu.offload import STREAM_TOKENS
+    from deimos.runtime.gpu_memory import headroom
+
+    ref, ker = models
+    state = {"t": 0.0, "off": None, "base": 0}
+
+    def free() -> tuple[int, int]:
+        off = state["off"]
+        held = 0 if off is None else off.cache.nbytes + off.stager.nbytes
+        return state["base"] - held, 64 << 30
+
+    probe = ExpertOffload(ker, moe_file, torch.device(DEVICE), n_slots=4)
+    chunk, stage, short = probe.cache.nbytes, probe.stage_bytes, probe._short_bytes
+    h = headroom(1 << 30)  # a card this small: the headroom's least (512 MiB)
+    band = max(probe.cache.slot_nbytes * probe.cache.slots_per_chunk, 256 << 20)
+    # every expert fits beside a decode's activations, not beside a prompt chunk's
+    state["base"] = h + band + short + chunk + chunk // 2
+    step = band + short + 2 * chunk
+    mem = FreeMemory(free, clock=lambda: state["t"])
+    off = ExpertOffload(ker, moe_file, torch.device(DEVICE), memory=mem)
+    state["off"] = off
+    off.set_step_bytes(step)
+    assert off.sizer.headroom == h + off.sizer.step_bytes and off.sizer.band == band and stage > 0
+    off.between_steps(STREAM_TOKENS)  # a prompt chunk: its room kept free
+    assert off.cache.n_slots == 0
+    block = ker.layers[1].moe
+    off.moe(_x(STREAM_TOKENS + 1, ref.config.n_embd, 4).to(DEVICE), block)
+    assert off.stager.nbytes > 0  # the ring's buffers, held
+    state["t"] = 0.05  # within the reader's 100 ms: only a reading marked stale is read again
+    off.between_steps(1)  # decode: the ring goes back, the cache takes the room at once
+    assert off.stager.nbytes == 0 and off.cache.n_slots == 4
+    # and its new slots are filled at once with the most used experts (all four here: E = 4)
+    off.cache.poll(wait=True)
+    assert all(sorted(lay.resident.tolist()) == [0, 1, 2, 3] for lay in off.cache.layers)
+    assert off.stats.filled_experts == 4 * len(off.cache.layers)
+    before = off.moe(_x(1, ref.config.n_embd, 3).to(DEVICE), block).cpu()
+    off.between_steps(1)
+    assert off.cache.n_slots == 4 and off.stats.resizes == 1  # one growth, nothing more
+    state["t"] = 0.1
+    off.between_steps(STREAM_TOKENS)  # the next prompt chunk takes its room back at once
+    assert off.cache.n_slots == 0 and off.cache.nbytes == 0
+    after = off.moe(_x(1, ref.config.n_embd, 3).to(DEVICE), block).cpu()
+    want = moe_reference(_x(1, ref.config.n_embd, 3), ref.layers[1].moe)
+    for got in (before, after):
+        assert ((got - want).norm() / want.norm()).item() < 2e-2
+    state["base"] -= chunk  # another process took a chunk's worth meanwhile
+    state["t"] = 0.3
+    off.between_steps(1)  # the room is taken only where the card has it
+    assert off.cache.n_slots == 0
+    state["base"] += chunk  # and gave it back: growing into it waits its second
+    state["t"] = 0.5
+    off.between_steps(1)
+    assert off.cache.n_slots == 0
+    state["t"] = 1.6
+    off.between_steps(1)
+    assert off.cache.n_slots == 4
+    state["t"] = 1.8
+    off.between_steps()  # a step of unknown length is sized as a long one
+    assert off.cache.n_slots == 0
+
+
 TIE = 0.1  # reference top-2 logprob gap under which int8 activations may flip a token
 
 

@@ -283,13 +283,13 @@ class ModelRunner:
         return None
 
     @torch.inference_mode()
-    def _between_steps(self) -> None:
+    def _between_steps(self, n_tokens: int) -> None:
         """The model's work between two steps (an offloaded MoE's expert cache: finished
-        promotions published, its size re-derived from free memory): before every step,
-        chained decode steps included."""
+        promotions published, its size re-derived from free memory for a step of
+        ``n_tokens``): before every step, chained decode steps included."""
         between = getattr(self.model.ops, "between_steps", None)
         if between is not None:
-            between()
+            between(n_tokens)
 
     def shed_memory(self) -> bool:
         """After a step ran out of device memory: an offloaded MoE's expert cache gives a step's
@@ -299,7 +299,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
-        self._between_steps()
+        self._between_steps(plan.n_tokens)
         x = step_inputs(plan, self.block_size, self.max_blocks)
         if not len(x.logits_at) and not len(x.tokens):
             return StepResult(None, [])
@@ -350,7 +350,7 @@ class ModelRunner:
         for its next position (the caller grew the tables); only the tables are copied in."""
         # the expert cache between steps here too: a long greedy answer is one chain of steps,
         # and without this its promotions were never published and a squeeze never shrank it
-        self._between_steps()
+        self._between_steps(len(seqs))
         graph = self.last_decode
         _, h32 = graph.host_buffers()
         mb, b = graph.max_blocks, graph.n_seqs

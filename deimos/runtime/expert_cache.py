@@ -338,12 +338,26 @@ class LayerCache:
             out.append((src.data_ptr() + expert * n, self._chunk_views[c][(v.part, v.array)].data_ptr() + j * n, n))
         return out
 
+    def free_slots(self) -> list[int]:
+        """Usable slots holding no expert and no copy on its way."""
+        return [int(s) for s in np.flatnonzero(self.expert_in[: self.n_slots] < 0) if int(s) not in self.pending]
+
+    def best_missing(self, n: int) -> list[int]:
+        """The ``n`` experts the policy values most among those neither resident nor on their
+        way (for free slots: ``ExpertOffload``'s fill after a growth)."""
+        value = self.policy.value().astype(np.float64)
+        value[self.slot_of_host >= 0] = -np.inf
+        coming = [e for e, _ in self.pending.values()]
+        value[coming] = -np.inf
+        order = np.argsort(-value, kind="stable")[: max(0, n)]
+        return [int(e) for e in order if np.isfinite(value[e])]
+
     def fill(self, experts: Sequence[int]) -> list[int]:
         """Place ``experts`` (in order) into free slots, no eviction, the copies enqueued on the
         current stream (non-blocking from the pinned host copy) so that kernels enqueued after
         read them, and published at once. For a prompt chunk's missed experts, which the chunk
         copies to the device anyway. Returns the experts placed."""
-        free = [int(s) for s in np.flatnonzero(self.expert_in[: self.n_slots] < 0) if int(s) not in self.pending]
+        free = self.free_slots()
         coming = {e for e, _ in self.pending.values()}
         placed: list[int] = []
         for e in experts:

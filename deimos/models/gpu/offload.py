@@ -27,8 +27,10 @@ CPU computes them.
 Between steps (``between_steps``) finished promotions are published and the slot count is
 re-derived from the card's free memory (NVML, at most every 100 ms: ``runtime.gpu_memory``):
 when another process takes memory the cache shrinks at once and gives whole chunks back to
-the driver; when it leaves, the cache grows after a second. ``--expert-cache-gib`` fixes the
-size instead. Memory that vanishes between the reading and the allocation never fails a step:
+the driver; when it leaves, the cache grows after a second. What is kept free depends on the
+step: a prompt chunk keeps its activations and the staging ring's room (the cache shrinks for
+them at once), a decode step only its own small activations, so between prompts the cache
+takes that room back (``_reserve_for``). ``--expert-cache-gib`` fixes the size instead. Memory that vanishes between the reading and the allocation never fails a step:
 a growth that cannot allocate stays at the old size, a prompt chunk whose staging buffers
 cannot be allocated reads its misses from host memory (above).
 
@@ -70,6 +72,7 @@ from deimos.runtime.expert_cache import ExpertCache, HostExperts
 from deimos.runtime.expert_stream import RING, ExpertStager, Staged
 from deimos.runtime.gpu_memory import FreeMemory, SlotSizer, nvml_reader, torch_reader
 from deimos.runtime.host_mailbox import HostMailbox
+from deimos.runtime.kv_pool import step_bytes as activation_bytes
 from deimos.runtime.share_tuner import ShareTuner
 
 log = logging.getLogger("deimos")
@@ -133,7 +136,7 @@ class OffloadStats:
     cpu_experts: int = 0  # (token, expert) pairs computed on the CPU
     streamed_experts: int = 0  # experts copied to the GPU for one long step
     host_read_experts: int = 0  # missed experts a captured step's kernels read from host memory
-    filled_experts: int = 0  # a long step's missed experts placed into free slots
+    filled_experts: int = 0  # experts placed into free slots: a long step's misses, a growth's fill
     tokens: int = 0  # token-layers routed
     resizes: int = 0
 
@@ -179,6 +182,8 @@ class ExpertOffload:
         # the staging ring's most (a prompt chunk's experts): kept free with the step's bytes
         self.stage_bytes = ExpertStager.peak_bytes(self.cache.layers)
         self._step_bytes = reserve_bytes
+        # a short step's activations (a decode of max_rows sequences; kv_pool.step_bytes' rule)
+        self._short_bytes = activation_bytes(model.config, max(max_rows, STREAM_TOKENS))
         if self.memory is not None:
             # the engine's card: what is free now and what this process holds (the weights)
             held = torch.cuda.memory_reserved(self.device) if cuda else 0
@@ -231,14 +236,36 @@ class ExpertOffload:
     # ---- between steps -------------------------------------------------------------------
 
     def set_step_bytes(self, step_bytes: int) -> None:
-        """What the sizing keeps free besides its headroom, once the KV pool is allocated
-        (before: the pool's share too, reserved when the cache was first sized); the staging
-        ring's most (``stage_bytes``) is added, less what its buffers hold already."""
+        """What the sizing keeps free besides its headroom for a long step (a prompt chunk),
+        once the KV pool is allocated (before: the pool's share too, reserved when the cache
+        was first sized); the staging ring's most (``stage_bytes``) is added, less what its
+        buffers hold already. Short steps keep less free (``between_steps``)."""
         self._step_bytes = step_bytes
         if self.sizer is not None:
             self.sizer.step_bytes = step_bytes + max(0, self.stage_bytes - self.stager.nbytes)
 
-    def between_steps(self) -> None:
+    def _reserve_for(self, n_tokens: int | None) -> int:
+        """The sizing's step bytes for a step of ``n_tokens`` (None: a long one). A long step
+        (``STREAM_TOKENS`` or more: staged experts) keeps its activations and the staging ring
+        free, shrinking the cache at once where they do not fit. A short one (decode) keeps
+        only a decode step's activations: the ring's buffers go back to the driver, and the
+        cache may take what the long steps kept (~1.7 GiB of qwen3moe 30B-A3B at 8 GiB: ~12
+        slots a layer), given back at the next prompt chunk. Returns the bytes a short step
+        just stopped keeping (0 when the step before was short too)."""
+        if n_tokens is None or n_tokens >= STREAM_TOKENS:
+            self.set_step_bytes(self._step_bytes)  # the staging buffers held now count as used
+            return 0
+        left = max(0, self.sizer.step_bytes - self._short_bytes)
+        if self.stager.nbytes:
+            left += self.stager.nbytes
+            self.stager.release()
+            self.memory.stale()
+        self.sizer.step_bytes = self._short_bytes
+        return left
+
+    def between_steps(self, n_tokens: int | None = None) -> None:
+        """Before a step (of ``n_tokens``; None: sized as a long one): the last long step's
+        routing recorded, finished promotions published, the cache resized to free memory."""
         for i, ids, ev in self._records:  # the last long step's routing, for the cache's policy
             if ev is not None:
                 ev.synchronize()
@@ -251,8 +278,18 @@ class ExpertOffload:
         if self.fixed or self.sizer is None:
             return
         cur = self.cache.n_slots
-        self.set_step_bytes(self._step_bytes)  # the staging buffers held now count as used
+        own = self._reserve_for(n_tokens)
         want = self.sizer.target(cur)
+        if own and want <= cur:
+            # the room a long step kept is this process's own: taken now, without the wait
+            # that growing into memory another process gave back has (whole chunks, what the
+            # card's free memory allows)
+            spc = self.cache.slots_per_chunk
+            cap = (cur + own // self.cache.slot_nbytes) // spc * spc
+            grown = min(self.sizer.fit(self.memory.free(), cur), cap)
+            if grown > want:
+                want = grown
+                self.memory.stale()
         if want == cur:
             return
         try:
@@ -263,6 +300,24 @@ class ExpertOffload:
             return
         self.stats.resizes += 1
         log.info("expert cache: %d -> %d slots a layer (%.2f GiB)", cur, want, self.cache.nbytes / 2**30)
+        if want > cur:
+            self._fill_free()
+
+    def _fill_free(self) -> None:
+        """A grown cache's free slots filled at once with each layer's most valuable experts
+        not resident (the policy's values: the prompt's routing, recorded), as one batch of
+        copies on the side stream (``ExpertCache.start_batch``), instead of one promotion a
+        step in 8 layers (~70 steps for 12 new slots in 48 layers). Skipped while a batch
+        still copies (its descriptors)."""
+        if not self.cache.batch_ready():
+            return
+        claims = []
+        for i, lay in enumerate(self.cache.layers):
+            free = len(lay.free_slots())
+            if free:
+                claims += self.cache.claim(i, lay.best_missing(free))
+        self.cache.start_batch(claims, self.stream)
+        self.stats.filled_experts += len(claims)
 
     def shed(self, nbytes: int | None = None) -> bool:
         """A step ran out of device memory (another process took it between the sizing's last

@@ -170,9 +170,9 @@ class TritonOps:
         """The expert cache's numbers for /metrics and the dashboard (None: no offload)."""
         return self.offload.numbers() if self.offload is not None else None
 
-    def between_steps(self) -> None:
+    def between_steps(self, n_tokens: int | None = None) -> None:
         if self.offload is not None:
-            self.offload.between_steps()
+            self.offload.between_steps(n_tokens)
 
     def moe(self, x, block):
         """The routed experts of ``block``: all on the device (deimos.models.gpu.moe_ops), or
