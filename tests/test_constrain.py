@@ -229,6 +229,40 @@ def test_random_walk_stays_valid(model):
     assert median_ms < 50
 
 
+@pytest.mark.parametrize("schema", [None, PERSON], ids=["json_object", "schema"])
+def test_sentencepiece_vocab_with_a_space_prefix(schema):
+    """LLaMA's SentencePiece vocabulary (add_space_prefix): llguidance tokenizes the text a
+    grammar forces, and a space prefix in front of it made it panic on the first mask (a 500
+    from the server in json_object mode, found by tools/fuzz_api.py). The forced text's tokens
+    now spell it exactly, and a random walk builds a valid document."""
+    from testdata import llama_cpp_path
+
+    with GGUFFile(llama_cpp_path("models/ggml-vocab-llama-spm.gguf")) as f:
+        tok = Tokenizer.from_gguf(f)
+    assert tok.vocab.kind == "spm" and tok.vocab.add_space_prefix
+    for text in ("{", " {", '"name": ', "  x\n", "h\u00e9llo"):
+        ids = tok.encode_verbatim(text)
+        assert b"".join(tok.token_to_piece(i) for i in ids) == text.encode(), text
+    assert tok.encode(" {", add_special=False) != tok.encode_verbatim(" {")  # the prefix's
+    stops = {tok.vocab.eos_id}
+    vocab = GrammarVocab.from_tokenizer(tok, stops)
+    gen = torch.Generator().manual_seed(1)
+    c = JsonConstraint.from_schema(schema, vocab)
+    ids = []
+    for _ in range(400):
+        allowed = torch.nonzero(c.mask()).squeeze(1)
+        t = int(allowed[torch.randint(allowed.numel(), (1,), generator=gen)])
+        c.advance(t)
+        if t in stops:
+            break
+        ids.append(t)
+    assert c.done
+    value = json.loads(b"".join(tok.token_to_piece(i) for i in ids))
+    assert isinstance(value, dict)
+    if schema is not None:
+        jsonschema.validate(value, schema)
+
+
 def test_allowed_masks_with_minus_inf(llm, smol_vocab):
     c = JsonConstraint.from_schema(PERSON, smol_vocab)
     logits = torch.randn(smol_vocab.n_vocab, generator=torch.Generator().manual_seed(1))

@@ -104,9 +104,12 @@ class GrammarVocab:
             pieces += [b""] * (n_vocab - len(pieces))
 
         def encode(text: bytes | str) -> list[int]:
+            # tokens that spell the text exactly: llguidance matches their bytes against it (a
+            # SentencePiece space prefix in front made it panic on forced text: json_object
+            # mode with LLaMA's vocabulary, found by tools/fuzz_api.py)
             if isinstance(text, bytes):
                 text = text.decode("utf-8", errors="replace")
-            return tokenizer.encode(text, add_special=False, parse_special=False)
+            return tokenizer.encode_verbatim(text)
 
         return cls(pieces, tokenizer.eog_ids if stop_ids is None else stop_ids, encode)
 

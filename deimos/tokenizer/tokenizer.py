@@ -109,7 +109,15 @@ class Tokenizer:
         return self.cache.get((text, add_special, parse_special),
                               lambda: self._encode(text, add_special, parse_special))
 
-    def _encode(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+    def encode_verbatim(self, text: str) -> list[int]:
+        """Tokens whose pieces spell ``text`` exactly: no BOS or EOS, control tokens as plain
+        text, and no SentencePiece space prefix (``encode`` puts one before the text where the
+        vocab asks for it). What a grammar engine that tokenizes forced text needs."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode_verbatim() takes str, got {type(text).__name__}")
+        return self.cache.get((text, "verbatim"), lambda: self._encode(text, False, False, prefix=False))
+
+    def _encode(self, text: str, add_special: bool, parse_special: bool, prefix: bool = True) -> list[int]:
         v = self.vocab
         frags = self._partition(text, parse_special) if text else []
         out: list[int] = []
@@ -125,7 +133,7 @@ class Tokenizer:
                     prev_special = True
                     continue
                 piece = text[fr[0] : fr[1]]
-                if v.add_space_prefix and prev_special:
+                if v.add_space_prefix and prev_special and prefix:
                     piece = " " + piece
                 out.extend(self._encoder.encode(piece.replace(" ", "\u2581")))
                 prev_special = False
