@@ -30,9 +30,12 @@ when another process takes memory the cache shrinks at once and gives whole chun
 the driver; when it leaves, the cache grows after a second. What is kept free depends on the
 step: a prompt chunk keeps its activations and the staging ring's room (the cache shrinks for
 them at once), a decode step only its own small activations, so between prompts the cache
-takes that room back (``_reserve_for``). ``--expert-cache-gib`` fixes the size instead. Memory that vanishes between the reading and the allocation never fails a step:
-a growth that cannot allocate stays at the old size, a prompt chunk whose staging buffers
-cannot be allocated reads its misses from host memory (above).
+takes that room back and fills it at once (``_reserve_for``, ``_fill_free``).
+``--expert-cache-gib`` fixes the size instead. Memory that vanishes between the reading and
+the allocation never fails a step: a growth that cannot allocate stays at the old size, a
+prompt chunk whose staging buffers cannot be allocated reads its misses from host memory
+(above), and a step out of memory otherwise is recomputed after the cache sheds slots
+(``shed``, deimos.engine.Engine).
 
 Decode steps are CUDA graphs all the same (``moe`` while a graph is being captured): no host
 synchronisation there, the host and the device meet in pinned host memory instead
