@@ -227,7 +227,7 @@ def test_a_step_and_the_work_between_steps_run_in_inference_mode(smol, monkeypat
     monkeypatch.setattr(runner, "_eager", lambda *a, **k: seen.append(("step", torch.is_inference_mode_enabled()))
                         or eager(*a, **k))
     monkeypatch.setattr(runner.model.ops, "between_steps",
-                        lambda: seen.append(("between", torch.is_inference_mode_enabled())), raising=False)
+                        lambda *a: seen.append(("between", torch.is_inference_mode_enabled())), raising=False)
     smol.generate("Hi", max_tokens=2, temperature=0)
     assert ("between", True) in seen and ("step", True) in seen
     assert all(on for _, on in seen), seen
