@@ -1,10 +1,11 @@
 """Chat prompts to token ids: the template's own text may hold special tokens, message
 contents may not.
 
-The rendered prompt is split into the template's text (tokenized with special-token parsing:
-``<|im_start|>`` becomes one control token) and each message's content (tokenized as plain
-text, so a user who types ``<|im_end|>`` cannot close the turn), unless the caller asks for
-special tokens in contents too.
+The rendered prompt is split into the template's text (its special tokens parsed:
+``<|im_start|>`` becomes one control token) and each message's content (plain text, so a user
+who types ``<|im_end|>`` cannot close the turn), unless the caller asks for special tokens in
+contents too; the text between two special tokens is then tokenized as one, as llama.cpp
+tokenizes a whole prompt.
 """
 
 from __future__ import annotations
@@ -48,14 +49,31 @@ def encode_chat(
     if vocab.add_bos and bos is not None and text.startswith(vocab.tokens[bos]):
         text = text[len(vocab.tokens[bos]):]  # the template wrote BOS itself: add it once
     ids: list[int] = [bos] if vocab.add_bos and bos is not None else []
+    # the text between two special tokens is tokenized as one, contents and the template's
+    # text around them together, as llama.cpp tokenizes the whole prompt: split at a content's
+    # edges, a SentencePiece vocabulary put its space prefix before each part and a BPE one
+    # cut words off the spaces before them (Llama 2's "[INST] {content} [/INST]")
+    run: list[str] = []
+
+    def flush() -> None:
+        if run:
+            ids.extend(tokenizer.encode("".join(run), add_special=False, parse_special=False))
+            run.clear()
+
     pos = 0
     spans = [] if special_in_content else content_spans(text, messages)
     for start, end in spans + [(len(text), len(text))]:
-        if start > pos:
-            ids += tokenizer.encode(text[pos:start], add_special=False, parse_special=True)
-        if end > start:
-            ids += tokenizer.encode(text[start:end], add_special=False, parse_special=False)
+        if start > pos:  # the template's text: its special tokens are parsed
+            for fr in tokenizer.partition(text[pos:start], parse_special=True):
+                if isinstance(fr, int):
+                    flush()
+                    ids.append(fr)
+                else:
+                    run.append(text[pos + fr[0] : pos + fr[1]])
+        if end > start:  # a content: plain text
+            run.append(text[start:end])
         pos = end
+    flush()
     if vocab.add_eos and tokenizer.eos_id is not None:
         ids.append(tokenizer.eos_id)
     return ids

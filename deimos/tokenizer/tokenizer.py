@@ -32,6 +32,8 @@ class Tokenizer:
         self._encoder: BPEEncoder | SPMEncoder = (
             BPEEncoder(vocab) if vocab.kind == "bpe" else SPMEncoder(vocab)
         )
+        # a chat template's short texts between messages come back every turn (thread-safe)
+        self._partitions = functools.lru_cache(maxsize=4096)(self._partition_tuple)
 
     @classmethod
     def from_gguf(cls, f: Any) -> Tokenizer:
@@ -159,6 +161,17 @@ class Tokenizer:
                  bool(v.attrs[tid] & TokenAttr.RSTRIP), bool(v.attrs[tid] & _SPECIAL_OUT))
                 for tid in v.special_token_ids]
         return (tuple(r[:4] for r in rows if not r[4]), tuple(r[:4] for r in rows))
+
+    def partition(self, text: str, parse_special: bool = False) -> tuple[int | tuple[int, int], ...]:
+        """``text`` split as ``encode`` splits it: special-token ids and the (start, end) spans
+        of raw text between them (user-defined tokens always match; control tokens only with
+        ``parse_special``). Memoized."""
+        if not isinstance(text, str):
+            raise TypeError(f"partition() takes str, got {type(text).__name__}")
+        return self._partitions(text, bool(parse_special))
+
+    def _partition_tuple(self, text: str, parse_special: bool) -> tuple[int | tuple[int, int], ...]:
+        return tuple(self._partition(text, parse_special)) if text else ()
 
     def _partition(self, text: str, parse_special: bool) -> list[int | tuple[int, int]]:
         """Split text into special-token ids and raw (start, end) spans
