@@ -209,6 +209,22 @@ def _forced_call(style: str, tool_list: list[dict[str, Any]], names: set[str]
     return ("" if style == "llama3" else "<tool_call>\n"), schema
 
 
+# what a request's chat_template_kwargs may not set: the engine's own template variables
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token",
+                                    "eos_token", "special_in_content"})
+
+
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's ``chat_template_kwargs``: template variables by name (a 400 naming a key
+    that is no plain name or one of the engine's own)."""
+    for key in kwargs or ():
+        if key in RESERVED_TEMPLATE_VARS or not key.isidentifier() or key.startswith("_"):
+            raise bad_request(f"chat_template_kwargs: {key!r} cannot be set (a template variable "
+                              "name, not one of " + ", ".join(sorted(RESERVED_TEMPLATE_VARS)) + ")",
+                              "chat_template_kwargs")
+    return dict(kwargs or {})
+
+
 def _chat_prompt(server: Server, body: ChatCompletionRequest) -> ChatPlan:
     tool_list = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     choice = body.tool_choice
@@ -233,10 +249,11 @@ def _chat_prompt(server: Server, body: ChatCompletionRequest) -> ChatPlan:
             d["role"] = "system"
         messages.append(d)
     llm = server.llm
+    kwargs = _template_kwargs(body.chat_template_kwargs)
     try:
         msgs, tmpl_tools = tools.prepare_chat(messages, tool_list if use_tools else None,
                                               llm.template.source, server.tool_style)
-        ids = llm.encode_chat(msgs, tools=tmpl_tools)
+        ids = llm.encode_chat(msgs, tools=tmpl_tools, **kwargs)
     except TemplateError as e:
         raise bad_request(f"the chat template cannot render these messages: {e}",
                           "messages") from None

@@ -142,6 +142,8 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # llama-server's and vLLM's: more variables for the chat template (enable_thinking, ...)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -62,6 +62,8 @@ def _guard_iter(ctx: jinja2.runtime.Context, iterable: Any) -> Any:
     budget = budget_of(ctx)
     if isinstance(iterable, jinja2.Undefined):
         return iter(iterable)  # strict undefined raises here, lenient yields nothing
+    if iterable is None:  # ``for tool in tools`` without tools: nothing, as llama.cpp's engine
+        return iter(())  # renders it (Jinja raises; tool-use templates loop over tools unasked)
     return GuardedIterator(iterable, budget)
 
 
