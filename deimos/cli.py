@@ -28,6 +28,22 @@ SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "
                   "frequency_penalty": "--frequency-penalty", "seed": "--seed"}
 
 
+def _template_kwargs(text: str) -> tuple[tuple[str, object], ...]:
+    """An argparse type: a JSON object of template variables (deimos.tokenizer.chat's check)."""
+    from deimos.tokenizer.chat import template_variables
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    try:
+        return tuple(template_variables(value).items())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _checked(kind: type, bound: Bound) -> Callable[[str], object]:
     """An argparse type: the text as ``kind``, checked by ``bound`` (the sampler's own check,
     so a flag's error reads as the server's and SamplingParams' do; argparse names the flag)."""
@@ -421,7 +437,8 @@ def serve_config(args: argparse.Namespace):
     return ServeConfig(
         model=args.model, host=host, port=port, n_ctx=args.ctx_size, api_key=api_key,
         sampling=_sampling(args), max_tokens=args.max_tokens, max_queue=args.max_queue,
-        tui=not args.no_tui, device=device, alias=args.alias or None, **engine,
+        tui=not args.no_tui, device=device, alias=args.alias or None,
+        template_kwargs=args.chat_template_kwargs, **engine,
     )
 
 
@@ -678,6 +695,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model id /v1/models lists and responses name (default: the "
                         "file's name without .gguf); requests may name any model")
     p.add_argument("--no-tui", action="store_true", help="no dashboard: JSON request logs only")
+    p.add_argument("--chat-template-kwargs", type=_template_kwargs, default=(), metavar="JSON",
+                   help="variables every chat request's template gets, a JSON object (e.g. "
+                        "'{\"enable_thinking\": false}'); a request's own chat_template_kwargs "
+                        "win")
     _add_engine(p)
     # -n: max_tokens of requests that give none (default: up to the context)
     _add_sampling(p, max_tokens=None)

@@ -156,6 +156,19 @@ def test_serve_host_port_and_api_key_from_the_environment(monkeypatch):
         serve_config(parse(["serve", "m", "--listen", "10.0.0.1:81", "--port", "1"]))
 
 
+def test_serve_chat_template_kwargs(capsys):
+    parse = build_parser().parse_args
+    cfg = serve_config(parse(["serve", "m", "--device", "cpu", "--chat-template-kwargs",
+                              '{"enable_thinking": false, "reasoning_effort": "low"}']))
+    assert dict(cfg.template_kwargs) == {"enable_thinking": False, "reasoning_effort": "low"}
+    assert serve_config(parse(["serve", "m", "--device", "cpu"])).template_kwargs == ()
+    for bad, words in (("[1]", "must be a JSON object"), ("{nope", "not JSON"),
+                       ('{"tools": []}', "'tools' cannot be set")):
+        with pytest.raises(SystemExit):
+            parse(["serve", "m", "--chat-template-kwargs", bad])
+        assert words in capsys.readouterr().err
+
+
 def test_prompt_from_a_file_or_stdin(tmp_path, monkeypatch):
     parse = build_parser().parse_args
     f = tmp_path / "prompt.txt"

@@ -3,7 +3,8 @@ reach the chat template (``enable_thinking`` false closes Qwen3's thinking), the
 variables cannot be set through it, and a request without it renders as before.
 
 Oracle: the prompt's token count in ``usage`` against the template rendered and tokenized here
-(``LLM.encode_chat`` with the same variables)."""
+(``LLM.encode_chat`` with the same variables). The server's own variables
+(``--chat-template-kwargs``) apply under a request's."""
 
 from __future__ import annotations
 
@@ -58,6 +59,18 @@ def test_the_engines_own_variables_are_refused(served, kwargs, words):
     status, body = _prompt_tokens(served, chat_template_kwargs=kwargs)
     assert status == 400
     assert words in body["error"]["message"] and body["error"]["param"] == "chat_template_kwargs"
+
+
+def test_the_servers_variables_and_a_requests_own_over_them(served):
+    want_off = len(served.llm.encode_chat(MESSAGES, enable_thinking=False))
+    served.server.template_kwargs = {"enable_thinking": False}  # --chat-template-kwargs
+    try:
+        status, body = _prompt_tokens(served)
+        assert status == 200 and body["usage"]["prompt_tokens"] == want_off
+        status, body = _prompt_tokens(served, chat_template_kwargs={"enable_thinking": True})
+        assert status == 200 and body["usage"]["prompt_tokens"] < want_off
+    finally:
+        served.server.template_kwargs = {}
 
 
 def test_a_kwargs_field_that_is_no_object_is_a_400(served):

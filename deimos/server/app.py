@@ -37,6 +37,7 @@ from deimos.server.protocol import ChatCompletionRequest, CompletionRequest
 from deimos.server.responses import LogprobFormatter, sse, usage, usage_numbers
 from deimos.server.tool_stream import ToolCallSplitter
 from deimos.server.worker import Cut, Done, EngineWorker, Failed, Job, Piece, QueueFull
+from deimos.tokenizer.chat import template_variables
 from deimos.tokenizer.template import TemplateError
 
 log = logging.getLogger("deimos.server")
@@ -52,6 +53,8 @@ class Server:
     api_key: str | None = None
     shutdown: Shutdown = field(default_factory=Shutdown)
     created: int = field(default_factory=lambda: int(time.time()))
+    # variables every chat request's template gets (--chat-template-kwargs; a request's own win)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.tool_style = tools.tool_call_style(self.llm.template.source, self.llm.tokenizer)
@@ -209,20 +212,13 @@ def _forced_call(style: str, tool_list: list[dict[str, Any]], names: set[str]
     return ("" if style == "llama3" else "<tool_call>\n"), schema
 
 
-# what a request's chat_template_kwargs may not set: the engine's own template variables
-RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token",
-                                    "eos_token", "special_in_content"})
-
-
-def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    """A request's ``chat_template_kwargs``: template variables by name (a 400 naming a key
-    that is no plain name or one of the engine's own)."""
-    for key in kwargs or ():
-        if key in RESERVED_TEMPLATE_VARS or not key.isidentifier() or key.startswith("_"):
-            raise bad_request(f"chat_template_kwargs: {key!r} cannot be set (a template variable "
-                              "name, not one of " + ", ".join(sorted(RESERVED_TEMPLATE_VARS)) + ")",
-                              "chat_template_kwargs")
-    return dict(kwargs or {})
+def _template_kwargs(server: Server, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The template's extra variables: the server's (``--chat-template-kwargs``), then the
+    request's ``chat_template_kwargs`` over them (a 400 naming a key the engine sets itself)."""
+    try:
+        return {**server.template_kwargs, **template_variables(kwargs)}
+    except ValueError as e:
+        raise bad_request(f"chat_template_kwargs: {e}", "chat_template_kwargs") from None
 
 
 def _chat_prompt(server: Server, body: ChatCompletionRequest) -> ChatPlan:
@@ -249,7 +245,7 @@ def _chat_prompt(server: Server, body: ChatCompletionRequest) -> ChatPlan:
             d["role"] = "system"
         messages.append(d)
     llm = server.llm
-    kwargs = _template_kwargs(body.chat_template_kwargs)
+    kwargs = _template_kwargs(server, body.chat_template_kwargs)
     try:
         msgs, tmpl_tools = tools.prepare_chat(messages, tool_list if use_tools else None,
                                               llm.template.source, server.tool_style)

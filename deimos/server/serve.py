@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import torch
 import uvicorn
@@ -50,6 +51,8 @@ class ServeConfig:
     speculative: str | None = None  # speculative decoding: "ngram", "draft" or "mtp" (None: off)
     spec_k: int | None = None  # the most drafts a step verifies (None: SpecConfig's default)
     draft_model: str | None = None  # speculative "draft": the draft model's GGUF (or name)
+    # variables every chat request's template gets (a request's chat_template_kwargs win)
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
 
     def engine_options(self) -> dict[str, object]:
         """The keyword arguments of ``LLM(**...)`` that this config sets."""
@@ -175,7 +178,8 @@ def serve(cfg: ServeConfig) -> int:
         worker = EngineWorker(llm, metrics, max_queue=cfg.max_queue)
         name = model_id(Path(llm.path), cfg.alias)
         server = Server(llm, worker, metrics, name, Defaults(cfg.sampling, cfg.max_tokens),
-                        cfg.api_key, shutdown=Shutdown(cfg.grace_s))
+                        cfg.api_key, shutdown=Shutdown(cfg.grace_s),
+                        template_kwargs=dict(cfg.template_kwargs))
         app = create_app(server)
         dash = _dashboard(metrics, name) if cfg.tui and sys.stdout.isatty() else None
         _setup_request_log(dash.log_handler() if dash is not None else None)

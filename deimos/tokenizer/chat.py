@@ -16,6 +16,22 @@ from typing import Any
 from .template import ChatTemplate
 from .tokenizer import Tokenizer
 
+# the variables encode_chat and the template's rendering set themselves
+RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token",
+                                "eos_token", "special_in_content"})
+
+
+def template_variables(variables: Mapping[str, Any] | None) -> dict[str, Any]:
+    """More template variables by name (a request's ``chat_template_kwargs``, the server's
+    ``--chat-template-kwargs``), as a dict; ValueError naming a key that is no plain name or
+    one of the engine's own (``RESERVED_VARIABLES``)."""
+    for key in variables or ():
+        if (not isinstance(key, str) or key in RESERVED_VARIABLES or not key.isidentifier()
+                or key.startswith("_")):
+            raise ValueError(f"{key!r} cannot be set (a template variable name, not one of "
+                             + ", ".join(sorted(RESERVED_VARIABLES)) + ")")
+    return dict(variables or {})
+
 
 def content_spans(text: str, messages: Sequence[Mapping[str, Any]]) -> list[tuple[int, int]]:
     """(start, end) of each message content in the rendered ``text``, in order; a content the
