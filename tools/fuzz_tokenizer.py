@@ -1,7 +1,8 @@
 """Differential fuzzing of the tokenizer against llama.cpp's: random texts through
 ``Tokenizer.encode`` and ``llama_tokenize`` (libllama via ctypes, vocab-only loads), for every
 vocabulary of tools/make_tokenizer_golden.py and the three (add_special, parse_special)
-settings; every disagreement printed with the text.
+settings, and llama.cpp's ids back through ``detokenize_bytes`` and ``llama_detokenize``
+(special tokens kept as text, and removed); every disagreement printed with the text.
 
     LD_LIBRARY_PATH=DIR python tools/fuzz_tokenizer.py DIR/libllama.so [--cases 2000] [--seed 1]
         [--vocabs llama-spm,qwen2]
@@ -102,7 +103,18 @@ def main() -> int:
                         print(f"  {name} add_special={add_special} parse_special={parse_special} "
                               f"{text!r}\n    first difference at {at}: ours {ours[at:at + 6]} "
                               f"llama.cpp {theirs[at:at + 6]}")
-        print(f"{name}: {a.cases} texts x 3 settings, {bad} disagreements")
+                # and back: llama_detokenize of the same ids, both ways of treating specials
+                for remove, unparse in ((False, True), (True, False)):
+                    back = tok.detokenize_bytes(theirs, remove_special=remove, unparse_special=unparse)
+                    want = llama.detokenize(v, theirs, remove, unparse)
+                    if back != want:
+                        bad += 1
+                        if bad <= a.show:
+                            print(f"  {name} detokenize remove_special={remove} unparse_special="
+                                  f"{unparse} of {theirs[:12]}: ours {back[:60]!r} llama.cpp "
+                                  f"{want[:60]!r}")
+        print(f"{name}: {a.cases} texts x 3 settings, encoded and decoded back two ways: "
+              f"{bad} disagreements")
         bad_total += bad
     return 1 if bad_total else 0
 
