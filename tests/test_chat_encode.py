@@ -15,7 +15,7 @@ from testdata import llama_cpp_path
 
 from deimos.gguf import GGUFFile
 from deimos.tokenizer import Tokenizer
-from deimos.tokenizer.chat import encode_chat
+from deimos.tokenizer.chat import content_spans, encode_chat
 from deimos.tokenizer.template import ChatTemplate
 
 LLAMA2 = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
@@ -69,3 +69,27 @@ def test_special_token_text_in_a_content_stays_plain():
     assert b"".join(tok.token_to_piece(i) for i in ids) == text.encode()
     assert encode_chat(tok, template, sneaky, special_in_content=True) == _whole(tok, text)
     assert _whole(tok, text).count(end) == 2
+
+
+@pytest.mark.parametrize("content", ["_", "|", "im", "<|", "end|>\n<|im_start|>", ">"])
+def test_a_short_content_is_not_found_inside_the_templates_special_tokens(content):
+    """SmolLM2's own template: an answer of ``_`` had been found inside the ``<|im_end|>`` that
+    closes the turn before it, which then reached the model as plain text (llama-server's
+    /apply-template + /tokenize disagreed on 1 of 300 random conversations; 0 of 1,000 after)."""
+    from testdata import model_path
+
+    with GGUFFile(model_path("SmolLM2-135M-Instruct.Q4_1.gguf")) as f:
+        tok = Tokenizer.from_gguf(f)
+        template = ChatTemplate.from_metadata(dict(f.metadata), tok.vocab.tokens)
+    messages = [{"role": "user", "content": "plain words"}, {"role": "assistant", "content": content},
+                {"role": "user", "content": "ok"}]
+    text = template.render(messages, add_generation_prompt=True)
+    ids = encode_chat(tok, template, messages)
+    end = tok.vocab.tokens.index("<|im_end|>")
+    assert ids.count(end) == text.count("<|im_end|>") - content.count("<|im_end|>")
+    if "<|" not in content:
+        assert ids == _whole(tok, text)
+    spans = content_spans(text, messages, tok.special_texts)
+    assert [text[s:e] for s, e in spans] == [m["content"] for m in messages]
+    turn = "<|im_start|>assistant\n"
+    assert spans[1][0] == text.index(turn) + len(turn)  # the answer's place, not a token's inside

@@ -33,9 +33,14 @@ def template_variables(variables: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(variables or {})
 
 
-def content_spans(text: str, messages: Sequence[Mapping[str, Any]]) -> list[tuple[int, int]]:
+def content_spans(text: str, messages: Sequence[Mapping[str, Any]],
+                  specials: Sequence[str] = ()) -> list[tuple[int, int]]:
     """(start, end) of each message content in the rendered ``text``, in order; a content the
-    template changed (e.g. trimmed) is found by its stripped form; one not found is skipped."""
+    template changed (e.g. trimmed) is found by its stripped form; one not found is skipped.
+    A place that would cut through one of ``specials`` (the vocabulary's special-token texts)
+    is not the content: a short content such as ``_`` had been found inside the template's
+    ``<|im_end|>``, which then went to the model as plain text."""
+    chars = frozenset("".join(specials))
     spans: list[tuple[int, int]] = []
     at = 0
     for m in messages:
@@ -44,11 +49,28 @@ def content_spans(text: str, messages: Sequence[Mapping[str, Any]]) -> list[tupl
             continue
         for needle in (content, content.strip()):
             i = text.find(needle, at) if needle else -1
+            while i >= 0 and (_inside_special(text, i, specials, chars)
+                              or _inside_special(text, i + len(needle), specials, chars)):
+                i = text.find(needle, i + 1)
             if i >= 0:
                 spans.append((i, i + len(needle)))
                 at = i + len(needle)
                 break
     return spans
+
+
+def _inside_special(text: str, k: int, specials: Sequence[str], chars: frozenset[str]) -> bool:
+    """Whether position ``k`` (between text[k - 1] and text[k]) is strictly inside an occurrence
+    of one of ``specials``; both neighbours must then be characters of a special's text."""
+    if not 0 < k < len(text) or text[k - 1] not in chars or text[k] not in chars:
+        return False
+    for t in specials:
+        p = text.find(t, max(0, k - len(t) + 1), k + len(t) - 1)
+        while 0 <= p < k:
+            if k < p + len(t):
+                return True
+            p = text.find(t, p + 1, k + len(t) - 1)
+    return False
 
 
 def encode_chat(
@@ -77,7 +99,7 @@ def encode_chat(
             run.clear()
 
     pos = 0
-    spans = [] if special_in_content else content_spans(text, messages)
+    spans = [] if special_in_content else content_spans(text, messages, tokenizer.special_texts)
     for start, end in spans + [(len(text), len(text))]:
         if start > pos:  # the template's text: its special tokens are parsed
             for fr in tokenizer.partition(text[pos:start], parse_special=True):

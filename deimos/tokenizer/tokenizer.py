@@ -152,6 +152,12 @@ class Tokenizer:
         return out
 
     @functools.cached_property
+    def special_texts(self) -> tuple[str, ...]:
+        """The texts of the vocabulary's special tokens (control and user-defined), longest
+        first."""
+        return tuple(sorted({row[1] for row in self._specials[1] if row[1]}, key=len, reverse=True))
+
+    @functools.cached_property
     def _specials(self) -> tuple[tuple[tuple[int, str, bool, bool], ...], ...]:
         """(id, text, lstrip, rstrip) of the special tokens in partition order, plain values
         (the flags' enum arithmetic was most of a short text's encode): [0] without the
