@@ -15,17 +15,13 @@ there / llama.cpp refused). An instrument, not a test: llama.cpp is not a depend
 from __future__ import annotations
 
 import argparse
-import json
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path[:0] = [str(REPO), str(REPO / "tools"), str(REPO / "tests")]
 
+from llama_server import LlamaServer, first_difference  # noqa: E402
 from testdata import LLAMA_CPP, data_dir  # noqa: E402
 
 from deimos.gguf import GGUFFile  # noqa: E402
@@ -40,22 +36,6 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
                                          "parameters": {"type": "object", "properties": {
                                              "city": {"type": "string"}}, "required": ["city"]}}}
 CASES = [("chat", CHAT, None), ("one turn", CHAT[1:2], None), ("tools", CHAT, [TOOL])]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _post(port: int, body: dict) -> tuple[int, str]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/apply-template", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())["prompt"]
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(errors="replace")[:200]
 
 
 def main() -> int:
@@ -73,24 +53,16 @@ def main() -> int:
         if a.only and a.only not in path.name:
             continue
         src = path.read_text()
-        port = _free_port()
-        proc = subprocess.Popen([a.server, "-m", a.model, "--port", str(port), "--jinja",
-                                 "--chat-template-file", str(path), "-c", "256"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            for _ in range(100):
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                    break
-                except OSError:
-                    time.sleep(0.1)
+        with LlamaServer(a.server, a.model, "--chat-template-file", str(path), "-c", "256") as srv:
             try:
                 ours_t = ChatTemplate(src, bos_token=bos, eos_token=eos)
             except Exception as e:  # noqa: BLE001 - reported, the next template goes on
                 print(f"{path.name}: ours refused to compile: {type(e).__name__}: {e}")
                 continue
             for label, msgs, tools in CASES:
-                status, theirs = _post(port, {"messages": msgs, **({"tools": tools} if tools else {})})
+                status, theirs = srv.post("/apply-template",
+                                          {"messages": msgs, **({"tools": tools} if tools else {})})
+                theirs = theirs["prompt"] if status == 200 else theirs
                 try:
                     ours = ours_t.render(msgs, add_generation_prompt=True,
                                          **({"tools": tools} if tools else {}))
@@ -104,12 +76,9 @@ def main() -> int:
                     print(f"{path.name} [{label}]: same ({len(ours)} chars)")
                     continue
                 differ += 1
-                at = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), min(len(ours), len(theirs)))
+                at = first_difference(ours, theirs)
                 print(f"{path.name} [{label}]: DIFFERS at {at} of {len(ours)}/{len(theirs)}: ours "
                       f"{ours[max(0, at - 30):at + 40]!r}\n      llama.cpp {theirs[max(0, at - 30):at + 40]!r}")
-        finally:
-            proc.terminate()
-            proc.wait(10)
     print(f"{differ} renderings differ")
     return 1 if differ else 0
 
