@@ -89,7 +89,7 @@ def test_a_short_content_is_not_found_inside_the_templates_special_tokens(conten
     assert ids.count(end) == text.count("<|im_end|>") - content.count("<|im_end|>")
     if "<|" not in content:
         assert ids == _whole(tok, text)
-    spans = content_spans(text, messages, tok.special_texts)
+    spans = content_spans(text, messages, tok.control_texts)
     assert [text[s:e] for s, e in spans] == [m["content"] for m in messages]
     turn = "<|im_start|>assistant\n"
     assert spans[1][0] == text.index(turn) + len(turn)  # the answer's place, not a token's inside

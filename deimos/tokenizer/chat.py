@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .template import ChatTemplate
-from .tokenizer import Tokenizer
+from .tokenizer import ControlTexts, Tokenizer
 
 # the variables encode_chat and the template's rendering set themselves
 RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token",
@@ -34,13 +34,12 @@ def template_variables(variables: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def content_spans(text: str, messages: Sequence[Mapping[str, Any]],
-                  specials: Sequence[str] = ()) -> list[tuple[int, int]]:
+                  controls: ControlTexts | None = None) -> list[tuple[int, int]]:
     """(start, end) of each message content in the rendered ``text``, in order; a content the
     template changed (e.g. trimmed) is found by its stripped form; one not found is skipped.
-    A place that would cut through one of ``specials`` (the vocabulary's special-token texts)
+    A place that would cut through one of ``controls`` (the vocabulary's control-token texts)
     is not the content: a short content such as ``_`` had been found inside the template's
     ``<|im_end|>``, which then went to the model as plain text."""
-    chars = frozenset("".join(specials))
     spans: list[tuple[int, int]] = []
     at = 0
     for m in messages:
@@ -49,28 +48,14 @@ def content_spans(text: str, messages: Sequence[Mapping[str, Any]],
             continue
         for needle in (content, content.strip()):
             i = text.find(needle, at) if needle else -1
-            while i >= 0 and (_inside_special(text, i, specials, chars)
-                              or _inside_special(text, i + len(needle), specials, chars)):
+            while i >= 0 and controls is not None and (controls.inside(text, i)
+                                                        or controls.inside(text, i + len(needle))):
                 i = text.find(needle, i + 1)
             if i >= 0:
                 spans.append((i, i + len(needle)))
                 at = i + len(needle)
                 break
     return spans
-
-
-def _inside_special(text: str, k: int, specials: Sequence[str], chars: frozenset[str]) -> bool:
-    """Whether position ``k`` (between text[k - 1] and text[k]) is strictly inside an occurrence
-    of one of ``specials``; both neighbours must then be characters of a special's text."""
-    if not 0 < k < len(text) or text[k - 1] not in chars or text[k] not in chars:
-        return False
-    for t in specials:
-        p = text.find(t, max(0, k - len(t) + 1), k + len(t) - 1)
-        while 0 <= p < k:
-            if k < p + len(t):
-                return True
-            p = text.find(t, p + 1, k + len(t) - 1)
-    return False
 
 
 def encode_chat(
@@ -99,7 +84,7 @@ def encode_chat(
             run.clear()
 
     pos = 0
-    spans = [] if special_in_content else content_spans(text, messages, tokenizer.special_texts)
+    spans = [] if special_in_content else content_spans(text, messages, tokenizer.control_texts)
     for start, end in spans + [(len(text), len(text))]:
         if start > pos:  # the template's text: its special tokens are parsed
             for fr in tokenizer.partition(text[pos:start], parse_special=True):

@@ -23,6 +23,30 @@ _C_SPACE = " \t\n\v\f\r"  # C isspace() in the "C" locale: what llama.cpp's lstr
 _SPECIAL_OUT = TokenAttr.CONTROL | TokenAttr.UNKNOWN
 
 
+class ControlTexts:
+    """Special-token texts, indexed to tell whether a place in a text is strictly inside an
+    occurrence of one of them: only places whose two neighbours are a pair of characters some
+    text holds are looked at, then each text length ending past the place."""
+
+    __slots__ = ("lengths", "pairs", "texts")
+
+    def __init__(self, texts: Iterable[str]) -> None:
+        self.texts = frozenset(t for t in texts if len(t) > 1)
+        self.lengths = tuple(sorted({len(t) for t in self.texts}))
+        self.pairs = frozenset(t[i : i + 2] for t in self.texts for i in range(len(t) - 1))
+
+    def inside(self, text: str, k: int) -> bool:
+        """Whether position ``k`` (between ``text[k - 1]`` and ``text[k]``) is strictly inside
+        an occurrence of one of the texts."""
+        if not 0 < k < len(text) or text[k - 1 : k + 1] not in self.pairs:
+            return False
+        for n in self.lengths:
+            for p in range(max(0, k - n + 1), k):
+                if text[p : p + n] in self.texts:
+                    return True
+        return False
+
+
 class Tokenizer:
     def __init__(self, vocab: Vocab, cache: EncodeCache | None = None):
         """``cache``: long texts' ids kept for the next encode of the same text (default: a
@@ -152,10 +176,10 @@ class Tokenizer:
         return out
 
     @functools.cached_property
-    def special_texts(self) -> tuple[str, ...]:
-        """The texts of the vocabulary's special tokens (control and user-defined), longest
-        first."""
-        return tuple(sorted({row[1] for row in self._specials[1] if row[1]}, key=len, reverse=True))
+    def control_texts(self) -> ControlTexts:
+        """The texts of the vocabulary's control (and unknown) tokens, the ones a chat prompt's
+        contents must not form or cut (deimos.tokenizer.chat), indexed for ``inside``."""
+        return ControlTexts(row[1] for row in self._specials[1] if row not in self._specials[0])
 
     @functools.cached_property
     def _specials(self) -> tuple[tuple[tuple[int, str, bool, bool], ...], ...]:
