@@ -292,10 +292,10 @@ class ModelRunner:
             between(n_tokens)
 
     def shed_memory(self) -> bool:
-        """After a step ran out of device memory: an offloaded MoE's expert cache gives a step's
-        room back (``ExpertOffload.shed``). False when nothing could be given."""
-        off = getattr(self.model.ops, "offload", None)
-        return off is not None and off.shed()
+        """After a step ran out of device memory: the model's memory given back where it has
+        some to give (the ops' hook, as ``_between_steps``'s); False when nothing was."""
+        shed = getattr(self.model.ops, "shed_memory", None)
+        return shed is not None and shed()
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:

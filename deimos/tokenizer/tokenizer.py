@@ -179,7 +179,8 @@ class Tokenizer:
     def control_texts(self) -> ControlTexts:
         """The texts of the vocabulary's control (and unknown) tokens, the ones a chat prompt's
         contents must not form or cut (deimos.tokenizer.chat), indexed for ``inside``."""
-        return ControlTexts(row[1] for row in self._specials[1] if row not in self._specials[0])
+        v = self.vocab
+        return ControlTexts(v.tokens[t] for t in v.special_token_ids if v.attrs[t] & _SPECIAL_OUT)
 
     @functools.cached_property
     def _specials(self) -> tuple[tuple[tuple[int, str, bool, bool], ...], ...]:

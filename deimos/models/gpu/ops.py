@@ -174,6 +174,11 @@ class TritonOps:
         if self.offload is not None:
             self.offload.between_steps(n_tokens)
 
+    def shed_memory(self) -> bool:
+        """After a step ran out of device memory: an offloaded MoE's expert cache gives a
+        step's room back (``ExpertOffload.shed``); False when nothing could be given."""
+        return self.offload is not None and self.offload.shed()
+
     def moe(self, x, block):
         """The routed experts of ``block``: all on the device (deimos.models.gpu.moe_ops), or
         through the offload's cache and the CPU."""
