@@ -1,10 +1,11 @@
 """The batched decode GEMM over packed weights (deimos.quant.triton.gemm_q) against its oracles.
 
 Oracles: ``gemm_q_reference`` (the packed layout decoded by ``naive.dequantize_packed``, bit
-exact against deimos.quant, times x in float64): the kernel rounds each decoded weight to fp16
-for the tensor cores, so it must agree to fp16 rounding (relative RMS < 1e-3); and the same
-product of the reference's weights rounded to fp16 (what the kernel multiplies), which it must
-equal up to float32 accumulation (< 1e-5): that pins the decode itself. Without CUDA the kernel
+exact against deimos.quant, times x in float64): the kernel decodes each weight to fp16 for
+the tensor cores, so it must agree to fp16 rounding (relative RMS < 1e-3); and the product of
+the weights as the kernel's decode makes them (what it multiplies: its float16 decode,
+``naive.dequantize_packed_half``, or its float32 one, the reference's weights rounded to fp16),
+which it must equal up to float32 accumulation (< 1e-5): that pins the decode itself. Without CUDA the kernel
 runs in Triton's interpreter on CPU tensors; gpu-marked tests use 8B shapes.
 """
 
@@ -26,7 +27,7 @@ from deimos.quant.triton.gemm_q import (
     gemm_q_reference,
 )
 from deimos.quant.triton.layout import PackedWeight, pack
-from deimos.quant.triton.naive import dequantize_packed
+from deimos.quant.triton.naive import dequantize_packed, dequantize_packed_half
 
 # the kernels' formats, and formats packed in another's layout: Q3_K as Q6_K codes, the IQ /
 # ternary / MXFP4 formats as Q8_0 codes with f16 scales (TQ2_0), f32 scales per 32 (IQ4_XS,
@@ -56,11 +57,12 @@ def _run(w: PackedWeight, x: torch.Tensor, cfg: GemmQConfig | None) -> torch.Ten
     return y.cpu()
 
 
-def _check(w: PackedWeight, x: torch.Tensor, y: torch.Tensor, what: str) -> None:
+def _check(w: PackedWeight, x: torch.Tensor, y: torch.Tensor, what: str, half: bool = True) -> None:
     ref = gemm_q_reference(w, x).double()
     rel = ((y.double() - ref).norm() / ref.norm()).item()
     diff = (y.double() - ref).abs().max().item()
-    w16 = dequantize_packed(w).to(torch.float16).double()  # what the tensor cores multiply
+    # what the tensor cores multiply (GemmQConfig.half: the float16 decode's weights)
+    w16 = (dequantize_packed_half(w) if half else dequantize_packed(w).to(torch.float16)).double()
     ref16 = x.double() @ w16.T
     rel16 = ((y.double() - ref16).norm() / ref16.norm()).item()
     print(f"{what}: rel RMS {rel:.2e} (max diff {diff:.2e}); vs fp16 weights {rel16:.2e}")
@@ -87,17 +89,19 @@ def test_gemm_q_formats(t: GGMLType, m: int, shape: tuple[int, int]) -> None:
 # and part steps), 3 (uneven runs) and 4, several stages. (16, 128, 64, 8, 4 stages) needs
 # 352 KB of shared memory on Triton 3.6 (the H200, 2026-12-01): 2 stages here.
 TILES = [GemmQConfig(16, 16, 16, 4, 3), GemmQConfig(32, 32, 32, 4, 2, 2), GemmQConfig(64, 64, 8, 4, 3, 2),
-         GemmQConfig(16, 128, 64, 8, 2, 3), GemmQConfig(64, 16, 32, 2, 1, 4)]
+         GemmQConfig(16, 128, 64, 8, 2, 3), GemmQConfig(64, 16, 32, 2, 1, 4),
+         GemmQConfig(16, 32, 32, 4, 2, 1, half=False), GemmQConfig(32, 64, 16, 4, 3, 2, half=False)]
 
 
-@pytest.mark.parametrize("cfg", TILES, ids=lambda c: "m{}_n{}_j{}_w{}_s{}_k{}".format(*c))
+@pytest.mark.parametrize("cfg", TILES, ids=lambda c: "m{}_n{}_j{}_w{}_s{}_k{}{}".format(
+    *c[:6], "" if c.half else "_f32"))
 @pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q5_0,
                                GGMLType.Q2_K, GGMLType.IQ2_XS], ids=lambda t: t.name)
 def test_gemm_q_tiles(t: GGMLType, cfg: GemmQConfig) -> None:
     n, k = 37, 1536
     m = min(cfg.block_m, 13 if cfg.block_m == 16 else cfg.block_m - 5)
     w, x = _case(t, n, k, m, seed=5)
-    _check(w, x, _run(w, x, cfg), f"{t.name} m={m} {cfg}")
+    _check(w, x, _run(w, x, cfg), f"{t.name} m={m} {cfg}", cfg.half)
 
 
 @pytest.mark.parametrize("split", [1, 2], ids=lambda s: f"split{s}")

@@ -6,7 +6,8 @@ to float32 rounding); ``moe_experts_reference`` on the stack decoded by
 ``naive.dequantize_packed`` (bit exact against deimos.quant) times, for the GEMV, the
 dequantized integer activation (``quantize_x_reference``: equal up to float32 rounding, as
 gemv_q8's test) and, for the grouped GEMM, the fp16 x (fp16 rounding of the decoded weights:
-< 1e-3; against the fp16-rounded weights' product < 1e-5, which pins the decode);
+< 1e-3; against the product of the weights as gemm_q's float16 decode makes them,
+``naive.dequantize_packed_half``, < 1e-5, which pins the decode);
 ``moe_align_reference`` entry for entry; ``moe_combine_reference``. Outputs are poisoned
 first (NaN, or 7777 in the integer tile maps). Without CUDA the kernels run in Triton's
 interpreter on tiny shapes with its big tiles.
@@ -49,7 +50,7 @@ from deimos.quant.triton.moe_gemm import (
     moe_gemm_config,
 )
 from deimos.quant.triton.moe_gemv import ExpertChunks, moe_gemv, moe_gemv_pair
-from deimos.quant.triton.naive import dequantize_packed
+from deimos.quant.triton.naive import dequantize_packed, dequantize_packed_half
 
 # every kernel format, and formats packed in another's layout (Q3_K as Q6_K; Q8_0's layout
 # with f16 scales (TQ2_0), f32 per 32 (IQ4_XS, MXFP4), f32 per 16 (IQ2_XS: SCALE16))
@@ -423,7 +424,8 @@ def _check_gemm(w: PackedWeight, n: int, x: torch.Tensor, ids: torch.Tensor, x_r
     miss = _missing_rows(ids)
     assert torch.equal(y.cpu()[miss], torch.zeros(int(miss.sum()), n)), f"{what}: rows of experts off the device"
     close(what, y, moe_experts_reference(wd, n, x, ids, _slot_of(), x_rows), 1e-3)
-    ref16 = moe_experts_reference(wd.half(), n, x, ids, _slot_of(), x_rows)  # what the tensor cores multiply
+    # what the tensor cores multiply: the weights of the float16 decode (gemm_q.decode_tile)
+    ref16 = moe_experts_reference(dequantize_packed_half(w), n, x, ids, _slot_of(), x_rows)
     close(what + " (fp16 weights)", y, ref16, 1e-5)
     return y
 

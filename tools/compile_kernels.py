@@ -239,7 +239,8 @@ def _gemm_q_jobs() -> list[Job]:
                             f"st={cfg.num_stages} even={int(even)} atomic={int(atomic)}",
                             _warm_args(g._gemm_q_kernel, args, FMT=FMT_ID[kt], BLOCK_M=cfg.block_m,
                                        BLOCK_N=cfg.block_n, BLOCK_J=cfg.block_j, ATOMIC=atomic,
-                                       EVEN=even, SCALE16=scale16(sample), num_warps=cfg.num_warps,
+                                       EVEN=even, SCALE16=scale16(sample), ASM=True,
+                                       HALF=cfg.half, num_warps=cfg.num_warps,
                                        num_stages=cfg.num_stages, **PDL_KW)))
     return jobs
 
@@ -636,7 +637,7 @@ def _moe_jobs() -> list[Job]:
                             _warm_args(mg._moe_gemm_kernel, args, FMT=FMT_ID[kt], BLOCK_M=bm,
                                        BLOCK_N=c.block_n, BLOCK_J=c.block_j, PAIR_ROWS=pair,
                                        X_PERMUTED=perm, EVEN=even, SCALE16=scale16(sample),
-                                       CHUNKED=chunked, num_warps=c.num_warps,
+                                       CHUNKED=chunked, ASM=True, num_warps=c.num_warps,
                                        num_stages=c.num_stages, **PDL_KW)))
     return jobs
 

@@ -40,31 +40,38 @@ MAGIC = tl.constexpr(8388608.0)
 
 
 @triton.jit
-def _code_float(q, OFFSET: tl.constexpr):
-    """int32 codes 0 <= q < 2^23 -> float32 q - OFFSET, exactly, without an int->float convert."""
-    return (q | MAGIC_BITS).to(tl.float32, bitcast=True) - (MAGIC + OFFSET)
+def _code_float(q, OFFSET: tl.constexpr, HALF: tl.constexpr = False):
+    """int32 codes 0 <= q < 2^23 -> float32 q - OFFSET, exactly, without an int->float convert.
+    HALF (codes < 1024): float16 instead, from the float16 magic 1024 (bits 0x6400: 1024 + q
+    for q < 1024), again exact (|q - OFFSET| <= 256)."""
+    if HALF:
+        v = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + OFFSET)
+    else:
+        v = (q | MAGIC_BITS).to(tl.float32, bitcast=True) - (MAGIC + OFFSET)
+    return v
 
 
 @triton.jit
-def _codes(b_w, b_h, k, FMT: tl.constexpr):
-    """Code number k of every word, as float32 with the format's zero point removed."""
+def _codes(b_w, b_h, k, FMT: tl.constexpr, HALF: tl.constexpr = False):
+    """Code number k of every word, as float32 (HALF: float16) with the format's zero point
+    removed."""
     if FMT == Q8_0:
         # byte k, signed; ^ 0x80 maps -128..127 to 0..255
-        return _code_float(((b_w >> (8 * k)) & 0xFF) ^ 0x80, 128.0)
+        return _code_float(((b_w >> (8 * k)) & 0xFF) ^ 0x80, 128.0, HALF)
     if FMT == Q2_K:  # crumb k (layout._crumb_words)
-        return _code_float((b_w >> (2 * k)) & 3, 0.0)
+        return _code_float((b_w >> (2 * k)) & 3, 0.0, HALF)
     q = (b_w >> (4 * k)) & 0xF
     if FMT == Q6_K:  # code k = 2j + p at bits (4, 12, 0, 8)[j] + 2p (layout.Q6_HIGH_SHIFT)
         j = k // 2
         shift = 4 + 8 * (j % 2) - 4 * (j // 2) + 2 * (k % 2)
-        return _code_float(q | (((b_h >> shift) & 3) << 4), 32.0)
+        return _code_float(q | (((b_h >> shift) & 3) << 4), 32.0, HALF)
     if FMT == Q5_K or FMT == Q5_1:
-        return _code_float(q | (((b_h >> k) & 1) << 4), 0.0)
+        return _code_float(q | (((b_h >> k) & 1) << 4), 0.0, HALF)
     if FMT == Q5_0:
-        return _code_float(q | (((b_h >> k) & 1) << 4), 16.0)
+        return _code_float(q | (((b_h >> k) & 1) << 4), 16.0, HALF)
     if FMT == Q4_0:
-        return _code_float(q, 8.0)
-    return _code_float(q, 0.0)  # Q4_K, Q4_1
+        return _code_float(q, 8.0, HALF)
+    return _code_float(q, 0.0, HALF)  # Q4_K, Q4_1
 
 
 @triton.jit

@@ -40,6 +40,7 @@ from deimos.gguf.constants import GGML_BLOCK, GGMLType
 from deimos.quant.triton.dequant_gemv import (
     FMT_ID,
     Q2_K,
+    Q4_0,
     Q4_1,
     Q4_K,
     Q5_1,
@@ -55,6 +56,7 @@ from deimos.quant.triton.dequant_gemv import (
     weight_arrays,
     words_per_group,
 )
+from deimos.quant.triton.gemv_q8 import _INTERPRETED
 from deimos.quant.triton.layout import KERNEL_TYPE, PackedWeight
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 
@@ -62,44 +64,61 @@ MAX_ROWS = 64  # activation rows a call (one M tile: block_m <= 64)
 
 
 @triton.jit
-def _value(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, k: tl.constexpr, FMT: tl.constexpr):
-    """Code k of every word, decoded in float32 with ``_dequant_kernel``'s operations: s q
-    (+ mn; Q2_K: - mn), s and mn those of the group's first 16 elements for codes k < NK / 2
-    (NK = 32 / W codes a word), of its last 16 for the others."""
+def _fma(a, b, c, HALF: tl.constexpr, ASM: tl.constexpr):
+    """a b + c rounded once: float16 (HALF) by the GPU's fused multiply-add (ASM) or, in the
+    interpreter, in float32 rounded to float16 (a float16 product is exact in float32); float32
+    otherwise (fused where the compiler fuses)."""
+    if HALF and ASM:
+        v = tl.fma(a, b, c)
+    elif HALF:
+        v = (a.to(tl.float32) * b.to(tl.float32) + c.to(tl.float32)).to(tl.float16)
+    else:
+        v = a * b + c
+    return v
+
+
+@triton.jit
+def _value(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, k: tl.constexpr, FMT: tl.constexpr,
+           HALF: tl.constexpr, ASM: tl.constexpr):
+    """Code k of every word, decoded with ``_dequant_kernel``'s operations: s q (+ mn; Q2_K:
+    - mn), s and mn those of the group's first 16 elements for codes k < NK / 2 (NK = 32 / W
+    codes a word), of its last 16 for the others; in float16 (HALF) or float32."""
     W: tl.constexpr = 8 if FMT == Q8_0 else (2 if FMT == Q2_K else 4)
     NK: tl.constexpr = 32 // W
     HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1 or FMT == Q5_1
-    q = _codes(b_w, b_h, k, FMT)
+    q = _codes(b_w, b_h, k, FMT, HALF)
     if k < NK // 2:
-        val = s_lo * q
+        s = s_lo
         mn = mn_lo
     else:
-        val = s_hi * q
+        s = s_hi
         mn = mn_hi
     if FMT == Q2_K:
-        val -= mn
+        val = _fma(q, s, -mn, HALF, ASM)
     elif HAS_MIN:
-        val += mn
+        val = _fma(q, s, mn, HALF, ASM)
+    else:
+        val = s * q
     return val
 
 
 @triton.jit
 def _stack4(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, k0: tl.constexpr, STEP: tl.constexpr,
-            FMT: tl.constexpr):
+            FMT: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
     """Codes k0, k0 + STEP, k0 + 2 STEP, k0 + 3 STEP of every word stacked on a new minor
     dimensions ``[..., 2, 2]`` (flattened: in that order), in the registers of the thread that
     holds the word (tl.join's new dimension is in-thread): element [a, b] of
     join(join(v0, v2), join(v1, v3)) is v(2a + b)."""
-    v0 = _value(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, k0, FMT)
-    v1 = _value(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, k0 + STEP, FMT)
-    v2 = _value(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, k0 + 2 * STEP, FMT)
-    v3 = _value(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, k0 + 3 * STEP, FMT)
+    v0 = _value(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, k0, FMT, HALF, ASM)
+    v1 = _value(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, k0 + STEP, FMT, HALF, ASM)
+    v2 = _value(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, k0 + 2 * STEP, FMT, HALF, ASM)
+    v3 = _value(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, k0 + 3 * STEP, FMT, HALF, ASM)
     return tl.join(tl.join(v0, v2), tl.join(v1, v3))
 
 
 @triton.jit
 def _decode_words(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, FMT: tl.constexpr, BN: tl.constexpr,
-                  BS: tl.constexpr):
+                  BS: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
     """Words ``[BN, BS, W]`` and their groups' scales ``[BN, BS, 1]`` -> float32
     ``[BN, BS * W * NK]``: code k of word w of group s at column (s W + w) NK + k, the packed
     words' column order (``permuted_columns``) of the step's BS groups."""
@@ -108,16 +127,113 @@ def _decode_words(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, FMT: tl.constexpr, BN: tl.
     # join(A, B) of the even codes A and the odd ones B, each stacked in order, flattens to
     # codes 0, 1, 2, ... (the new minor index is a code's low bit); likewise by 4 for NK = 16
     if NK == 4:
-        val = _stack4(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, 0, 1, FMT)
+        val = _stack4(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, 0, 1, FMT, HALF, ASM)
     elif NK == 8:
-        val = tl.join(_stack4(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, 0, 2, FMT),
-                      _stack4(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, 1, 2, FMT))
+        val = tl.join(_stack4(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, 0, 2, FMT, HALF, ASM),
+                      _stack4(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, 1, 2, FMT, HALF, ASM))
     else:  # 16 (Q2_K)
-        val = tl.join(tl.join(_stack4(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, 0, 4, FMT),
-                              _stack4(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, 2, 4, FMT)),
-                      tl.join(_stack4(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, 1, 4, FMT),
-                              _stack4(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, 3, 4, FMT)))
+        val = tl.join(tl.join(_stack4(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, 0, 4, FMT, HALF, ASM),
+                              _stack4(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, 2, 4, FMT, HALF, ASM)),
+                      tl.join(_stack4(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, 1, 4, FMT, HALF, ASM),
+                              _stack4(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, 3, 4, FMT, HALF, ASM)))
     return tl.reshape(val, (BN, BS * W * NK))
+
+
+# inline PTX of ``_nibble_codes``: the eight codes of a word (an int32 repeated in $4..$11) as
+# float16 in $0..$3, two a register: byte j of the word (codes 2j, 2j + 1) copied to bytes 0
+# and 2 (prmt), its low nibble kept at bits 0-3 and its high one at bits 20-23, ORed with the
+# float16 bits of 1024 (ulp 1) and of 64 (ulp 1/16: bits 4-7 of the mantissa count units):
+# (1024 + c_2j, 64 + c_2j+1), exact; one float16x2 subtraction of (1024 + OFF, 64 + OFF)
+# leaves (c_2j - OFF, c_2j+1 - OFF)
+_NIBBLES_ASM = """{
+.reg .b32 m;
+mov.b32 m, MAGIC;
+prmt.b32 $0, $4, $4, 0x0000;
+lop3.b32 $0, $0, 0x00F0000F, 0x54006400, 0xEA;
+sub.rn.f16x2 $0, $0, m;
+prmt.b32 $1, $4, $4, 0x1111;
+lop3.b32 $1, $1, 0x00F0000F, 0x54006400, 0xEA;
+sub.rn.f16x2 $1, $1, m;
+prmt.b32 $2, $4, $4, 0x2222;
+lop3.b32 $2, $2, 0x00F0000F, 0x54006400, 0xEA;
+sub.rn.f16x2 $2, $2, m;
+prmt.b32 $3, $4, $4, 0x3333;
+lop3.b32 $3, $3, 0x00F0000F, 0x54006400, 0xEA;
+sub.rn.f16x2 $3, $3, m;
+}"""
+_NIBBLES_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 8))
+# the subtrahend pair (64 + OFF) << 16 | (1024 + OFF) in float16 bits: OFF 0 (Q4_K, Q4_1), 8 (Q4_0)
+_NIBBLES_ASM_0 = tl.constexpr(_NIBBLES_ASM.replace("MAGIC", "0x54006400"))
+_NIBBLES_ASM_8 = tl.constexpr(_NIBBLES_ASM.replace("MAGIC", "0x54806408"))
+
+
+@triton.jit
+def _code16(w, i: tl.constexpr, OFF: tl.constexpr):
+    """Code i of every word in float16, less OFF (the interpreter's ``_nibble_codes``)."""
+    return (((w >> (4 * i)) & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + OFF)
+
+
+@triton.jit
+def _nibble_codes(b_w, FMT: tl.constexpr, ASM: tl.constexpr):
+    """The eight 4-bit codes of every word ``[..., W]`` in float16 less the format's zero point
+    (Q4_0: 8), exact, as ``[..., W, 2, 2, 2]``: element [a, b, c] is code 4a + 2b + c (the
+    in-thread order, so flattening keeps the words' column order). On a GPU one inline-PTX
+    block a word (``_NIBBLES_ASM``: three instructions a pair of codes, packed as the
+    float16x2 arithmetic after it wants them); in the interpreter the same values a code at a
+    time."""
+    if ASM:
+        w2 = tl.join(b_w, b_w)
+        w8 = tl.join(tl.join(w2, w2), tl.join(w2, w2))
+        if FMT == Q4_0:
+            codes = tl.inline_asm_elementwise(_NIBBLES_ASM_8, _NIBBLES_CONSTRAINTS, [w8],
+                                              dtype=tl.float16, is_pure=True, pack=8)
+        else:
+            codes = tl.inline_asm_elementwise(_NIBBLES_ASM_0, _NIBBLES_CONSTRAINTS, [w8],
+                                              dtype=tl.float16, is_pure=True, pack=8)
+    else:
+        OFF: tl.constexpr = 8.0 if FMT == Q4_0 else 0.0
+        codes = tl.join(
+            tl.join(tl.join(_code16(b_w, 0, OFF), _code16(b_w, 4, OFF)),
+                    tl.join(_code16(b_w, 2, OFF), _code16(b_w, 6, OFF))),
+            tl.join(tl.join(_code16(b_w, 1, OFF), _code16(b_w, 5, OFF)),
+                    tl.join(_code16(b_w, 3, OFF), _code16(b_w, 7, OFF))))  # fmt: skip
+    return codes
+
+
+@triton.jit
+def _decode_nibbles(b_w, s, mn, FMT: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
+                    ASM: tl.constexpr):
+    """``_decode_words`` for the plain 4-bit formats (Q4_K, Q4_0, Q4_1), whose groups of 32
+    have one scale and min, in float16x2: words ``[BN, BS, 4]``, float16 scales and mins
+    ``[BN, BS, 1]`` -> float16 ``[BN, BS * 32]`` in the same column order: s c (+ mn), one
+    fused multiply-add a pair of codes after ``_nibble_codes``."""
+    codes = _nibble_codes(b_w, FMT, ASM)
+    s6 = s[:, :, :, None, None, None]
+    if FMT == Q4_0:
+        val = codes * s6
+    else:
+        val = _fma(codes, s6, mn[:, :, :, None, None, None], True, ASM)
+    return tl.reshape(val, (BN, BS * 32))
+
+
+@triton.jit
+def decode_tile(b_w, b_h, sc_lo, sc_hi, mn_lo, mn_hi, FMT: tl.constexpr, BN: tl.constexpr,
+                BS: tl.constexpr, ASM: tl.constexpr, HALF: tl.constexpr = True):
+    """A loop step's words ``[BN, BS, W]`` and their groups' float32 scales ``[BN, BS]`` ->
+    float16 ``[BN, BS * 32]`` in the words' column order (what tl.dot takes). The plain 4-bit
+    formats: codes made by inline PTX (ASM; the interpreter: the same values in Triton) and
+    scaled in float16x2 (``_decode_nibbles``); the others decoded by ``_decode_words``, in
+    float16 (HALF: the scales rounded to float16 once a group) or float32 rounded once."""
+    if HALF:
+        sc_lo, sc_hi = sc_lo.to(tl.float16), sc_hi.to(tl.float16)
+        mn_lo, mn_hi = mn_lo.to(tl.float16), mn_hi.to(tl.float16)
+    if HALF and (FMT == Q4_K or FMT == Q4_0 or FMT == Q4_1):
+        b_wt = _decode_nibbles(b_w, sc_lo[:, :, None], mn_lo[:, :, None], FMT, BN, BS, ASM)
+    else:
+        val = _decode_words(b_w, b_h, sc_lo[:, :, None], sc_hi[:, :, None], mn_lo[:, :, None],
+                            mn_hi[:, :, None], FMT, BN, BS, HALF, ASM)
+        b_wt = val.to(tl.float16)
+    return b_wt
 
 
 # M and S_SPLIT only bound masks and the loop: not specialized on (M = 1, 16 | M), so one
@@ -128,7 +244,7 @@ def _gemm_q_kernel(
     M, N, K, stride_xm, S_SPLIT,
     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
     ATOMIC: tl.constexpr, EVEN: tl.constexpr, SCALE16: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, ASM: tl.constexpr = False, HALF: tl.constexpr = True,
 ):  # fmt: skip
     """Program (i_n, i_k): weight rows i_n BLOCK_N .. + BLOCK_N, groups i_k S_SPLIT ..
     + S_SPLIT of each row (S_SPLIT a multiple of a step's BLOCK_J / W groups), all M rows of
@@ -165,9 +281,8 @@ def _gemm_q_kernel(
             sc_lo, sc_hi, mn_lo = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT, not EVEN,
                                                SCALE16)
             mn_hi = mn_lo
-        val = _decode_words(b_w, b_h, sc_lo[:, :, None], sc_hi[:, :, None], mn_lo[:, :, None],
-                            mn_hi[:, :, None], FMT, BLOCK_N, BLOCK_S)
-        b_wt = val.to(tl.float16)  # [BLOCK_N, BLOCK_K], x's permuted column order
+        # [BLOCK_N, BLOCK_K], x's permuted column order
+        b_wt = decode_tile(b_w, b_h, sc_lo, sc_hi, mn_lo, mn_hi, FMT, BLOCK_N, BLOCK_S, ASM, HALF)
         if EVEN:
             b_x = tl.load(p_xt + s0 * 32, mask=m_m[:, None], other=0.0)
         else:
@@ -191,6 +306,7 @@ class GemmQConfig(NamedTuple):
     num_warps: int
     num_stages: int
     split_k: int = 1  # > 1: K split over programs, partial sums atomically added into a zeroed out
+    half: bool = True  # the decode in float16 (``decode_tile``); False: float32 rounded once
 
 
 # Triton's interpreter (CPU tensors) runs the programs one after another: there the fewest
@@ -338,7 +454,7 @@ def gemm_q(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = None,
     _gemm_q_kernel[(tiles, splits)](
         x, *weight_arrays(w), out, m, w.n, w.k, x.stride(0), s_split,
         FMT=FMT_ID[w.ggml_type], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_J=cfg.block_j,
-        ATOMIC=splits > 1, EVEN=even, SCALE16=scale16(w),
+        ATOMIC=splits > 1, EVEN=even, SCALE16=scale16(w), ASM=not _INTERPRETED, HALF=cfg.half,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_options(pdl_on(out.device)),
     )  # fmt: skip

@@ -66,20 +66,22 @@ def _k4_scales(meta: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return d, dmin, sc, mn
 
 
-def dequantize_packed(p: PackedWeight) -> torch.Tensor:
-    """The packed layout decoded to float32 ``[n, k]`` (CPU), equal to deimos.quant bit for bit."""
+def packed_terms(p: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The packed layout as float32 ``[n, k]`` terms (CPU): (codes less the format's zero
+    point, each element's scale, its min term or None), the weight being codes * scale + min
+    in ggml's float32 operations (``dequantize_packed``)."""
     t = {name: v.cpu() for name, v in p.tensors.items()}
     n, k = p.n, p.k
     if p.ggml_type == GGMLType.Q8_0:
         q = t["qw"].view(torch.int8).reshape(n, -1, 8, 4).transpose(2, 3).reshape(n, k)
-        return q.float() * _per_group(t["d"].float(), k // t["d"].shape[1])  # per 32 or 16
+        return q.float(), _per_group(t["d"].float(), k // t["d"].shape[1]), None  # per 32 or 16
     if p.ggml_type == GGMLType.Q2_K:
         shifts = (2 * torch.arange(16, dtype=torch.int32)).reshape(1, 1, 16, 1)
         q = ((t["qw"].reshape(n, -1, 1, 2) >> shifts) & 3).reshape(n, k)  # [n, u, k, w]: 2k + w
         sc = t["sc"].contiguous().view(torch.uint8).reshape(n, -1).to(torch.int32)  # per 16
         dl = _per_group(t["d"].float(), 16) * (sc & 15).float()
         ml = _per_group(t["m"].float(), 16) * (sc >> 4).float()
-        return _per_group(dl, 16) * q.float() - _per_group(ml, 16)
+        return q.float(), _per_group(dl, 16), -_per_group(ml, 16)
     q = _codes_nibble(t["qw"])
     if p.ggml_type in (GGMLType.Q4_K, GGMLType.Q5_K):
         if p.ggml_type == GGMLType.Q5_K:
@@ -87,18 +89,35 @@ def dequantize_packed(p: PackedWeight) -> torch.Tensor:
         d, dmin, sc, mn = _k4_scales(t["meta"])
         d1 = _per_group(d, 8) * sc
         m1 = _per_group(dmin, 8) * mn
-        return _per_group(d1, 32) * q.float() - _per_group(m1, 32)
+        return q.float(), _per_group(d1, 32), -_per_group(m1, 32)
     if p.ggml_type == GGMLType.Q6_K:
         q = (q | (_q6_high_bits(t["qh"]) << 4)) - 32
-        ds = _per_group(t["d"].float(), 16) * t["sc"].float()
-        return _per_group(ds, 16) * q.float()
+        return q.float(), _per_group(_per_group(t["d"].float(), 16) * t["sc"].float(), 16), None
     d = _per_group(t["d"].float(), 32)
     if p.ggml_type == GGMLType.Q4_0:
-        return (q - 8).float() * d
+        return (q - 8).float(), d, None
     if p.ggml_type == GGMLType.Q4_1:
-        return q.float() * d + _per_group(t["m"].float(), 32)
+        return q.float(), d, _per_group(t["m"].float(), 32)
     if p.ggml_type == GGMLType.Q5_0:
-        return ((q | (_bits(t["qh"], 1) << 4)) - 16).float() * d
+        return ((q | (_bits(t["qh"], 1) << 4)) - 16).float(), d, None
     if p.ggml_type == GGMLType.Q5_1:
-        return (q | (_bits(t["qh"], 1) << 4)).float() * d + _per_group(t["m"].float(), 32)
+        return (q | (_bits(t["qh"], 1) << 4)).float(), d, _per_group(t["m"].float(), 32)
     raise ValueError(f"dequantize_packed: no layout for {p.ggml_type.name}")
+
+
+def dequantize_packed(p: PackedWeight) -> torch.Tensor:
+    """The packed layout decoded to float32 ``[n, k]`` (CPU), equal to deimos.quant bit for bit."""
+    q, s, m = packed_terms(p)
+    return q * s if m is None else q * s + m
+
+
+def dequantize_packed_half(p: PackedWeight) -> torch.Tensor:
+    """The packed layout decoded as the batched GEMM's float16 decode does it (gemm_q's
+    ``decode_tile``): each element's float32 scale and min rounded to float16, then
+    codes * scale + min rounded once to float16 (a fused multiply-add; the product of a code
+    and a float16 is exact in float32, where the sum is taken). float16 ``[n, k]`` (CPU)."""
+    q, s, m = packed_terms(p)
+    s16 = s.half().float()
+    if m is None:
+        return (q * s16).half()
+    return (q * s16 + m.half().float()).half()
