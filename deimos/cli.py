@@ -540,7 +540,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         url=args.url, model=args.model, api_key=args.api_key or api_key_from_env(),
         concurrency=args.concurrency, prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens, requests=args.requests, warmup=args.warmup,
-        endpoint=args.endpoint, sampling=sampling, seed=args.seed, timeout_s=args.timeout)
+        endpoint=args.endpoint, sampling=sampling, seed=args.seed, timeout_s=args.timeout,
+        constrained=args.constrained)
     report = run_serve_bench(cfg, progress=_say)
     _write_json(report.to_json(), args.json)
     print(markdown(report), file=sys.stderr if args.json == "-" else sys.stdout)
@@ -807,6 +808,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts' random words")
     p.add_argument("--timeout", type=_checked(float, Bound(lo=0, lo_open=True)), default=600.0,
                    help="seconds a request may take before it is cut and counted as failed")
+    p.add_argument("--constrained", type=_checked(int, Bound(lo=0, integer=True)), default=0,
+                   metavar="N", help="N client tasks of each level send JSON-schema-constrained "
+                                     "requests (an array of >= 512 short strings, no ignore_eos); "
+                                     "the table adds the plain requests' rows")
     p.add_argument("--json", default=None, metavar="FILE",
                    help="also write the report with every request's record as JSON ('-': "
                         "stdout, the table then on stderr)")

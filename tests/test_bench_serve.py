@@ -19,7 +19,8 @@ import pytest
 from server_support import ServerProcess, free_port
 from testdata import model_path
 
-from deimos.bench.serve import _next_words
+from deimos.bench.serve import ServeBenchConfig, _next_words
+from deimos.bench.serve_client import LONG_JSON_SCHEMA, constrained_body, request_body
 from deimos.bench.serve_stats import Dist, percentile
 from deimos.bench.words import WORDS, prompt_text
 from deimos.cli import main as cli_main
@@ -138,6 +139,39 @@ def test_bench_serve_against_deimos_serve(tiny, tmp_path, capsys) -> None:
             assert d["n"] > 0 and 0 < d["p50"] <= d["p95"] <= d["p99"], (name, d)
         assert lv["ttft"]["p50"] <= lv["e2e"]["p50"]
         assert lv["tokens_from_usage"] == 4
+
+
+def test_constrained_clients_beside_plain_ones(tiny, tmp_path, capsys) -> None:
+    """``--constrained 1``: one client task of each level sends JSON-schema requests (no
+    ignore_eos: the server refuses the pair with a 400), the others plain ones; the level's
+    figures cover all, its plain row the plain requests alone over the same wall time."""
+    body = constrained_body(request_body("chat", "m", "hi", 8, {"temperature": 0.5}))
+    assert "ignore_eos" not in body and body["temperature"] == 0.5
+    assert body["response_format"]["json_schema"]["schema"] == LONG_JSON_SCHEMA
+    server = ServerProcess(tiny, "--device", "cpu", "-c", "256", log_dir=tmp_path)
+    try:
+        code, report, out, err = _bench(
+            capsys, tmp_path, "--url", server.url, "--concurrency", "3",
+            "--prompt-tokens", str(PROMPT_TOKENS), "--max-tokens", str(MAX_TOKENS),
+            "--requests", "6", "--constrained", "1")
+    finally:
+        server.close()
+    assert code == 0, err
+    assert "| 3 (plain only) |" in out
+    logged = _server_log(server)
+    measured = [r for r in report["records"] if not r["warmup"]]
+    mine = [r for r in measured if r["constrained"]]
+    plain = [r for r in measured if not r["constrained"]]
+    assert mine and plain and len(mine) + len(plain) == 6
+    assert all(r["ok"] and logged[r["response_id"]]["status"] == 200 for r in measured)
+    (lv,) = report["levels"]
+    p = lv["plain"]
+    assert p["requests"] == p["ok"] == len(plain)
+    assert p["output_tokens"] == sum(r["completion_tokens"] for r in plain)
+    assert p["wall_s"] == lv["wall_s"] and p["output_tps"] == pytest.approx(p["output_tokens"] / lv["wall_s"])
+    assert lv["output_tokens"] == p["output_tokens"] + sum(r["completion_tokens"] for r in mine)
+    with pytest.raises(ValueError, match="--constrained must leave plain clients"):
+        ServeBenchConfig(concurrency=(1, 4), constrained=1)
 
 
 def test_requests_refused_with_503_are_counted(tiny, tmp_path, capsys) -> None:

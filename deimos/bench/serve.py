@@ -9,6 +9,11 @@ words (deimos.bench.words) distinct per request, so no prefix cache makes one fr
 length is calibrated first on the server itself: probe requests of ``max_tokens`` 1 read
 ``usage.prompt_tokens`` (chat template included) and fit the word count to the target.
 
+``constrained`` (``--constrained N``): N of a level's client tasks send JSON-schema-constrained
+requests (serve_client.constrained_body) among the plain ones; the level's statistics are then
+also given for the plain requests alone, which is what a constrained neighbour may cost them
+(run the level with 0 beside it).
+
 No sampling field is sent unless given, so each server samples with its own defaults; both
 ``deimos serve`` and llama-server default to llama.cpp's sampler chain (temperature 0.8,
 top-k 40, top-p 0.95, min-p 0.05). The statistics are in deimos.bench.serve_stats.
@@ -25,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from deimos.bench.serve_client import request_body, timed_request
+from deimos.bench.serve_client import constrained_body, request_body, timed_request
 from deimos.bench.serve_stats import Calibration, RequestRecord, ServeReport, summarize_level
 from deimos.bench.words import prompt_text
 
@@ -46,6 +51,7 @@ class ServeBenchConfig:
     sampling: dict[str, Any] = field(default_factory=dict)  # fields sent as given
     seed: int = 0  # of the prompts' words
     timeout_s: float = 600.0  # a request running longer is cut and counted as failed
+    constrained: int = 0  # client tasks a level that send JSON-schema-constrained requests
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(c < 1 for c in self.concurrency):
@@ -61,6 +67,9 @@ class ServeBenchConfig:
         if self.endpoint not in ("chat", "completions"):
             raise ValueError(f"bench serve: endpoint must be chat or completions, got "
                              f"{self.endpoint!r}")
+        if self.constrained < 0 or self.constrained >= min(self.concurrency):
+            raise ValueError(f"bench serve: --constrained must leave plain clients at every "
+                             f"level (0 .. {min(self.concurrency) - 1}), got {self.constrained}")
         if not self.timeout_s > 0:
             raise ValueError(f"bench serve: --timeout must be positive, got {self.timeout_s}")
         if not self.url.startswith(("http://", "https://")):
@@ -155,14 +164,17 @@ async def run_level(client: httpx.AsyncClient, cfg: ServeBenchConfig, model: str
     counter = itertools.count()
     records: list[RequestRecord] = []
 
-    async def client_task() -> None:
+    async def client_task(constrained: bool) -> None:
         while (i := next(counter)) < n:
             body = request_body(cfg.endpoint, model, prompt_text(cfg.seed, tag, i, words),
                                 cfg.max_tokens, cfg.sampling)
+            if constrained:
+                body = constrained_body(body)
             records.append(await timed_request(client, cfg.endpoint, body, level=c, index=i,
-                                               warmup=warmup, timeout_s=cfg.timeout_s))
+                                               warmup=warmup, timeout_s=cfg.timeout_s,
+                                               constrained=constrained))
 
-    await asyncio.gather(*(client_task() for _ in range(min(c, n))))
+    await asyncio.gather(*(client_task(j < cfg.constrained) for j in range(min(c, n))))
     records.sort(key=lambda r: r.index)
     return records
 

@@ -20,6 +20,22 @@ from deimos.bench.serve_stats import RequestRecord
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
+# A JSON-constrained request's schema (``--constrained``): an array of at least 512 short
+# strings, so the answer runs to max_tokens as the others do (a constrained request cannot
+# send ignore_eos: its end comes when the JSON is complete)
+LONG_JSON_SCHEMA: dict[str, Any] = {
+    "type": "array", "minItems": 512, "items": {"type": "string", "maxLength": 12}}
+
+
+def constrained_body(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` made a JSON-schema-constrained request (response_format json_schema,
+    ``LONG_JSON_SCHEMA``), without ignore_eos."""
+    out = {k: v for k, v in body.items() if k != "ignore_eos"}
+    out["response_format"] = {"type": "json_schema",
+                              "json_schema": {"name": "words", "schema": LONG_JSON_SCHEMA}}
+    return out
+
+
 def request_body(endpoint: str, model: str, prompt: str, max_tokens: int,
                  sampling: dict[str, Any]) -> dict[str, Any]:
     """A streamed request with usage at the end and ``ignore_eos`` (llama-server honours it,
@@ -130,10 +146,12 @@ async def _stream(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any]
 
 
 async def timed_request(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any], *,
-                        level: int, index: int, warmup: bool, timeout_s: float) -> RequestRecord:
+                        level: int, index: int, warmup: bool, timeout_s: float,
+                        constrained: bool = False) -> RequestRecord:
     """Send ``body`` streamed and time it; a request still running after ``timeout_s`` is cut
     and counted as failed."""
-    rec = RequestRecord(level=level, index=index, warmup=warmup, sent_s=time.perf_counter())
+    rec = RequestRecord(level=level, index=index, warmup=warmup, sent_s=time.perf_counter(),
+                        constrained=constrained)
     try:
         await asyncio.wait_for(_stream(client, endpoint, body, rec), timeout_s)
     except TimeoutError:  # asyncio.wait_for's deadline

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -72,6 +72,7 @@ class RequestRecord:
     prompt_tokens: int | None = None  # usage.prompt_tokens
     finish_reason: str | None = None
     response_id: str | None = None  # the stream's "id": the server's logs name it
+    constrained: bool = False  # sent with a JSON schema (bench serve --constrained)
 
     @property
     def completion_tokens(self) -> int:
@@ -117,11 +118,23 @@ class LevelSummary:
     e2e: Dist
     warmup_ok: int = 0
     warmup_failed: int = 0
+    plain: LevelSummary | None = None  # with constrained requests: the plain ones' alone
 
 
 def summarize_level(concurrency: int, records: Sequence[RequestRecord],
                     warmup: Sequence[RequestRecord] = ()) -> LevelSummary:
-    """The level's statistics over its measured (not warm-up) requests."""
+    """The level's statistics over its measured (not warm-up) requests; where some were
+    constrained, also over the plain ones alone (``plain``: their tokens over the level's
+    whole wall time)."""
+    plain = None
+    if any(r.constrained for r in records):
+        plain = summarize_level(concurrency, [r for r in records if not r.constrained])
+        if plain.requests:
+            wall = max(r.sent_s + r.e2e_s for r in records) - min(r.sent_s for r in records)
+            plain = replace(plain, wall_s=wall,
+                            output_tps=plain.output_tokens / wall if wall > 0 else 0.0,
+                            total_tps=(plain.output_tokens + plain.prompt_tokens) / wall
+                            if wall > 0 else 0.0)
     ok = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok]
     if records:
@@ -147,6 +160,7 @@ def summarize_level(concurrency: int, records: Sequence[RequestRecord],
         e2e=Dist.of([r.e2e_s for r in ok]),
         warmup_ok=sum(1 for r in warmup if r.ok),
         warmup_failed=sum(1 for r in warmup if not r.ok),
+        plain=plain,
     )
 
 
@@ -210,10 +224,15 @@ def markdown(report: ServeReport) -> str:
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for lv in report.levels:
-        lines.append(
-            f"| {lv.concurrency} | {lv.ok} | {lv.failed} | {lv.wall_s:.2f} | {lv.output_tps:.1f} | "
-            f"{lv.total_tps:.1f} | {_ms(lv.ttft.p50)} | {_ms(lv.ttft.p95)} | {_ms(lv.itl.p50)} | "
-            f"{_ms(lv.itl.p95)} | {_ms(lv.tpot.p50)} | {_s(lv.e2e.p50)} |")
+        for name, row in ((str(lv.concurrency), lv),
+                          (f"{lv.concurrency} (plain only)", lv.plain)):
+            if row is None:
+                continue
+            lines.append(
+                f"| {name} | {row.ok} | {row.failed} | {row.wall_s:.2f} | {row.output_tps:.1f} | "
+                f"{row.total_tps:.1f} | {_ms(row.ttft.p50)} | {_ms(row.ttft.p95)} | "
+                f"{_ms(row.itl.p50)} | {_ms(row.itl.p95)} | {_ms(row.tpot.p50)} | "
+                f"{_s(row.e2e.p50)} |")
     lines.append("")
     lines.append("ITL: gaps between content deltas; a delta carrying several tokens counts its "
                  "gap once (as vLLM's benchmark_serving). TPOT: (E2E - TTFT) / (tokens - 1).")
