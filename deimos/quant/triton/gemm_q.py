@@ -30,6 +30,7 @@ to deimos.quant bit for bit, times x in float64).
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -61,6 +62,9 @@ from deimos.quant.triton.layout import KERNEL_TYPE, PackedWeight
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 
 MAX_ROWS = 64  # activation rows a call (one M tile: block_m <= 64)
+# The weight decode of gemm_q's rule and of moe_gemm: float16 (``decode_tile``); read once,
+# DEIMOS_DECODE_F32=1 the float32 one, for A/B measurements (as DEIMOS_PDL=0)
+HALF_DECODE = os.environ.get("DEIMOS_DECODE_F32", "0") in ("", "0")
 
 
 @triton.jit
@@ -384,7 +388,7 @@ def gemm_q_config(ggml_type: GGMLType, n: int, k: int, m: int) -> GemmQConfig:
         block_j *= 2
     warps = 8 if block_n * block_j * nk > TILE_ELEMENTS else 4
     stages = 4 if block_n * block_m <= 1024 else 3
-    return GemmQConfig(block_m, block_n, block_j, warps, stages, split)
+    return GemmQConfig(block_m, block_n, block_j, warps, stages, split, HALF_DECODE)
 
 
 def _check_config(cfg: GemmQConfig, m: int, wpg: int) -> None:
@@ -441,7 +445,8 @@ def gemm_q(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = None,
     wpg = words_per_group(w.ggml_type)
     if cfg is None:
         if w.device.type == "cpu":
-            cfg = INTERPRETER_TILE._replace(block_m=16 if m <= 16 else (32 if m <= 32 else 64))
+            cfg = INTERPRETER_TILE._replace(block_m=16 if m <= 16 else (32 if m <= 32 else 64),
+                                            half=HALF_DECODE)
         else:
             cfg = gemm_q_config(w.ggml_type, w.n, w.k, m)
     _check_config(cfg, m, wpg)

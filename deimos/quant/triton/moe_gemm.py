@@ -48,7 +48,7 @@ from deimos.quant.triton.dequant_gemv import (
     scale16,
     words_per_group,
 )
-from deimos.quant.triton.gemm_q import TILE_ELEMENTS, decode_tile
+from deimos.quant.triton.gemm_q import HALF_DECODE, TILE_ELEMENTS, decode_tile
 from deimos.quant.triton.gemv_q8 import _INTERPRETED
 from deimos.quant.triton.layout import KERNEL_TYPE, PackedWeight
 from deimos.quant.triton.moe_gemv import ExpertChunks, check_expert_inputs, slot_arrays, slot_base
@@ -239,7 +239,7 @@ def _moe_gemm_kernel(
     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
     PAIR_ROWS: tl.constexpr, X_PERMUTED: tl.constexpr, EVEN: tl.constexpr,
     SCALE16: tl.constexpr = False, CHUNKED: tl.constexpr = False, PDL: tl.constexpr = False,
-    ASM: tl.constexpr = False,
+    ASM: tl.constexpr = False, HALF: tl.constexpr = True,
 ):  # fmt: skip
     """Program (i_t, i_n): the pairs of tile i_t (its expert's slot) times rows i_n BLOCK_N ..
     of that slot. X_PERMUTED: x's columns are in the packed words' order (gemm_q's contract),
@@ -301,7 +301,7 @@ def _moe_gemm_kernel(
                     mn_hi = mn_lo
                 # [BLOCK_N, BLOCK_K], the words' column order
                 b_wt = decode_tile(b_w, b_h, sc_lo, sc_hi, mn_lo, mn_hi, FMT, BLOCK_N, BLOCK_S,
-                                   ASM)
+                                   ASM, HALF)
                 if EVEN:
                     b_x = tl.load(p_xt + s0 * 32, mask=m_m[:, None], other=0.0)
                 else:
@@ -399,7 +399,7 @@ def moe_gemm(x: torch.Tensor, w_stack: PackedWeight, n: int, tiles: MoeTiles, sl
         FMT=FMT_ID[w_stack.ggml_type], BLOCK_M=tiles.block_m, BLOCK_N=cfg.block_n,
         BLOCK_J=cfg.block_j, PAIR_ROWS=x_rows == "pair", X_PERMUTED=bool(x_permuted),
         EVEN=(w_stack.k // 32) % (cfg.block_j // wpg) == 0, SCALE16=scale16(w_stack),
-        CHUNKED=chunked, ASM=not _INTERPRETED, num_warps=cfg.num_warps,
+        CHUNKED=chunked, ASM=not _INTERPRETED, HALF=HALF_DECODE, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch_options(pdl_on(out.device)),
     )  # fmt: skip
     return out
