@@ -244,3 +244,21 @@ def test_gemm_q_gpu(t: GGMLType, shape: tuple[int, int], m: int) -> None:
     gbs = w.nbytes / sec / 1e9
     print(f"PERF gemm_q {t.name:5} {n:>6}x{k:<6} m={m:<2} {tuple(gemm_q_config(t, n, k, m))} "
           f"{sec * 1e6:7.2f} us {gbs:6.0f} GB/s {gbs / ROOF_GBS:4.0%} (weights partly in L2 when small)")
+
+
+@pytest.mark.parametrize("t", [*FMT_ID, GGMLType.IQ4_XS], ids=lambda t: t.name)
+def test_half_decode_fidelity(t: GGMLType) -> None:
+    """The float16 decode's weights (``dequantize_packed_half``: scales and mins rounded to
+    float16, then one rounding of the fused multiply-add) against the exact dequantized ones:
+    where the scales are float16 already (Q4_0, Q5_0, Q8_0) equal to one rounding of the
+    exact weight; elsewhere at most ~2.5x its error (Q4_K: ~1.9x, emulated)."""
+    w, _ = _case(t, 64, 1024, 1, seed=11)
+    exact = dequantize_packed(w).double()
+    once = dequantize_packed(w).half().double()
+    half = dequantize_packed_half(w).double()
+    e_once = ((once - exact).norm() / exact.norm()).item()
+    e_half = ((half - exact).norm() / exact.norm()).item()
+    if t in (GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q8_0):
+        assert torch.equal(half, once)
+    else:
+        assert e_half <= 2.5 * e_once, f"{t.name}: {e_half:.2e} against one rounding's {e_once:.2e}"
