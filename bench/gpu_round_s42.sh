@@ -14,7 +14,8 @@
 . bench/gpu_env.sh
 Q3=/tmp/m/qwen3-4b-Q4_K_M-qwen3.gguf
 min_setup() {
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-min/*.whl
+  W=.whl; [ -d $W ] || W=.whl-min
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $W/*.whl
 }
 case "${1:-}" in
 gemm)

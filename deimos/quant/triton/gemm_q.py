@@ -237,6 +237,12 @@ def decode_tile(b_w, b_h, sc_lo, sc_hi, mn_lo, mn_hi, FMT: tl.constexpr, BN: tl.
         val = _decode_words(b_w, b_h, sc_lo[:, :, None], sc_hi[:, :, None], mn_lo[:, :, None],
                             mn_hi[:, :, None], FMT, BN, BS, HALF, ASM)
         b_wt = val.to(tl.float16)
+    if HALF and ASM:
+        # an identity move: Triton 3.6's dot-operand pass hoists the tile's layout conversion
+        # for the Hopper MMA (block_m 64) up through the float16 decode and fails ("Illegal
+        # shared layout"); it does not hoist through inline PTX
+        b_wt = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [b_wt], dtype=tl.float16,
+                                         is_pure=True, pack=2)
     return b_wt
 
 
