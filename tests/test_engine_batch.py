@@ -190,7 +190,8 @@ def test_bad_requests_fail_alone(tiny):
 
 def test_the_chain_check_reads_every_sequence_on_the_cpu(tiny):
     """The GPU's chaining decision (Engine._chain_ok) runs on the CPU too: a decode step of
-    chainable requests may chain, one with a logits processor or about to end may not."""
+    chainable requests may chain, and so may one where some rows have a logits processor
+    (they ride as passengers) but not all; one about to end may not."""
     from deimos.engine.runner import StepResult
 
     llm = LLM(tiny, n_ctx=256)
@@ -200,13 +201,36 @@ def test_the_chain_check_reads_every_sequence_on_the_cpu(tiny):
         eng.step()
     assert eng._chain_ok(StepResult(None, seqs))
     seqs[1].request.logits_processors = [lambda ids, x: x]
+    assert eng._chain_ok(StepResult(None, seqs))
+    for s in seqs:
+        s.request.logits_processors = [lambda ids, x: x]
     assert not eng._chain_ok(StepResult(None, seqs))
-    seqs[1].request.logits_processors = ()
+    for s in seqs:
+        s.request.logits_processors = ()
     seqs[2].request.max_tokens = len(seqs[2].request.output_ids) + 1
     assert not eng._chain_ok(StepResult(None, seqs))
     for s in seqs:
         eng.cancel(s)
     assert eng.blocks.n_used == 0
+
+
+def test_a_hybrids_host_rows_do_not_ride_a_chain(tmp_path_factory):
+    """In a hybrid model a passenger's input would advance its recurrent state wrongly: a row
+    with a logits processor stops the chain there, as before."""
+    from hybrid_support import tiny_qwen35
+
+    from deimos.engine.runner import StepResult
+
+    llm = LLM(tiny_qwen35(tmp_path_factory, "chain_hybrid").path, n_ctx=128)
+    eng = llm.engine
+    seqs = [eng.add(_req([1, 2, 3, 4 + i], 8)) for i in range(2)]
+    while any(s.n_computed < len(s.tokens) - 1 or not s.request.output_ids for s in seqs):
+        eng.step()
+    assert eng._chain_ok(StepResult(None, seqs))
+    seqs[1].request.logits_processors = [lambda ids, x: x]
+    assert not eng._chain_ok(StepResult(None, seqs))
+    for s in seqs:
+        eng.cancel(s)
 
 
 def test_the_profile_step_is_a_valid_largest_step(tiny):

@@ -109,6 +109,28 @@ def test_graphs_device_sampling_and_chains_on_the_gpu(files):
 
 
 @pytest.mark.gpu
+def test_host_rows_ride_the_chain_as_passengers_on_the_gpu(files):
+    """Rows whose choice is the host's (a logits processor) beside device-sampled rows: the
+    decode steps stay chained, each host row riding every other launch as a passenger (its
+    input not chosen yet) and fed its host-chosen token the launch after; every answer equals
+    the same request's with no processor (same seeds: a passenger takes no draw; same logits:
+    the passenger's key and value are rewritten before anything reads them)."""
+    _, ker = _engines(files[("llama-tiny-k", "Q4_K_M")], max_seqs=16)
+    ker.warm()
+    prompts = _prompts(ker.n_vocab) * 2
+    params = [SamplingParams(seed=10 + i) if i % 3 else GREEDY for i in range(len(prompts))]
+    want = [Request(p, 24, s) for p, s in zip(prompts, params)]
+    _run(ker, want)
+    assert ker.passenger_rows == 0
+    got = [Request(p, 24, s, logits_processors=[lambda ids, x: x] if i % 2 else ())
+           for i, (p, s) in enumerate(zip(prompts, params))]
+    _run(ker, got)
+    assert ker.passenger_rows > 0
+    for w, g in zip(want, got):
+        assert w.output_ids == g.output_ids
+
+
+@pytest.mark.gpu
 def test_mixed_steps_and_preemption_on_the_gpu(files):
     ref, ker = _engines(files[("llama-tiny-k", "Q4_K_M")], max_seqs=8, max_batch_tokens=64,
                         kv_tokens=256)

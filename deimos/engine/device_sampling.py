@@ -56,8 +56,10 @@ class DeviceRows:
         self._us: list[float] = []
         self._host_rows: set[int] = set()
 
-    def load(self, wanting) -> None:
-        """Fill the inputs for the sequences ``wanting`` (rows 0..len-1; the rest padding)."""
+    def load(self, wanting, passengers: frozenset[int] = frozenset()) -> None:
+        """Fill the inputs for the sequences ``wanting`` (rows 0..len-1; the rest padding).
+        ``passengers``: rows whose outputs are not read: greedy, and no draw taken from their
+        request's stream (a seed's tokens stay those of the unchained steps)."""
         self._copied.synchronize()  # the last copies out of the pinned buffers are done
         f64, f32, cnt, ids = self._hn
         f64[:] = 0.0
@@ -70,6 +72,9 @@ class DeviceRows:
         self._us = []
         self._host_rows = set()
         for i, seq in enumerate(wanting):
+            if i in passengers:
+                self._us.append(0.0)
+                continue
             req = seq.request
             p = req.sampling
             s = req.sampler

@@ -175,6 +175,8 @@ class Engine:
         self.spec_drafted = self.spec_accepted = self.spec_verify_steps = 0
         self.token_rows = self.tokens_chosen = 0
         self.memory_recoveries = 0  # steps that ran out of device memory and were recomputed
+        # rows launched in a chained step as passengers (their choice is the host's: _continue)
+        self.passenger_rows = 0
 
     @property
     def n_ctx(self) -> int:
@@ -328,12 +330,20 @@ class Engine:
                 outs.append(StepOutput(seq, None, err, final=True))
         return outs
 
+    def _host_rides(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s row can stay in a chain of decode steps though its choice is the
+        host's (a logits processor: a JSON grammar's mask): as a passenger every other step
+        (``_continue``). Not in a hybrid model, whose recurrent state a passenger's input
+        would advance wrongly (there a KV row is only overwritten by the next step)."""
+        return bool(seq.request.logits_processors) and not self.hybrid
+
     def _chain_ok(self, cur) -> bool:
         """Whether the decode step after ``cur`` can be launched before ``cur`` is read: the
         same sequences (nothing waiting, nothing else running), none of them finishing by
         length at ``cur``, every one sampled on the device exactly without needing ``cur``'s
-        token on the host (no penalties, processors or logprobs; greedy or top-k <= 256),
-        and a block for every next position."""
+        token on the host (no penalties, processors or logprobs; greedy or top-k <= 256) or
+        riding along as a passenger (``_host_rides``; not all of them: a chain of passengers
+        alone would only halve their rate), and a block for every next position."""
         rows = cur.wanting
         if self.scheduler.waiting or len(self.scheduler.running) != len(rows):
             return False
@@ -341,29 +351,46 @@ class Engine:
         for seq in rows:
             req = seq.request
             p = req.sampling
-            if (seq.finished or req.logits_processors or req.top_logprobs is not None
-                    or p.penalties_enabled or not (p.greedy or 1 <= p.top_k <= 256)
-                    or len(req.output_ids) + 1 >= req.max_tokens
+            if (seq.finished or len(req.output_ids) + 1 >= req.max_tokens
                     or len(seq.tokens) >= self.cfg.n_ctx):  # fmt: skip
+                return False
+            if not self._host_rides(seq) and (
+                    req.logits_processors or req.top_logprobs is not None
+                    or p.penalties_enabled or not (p.greedy or 1 <= p.top_k <= 256)):  # fmt: skip
                 return False
             if seq.spec is not None and seq.spec.wanted(len(req.output_ids) + 1):
                 return False  # it drafts at its next step: that step needs this one's token
             need += self.blocks.blocks_to_grow(seq.table, seq.n_computed + 1)
+        if all(self._host_rides(seq) for seq in rows):
+            return False  # passengers alone: a chain would only halve their rate
         return need <= self.blocks.n_free
 
     def _continue(self) -> list[StepOutput]:
+        """The step after ``_inflight``, launched before it is read when ``_chain_ok``. A row
+        whose choice is the host's (``_host_rides``) alternates: where it was read-worthy in
+        the step before, its next input is not chosen yet, so it rides the launch as a
+        passenger (its output not read; the key and value it writes are rewritten by its next
+        step); where it was a passenger, its host-chosen token and position are written on the
+        device for this launch (``overrides``), and its output is read."""
         cur, self._inflight = self._inflight, None
         nxt = None
         if self._chain_ok(cur):
-            for seq in cur.wanting:
+            rows = cur.wanting
+            hosts = [i for i, seq in enumerate(rows) if seq.request.logits_processors]
+            passengers = frozenset(i for i in hosts if i not in cur.passengers)
+            overrides = tuple((i, rows[i].tokens[-1], rows[i].n_computed)
+                              for i in hosts if i in cur.passengers)
+            for seq in rows:
                 self.blocks.grow(seq.table, seq.n_computed + 1)
             try:
-                nxt = self.runner.run_chained(cur.wanting)
+                nxt = self.runner.run_chained(rows, overrides, passengers)
             except Exception as e:  # noqa: BLE001
-                return self._failed(list(cur.wanting), e)
+                return self._failed(list(rows), e)
             self.steps += 1
-            for seq in cur.wanting:
-                seq.n_computed += 1
+            self.passenger_rows += len(passengers)
+            for i, seq in enumerate(rows):
+                if i not in passengers:
+                    seq.n_computed += 1
         outs = self._read(cur)
         self._inflight = nxt
         return outs
@@ -372,9 +399,9 @@ class Engine:
         outs: list[StepOutput] = []
         if result.wanting:
             choices = self.sampler.choose(result, self.model.device)
-            for seq, (token, error) in zip(result.wanting, choices):
-                if seq.finished:  # ended while this step ran (cancelled, or a chained row)
-                    continue
+            for i, (seq, (token, error)) in enumerate(zip(result.wanting, choices)):
+                if seq.finished or i in result.passengers:  # ended while this step ran
+                    continue  # (cancelled, or a chained row), or rode it as a passenger
                 outs.append(self._emit(seq, token, error))
                 self._seal(seq)
                 self.token_rows += 1

@@ -114,18 +114,21 @@ class StepResult:
     hidden: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
     # (sequence, its recurrent state at the snapshot row the plan gave it): the step's snapshots
     snaps: list[tuple[Sequence, object]] = field(default_factory=list)
+    # rows of ``wanting`` that rode a chained step with an input their host had not chosen
+    # yet (Engine._continue): their rows are not read
+    passengers: frozenset[int] = frozenset()
 
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, pool: KVPool, n_ctx: int, max_seqs: int,
                  cuda_graphs: bool = True,
                  decode_after: Callable[[int], Callable[[torch.Tensor], None] | None] | None = None,
-                 decode_before: Callable[[int, list[Sequence]], None] | None = None,
+                 decode_before: Callable[..., None] | None = None,
                  decode_launched: Callable[[int], int | None] | None = None,
                  states: StatePool | None = None, verify_graphs: bool = False) -> None:
         """``decode_after(B)``: what a decode graph of B rows captures after the model step
         (the batch's sampling), made once per bucket; None: logits only. ``decode_before(B,
-        sequences)``: called before such a graph replays (the sampling's inputs). ``states``:
+        sequences[, passengers])``: called before such a graph replays (the sampling's inputs). ``states``:
         a hybrid model's state pool on the kernel path (default: one of ``max_seqs`` slots).
         ``verify_graphs``: graphs for a step that only verifies one sequence's drafts
         (speculative decoding; the models that have prefill graphs)."""
@@ -344,10 +347,14 @@ class ModelRunner:
             t += n
         return StepResult(logits, x.wanting, verify=x.verify, hidden=hidden, snaps=snaps)
 
-    def run_chained(self, seqs: list[Sequence]) -> StepResult:
+    def run_chained(self, seqs: list[Sequence], overrides: tuple[tuple[int, int, int], ...] = (),
+                    passengers: frozenset[int] = frozenset()) -> StepResult:
         """The decode step after the last one, on the same graph and rows, its tokens fed on
         the device by that step's choices: ``seqs`` are that step's rows, each with a block
-        for its next position (the caller grew the tables); only the tables are copied in."""
+        for its next position (the caller grew the tables); only the tables are copied in.
+        ``overrides``: (row, token, position) of rows whose input the host chose instead
+        (written on the device before the replay); ``passengers``: rows whose input is
+        nobody's choice (their outputs are not read, and their draws are not taken)."""
         # the expert cache between steps here too: a long greedy answer is one chain of steps,
         # and without this its promotions were never published and a squeeze never shrank it
         self._between_steps(len(seqs))
@@ -358,14 +365,14 @@ class ModelRunner:
         for i, seq in enumerate(seqs):
             h32[i * mb : i * mb + len(seq.table)] = seq.table
         if self.decode_before is not None:
-            self.decode_before(graph.n_seqs, seqs)
-        logits = graph.replay(chained=True)
+            self.decode_before(graph.n_seqs, seqs, passengers)
+        logits = graph.replay(chained=True, overrides=overrides)
         self._serve(graph, len(seqs))
         if self.states is not None:  # the same rows on the same slots, one token further
             for seq in seqs:
                 self._slots[seq].length += 1
         ticket = self.decode_launched(graph.n_seqs) if self.decode_launched is not None else None
-        return StepResult(logits[: len(seqs)], list(seqs), graph, ticket)
+        return StepResult(logits[: len(seqs)], list(seqs), graph, ticket, passengers=passengers)
 
     def chain_ready(self, result: StepResult) -> bool:
         """Whether ``result``'s graph can feed its own next step."""

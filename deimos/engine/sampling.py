@@ -103,11 +103,13 @@ class BatchSampler:
         self._graph_state[rows] = state
         return state.run
 
-    def prepare(self, rows: int, wanting: list[Sequence]) -> None:
-        """Before a decode graph of ``rows`` rows replays: its rows' settings and draws."""
+    def prepare(self, rows: int, wanting: list[Sequence],
+                passengers: frozenset[int] = frozenset()) -> None:
+        """Before a decode graph of ``rows`` rows replays: its rows' settings and draws (none
+        for the ``passengers``, whose outputs are not read)."""
         state = self._graph_state.get(rows)
         if state is not None:
-            state.load(wanting)
+            state.load(wanting, passengers)
 
     def launched(self, rows: int) -> int | None:
         """After a decode graph of ``rows`` rows was replayed: the ticket of its choices."""
@@ -134,6 +136,9 @@ class BatchSampler:
             device_ids, flags, us = eager.read(eager.fetch(), n)
         out: list[tuple[int | None, BaseException | None]] = []
         for i, seq in enumerate(wanting):
+            if i in result.passengers:  # not read (Engine._read skips the row)
+                out.append((None, None))
+                continue
             req = seq.request
             try:
                 if device_ids is not None and not _host_only(seq) and flags[i] == 0:

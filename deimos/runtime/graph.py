@@ -150,10 +150,12 @@ class StepGraph:
         self.chainable = self.decode and ids is not None
         return logits
 
-    def replay(self, chained: bool = False) -> torch.Tensor:
+    def replay(self, chained: bool = False,
+               overrides: tuple[tuple[int, int, int], ...] = ()) -> torch.Tensor:
         """Copies the host inputs in and replays; the logits [n_logits, V] (static).
         ``chained``: the tokens and positions are the previous replay's own (only the int32
-        inputs, the tables, are copied in)."""
+        inputs, the tables, are copied in), except the rows of ``overrides`` (row, token,
+        position): those are set on the device, after the previous replay's feed."""
         if self._graph is None:
             raise RuntimeError("StepGraph.replay before capture")
         if chained:
@@ -161,6 +163,9 @@ class StepGraph:
                 raise RuntimeError("StepGraph: this graph does not feed itself")
             self._i32.copy_(self._h32, non_blocking=True)
             self._copied.record()
+            for row, token, position in overrides:  # fills: scalars ride in the launches
+                self.tokens[row].fill_(token)
+                self.positions[row].fill_(position)
         else:
             self._upload()
         self._graph.replay()
