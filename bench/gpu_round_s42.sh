@@ -29,7 +29,7 @@ all)  # (carry .whl .whl-ggml .peer/td) the GPU tests of this session's changes,
     tests/test_engine_kernels.py -k "passengers or chains" 2>&1 | cut -c1-300 | tail -12
   timeout ${TEST_S:-200} python3 -m pytest -q -rfE -x -m gpu -p no:cacheprovider tests/test_engine_oom.py \
     tests/test_triton_gemm_q.py -k "oom or gpu" 2>&1 | grep -vE "^\s*$" | cut -c1-300 | tail -30
-  bash $0 cons; ROWS=16,64 TYPES=Q4_K TAIL=8 bash $0 gemm; bash $0 moeab ;;
+  bash $0 cons; ROWS=16,64 TYPES=Q4_K TAIL=8 bash $0 gemm; AB="0 1" bash $0 moeab ;;
 gemm)
   min_setup; idle
   timeout ${SWEEP_S:-480} python3 bench/sweep_gemm_batch.py --shapes 8b --types ${TYPES:-Q4_K,Q6_K} \
@@ -37,7 +37,7 @@ gemm)
   idle ;;
 moeab)
   min_setup; MF=${FILE:-$M30}; synth ${MOE:-qwen3moe-30b-a3b} $MF Q4_K_M qwen2; idle
-  for f32 in 0 1 0 1; do
+  for f32 in ${AB:-0 1 0 1}; do
     DEIMOS_DECODE_F32=$f32 timeout 150 python3 -m deimos bench $MF -p 512 -n 32 -r 2 2>&1 | grep -v Warn \
       | grep -E "pp512|tg32" | sed "s/^/DEIMOS_DECODE_F32=$f32 /"
   done
