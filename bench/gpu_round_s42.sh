@@ -26,10 +26,11 @@ all)  # (carry .whl .whl-ggml .peer/td) the GPU tests of this session's changes,
   [ -d .whl-ggml/$G ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl-ggml/$G/*.whl
   timeout ${TEST_S:-200} python3 -m pytest -q -rfE -x -m gpu -p no:cacheprovider \
-    tests/test_engine_kernels.py -k "passengers or chains" 2>&1 | cut -c1-300 | tail -12
+    tests/test_engine_kernels.py -k "passengers" 2>&1 | cut -c1-300 | tail -6
+  CONS="0 1 0 1" bash $0 cons
   timeout ${TEST_S:-200} python3 -m pytest -q -rfE -x -m gpu -p no:cacheprovider tests/test_engine_oom.py \
-    tests/test_triton_gemm_q.py -k "oom or gpu" 2>&1 | grep -vE "^\s*$" | cut -c1-300 | tail -30
-  bash $0 cons; ROWS=16,64 TYPES=Q4_K TAIL=8 bash $0 gemm; AB="0 1" bash $0 moeab ;;
+    -k gpu 2>&1 | grep -vE "^\s*$" | cut -c1-300 | tail -25
+  ROWS=16,64 TYPES=Q4_K TAIL=12 bash $0 gemm; AB="0 1" bash $0 moeab ;;
 gemm)
   min_setup; idle
   timeout ${SWEEP_S:-480} python3 bench/sweep_gemm_batch.py --shapes 8b --types ${TYPES:-Q4_K,Q6_K} \
