@@ -129,7 +129,10 @@ def test_gpu_hybrid_offloaded_step_out_of_memory_is_recomputed(tmp_path):
     """qwen35moe (recurrent states in the state pool, prompt chunks snapshotted at block
     boundaries) with its experts on the host: a step that runs out of memory mid-prompt is
     recomputed from the cached prefix and its state snapshot, and the greedy tokens are the
-    clean run's (every miss on the CPU in both)."""
+    clean run's (every miss on the CPU in both) up to where the clean run's top two are a
+    near-tie: the recomputed prompt is chunked differently (from the snapshot at 16, not 24),
+    so the recurrent state's sums run in another order. Reproduced in the interpreter: the
+    long prompt's second token had a top-two gap of 0.022 nats and flipped."""
     from deimos.engine import LLM
 
     path = write_model(tmp_path / "q8.gguf", "qwen35moe", "qwen35moe-tiny", "Q8_0",
@@ -143,8 +146,13 @@ def test_gpu_hybrid_offloaded_step_out_of_memory_is_recomputed(tmp_path):
         if llm.offload.cache.n_slots == 0:
             pytest.skip("no room for an expert slot on this card")
         _fail_at(llm.engine, fail)
-        reqs = [Request(p, 8, GREEDY) for p in prompts]
+        reqs = [Request(p, 8, GREEDY, top_logprobs=2) for p in prompts]
         assert _drive(llm.engine, reqs) == []
         assert llm.engine.memory_recoveries == len(fail)
-        got[bool(fail)] = [r.output_ids for r in reqs]
-    assert got[True] == got[False]
+        got[bool(fail)] = reqs
+    for clean, again in zip(got[False], got[True]):
+        for i, (a, b) in enumerate(zip(clean.output_ids, again.output_ids)):
+            if a != b:
+                top = clean.token_logprobs[i].top_logprobs
+                assert top[0] - top[1] < 0.05, f"token {i}: {a} != {b} with a top-two gap of {top[0] - top[1]:.3f}"
+                break
