@@ -188,17 +188,22 @@ def test_bad_requests_fail_alone(tiny):
     assert len(ok.request.output_ids) == 5
 
 
+def _decoding(eng, n: int) -> list:
+    """``n`` requests added and stepped until every one decodes (the chain check's input)."""
+    seqs = [eng.add(_req([1, 2, 3, 4 + i], 8)) for i in range(n)]
+    while any(s.n_computed < len(s.tokens) - 1 or not s.request.output_ids for s in seqs):
+        eng.step()
+    return seqs
+
+
 def test_the_chain_check_reads_every_sequence_on_the_cpu(tiny):
     """The GPU's chaining decision (Engine._chain_ok) runs on the CPU too: a decode step of
     chainable requests may chain, and so may one where some rows have a logits processor
     (they ride as passengers) but not all; one about to end may not."""
     from deimos.engine.runner import StepResult
 
-    llm = LLM(tiny, n_ctx=256)
-    eng = llm.engine
-    seqs = [eng.add(_req([1, 2, 3, 4 + i], 8)) for i in range(3)]
-    while any(s.n_computed < len(s.tokens) - 1 or not s.request.output_ids for s in seqs):
-        eng.step()
+    eng = LLM(tiny, n_ctx=256).engine
+    seqs = _decoding(eng, 3)
     assert eng._chain_ok(StepResult(None, seqs))
     seqs[1].request.logits_processors = [lambda ids, x: x]
     assert eng._chain_ok(StepResult(None, seqs))
@@ -221,11 +226,8 @@ def test_a_hybrids_host_rows_do_not_ride_a_chain(tmp_path_factory):
 
     from deimos.engine.runner import StepResult
 
-    llm = LLM(tiny_qwen35(tmp_path_factory, "chain_hybrid").path, n_ctx=128)
-    eng = llm.engine
-    seqs = [eng.add(_req([1, 2, 3, 4 + i], 8)) for i in range(2)]
-    while any(s.n_computed < len(s.tokens) - 1 or not s.request.output_ids for s in seqs):
-        eng.step()
+    eng = LLM(tiny_qwen35(tmp_path_factory, "chain_hybrid").path, n_ctx=128).engine
+    seqs = _decoding(eng, 2)
     assert eng._chain_ok(StepResult(None, seqs))
     seqs[1].request.logits_processors = [lambda ids, x: x]
     assert not eng._chain_ok(StepResult(None, seqs))

@@ -149,22 +149,10 @@ def _decode_words(b_w, b_h, s_lo, s_hi, mn_lo, mn_hi, FMT: tl.constexpr, BN: tl.
 # float16 bits of 1024 (ulp 1) and of 64 (ulp 1/16: bits 4-7 of the mantissa count units):
 # (1024 + c_2j, 64 + c_2j+1), exact; one float16x2 subtraction of (1024 + OFF, 64 + OFF)
 # leaves (c_2j - OFF, c_2j+1 - OFF)
-_NIBBLES_ASM = """{
-.reg .b32 m;
-mov.b32 m, MAGIC;
-prmt.b32 $0, $4, $4, 0x0000;
-lop3.b32 $0, $0, 0x00F0000F, 0x54006400, 0xEA;
-sub.rn.f16x2 $0, $0, m;
-prmt.b32 $1, $4, $4, 0x1111;
-lop3.b32 $1, $1, 0x00F0000F, 0x54006400, 0xEA;
-sub.rn.f16x2 $1, $1, m;
-prmt.b32 $2, $4, $4, 0x2222;
-lop3.b32 $2, $2, 0x00F0000F, 0x54006400, 0xEA;
-sub.rn.f16x2 $2, $2, m;
-prmt.b32 $3, $4, $4, 0x3333;
-lop3.b32 $3, $3, 0x00F0000F, 0x54006400, 0xEA;
-sub.rn.f16x2 $3, $3, m;
-}"""
+_NIBBLES_ASM = "{\n.reg .b32 m;\nmov.b32 m, MAGIC;\n" + "".join(
+    f"prmt.b32 ${j}, $4, $4, 0x{j}{j}{j}{j};\n"
+    f"lop3.b32 ${j}, ${j}, 0x00F0000F, 0x54006400, 0xEA;\n"
+    f"sub.rn.f16x2 ${j}, ${j}, m;\n" for j in range(4)) + "}"
 _NIBBLES_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 8))
 # the subtrahend pair (64 + OFF) << 16 | (1024 + OFF) in float16 bits: OFF 0 (Q4_K, Q4_1), 8 (Q4_0)
 _NIBBLES_ASM_0 = tl.constexpr(_NIBBLES_ASM.replace("MAGIC", "0x54006400"))
