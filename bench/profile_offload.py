@@ -199,7 +199,7 @@ def main() -> None:
                for p in (1, 2, 3)},
             "twographs": lambda: CpuExperts(c.layers, planes=1, n_threads=c.n_threads, fused=False)}
     for name in a.cpu.split(","):  # tN: the engine's CPU side with N ggml threads
-        if name[:1] == "t":
+        if name[:1] == "t" and name[1:].isdigit():  # ("twographs" is a name of its own)
             cpus[name] = lambda n=int(name[1:]): CpuExperts(c.layers, planes=c.planes, n_threads=n)
     built = {}
     shares = {}
