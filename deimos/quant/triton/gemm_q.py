@@ -11,12 +11,17 @@ Tile (``GemmQConfig``): a program owns ``block_n`` weight rows and all M rows of
 ``block_m``; tl.dot needs 16 rows), and walks K in steps of ``block_j`` consecutive code words
 of each row (a contiguous run of the packed array, ``block_j / W`` whole groups of 32): word
 j is word w = j % W of group u = j // W, its code k element 32u + W k + w (layout.py). The
-words are loaded a group per thread (``group_words``), decoded with ``_dequant_kernel``'s
-helpers and operations (``_codes``, ``group_scales`` / ``q2k_scales``: float32, then rounded
-to fp16) and the codes of each word stacked in that thread's registers (``tl.join``) at
-column NK j + k of the step's tile (NK = 32 / W codes a word): the packed words' column
-order, in which the caller hands x (``permuted_columns``), so the x tile is one contiguous
-load. ``split_k > 1``: K is cut into that many runs of whole steps over the grid's second
+words are loaded a group per thread (``group_words``), decoded by ``decode_tile`` and the
+codes of each word stacked in that thread's registers (``tl.join``) at column NK j + k of the
+step's tile (NK = 32 / W codes a word): the packed words' column order, in which the caller
+hands x (``permuted_columns``), so the x tile is one contiguous load. The decode is float16
+(``GemmQConfig.half``, the default; ``DEIMOS_DECODE_F32=1`` for A/B): each group's scale and
+min (``group_scales`` / ``q2k_scales``, float32) rounded to float16 once, the 4-bit formats'
+codes made by inline PTX with float16 magic numbers (three instructions a pair of codes) and
+scaled by one float16x2 fused multiply-add a pair, the other formats' codes by
+``_dequant_kernel``'s operations in float16; the float32 decode rounds each weight once
+instead (its instructions bound the kernel: 575 against 378 a step of 64 weights a thread for
+Q4_K, counted in the sm_90 SASS). ``split_k > 1``: K is cut into that many runs of whole steps over the grid's second
 axis and the partial sums are atomically added into a zeroed output (when n / block_n alone
 gives too few programs to keep the memory system busy).
 
@@ -24,7 +29,8 @@ Rows past n are clamped to row n - 1 for loading (no row masks in the loop) and 
 rows of x past M are masked on load (no memory traffic) and on store.
 
 Oracle: ``gemm_q_reference`` (the packed layout decoded by ``naive.dequantize_packed``, equal
-to deimos.quant bit for bit, times x in float64).
+to deimos.quant bit for bit, times x in float64); the float16 decode's own weights:
+``naive.dequantize_packed_half``.
 """
 
 from __future__ import annotations

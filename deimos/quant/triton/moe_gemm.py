@@ -18,13 +18,14 @@ Ids outside [0, E) are left out (their output rows are then not written).
 
 ``moe_gemm``: program (tile, n block) gathers its block_m pairs' activation rows (x row t for
 ``x_rows="token"``, p for ``"pair"``), decodes its expert's packed weight tile in registers
-with gemm_q's helpers (``group_words``, ``group_scales`` / ``q2k_scales``, ``_decode_words``:
-float32, rounded to fp16) feeding tl.dot (fp32 accumulation), and stores each pair's row of
+with gemm_q's helpers (``group_words``, ``group_scales`` / ``q2k_scales``, ``decode_tile``:
+its float16 decode) feeding tl.dot (fp32 accumulation), and stores each pair's row of
 the output [T k, n]. A tile whose expert has no slot (slot_of -1) stores zeros. Slots may be
 stored in chunks (moe_gemv.ExpertChunks: the cache's chunk address tables, read on the device).
 
 Oracles: kernels.moe.moe_align_reference (equal entry for entry) and moe_experts_reference
-on the dequantized stack (naive.dequantize_packed).
+on the dequantized stack (naive.dequantize_packed; naive.dequantize_packed_half for the
+decode's own weights).
 """
 
 from __future__ import annotations
