@@ -128,8 +128,9 @@ class ModelRunner:
                  states: StatePool | None = None, verify_graphs: bool = False) -> None:
         """``decode_after(B)``: what a decode graph of B rows captures after the model step
         (the batch's sampling), made once per bucket; None: logits only. ``decode_before(B,
-        sequences[, passengers])``: called before such a graph replays (the sampling's inputs). ``states``:
-        a hybrid model's state pool on the kernel path (default: one of ``max_seqs`` slots).
+        sequences[, passengers])``: called before such a graph replays (the sampling's
+        inputs). ``states``: a hybrid model's state pool on the kernel path (default: one of
+        ``max_seqs`` slots).
         ``verify_graphs``: graphs for a step that only verifies one sequence's drafts
         (speculative decoding; the models that have prefill graphs)."""
         self.model = model
