@@ -42,3 +42,11 @@ soak() {
   timeout ${SOAK_S:-450} python3 tools/soak_server.py --model $1 --ctx 1024 --requests 1000 --clients 32 \
     --max-new 96 --words 400 --server-args "--device cuda" 2>&1 | tee "$OUT/soak.txt" | tail -15
 }
+# ggml-python's carried wheel for this host's CPU (.whl-ggml/avx512 where the CPU has the
+# AVX-512 extensions that build uses, else avx2); sets G to the build installed
+ggml_setup() {
+  local F; F=$(grep -m1 ^flags /proc/cpuinfo); G=avx2
+  [[ $F == *avx512f* && $F == *avx512_vnni* && $F == *avx512vbmi* && $F == *avx512_bf16* ]] && G=avx512
+  [ -d .whl-ggml/$G ] || G=avx2
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ggml/$G/*.whl
+}

@@ -35,10 +35,7 @@ moe_setup() {
   for p in a b; do [ -f .smol-$p/part ] && mkdir -p /tmp/smol && cp .smol-$p/part /tmp/smol/$p; done
   W=.whl-min; [ -d $W ] || W=.whl
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $W/*.whl
-  F=$(grep -m1 ^flags /proc/cpuinfo)
-  if [[ $F == *avx512f* && $F == *avx512_vnni* && $F == *avx512vbmi* && $F == *avx512_bf16* ]]; then G=avx512; else G=avx2; fi
-  [ -d .whl-ggml/$G ] || G=avx2
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ggml/$G/*.whl
+  ggml_setup
   echo "ggml-python: $G build; $(python3 -c 'import ggml; print("imports")' 2>&1 | tail -1); $(nproc) CPUs, $(lscpu 2>/dev/null | grep -E "^(Thread\(s\) per core|Model name)" | tr -s " " | tr "\n" ";")"
   [ -x /tmp/lc/llama-bench ] || { mkdir -p /tmp/lc && tar xJf .peer/lc/llama-cuda-sm90.tar.xz -C /tmp/lc; }
 }

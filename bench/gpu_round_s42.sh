@@ -21,10 +21,7 @@ case "${1:-}" in
 all)  # (carry .whl .whl-ggml .peer/td) the GPU tests of this session's changes, then cons,
       # gemm, moeab
   min_setup
-  F=$(grep -m1 ^flags /proc/cpuinfo); G=avx2
-  [[ $F == *avx512f* && $F == *avx512_vnni* && $F == *avx512vbmi* && $F == *avx512_bf16* ]] && G=avx512
-  [ -d .whl-ggml/$G ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --upgrade --target /tmp/site .whl-ggml/$G/*.whl
+  [ -d .whl-ggml ] && ggml_setup
   timeout ${TEST_S:-200} python3 -m pytest -q -rfE -x -m gpu -p no:cacheprovider \
     tests/test_engine_kernels.py -k "passengers" 2>&1 | cut -c1-300 | tail -6
   CONS="0 1 0 1" bash $0 cons

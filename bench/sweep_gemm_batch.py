@@ -332,21 +332,21 @@ def summarize(results: dict, baseline: dict, types: list, rows: list) -> None:
                    f"{max(slow[pick]):.2f}x)" if pick else "-")
             print(f"{t.name:5} {m:>2} | {best * 1e6:8.1f} {rule * 1e6:8.1f} {gemv * 1e6:8.1f} {pair * 1e6:8.1f} {f16 * 1e6:8.1f} | "
                   f"{rule / best:9.2f} {gemv / best:10.2f} {pair / best:10.2f} | {one}")
-    both = [(t, m) for t in types for m in rows
-            if any(lb.endswith(" f32") for key in results if key[0] == t and key[3] == m
-                   for lb in results[key])
-            and any(not lb.endswith(" f32") for key in results if key[0] == t and key[3] == m
-                    for lb in results[key])]
-    if both:
+    def best(key, f32: bool) -> float:
+        return min((v for lb, v in results[key].items() if lb.endswith(" f32") == f32),
+                   default=float("nan"))
+
+    lines = []
+    for t in types:
+        for m in rows:
+            keys = [key for key in results if key[0] == t and key[3] == m and results[key]]
+            half, f32 = sum(best(k, False) for k in keys), sum(best(k, True) for k in keys)
+            if keys and math.isfinite(half) and math.isfinite(f32):
+                lines.append(f"{t.name:5} {m:>2} | {half * 1e6:8.1f} {f32 * 1e6:8.1f} | {f32 / half:5.2f}x")
+    if lines:
         print(f"\n{'type':5} {'M':>2} | best float16-decode tile, best float32-decode tile (us, "
               "sum over shapes) | float32 / float16")
-    for t, m in both:
-        keys = [key for key in results if key[0] == t and key[3] == m and results[key]]
-        half = sum(min((v for lb, v in results[key].items() if not lb.endswith(" f32")),
-                       default=float("nan")) for key in keys)
-        f32 = sum(min((v for lb, v in results[key].items() if lb.endswith(" f32")),
-                      default=float("nan")) for key in keys)
-        print(f"{t.name:5} {m:>2} | {half * 1e6:8.1f} {f32 * 1e6:8.1f} | {f32 / half:5.2f}x")
+        print("\n".join(lines))
     print("\nsuggested rule: per (format, M) the one-tile column above where it is within ~5% of each "
           "shape's best; else the per-shape best tiles above, keyed by n / block_n programs and K")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -122,25 +122,19 @@ class LevelSummary:
 
 
 def summarize_level(concurrency: int, records: Sequence[RequestRecord],
-                    warmup: Sequence[RequestRecord] = ()) -> LevelSummary:
+                    warmup: Sequence[RequestRecord] = (), wall: float | None = None) -> LevelSummary:
     """The level's statistics over its measured (not warm-up) requests; where some were
     constrained, also over the plain ones alone (``plain``: their tokens over the level's
-    whole wall time)."""
+    whole wall time). ``wall``: the time the rates are taken over (default: the records')."""
+    if wall is None:
+        wall = (max(r.sent_s + r.e2e_s for r in records) - min(r.sent_s for r in records)
+                if records else 0.0)
     plain = None
     if any(r.constrained for r in records):
-        plain = summarize_level(concurrency, [r for r in records if not r.constrained])
-        if plain.requests:
-            wall = max(r.sent_s + r.e2e_s for r in records) - min(r.sent_s for r in records)
-            plain = replace(plain, wall_s=wall,
-                            output_tps=plain.output_tokens / wall if wall > 0 else 0.0,
-                            total_tps=(plain.output_tokens + plain.prompt_tokens) / wall
-                            if wall > 0 else 0.0)
+        plain = summarize_level(concurrency, [r for r in records if not r.constrained],
+                                wall=wall)
     ok = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok]
-    if records:
-        wall = max(r.sent_s + r.e2e_s for r in records) - min(r.sent_s for r in records)
-    else:
-        wall = 0.0
     out = sum(r.completion_tokens for r in ok)
     prompt = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     deltas = sum(r.n_deltas for r in ok)

@@ -347,21 +347,22 @@ class Engine:
         rows = cur.wanting
         if self.scheduler.waiting or len(self.scheduler.running) != len(rows):
             return False
-        need = 0
+        need = riders = 0
         for seq in rows:
             req = seq.request
             p = req.sampling
             if (seq.finished or len(req.output_ids) + 1 >= req.max_tokens
                     or len(seq.tokens) >= self.cfg.n_ctx):  # fmt: skip
                 return False
-            if not self._host_rides(seq) and (
-                    req.logits_processors or req.top_logprobs is not None
+            if self._host_rides(seq):
+                riders += 1
+            elif (req.logits_processors or req.top_logprobs is not None
                     or p.penalties_enabled or not (p.greedy or 1 <= p.top_k <= 256)):  # fmt: skip
                 return False
             if seq.spec is not None and seq.spec.wanted(len(req.output_ids) + 1):
                 return False  # it drafts at its next step: that step needs this one's token
             need += self.blocks.blocks_to_grow(seq.table, seq.n_computed + 1)
-        if all(self._host_rides(seq) for seq in rows):
+        if riders == len(rows):
             return False  # passengers alone: a chain would only halve their rate
         return need <= self.blocks.n_free
 
