@@ -172,6 +172,13 @@ def test_constrained_clients_beside_plain_ones(tiny, tmp_path, capsys) -> None:
     assert lv["output_tokens"] == p["output_tokens"] + sum(r["completion_tokens"] for r in mine)
     with pytest.raises(ValueError, match="--constrained must leave plain clients"):
         ServeBenchConfig(concurrency=(1, 4), constrained=1)
+    assert cli_main(["bench", "serve", "--url", server.url, "--concurrency", "1,4",
+                     "--constrained", "1"]) != 0
+    assert "--constrained must leave plain clients at every level (0 .. 0), got 1" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "serve", "--constrained", "-1"])
+    assert "argument --constrained: must be >= 0, got -1" in capsys.readouterr().err
 
 
 def test_requests_refused_with_503_are_counted(tiny, tmp_path, capsys) -> None:

@@ -190,7 +190,8 @@ def test_gemm_q_bad_input() -> None:
                cfg=GemmQConfig(16, 16, 16, 4, 2))
     for bad in (GemmQConfig(24, 16, 16, 4, 2), GemmQConfig(16, 24, 16, 4, 2), GemmQConfig(16, 8, 16, 4, 2),
                 GemmQConfig(16, 16, 1, 4, 2), GemmQConfig(16, 16, 12, 4, 2), GemmQConfig(16, 16, 16, 3, 2),
-                GemmQConfig(16, 16, 16, 4, 0), GemmQConfig(16, 16, 16, 4, 2, 0)):
+                GemmQConfig(16, 16, 16, 4, 0), GemmQConfig(16, 16, 16, 4, 2, 0),
+                GemmQConfig(16, 16, 16, 4, 2, 1, "yes")):
         with pytest.raises(ValueError, match="bad tile"):
             gemm_q(w, xp, cfg=bad)
     f16 = PackedWeight(GGMLType.F16, 8, 512, {"qw": torch.zeros(8, 256, dtype=torch.int32)})
@@ -262,3 +263,15 @@ def test_half_decode_fidelity(t: GGMLType) -> None:
         assert torch.equal(half, once)
     else:
         assert e_half <= 2.5 * e_once, f"{t.name}: {e_half:.2e} against one rounding's {e_once:.2e}"
+
+
+def test_a_bad_decode_switch_is_named() -> None:
+    """DEIMOS_DECODE_F32 other than 0 or 1: a named error when the kernels are imported."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DEIMOS_DECODE_F32": "true"}
+    r = subprocess.run([sys.executable, "-c", "import deimos.quant.triton.gemm_q"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "DEIMOS_DECODE_F32 must be 0 or 1, got 'true'" in r.stderr

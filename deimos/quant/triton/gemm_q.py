@@ -70,7 +70,10 @@ from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 MAX_ROWS = 64  # activation rows a call (one M tile: block_m <= 64)
 # The weight decode of gemm_q's rule and of moe_gemm: float16 (``decode_tile``); read once,
 # DEIMOS_DECODE_F32=1 the float32 one, for A/B measurements (as DEIMOS_PDL=0)
-HALF_DECODE = os.environ.get("DEIMOS_DECODE_F32", "0") in ("", "0")
+_F32 = os.environ.get("DEIMOS_DECODE_F32", "0")
+if _F32 not in ("", "0", "1"):
+    raise ValueError(f"DEIMOS_DECODE_F32 must be 0 or 1, got {_F32!r}")
+HALF_DECODE = _F32 != "1"
 
 
 @triton.jit
@@ -396,11 +399,12 @@ def _check_config(cfg: GemmQConfig, m: int, wpg: int) -> None:
     ok = (cfg.block_m in (16, 32, 64) and pow2_at_most(cfg.block_n, 256) and cfg.block_n >= 16
           and pow2_at_most(cfg.block_j, 1024) and cfg.block_j >= wpg and cfg.block_j * nk <= 4096
           and cfg.num_warps in (1, 2, 4, 8) and 1 <= cfg.num_stages <= 6
-          and isinstance(cfg.split_k, int) and 1 <= cfg.split_k <= 256)  # fmt: skip
+          and isinstance(cfg.split_k, int) and 1 <= cfg.split_k <= 256
+          and isinstance(cfg.half, bool))  # fmt: skip
     if not ok:
         raise ValueError(f"gemm_q: bad tile {cfg} (block_m 16, 32 or 64; block_n a power of two in "
                          f"16..256; block_j one from {wpg} (a group's words) with block_j * {nk} "
-                         "columns <= 4096; num_warps 1, 2, 4 or 8; 1..6 stages; split_k 1..256)")
+                         "columns <= 4096; num_warps 1, 2, 4 or 8; 1..6 stages; split_k 1..256; half a bool)")
     if cfg.block_m < m:
         raise ValueError(f"gemm_q: tile {cfg} has block_m {cfg.block_m} < M = {m}")
 
