@@ -273,5 +273,5 @@ def test_a_bad_decode_switch_is_named() -> None:
 
     env = {**os.environ, "DEIMOS_DECODE_F32": "true"}
     r = subprocess.run([sys.executable, "-c", "import deimos.quant.triton.gemm_q"], env=env,
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode != 0 and "DEIMOS_DECODE_F32 must be 0 or 1, got 'true'" in r.stderr
