@@ -383,7 +383,11 @@ class Engine:
                               for i in hosts if i in cur.passengers)
             for seq in rows:
                 self.blocks.grow(seq.table, seq.n_computed + 1)
+            # the rows the host chooses at ``cur`` are read after the launch below, which
+            # overwrites the graph's logits: copied out first (an engine that read them from
+            # the device then took the next step's rows, and waited for that step)
             try:
+                self.sampler.hold(cur, [i for i in hosts if i not in cur.passengers])
                 nxt = self.runner.run_chained(rows, overrides, passengers)
             except Exception as e:  # noqa: BLE001
                 return self._failed(list(rows), e)

@@ -117,6 +117,9 @@ class StepResult:
     # rows of ``wanting`` that rode a chained step with an input their host had not chosen
     # yet (Engine._continue): their rows are not read
     passengers: frozenset[int] = frozenset()
+    # rows of ``logits`` copied to the host before a chained step overwrote them
+    # (BatchSampler.hold): row -> (host copy, the event that marks it done)
+    held: dict[int, tuple[torch.Tensor, object]] = field(default_factory=dict)
 
 
 class ModelRunner:

@@ -35,6 +35,17 @@ def _host_only(seq: Sequence) -> bool:
     return bool(seq.request.logits_processors)
 
 
+def _row(result, i: int) -> torch.Tensor:
+    """Row ``i`` of a step's logits: its host copy where ``BatchSampler.hold`` made one (the
+    device rows were overwritten by a chained step since)."""
+    held = result.held.get(i)
+    if held is None:
+        return result.logits[i]
+    buf, done = held
+    done.synchronize()
+    return buf
+
+
 def target_distribution(sampler: Sampler, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The distribution ``sampler.sample(row)`` draws from at its current history: token ids
     [n] int64 and their probabilities [n] float64 (penalties, top-k -> top-p -> min-p, softmax at
@@ -92,6 +103,8 @@ class BatchSampler:
 
         self._graph_state: dict[int, object] = {}  # decode bucket -> its static sampling state
         self._eager = None  # the eager steps' sampling state (made at the first)
+        self._held: list[torch.Tensor] = []  # pinned rows for ``hold``, used in turn
+        self._held_at = 0
 
     # ---- graph capture and replay -------------------------------------------------------
 
@@ -115,6 +128,25 @@ class BatchSampler:
         """After a decode graph of ``rows`` rows was replayed: the ticket of its choices."""
         state = self._graph_state.get(rows)
         return state.fetch() if state is not None and state.loaded else None
+
+    def hold(self, result, rows: list[int]) -> None:
+        """Copies the logits ``rows`` of ``result`` (a decode graph's static output) to pinned
+        host memory, enqueued now: the chained step launched next overwrites that output, and
+        ``choose`` reads these copies, waiting for ``result``'s step only (its host work then
+        runs while the next step does). Two slots a row, used in turn: a copy is read before
+        the step after next holds again."""
+        if not rows:
+            return
+        logits = result.logits
+        while len(self._held) < 2 * len(rows):
+            self._held.append(torch.empty(logits.shape[1], dtype=logits.dtype, pin_memory=True))
+        done = torch.cuda.Event()
+        for i in rows:
+            buf = self._held[self._held_at % len(self._held)]
+            self._held_at += 1
+            buf.copy_(logits[i], non_blocking=True)
+            result.held[i] = (buf, done)
+        done.record()
 
     # ---- after a step ------------------------------------------------------------------
 
@@ -146,7 +178,7 @@ class BatchSampler:
                 elif device_ids is not None and flags[i] == 2:
                     raise EngineError("cannot sample from the model's logits: logits contain NaN")
                 else:
-                    token = self._host(seq, logits[i], None if us is None else us[i])
+                    token = self._host(seq, _row(result, i), None if us is None else us[i])
                 if req.top_logprobs is not None:
                     req.token_logprobs.append(logprobs(logits[i].float(), token, req.top_logprobs))
                 out.append((token, None))

