@@ -7,7 +7,7 @@
 #                                 # once a row and matmul_f16 on an fp16 copy
 #   bench/gpu_round_s42.sh moeab  # the same A/B where it matters most: qwen3moe 30B-A3B Q4_K_M's
 #                                 # prefill with the whole card (moe_gemm), default against
-#                                 # DEIMOS_DECODE_F32=1 (MOE: synth preset, FILE: its path)
+#                                 # DEIMOS_DECODE_F16=1 (MOE: synth preset, FILE: its path)
 #   bench/gpu_round_s42.sh cons   # a JSON-constrained request's cost to its batch: deimos serve on
 #                                 # qwen3 4B Q4_K_M, 16 streams of 512-token prompts and 128-token
 #                                 # answers with 0 and then 1 of the 16 clients constrained
@@ -35,9 +35,9 @@ gemm)
   idle ;;
 moeab)
   min_setup; MF=${FILE:-$M30}; synth ${MOE:-qwen3moe-30b-a3b} $MF Q4_K_M qwen2; idle
-  for f32 in ${AB:-0 1 0 1}; do
-    DEIMOS_DECODE_F32=$f32 timeout 150 python3 -m deimos bench $MF -p 512 -n 32 -r 2 2>&1 | grep -v Warn \
-      | grep -E "pp512|tg32" | sed "s/^/DEIMOS_DECODE_F32=$f32 /"
+  for f16 in ${AB:-0 1 0 1}; do
+    DEIMOS_DECODE_F16=$f16 timeout 150 python3 -m deimos bench $MF -p 512 -n 32 -r 2 2>&1 | grep -v Warn \
+      | grep -E "pp512|tg32" | sed "s/^/DEIMOS_DECODE_F16=$f16 /"
   done
   idle ;;
 cons)

@@ -21,6 +21,7 @@ from deimos.models.gpu.dequant import permuted_columns
 from deimos.quant import get_format
 from deimos.quant.triton.dequant_gemv import FMT_ID
 from deimos.quant.triton.gemm_q import (
+    HALF_DECODE,
     GemmQConfig,
     gemm_q,
     gemm_q_config,
@@ -57,7 +58,8 @@ def _run(w: PackedWeight, x: torch.Tensor, cfg: GemmQConfig | None) -> torch.Ten
     return y.cpu()
 
 
-def _check(w: PackedWeight, x: torch.Tensor, y: torch.Tensor, what: str, half: bool = True) -> None:
+def _check(w: PackedWeight, x: torch.Tensor, y: torch.Tensor, what: str,
+           half: bool = HALF_DECODE) -> None:
     ref = gemm_q_reference(w, x).double()
     rel = ((y.double() - ref).norm() / ref.norm()).item()
     diff = (y.double() - ref).abs().max().item()
@@ -88,9 +90,10 @@ def test_gemm_q_formats(t: GGMLType, m: int, shape: tuple[int, int]) -> None:
 # tiles other than the default: narrow and wide rows, every block_m, split-K by 2 (whole
 # and part steps), 3 (uneven runs) and 4, several stages. (16, 128, 64, 8, 4 stages) needs
 # 352 KB of shared memory on Triton 3.6 (the H200, 2026-12-01): 2 stages here.
-TILES = [GemmQConfig(16, 16, 16, 4, 3), GemmQConfig(32, 32, 32, 4, 2, 2), GemmQConfig(64, 64, 8, 4, 3, 2),
-         GemmQConfig(16, 128, 64, 8, 2, 3), GemmQConfig(64, 16, 32, 2, 1, 4),
-         GemmQConfig(16, 32, 32, 4, 2, 1, half=False), GemmQConfig(32, 64, 16, 4, 3, 2, half=False)]
+TILES = [GemmQConfig(16, 16, 16, 4, 3, 1, True), GemmQConfig(32, 32, 32, 4, 2, 2, True),
+         GemmQConfig(64, 64, 8, 4, 3, 2, True), GemmQConfig(16, 128, 64, 8, 2, 3, True),
+         GemmQConfig(64, 16, 32, 2, 1, 4, True),
+         GemmQConfig(16, 32, 32, 4, 2, 1), GemmQConfig(32, 64, 16, 4, 3, 2)]
 
 
 @pytest.mark.parametrize("cfg", TILES, ids=lambda c: "m{}_n{}_j{}_w{}_s{}_k{}{}".format(
@@ -266,12 +269,12 @@ def test_half_decode_fidelity(t: GGMLType) -> None:
 
 
 def test_a_bad_decode_switch_is_named() -> None:
-    """DEIMOS_DECODE_F32 other than 0 or 1: a named error when the kernels are imported."""
+    """DEIMOS_DECODE_F16 other than 0 or 1: a named error when the kernels are imported."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "DEIMOS_DECODE_F32": "true"}
+    env = {**os.environ, "DEIMOS_DECODE_F16": "true"}
     r = subprocess.run([sys.executable, "-c", "import deimos.quant.triton.gemm_q"], env=env,
                        capture_output=True, text=True, timeout=120, check=False)
-    assert r.returncode != 0 and "DEIMOS_DECODE_F32 must be 0 or 1, got 'true'" in r.stderr
+    assert r.returncode != 0 and "DEIMOS_DECODE_F16 must be 0 or 1, got 'true'" in r.stderr

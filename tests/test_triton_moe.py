@@ -6,8 +6,8 @@ to float32 rounding); ``moe_experts_reference`` on the stack decoded by
 ``naive.dequantize_packed`` (bit exact against deimos.quant) times, for the GEMV, the
 dequantized integer activation (``quantize_x_reference``: equal up to float32 rounding, as
 gemv_q8's test) and, for the grouped GEMM, the fp16 x (fp16 rounding of the decoded weights:
-< 1e-3; against the product of the weights as gemm_q's float16 decode makes them,
-``naive.dequantize_packed_half``, < 1e-5, which pins the decode);
+< 1e-3; against the product of the weights as gemm_q's decode makes them (rounded
+to float16 once, or ``naive.dequantize_packed_half``), < 1e-5, which pins the decode);
 ``moe_align_reference`` entry for entry; ``moe_combine_reference``. Outputs are poisoned
 first (NaN, or 7777 in the integer tile maps). Without CUDA the kernels run in Triton's
 interpreter on tiny shapes with its big tiles.
@@ -38,6 +38,7 @@ from deimos.kernels.triton.moe_route import moe_combine, moe_route
 from deimos.models.gpu.dequant import permuted_columns
 from deimos.quant import get_format
 from deimos.quant.triton.dequant_gemv import FMT_ID
+from deimos.quant.triton.gemm_q import HALF_DECODE
 from deimos.quant.triton.gemv_q8 import empty_quantized, quantize_x, quantize_x_reference
 from deimos.quant.triton.layout import PackedWeight, pack
 from deimos.quant.triton.moe_gemm import (
@@ -424,8 +425,10 @@ def _check_gemm(w: PackedWeight, n: int, x: torch.Tensor, ids: torch.Tensor, x_r
     miss = _missing_rows(ids)
     assert torch.equal(y.cpu()[miss], torch.zeros(int(miss.sum()), n)), f"{what}: rows of experts off the device"
     close(what, y, moe_experts_reference(wd, n, x, ids, _slot_of(), x_rows), 1e-3)
-    # what the tensor cores multiply: the weights of the float16 decode (gemm_q.decode_tile)
-    ref16 = moe_experts_reference(dequantize_packed_half(w), n, x, ids, _slot_of(), x_rows)
+    # what the tensor cores multiply: the weights as gemm_q.decode_tile makes them (rounded to
+    # float16 once, or with DEIMOS_DECODE_F16=1 decoded in float16)
+    w16 = dequantize_packed_half(w) if HALF_DECODE else wd.half()
+    ref16 = moe_experts_reference(w16.float(), n, x, ids, _slot_of(), x_rows)
     close(what + " (fp16 weights)", y, ref16, 1e-5)
     return y
 

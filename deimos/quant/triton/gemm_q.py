@@ -14,14 +14,19 @@ j is word w = j % W of group u = j // W, its code k element 32u + W k + w (layou
 words are loaded a group per thread (``group_words``), decoded by ``decode_tile`` and the
 codes of each word stacked in that thread's registers (``tl.join``) at column NK j + k of the
 step's tile (NK = 32 / W codes a word): the packed words' column order, in which the caller
-hands x (``permuted_columns``), so the x tile is one contiguous load. The decode is float16
-(``GemmQConfig.half``, the default; ``DEIMOS_DECODE_F32=1`` for A/B): each group's scale and
-min (``group_scales`` / ``q2k_scales``, float32) rounded to float16 once, the 4-bit formats'
+hands x (``permuted_columns``), so the x tile is one contiguous load. The decode is float32,
+each weight rounded to float16 once (the default: the same weights as the fp16 dequantized
+copies the larger batches multiply, so a prompt's logits do not depend on which path ran), or
+float16 (``GemmQConfig.half``; ``DEIMOS_DECODE_F16=1`` for the rule and moe_gemm): each group's
+scale and min (``group_scales`` / ``q2k_scales``, float32) rounded to float16 once, the 4-bit formats'
 codes made by inline PTX with float16 magic numbers (three instructions a pair of codes) and
 scaled by one float16x2 fused multiply-add a pair, the other formats' codes by
 ``_dequant_kernel``'s operations in float16; the float32 decode rounds each weight once
-instead (its instructions bound the kernel: 575 against 378 a step of 64 weights a thread for
-Q4_K, counted in the sm_90 SASS). ``split_k > 1``: K is cut into that many runs of whole steps over the grid's second
+instead: 575 against 378 instructions a step of 64 weights a thread for Q4_K in the sm_90
+SASS, but on an H100 the float16 decode was only 1-5% faster (llama 8B's Q4_K matrices at 16
+and 64 rows; qwen3moe's prefill +0.6%) for twice the weights' rounding error, and its weights
+differed from the other paths' (a cached prompt's last token then got other logits than
+the whole prompt's prefill had): off by default. ``split_k > 1``: K is cut into that many runs of whole steps over the grid's second
 axis and the partial sums are atomically added into a zeroed output (when n / block_n alone
 gives too few programs to keep the memory system busy).
 
@@ -68,12 +73,12 @@ from deimos.quant.triton.layout import KERNEL_TYPE, PackedWeight
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 
 MAX_ROWS = 64  # activation rows a call (one M tile: block_m <= 64)
-# The weight decode of gemm_q's rule and of moe_gemm: float16 (``decode_tile``); read once,
-# DEIMOS_DECODE_F32=1 the float32 one, for A/B measurements (as DEIMOS_PDL=0)
-_F32 = os.environ.get("DEIMOS_DECODE_F32", "0")
-if _F32 not in ("", "0", "1"):
-    raise ValueError(f"DEIMOS_DECODE_F32 must be 0 or 1, got {_F32!r}")
-HALF_DECODE = _F32 != "1"
+# The weight decode of gemm_q's rule and of moe_gemm: float32 rounded once (``decode_tile``);
+# read once, DEIMOS_DECODE_F16=1 the float16 one, for A/B measurements (as DEIMOS_PDL=0)
+_F16 = os.environ.get("DEIMOS_DECODE_F16", "0")
+if _F16 not in ("", "0", "1"):
+    raise ValueError(f"DEIMOS_DECODE_F16 must be 0 or 1, got {_F16!r}")
+HALF_DECODE = _F16 == "1"
 
 
 @triton.jit
@@ -313,7 +318,7 @@ class GemmQConfig(NamedTuple):
     num_warps: int
     num_stages: int
     split_k: int = 1  # > 1: K split over programs, partial sums atomically added into a zeroed out
-    half: bool = True  # the decode in float16 (``decode_tile``); False: float32 rounded once
+    half: bool = False  # the decode in float16 (``decode_tile``); False: float32 rounded once
 
 
 # Triton's interpreter (CPU tensors) runs the programs one after another: there the fewest
