@@ -16,16 +16,21 @@ import torch
 from kernel_device import DEVICE, INTERPRETED
 from testdata import llama_cpp_path
 
+from deimos.engine.constrain import GrammarVocab, JsonConstraint
 from deimos.engine.engine import Engine, EngineConfig
 from deimos.engine.request import Request
 from deimos.gguf import GGUFFile
 from deimos.kernels.sampling import SamplingParams
 from deimos.models import ARCHITECTURES, load_model
 from deimos.models.weights import WeightSource
+from deimos.server.processors import Constrained
 from deimos.synth import write_model
+from deimos.tokenizer import Tokenizer
 
 DONOR = "models/ggml-vocab-llama-spm.gguf"
 TIE = 0.05
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+          "required": ["name", "n"]}
 GREEDY = SamplingParams(temperature=0)
 N_TOKENS = 4 if INTERPRETED else 24
 
@@ -128,6 +133,69 @@ def test_host_rows_ride_the_chain_as_passengers_on_the_gpu(files):
     assert ker.passenger_rows > 0
     for w, g in zip(want, got):
         assert w.output_ids == g.output_ids
+
+
+class _Counted(Constrained):
+    """A grammar processor counting its host calls (the device masks its rows instead)."""
+
+    calls = 0
+
+    def __call__(self, output_ids, logits):
+        type(self).calls += 1
+        return super().__call__(output_ids, logits)
+
+
+class _HostOnly:
+    """A grammar processor without ``mask_words``: its rows are chosen on the host."""
+
+    def __init__(self, inner: Constrained) -> None:
+        self.inner = inner
+
+    def __call__(self, output_ids, logits):
+        return self.inner(output_ids, logits)
+
+
+@pytest.mark.gpu
+def test_grammar_rows_are_masked_and_sampled_on_the_gpu(files):
+    """A JSON grammar's rows masked on the device (``mask_words``, mask_rows) and sampled
+    there with the others give the tokens the host gives when it masks and samples them
+    (same seeds, greedy and sampled, chained as passengers beside plain rows); the device
+    path never calls the processor on the host."""
+    f = files[("llama-tiny-k", "Q4_K_M")]
+    _, ker = _engines(f, max_seqs=16)
+    ker.warm()
+    tok = Tokenizer.from_gguf(f)
+    vocab = GrammarVocab.from_tokenizer(tok, tok.eog_ids, ker.n_vocab)
+    prompts = _prompts(ker.n_vocab) * 2
+    params = [SamplingParams(seed=20 + i) if i % 3 else GREEDY for i in range(len(prompts))]
+
+    def grammar():
+        return JsonConstraint.from_schema(SCHEMA, vocab)
+
+    runs = []
+    for device in (True, False):
+        reqs = []
+        for i, (p, s) in enumerate(zip(prompts, params)):
+            procs = ()
+            if i % 2:
+                c = _Counted(grammar(), tok.eog_ids)
+                procs = [c] if device else [_HostOnly(c)]
+            reqs.append(Request(p, 24, s, tok.eog_ids, logits_processors=procs))
+        _Counted.calls = 0
+        _run(ker, reqs)
+        runs.append([r.output_ids for r in reqs])
+        if device:
+            assert _Counted.calls == 0
+            assert ker.passenger_rows > 0
+        else:
+            assert _Counted.calls > 0
+    assert runs[0] == runs[1]
+    for i, out in enumerate(runs[0]):
+        if i % 2:  # a prefix of an object of the schema: the grammar took every token
+            c = grammar()
+            for t in out:
+                if t not in tok.eog_ids:
+                    c.advance(t)
 
 
 @pytest.mark.gpu

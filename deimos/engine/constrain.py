@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from deimos.engine.jsontext import check_size
+from deimos.kernels.token_mask import bits_of
 from deimos.tokenizer import TokenAttr, Tokenizer
 
 __all__ = ["GrammarVocab", "JsonConstraint", "any_object"]
@@ -197,16 +198,23 @@ class JsonConstraint:
         (or one was taken)."""
         return self._stopped or self._matcher.is_stopped()
 
-    def mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The allowed tokens now: bool [n_vocab] on ``device``."""
-        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+    def mask_words(self, out: np.ndarray) -> None:
+        """The allowed tokens now as bit words into ``out`` (uint32 [n_words(n_vocab)],
+        contiguous): bit j of word w allows token 32 w + j (deimos.kernels.token_mask)."""
+        if out.dtype != np.uint32 or out.shape != self._bits.shape or not out.flags.c_contiguous:
+            raise ValueError(f"mask_words: out must be contiguous uint32 {self._bits.shape}, "
+                             f"got {out.dtype} {out.shape}")
+        self._matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
         if self._matcher.is_error():
             raise RuntimeError(f"JSON grammar failed: {self._matcher.get_error()}")
-        # bit j of 32-bit word w allows token 32*w + j; the words are little-endian, so the
-        # bytes' bits in little order are the tokens in id order. numpy, not torch: a tiny
-        # torch op can stall for tens of ms on thread hand-offs when the cores are busy.
-        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab.n_vocab]
-        return torch.from_numpy(bits.view(np.bool_)).to(device)
+
+    def mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The allowed tokens now: bool [n_vocab] on ``device``."""
+        self.mask_words(self._bits)
+        # the words are little-endian, so the bytes' bits in little order are the tokens in
+        # id order. numpy, not torch: a tiny torch op can stall for tens of ms on thread
+        # hand-offs when the cores are busy.
+        return torch.from_numpy(bits_of(self._bits, self.vocab.n_vocab)).to(device)
 
     def allowed(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` [n_vocab] with every token that would break the JSON set to -inf (a new

@@ -4,8 +4,11 @@ sequences' requests before a step and read after it.
 
 Per row: the request's settings, its draw u (the request's ``Sampler.next_uniform``: every
 sampled step takes one, whichever path samples it) and its penalty window as (id, count) pairs
-(at most ``PENALTY_WIDTH`` distinct ids; a row with more is left to the host). Padding rows are
-greedy with no penalties. Five host-to-device copies before a step (from pinned buffers); the
+(at most ``PENALTY_WIDTH`` distinct ids; a row with more is left to the host), and for a
+grammar's row its allowed tokens as bit words (``Constrained.mask_words``, applied by
+``mask_rows`` before the sampling: its choice is then the device's, exact, as any other row's;
+a row with another logits processor is left to the host). Padding rows are greedy with no
+penalties. Six or seven host-to-device copies before a step (from pinned buffers); the
 kernels (captured in the decode graph) leave ids and flags in a device buffer, and ``fetch``,
 after the replay, copies them into one of ``RING`` pinned slots with an event: a step's
 choices can be read while the next step, launched already, runs and overwrites the device
@@ -14,9 +17,12 @@ buffer.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from deimos.kernels.token_mask import n_words
 from deimos.kernels.triton.sample_batch import EXACT, HOST, SampleScratch, SamplingRows, sample_rows
+from deimos.kernels.triton.token_mask import mask_rows
 
 PENALTY_WIDTH = 64
 RING = 4  # pinned output slots: more than the steps ever in flight
@@ -51,6 +57,14 @@ class DeviceRows:
         self._out_dev = torch.zeros(2 * rows, dtype=torch.int64, device=dev)
         self._copied = torch.cuda.Event()
         self._copied.record()
+        # allowed-token masks (a grammar's rows, ``Constrained.mask_words``): bit words, and
+        # which rows have one (applied before the sampling: mask_rows)
+        self._words = torch.zeros((rows, n_words(n_vocab)), dtype=torch.int32, device=dev)
+        self._hw = torch.zeros_like(self._words, device="cpu", **pin)
+        self._hwn = self._hw.numpy().view(np.uint32)
+        self._masked = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self._hm = torch.zeros(rows, dtype=torch.int32, device="cpu", **pin)
+        self._hmn = self._hm.numpy()
         self.scratch = SampleScratch(rows, n_vocab, width, dev)
         self.loaded = False
         self._us: list[float] = []
@@ -69,6 +83,8 @@ class DeviceRows:
         ids[:] = 0
         topk = self._hkn
         topk[:] = 0
+        masked = self._hmn
+        masked[:] = 0
         self._us = []
         self._host_rows = set()
         for i, seq in enumerate(wanting):
@@ -76,6 +92,8 @@ class DeviceRows:
                 self._us.append(0.0)
                 continue
             req = seq.request
+            if req.logits_processors and not self._mask(req, i):
+                self._host_rows.add(i)
             p = req.sampling
             s = req.sampler
             u = s.next_uniform()
@@ -101,13 +119,38 @@ class DeviceRows:
         self._counts.copy_(self._h[2], non_blocking=True)
         self._i64.copy_(self._h[3], non_blocking=True)
         self._i32[0].copy_(self._hk, non_blocking=True)
+        self._masked.copy_(self._hm, non_blocking=True)
+        if masked.any():
+            last = int(np.flatnonzero(masked)[-1]) + 1
+            self._words[:last].copy_(self._hw[:last], non_blocking=True)
         self._copied.record()
         self.loaded = True
+
+    def _mask(self, req, i: int) -> bool:
+        """Row ``i``'s allowed tokens from its processors' ``mask_words`` (each a grammar's,
+        ANDed), to be applied on the device; False leaves the row to the host (a processor
+        that only transforms logits: logit_bias; logprobs asked for, which report the logits
+        before processing; or a processor that failed here: the host path raises it again)."""
+        procs = req.logits_processors
+        if req.top_logprobs is not None or not all(hasattr(p, "mask_words") for p in procs):
+            return False
+        words = self._hwn[i]
+        try:
+            procs[0].mask_words(req.output_ids, words)
+            for p in procs[1:]:
+                more = np.empty_like(words)
+                p.mask_words(req.output_ids, more)
+                words &= more
+        except Exception:  # noqa: BLE001 - reported by the host path, in the request's error
+            return False
+        self._hmn[i] = 1
+        return True
 
     def run(self, logits: torch.Tensor) -> torch.Tensor:
         """The batch's sampling on ``logits`` [n, V], n <= rows (a decode graph: n = rows)."""
         n = min(logits.shape[0], self.n_rows)
         rows = SamplingRows(*(t[:n] for t in self.rows)) if n < self.n_rows else self.rows
+        mask_rows(logits[:n], self._words, self._masked)
         sample_rows(logits[:n], rows, self.ids[:n], self.flags[:n], self.scratch)
         self._out_dev[:n].copy_(self.ids[:n])
         self._out_dev[self.n_rows : self.n_rows + n].copy_(self.flags[:n])

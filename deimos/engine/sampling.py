@@ -32,7 +32,9 @@ from deimos.kernels.sampling import Sampler, choose, filter_candidates, logprobs
 
 
 def _host_only(seq: Sequence) -> bool:
-    return bool(seq.request.logits_processors)
+    """Whether ``seq``'s tokens are chosen on the host: a logits processor the device cannot
+    apply (only a grammar's allowed-token mask, ``mask_words``, is applied there)."""
+    return any(not hasattr(p, "mask_words") for p in seq.request.logits_processors)
 
 
 def _row(result, i: int) -> torch.Tensor:
@@ -193,7 +195,7 @@ class BatchSampler:
         penalties or processors): the first maximum of each row of ``rows`` [n, V] (None for a
         row holding NaN); None when the rows must be chosen one at a time (``verify``)."""
         p = seq.request.sampling
-        if not p.greedy or p.penalties_enabled or _host_only(seq):
+        if not p.greedy or p.penalties_enabled or seq.request.logits_processors:
             return None
         rows = rows.float()
         ids, bad = torch.stack((torch.argmax(rows, 1), torch.isnan(rows).any(1).long())).tolist()

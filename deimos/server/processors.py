@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-# Masked logits are set to this, not -inf: the sampler's top-p histogram takes the logits'
-# min-max range, which -inf would make infinite. exp(NEG - max) is exactly 0 in float64.
-NEG = -1e30
+from deimos.kernels.token_mask import NEG, set_ids
+
+# Masked logits are set to NEG (deimos.kernels.token_mask), not -inf: the sampler's top-p
+# histogram takes the logits' min-max range, which -inf would make infinite.
 
 
 class LogitBias:
@@ -36,10 +38,23 @@ class Constrained:
         self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long)
         self._seen = 0
 
-    def __call__(self, output_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
-        for t in output_ids[self._seen:]:
+    def _advance(self, output_ids: Sequence[int]) -> None:
+        for t in output_ids[self._seen:]:  # one at a time: a refused token is refused again
             self.constraint.advance(t)
-        self._seen = len(output_ids)
+            self._seen += 1
+
+    def mask_words(self, output_ids: Sequence[int], out: np.ndarray) -> None:
+        """What ``__call__`` would mask now, as allowed-token bit words into ``out`` (uint32
+        [n_words(V)]): the device masks the row instead (deimos.kernels.triton.token_mask),
+        and samples it with the others, equal to the host's choice on the processed row."""
+        self._advance(output_ids)
+        if self.constraint.done:
+            set_ids(out, self.stop_ids.tolist())
+        else:
+            self.constraint.mask_words(out)
+
+    def __call__(self, output_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        self._advance(output_ids)
         if self.constraint.done:
             out = torch.full_like(logits, NEG)
             out[self.stop_ids] = logits[self.stop_ids]
