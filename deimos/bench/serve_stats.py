@@ -124,15 +124,16 @@ class LevelSummary:
 def summarize_level(concurrency: int, records: Sequence[RequestRecord],
                     warmup: Sequence[RequestRecord] = (), wall: float | None = None) -> LevelSummary:
     """The level's statistics over its measured (not warm-up) requests; where some were
-    constrained, also over the plain ones alone (``plain``: their tokens over the level's
-    whole wall time). ``wall``: the time the rates are taken over (default: the records')."""
+    constrained, also over the plain ones alone (``plain``: their tokens over their own span,
+    from the first sent to the last finished: a constrained request, a token every other step,
+    can end the level after the plain ones, and their rate is not to count that tail).
+    ``wall``: the time the rates are taken over (default: the records')."""
     if wall is None:
         wall = (max(r.sent_s + r.e2e_s for r in records) - min(r.sent_s for r in records)
                 if records else 0.0)
     plain = None
     if any(r.constrained for r in records):
-        plain = summarize_level(concurrency, [r for r in records if not r.constrained],
-                                wall=wall)
+        plain = summarize_level(concurrency, [r for r in records if not r.constrained])
     ok = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok]
     out = sum(r.completion_tokens for r in ok)
