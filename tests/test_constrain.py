@@ -13,6 +13,7 @@ import json
 import time
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 from testdata import model_path
@@ -20,7 +21,9 @@ from testdata import model_path
 from deimos.engine.constrain import OBJECT_DEPTH, GrammarVocab, JsonConstraint, any_object
 from deimos.gguf import GGUFFile
 from deimos.kernels.sampling import Sampler, SamplingParams
+from deimos.kernels.token_mask import NEG, bits_of, n_words, set_ids
 from deimos.runtime.kv_cache import KVCache
+from deimos.server.processors import Constrained
 from deimos.tokenizer import Tokenizer
 from deimos.tokenizer.stops import end_of_generation_ids
 from deimos.tokenizer.template import ChatTemplate
@@ -275,6 +278,30 @@ def test_allowed_masks_with_minus_inf(llm, smol_vocab):
         c.allowed(logits[:-1])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         c.advance(smol_vocab.n_vocab)
+
+
+def test_mask_words_are_what_the_processor_masks(llm, smol_vocab):
+    """``Constrained.mask_words`` (what the device masks a grammar's row with) allows exactly
+    the tokens its host call leaves unmasked, along a walk through a value and after it is
+    complete (then only the stop ids); ``set_ids`` and ``bits_of`` round-trip."""
+    stops = sorted(llm.stop_ids)
+    host = Constrained(JsonConstraint.from_schema(PERSON, smol_vocab), stops)
+    device = Constrained(JsonConstraint.from_schema(PERSON, smol_vocab), stops)
+    text = '{"name": "Ann", "age": 7, "color": "red"}'
+    ids = llm.tokenizer.encode(text, add_special=False)
+    words = np.zeros(n_words(smol_vocab.n_vocab), dtype=np.uint32)
+    logits = torch.randn(smol_vocab.n_vocab, generator=torch.Generator().manual_seed(2))
+    for n in range(len(ids) + 1):
+        device.mask_words(ids[:n], words)
+        allowed = bits_of(words, smol_vocab.n_vocab)
+        kept = (host(ids[:n], logits) != NEG).numpy()
+        assert np.array_equal(allowed, kept), f"after {n} tokens"
+    assert sorted(np.flatnonzero(allowed).tolist()) == stops  # the value is complete
+    with pytest.raises(ValueError, match="uint32"):
+        device.constraint.mask_words(words.astype(np.int64))
+    set_ids(words, [0, 31, 32, smol_vocab.n_vocab - 1])
+    assert np.flatnonzero(bits_of(words, smol_vocab.n_vocab)).tolist() == \
+        [0, 31, 32, smol_vocab.n_vocab - 1]
 
 
 def _nested(depth: int) -> dict:

@@ -157,7 +157,7 @@ class _HostOnly:
 
 @pytest.mark.gpu
 def test_grammar_rows_are_masked_and_sampled_on_the_gpu(files):
-    """A JSON grammar's rows masked on the device (``mask_words``, mask_rows) and sampled
+    """A JSON grammar's rows masked on the device (``mask_words``, read by sample_rows) and sampled
     there with the others give the tokens the host gives when it masks and samples them
     (same seeds, greedy and sampled, chained as passengers beside plain rows); the device
     path never calls the processor on the host."""

@@ -17,6 +17,7 @@ import random
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,6 +42,7 @@ from deimos.kernels.sampling import (  # noqa: E402
     apply_penalties,
     draw_uniform,
 )
+from deimos.kernels.token_mask import bits_of, n_words, set_ids  # noqa: E402
 from deimos.kernels.triton.sample_batch import SampleScratch, sample_rows  # noqa: E402
 
 POISON = -7  # neither an id nor a flag: an unwritten output shows
@@ -48,10 +50,11 @@ NEG_INF = float("-inf")
 
 
 def _run(logits: torch.Tensor, rows: SamplingRows, windows: list | None = None,
-         spare: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """sample_rows on device copies (a scratch made for ``spare`` rows more); (ids, flags) on
-    the host. Checks the logits' bits; ``windows`` (if given) gets each row's ordered
-    candidate ids."""
+         spare: int = 0, masks: tuple[torch.Tensor, torch.Tensor] | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """sample_rows on device copies (a scratch made for ``spare`` rows more; ``masks``: its
+    words and masked arguments); (ids, flags) on the host. Checks the logits' bits;
+    ``windows`` (if given) gets each row's ordered candidate ids."""
     n_b, v = logits.shape
     x = logits.to(DEVICE)
     before = x.clone()
@@ -59,7 +62,7 @@ def _run(logits: torch.Tensor, rows: SamplingRows, windows: list | None = None,
     ids = torch.full((n_b,), POISON, dtype=torch.int64, device=DEVICE)
     flags = torch.full((n_b,), POISON, dtype=torch.int32, device=DEVICE)
     scratch = SampleScratch(n_b + spare, v, rows.pen_ids.shape[1], DEVICE)
-    sample_rows(x, dev, ids, flags, scratch)
+    sample_rows(x, dev, ids, flags, scratch, *(m.to(DEVICE) for m in masks or ()))
     assert torch.equal(x.view(torch.int32), before.view(torch.int32)), "logits changed"
     if windows is not None:  # the ordered keys' low halves: 0xFFFFFFFF - id
         windows.extend((0xFFFFFFFF - (scratch.sorted[:n_b].cpu() & 0xFFFFFFFF)).tolist())
@@ -159,6 +162,50 @@ def test_mixed_rows_equal_reference(v: int, n_random: int) -> None:
     seen = Counter(got_flags.tolist())
     assert seen[EXACT] >= len(FIXED) // 2 and seen[HOST] >= 4 and seen[NAN_ROW] == 2, seen
     assert (got_ids[got_flags != EXACT] == -1).all()
+
+
+def _masks(x: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allowed-token words for every other row of ``x``: a few tokens, some of them far from
+    the row's best (outside the 256-candidate window unmasked), or half the vocabulary; a NaN
+    row's NaN forbidden on one of its two rows (then not flagged)."""
+    n_b, v = x.shape
+    g = torch.Generator().manual_seed(seed)
+    words = np.zeros((n_b, n_words(v) + 1), dtype=np.uint32)
+    masked = torch.zeros(n_b, dtype=torch.int32)
+    for b in range(0, n_b, 2):
+        order = torch.argsort(x[b].nan_to_num(nan=-1e9), descending=True)
+        pick = [b % 5 + 2 * (b % 3), 300, 301, v - 1] if b % 4 else torch.randperm(v, generator=g)[: v // 2]
+        keep = set(order[torch.as_tensor(pick)].tolist())
+        nan = torch.isnan(x[b]).nonzero().flatten().tolist()
+        if nan and b % 4 == 0:
+            keep -= set(nan)
+        set_ids(words[b], sorted(keep))
+        masked[b] = 1
+    return torch.from_numpy(words.view(np.int32)), masked
+
+
+@pytest.mark.parametrize("v,n_random", [(3001, 20), (4097, 6)], ids=lambda x: str(x))
+def test_masked_rows_equal_reference(v: int, n_random: int) -> None:
+    """Rows with a grammar's allowed-token mask (every other row, with and without penalties,
+    every filter): the same ids and flags as the reference's (the mask applied after the
+    penalties), each decided id one the mask allows; the unmasked rows as without masks."""
+    x, rows, _ = _mixed(v, n_random, seed=v + 1, nan_rows=2)
+    words, masked = _masks(x, seed=v)
+    want_ids, want_flags = sample_rows_reference(x, rows, words, masked)
+    got_ids, got_flags = _run(x, rows, masks=(words, masked))
+    assert torch.equal(got_flags, want_flags) and torch.equal(got_ids, want_ids)
+    plain_ids, plain_flags = sample_rows_reference(x, rows)
+    for b in range(x.shape[0]):
+        if masked[b]:
+            allowed = torch.from_numpy(bits_of(words[b].numpy(), v).copy())
+            # (a row whose allowed logits are all -inf, as no model gives, draws among NEG)
+            if got_flags[b] == EXACT and bool(torch.isfinite(x[b][allowed]).any()):
+                assert allowed[int(got_ids[b])], f"row {b}: a forbidden id"
+        else:
+            assert (got_ids[b], got_flags[b]) == (plain_ids[b], plain_flags[b])
+    assert int(((got_flags == EXACT) & (masked == 1)).sum()) >= 4
+    changed = (masked == 1) & ((got_ids != plain_ids) | (got_flags != plain_flags))
+    assert int(changed.sum()) >= 4, "the masks changed too few rows to test them"
 
 
 def test_rows_from_samplers_equal_sampler_sample() -> None:

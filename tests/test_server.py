@@ -321,8 +321,8 @@ def test_malformed_requests_and_unknown_routes(server, client):
 # ---- observability ------------------------------------------------------------------------
 
 def test_metrics_and_request_log(server, client):
-    for _ in range(2):  # the second reuses the first's prompt
-        client.completions.create(model=MODEL_ID, prompt="Metrics, please", max_tokens=1)
+    for _ in range(2):  # the second reuses the first's prompt (whole blocks of it: > 16 tokens)
+        client.completions.create(model=MODEL_ID, prompt="Metrics, please. " * 12, max_tokens=1)
     server.request("GET", "/v1/nothing", headers=AUTH)
     server.request("POST", CHAT, {"model": MODEL_ID}, headers=AUTH)
     status, text = server.request("GET", "/metrics", headers=AUTH)

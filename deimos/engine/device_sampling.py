@@ -5,8 +5,8 @@ sequences' requests before a step and read after it.
 Per row: the request's settings, its draw u (the request's ``Sampler.next_uniform``: every
 sampled step takes one, whichever path samples it) and its penalty window as (id, count) pairs
 (at most ``PENALTY_WIDTH`` distinct ids; a row with more is left to the host), and for a
-grammar's row its allowed tokens as bit words (``Constrained.mask_words``, applied by
-``mask_rows`` before the sampling: its choice is then the device's, exact, as any other row's;
+grammar's row its allowed tokens as bit words (``Constrained.mask_words``, read by the
+sampler's window kernel: its choice is then the device's, exact, as any other row's;
 a row with another logits processor is left to the host). Padding rows are greedy with no
 penalties. Six or seven host-to-device copies before a step (from pinned buffers); the
 kernels (captured in the decode graph) leave ids and flags in a device buffer, and ``fetch``,
@@ -22,7 +22,6 @@ import torch
 
 from deimos.kernels.token_mask import n_words
 from deimos.kernels.triton.sample_batch import EXACT, HOST, SampleScratch, SamplingRows, sample_rows
-from deimos.kernels.triton.token_mask import mask_rows
 
 PENALTY_WIDTH = 64
 RING = 4  # pinned output slots: more than the steps ever in flight
@@ -58,7 +57,7 @@ class DeviceRows:
         self._copied = torch.cuda.Event()
         self._copied.record()
         # allowed-token masks (a grammar's rows, ``Constrained.mask_words``): bit words, and
-        # which rows have one (applied before the sampling: mask_rows)
+        # which rows have one (sample_rows reads them)
         self._words = torch.zeros((rows, n_words(n_vocab)), dtype=torch.int32, device=dev)
         self._hw = torch.zeros_like(self._words, device="cpu", **pin)
         self._hwn = self._hw.numpy().view(np.uint32)
@@ -150,8 +149,8 @@ class DeviceRows:
         """The batch's sampling on ``logits`` [n, V], n <= rows (a decode graph: n = rows)."""
         n = min(logits.shape[0], self.n_rows)
         rows = SamplingRows(*(t[:n] for t in self.rows)) if n < self.n_rows else self.rows
-        mask_rows(logits[:n], self._words, self._masked)
-        sample_rows(logits[:n], rows, self.ids[:n], self.flags[:n], self.scratch)
+        sample_rows(logits[:n], rows, self.ids[:n], self.flags[:n], self.scratch, self._words,
+                    self._masked)
         self._out_dev[:n].copy_(self.ids[:n])
         self._out_dev[self.n_rows : self.n_rows + n].copy_(self.flags[:n])
         return self.ids

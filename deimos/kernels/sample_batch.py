@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from deimos.kernels.sampling import Sampler, SamplingParams, _top_p_cut, apply_penalties, choose
+from deimos.kernels.token_mask import NEG, bits_of
 
 WINDOW = 256  # candidates the device keeps per row
 EXACT, HOST, NAN_ROW = 0, 1, 2  # out_flags values
@@ -143,21 +144,29 @@ def window_decides(logits: torch.Tensor, p: SamplingParams, window: int = WINDOW
     return bool(found) and min(found) <= min(lower, default=v)
 
 
-def sample_rows_reference(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_rows_reference(logits: torch.Tensor, rows: SamplingRows,
+                          words: torch.Tensor | None = None,
+                          masked: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What ``sample_rows`` writes: (ids int64 [B], flags int32 [B]) for ``logits`` [B, V]
     float32. A decided row's id is ``choose(apply_penalties(row, counts, params), params, u)``,
     the sampler's own path; a flagged row (HOST: the window cannot decide it; NAN_ROW: NaN in
-    the row) has id -1."""
+    the row) has id -1. ``words`` / ``masked``: allowed-token masks (``token_mask``); a masked
+    row's forbidden tokens get NEG after the penalties, and a NaN among them does not count."""
     x = logits.detach().float().cpu()
-    n_b = x.shape[0]
+    n_b, v = x.shape
     ids = torch.full((n_b,), -1, dtype=torch.int64)
     flags = torch.zeros(n_b, dtype=torch.int32)
     for b in range(n_b):
-        if bool(torch.isnan(x[b]).any()):
+        allowed = None
+        if masked is not None and int(masked[b]):
+            allowed = torch.from_numpy(bits_of(words[b].cpu().numpy(), v).copy())
+        if bool(torch.isnan(x[b] if allowed is None else x[b][allowed]).any()):
             flags[b] = NAN_ROW
             continue
         p, counts, u = row_params(rows, b)
         row = apply_penalties(x[b], counts, p)
+        if allowed is not None:
+            row = torch.where(allowed, row, torch.tensor(NEG, dtype=row.dtype))
         if not window_decides(row, p):
             flags[b] = HOST
             continue

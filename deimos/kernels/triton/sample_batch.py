@@ -6,7 +6,8 @@ which rows the window decides, and why, is in that module's docstring.
 The launches, in order (five at V = 151,936):
 1. ``_penalize_kernel``, grid (B,): llama.cpp's penalties applied in place at each row's
    pen_ids (the float32 ops of ``apply_penalties``, no FMA contraction), the raw values saved.
-2. ``_window_block_kernel``, grid (blocks of 4096, B): the top-k stage 1 of
+2. ``_window_block_kernel``, grid (blocks of 4096, B): a masked row's forbidden tokens read as
+   NEG (its allowed-token words, a grammar's: the logits themselves are not written), then the top-k stage 1 of
    deimos.kernels.triton.sampling (the 256 best order keys of each block; here by a 32-step
    search over the value bits, ties at the cut taken by position, which is id order in a
    block: ``_store_top_block_keys``) fused with the block's float64 logsumexp partial (max,
@@ -54,6 +55,8 @@ from deimos.kernels.sample_batch import (  # noqa: F401  (re-exported)
     SamplingRows,
     sample_rows_reference,
 )
+from deimos.kernels.token_mask import NEG as MASKED_LOGIT
+from deimos.kernels.token_mask import n_words
 from deimos.kernels.triton.sampling import (
     INT64_MIN,
     TOPK_BLOCK,
@@ -66,6 +69,7 @@ from deimos.kernels.triton.sampling import (
     topk_passes,
 )
 
+NEG = tl.constexpr(MASKED_LOGIT)
 PEN_BLOCK = 128  # penalized ids per step of _penalize_kernel / the restore
 RANK_CHUNK = 32  # keys ranked per step of the row kernel: [32, 256] compares
 NO_FUSION = {"enable_fp_fusion": False}  # a*b + c rounded twice, as torch does on the host
@@ -118,12 +122,17 @@ def _store_greedy_key(key, p_out, K_PAD: tl.constexpr):
 
 @triton.jit
 def _window_block_kernel(p_x, p_keys, p_bmax, p_bsum, p_bnan, V, stride_b, N_BLOCKS, p_temp,
-                         BLOCK: tl.constexpr, K_PAD: tl.constexpr):  # fmt: skip
+                         p_words, stride_w, p_masked,
+                         BLOCK: tl.constexpr, K_PAD: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     i_blk = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
     o_v = i_blk * BLOCK + tl.arange(0, BLOCK)
     m_v = o_v < V
     b_x = tl.load(p_x + i_b * stride_b + o_v, mask=m_v, other=float("-inf"))
+    if MASKED:  # the row's allowed-token mask (a grammar's): the tokens it forbids are NEG
+        if tl.load(p_masked + i_b) != 0:
+            word = tl.load(p_words + i_b * stride_w + (o_v >> 5), mask=m_v, other=-1)
+            b_x = tl.where(((word >> (o_v & 31)) & 1) != 0, b_x, NEG)
     mx = tl.max(b_x, axis=0)
     nan = tl.max((b_x != b_x).to(tl.int32), axis=0)
     # float64 as torch.logsumexp(logits.double()); a block of -inf has no mass (sum 0)
@@ -313,8 +322,21 @@ def _check(logits: torch.Tensor, rows: SamplingRows, out_ids: torch.Tensor,
             raise ValueError(f"sample_rows: {name} is on {t.device}, the logits on {logits.device}")
 
 
+def _check_mask(logits: torch.Tensor, words: torch.Tensor, masked: torch.Tensor) -> None:
+    n_b, v = logits.shape
+    if (words.dtype != torch.int32 or words.dim() != 2 or words.shape[0] < n_b
+            or words.shape[1] < n_words(v) or words.stride(1) != 1
+            or masked.dtype != torch.int32 or masked.dim() != 1 or masked.numel() < n_b
+            or words.device != logits.device or masked.device != logits.device):  # fmt: skip
+        raise ValueError(f"sample_rows: words must be int32 [>= {n_b}, >= {n_words(v)}] with "
+                         f"unit column stride and masked int32 [>= {n_b}], on the logits' "
+                         f"device, got {words.dtype} {tuple(words.shape)} on {words.device} "
+                         f"and {masked.dtype} {tuple(masked.shape)} on {masked.device}")
+
+
 def sample_rows(logits: torch.Tensor, rows: SamplingRows, out_ids: torch.Tensor,
-                out_flags: torch.Tensor, scratch: SampleScratch) -> None:
+                out_flags: torch.Tensor, scratch: SampleScratch,
+                words: torch.Tensor | None = None, masked: torch.Tensor | None = None) -> None:
     """Sample one token per row of ``logits`` (float32 [B, V], V > 256, rows contiguous) with
     each row's settings ``rows`` (``SamplingRows``: float64/int32/float32 [B], pen_ids int64
     and pen_counts int32 [B, L]; B <= ``scratch.n_rows``, L = ``scratch.width``; a row's used
@@ -323,9 +345,17 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, out_ids: torch.Tensor,
     Writes ``out_ids`` (int64 [B]: the token, -1 on a flagged row) and ``out_flags`` (int32
     [B]: 0 EXACT, the id equals ``Sampler.sample`` of the row with the row's u; 1 HOST, the
     256-candidate window cannot decide the row, the host samples it from the same logits and
-    u; 2 NAN_ROW, the row holds a NaN). ``logits`` are unchanged on return. Makes no host
-    synchronisation and allocates nothing: capturable in a CUDA graph."""
+    u; 2 NAN_ROW, the row holds a NaN). ``words`` and ``masked`` (both or neither): allowed-
+    token masks (int32 [>= B, >= n_words(V)], bit j of word w allows token 32 w + j) and
+    which rows have one (int32 [>= B], nonzero: masked); a masked row is sampled as if every
+    token its mask forbids had the logit NEG after the penalties (a NaN there does not count).
+    ``logits`` are unchanged on return. Makes no host synchronisation and allocates nothing:
+    capturable in a CUDA graph."""
     _check(logits, rows, out_ids, out_flags, scratch)
+    if (words is None) != (masked is None):
+        raise ValueError("sample_rows: words and masked go together")
+    if words is not None:
+        _check_mask(logits, words, masked)
     n_b, v = logits.shape
     w = scratch.width
     _penalize_kernel[(n_b,)](
@@ -335,8 +365,10 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, out_ids: torch.Tensor,
     n_blk = scratch.passes[0]
     _window_block_kernel[(n_blk, n_b)](
         logits, scratch.keys[0], scratch.block_max, scratch.block_sum, scratch.block_nan, v,
-        logits.stride(0), n_blk, rows.temperature, BLOCK=TOPK_BLOCK, K_PAD=WINDOW, num_warps=8,
-        **NO_FUSION,
+        logits.stride(0), n_blk, rows.temperature,
+        logits if words is None else words, 0 if words is None else words.stride(0),
+        out_flags if masked is None else masked,
+        BLOCK=TOPK_BLOCK, K_PAD=WINDOW, MASKED=words is not None, num_warps=8, **NO_FUSION,
     )  # fmt: skip
     for i, (n_in, n_out) in enumerate(zip(scratch.passes, scratch.passes[1:])):
         _window_merge_kernel[(n_out, n_b)](
