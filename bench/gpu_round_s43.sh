@@ -6,6 +6,9 @@
 #     graph (8bea4b2) must not slow a plain stream. `deimos bench -p 512 -n 128 -r 3` (greedy
 #     tg, the default) on qwen3 0.6B Q8_0 (the most launch-bound) and llama 8B Q4_K_M,
 #     alternating new, old, new, old; each tree with its own Triton cache.
+#   bench/gpu_round_s43.sh next   # (carry .whl .peer/td; ~4 min) first thing next session: the
+#     GPU tests of the mask read by the sampler's window kernel (300e2c2, untimed) and of the
+#     engine, then the constrained A/B (bench/gpu_round_s42.sh cons, levels 0 1 0 1)
 . bench/gpu_env.sh
 case "${1:-}" in
 mask)
@@ -21,5 +24,12 @@ mask)
     done
   done
   idle ;;
-*) echo "usage: $0 mask" >&2; exit 2 ;;
+next)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  idle
+  timeout ${TEST_S:-240} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_sample_batch.py \
+    tests/test_engine_kernels.py tests/test_engine_oom.py 2>&1 | grep -E "^E |passed|failed|^FAILED" \
+    | cut -c1-300 | tail -12
+  CONS="0 1 0 1" bash bench/gpu_round_s42.sh cons 2>&1 | tail -8 ;;
+*) echo "usage: $0 mask|next" >&2; exit 2 ;;
 esac
