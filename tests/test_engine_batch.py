@@ -219,6 +219,52 @@ def test_the_chain_check_reads_every_sequence_on_the_cpu(tiny):
     assert eng.blocks.n_used == 0
 
 
+def _grammar(llm: LLM):
+    """A JSON grammar's processor for ``llm`` (any object): what the server attaches."""
+    from deimos.engine.constrain import GrammarVocab, JsonConstraint
+    from deimos.server.processors import Constrained
+
+    vocab = GrammarVocab.from_tokenizer(llm.tokenizer, llm.stop_ids, llm.config.n_vocab)
+    return Constrained(JsonConstraint.from_schema(None, vocab), llm.stop_ids)
+
+
+def test_deferred_grammar_rows_keep_the_chain_on_the_cpu(tiny, tmp_path_factory):
+    """With ``defer_grammar`` a grammar's row (greedy or top-k <= 256, no penalties, no
+    logprobs) chains as a plain row, even when every row is one and in a hybrid; a grammar's
+    row the device cannot decide (top-k off) or with penalties, or a row with another
+    processor, rides as a passenger as before (in a hybrid: stops the chain). Off by default."""
+    from hybrid_support import tiny_qwen35
+
+    from deimos.engine.runner import StepResult
+
+    for path in (tiny, tiny_qwen35(tmp_path_factory, "defer_hybrid").path):
+        llm = LLM(path, n_ctx=256, defer_grammar=True)
+        eng = llm.engine
+        seqs = _decoding(eng, 3)
+        for s in seqs:
+            s.request.logits_processors = [_grammar(llm)]
+        assert all(eng._deferred(s) for s in seqs)
+        assert eng._chain_ok(StepResult(None, seqs))
+        # not deferred: a passenger every other launch, which a hybrid has not
+        for other in (SamplingParams(top_k=0, seed=1), SamplingParams(repetition_penalty=1.1)):
+            seqs[0].request.sampling = other
+            assert not eng._deferred(seqs[0])
+            assert eng._chain_ok(StepResult(None, seqs)) != eng.hybrid
+        seqs[0].request.sampling = GREEDY
+        seqs[0].request.logits_processors = [lambda ids, x: x]
+        assert not eng._deferred(seqs[0])
+        assert eng._chain_ok(StepResult(None, seqs)) != eng.hybrid
+        for s in seqs:
+            eng.cancel(s)
+    llm = LLM(tiny, n_ctx=256)  # the default: off
+    seqs = _decoding(llm.engine, 2)
+    for s in seqs:
+        s.request.logits_processors = [_grammar(llm)]
+    assert not llm.engine._deferred(seqs[0]) and not llm.engine._chain_ok(StepResult(None, seqs))
+    for s in seqs:
+        llm.engine.cancel(s)
+
+
 def test_a_hybrids_host_rows_do_not_ride_a_chain(tmp_path_factory):
     """In a hybrid model a passenger's input would advance its recurrent state wrongly: a row
     with a logits processor stops the chain there, as before."""

@@ -156,13 +156,15 @@ class _HostOnly:
 
 
 @pytest.mark.gpu
-def test_grammar_rows_are_masked_and_sampled_on_the_gpu(files):
-    """A JSON grammar's rows masked on the device (``mask_words``, read by sample_rows) and sampled
-    there with the others give the tokens the host gives when it masks and samples them
-    (same seeds, greedy and sampled, chained as passengers beside plain rows); the device
-    path never calls the processor on the host."""
+@pytest.mark.parametrize("defer", [False, True], ids=["passengers", "deferred"])
+def test_grammar_rows_are_masked_and_sampled_on_the_gpu(files, defer):
+    """A JSON grammar's rows masked on the device (``mask_words``, read by sample_rows) and
+    sampled there with the others give the tokens the host gives when it masks and samples
+    them (same seeds, greedy and sampled, beside plain rows): chained as passengers, or with
+    ``defer_grammar`` chosen after each chained launch (``BatchSampler.resample``: no
+    passengers); the device path never calls the processor on the host."""
     f = files[("llama-tiny-k", "Q4_K_M")]
-    _, ker = _engines(f, max_seqs=16)
+    _, ker = _engines(f, max_seqs=16, defer_grammar=defer)
     ker.warm()
     tok = Tokenizer.from_gguf(f)
     vocab = GrammarVocab.from_tokenizer(tok, tok.eog_ids, ker.n_vocab)
@@ -186,7 +188,8 @@ def test_grammar_rows_are_masked_and_sampled_on_the_gpu(files):
         runs.append([r.output_ids for r in reqs])
         if device:
             assert _Counted.calls == 0
-            assert ker.passenger_rows > 0
+            assert (ker.passenger_rows == 0) == defer
+            assert (ker.sampler._resampler is not None) == defer
         else:
             assert _Counted.calls > 0
     assert runs[0] == runs[1]

@@ -68,6 +68,7 @@ class DeviceRows:
         self.loaded = False
         self._us: list[float] = []
         self._host_rows: set[int] = set()
+        self.mask_errors: dict[int, BaseException] = {}  # the last load's failed masks, by row
 
     def load(self, wanting, passengers: frozenset[int] = frozenset()) -> None:
         """Fill the inputs for the sequences ``wanting`` (rows 0..len-1; the rest padding).
@@ -86,6 +87,7 @@ class DeviceRows:
         masked[:] = 0
         self._us = []
         self._host_rows = set()
+        self.mask_errors = {}
         for i, seq in enumerate(wanting):
             if i in passengers:
                 self._us.append(0.0)
@@ -140,7 +142,8 @@ class DeviceRows:
                 more = np.empty_like(words)
                 p.mask_words(req.output_ids, more)
                 words &= more
-        except Exception:  # noqa: BLE001 - reported by the host path, in the request's error
+        except Exception as e:  # noqa: BLE001 - reported by the host path, in the request's error
+            self.mask_errors[i] = e
             return False
         self._hmn[i] = 1
         return True

@@ -54,7 +54,7 @@ class EngineConfig:
     otherwise ``kv_fraction`` of the memory free after the weights (less a reserve for the
     step's activations), at most ``kv_max_factor`` full contexts per running sequence; on the
     CPU ``n_ctx`` tokens per running sequence, at most 4 GiB. ``spec``: speculative decoding
-    (None: off)."""
+    (None: off). ``defer_grammar``: below."""
 
     n_ctx: int
     max_seqs: int = 64
@@ -67,6 +67,10 @@ class EngineConfig:
     prefix_cache: bool = True
     cuda_graphs: bool = True
     spec: SpecConfig | None = None
+    # a JSON grammar's rows chosen after the chained launch that computed them, on the
+    # device (BatchSampler.resample), instead of riding every other launch as passengers:
+    # their full rate in a chain. Off until measured on a GPU
+    defer_grammar: bool = False
 
     def __post_init__(self) -> None:
         if self.n_ctx < 1:  # 1: every request is refused (a prompt needs a row to generate from)
@@ -330,12 +334,26 @@ class Engine:
                 outs.append(StepOutput(seq, None, err, final=True))
         return outs
 
+    def _deferred(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s row stays in a chain of decode steps at its full rate though its
+        mask needs its last token (``EngineConfig.defer_grammar``): every processor a grammar's
+        mask (``mask_words``), no logprobs, and a sampling the device always decides without
+        the host (greedy or top-k 1..256, no penalties). In a chained launch its input is the
+        token chosen after the launch before (``BatchSampler.resample``, enqueued between the
+        two), so its key, value and recurrent state are its own: hybrids too."""
+        req = seq.request
+        p = req.sampling
+        return (self.cfg.defer_grammar and bool(req.logits_processors)
+                and all(hasattr(x, "mask_words") for x in req.logits_processors)
+                and req.top_logprobs is None and not p.penalties_enabled
+                and (p.greedy or 1 <= p.top_k <= 256))  # fmt: skip
+
     def _host_rides(self, seq: Sequence) -> bool:
         """Whether ``seq``'s row can stay in a chain of decode steps though its choice is the
         host's (a logits processor: a JSON grammar's mask): as a passenger every other step
         (``_continue``). Not in a hybrid model, whose recurrent state a passenger's input
         would advance wrongly (there a KV row is only overwritten by the next step)."""
-        return bool(seq.request.logits_processors) and not self.hybrid
+        return bool(seq.request.logits_processors) and not self.hybrid and not self._deferred(seq)
 
     def _chain_ok(self, cur) -> bool:
         """Whether the decode step after ``cur`` can be launched before ``cur`` is read: the
@@ -354,7 +372,9 @@ class Engine:
             if (seq.finished or len(req.output_ids) + 1 >= req.max_tokens
                     or len(seq.tokens) >= self.cfg.n_ctx):  # fmt: skip
                 return False
-            if self._host_rides(seq):
+            if self._deferred(seq):
+                pass
+            elif self._host_rides(seq):
                 riders += 1
             elif (req.logits_processors or req.top_logprobs is not None
                     or p.penalties_enabled or not (p.greedy or 1 <= p.top_k <= 256)):  # fmt: skip
@@ -367,17 +387,22 @@ class Engine:
         return need <= self.blocks.n_free
 
     def _continue(self) -> list[StepOutput]:
-        """The step after ``_inflight``, launched before it is read when ``_chain_ok``. A row
-        whose choice is the host's (``_host_rides``) alternates: where it was read-worthy in
+        """The step after ``_inflight``, launched before it is read when ``_chain_ok``. A
+        grammar's row (``_deferred``) is chosen after the launch, once ``cur``'s token gave its
+        mask (``BatchSampler.resample``, before the next launch reads it). A row whose choice
+        is the host's (``_host_rides``) alternates: where it was read-worthy in
         the step before, its next input is not chosen yet, so it rides the launch as a
         passenger (its output not read; the key and value it writes are rewritten by its next
         step); where it was a passenger, its host-chosen token and position are written on the
         device for this launch (``overrides``), and its output is read."""
         cur, self._inflight = self._inflight, None
         nxt = None
+        deferred = frozenset()
         if self._chain_ok(cur):
             rows = cur.wanting
-            hosts = [i for i, seq in enumerate(rows) if seq.request.logits_processors]
+            deferred = frozenset(i for i, seq in enumerate(rows) if self._deferred(seq))
+            hosts = [i for i, seq in enumerate(rows)
+                     if seq.request.logits_processors and i not in deferred]
             passengers = frozenset(i for i in hosts if i not in cur.passengers)
             overrides = tuple((i, rows[i].tokens[-1], rows[i].n_computed)
                               for i in hosts if i in cur.passengers)
@@ -388,7 +413,7 @@ class Engine:
             # the device then took the next step's rows, and waited for that step)
             try:
                 self.sampler.hold(cur, [i for i in hosts if i not in cur.passengers])
-                nxt = self.runner.run_chained(rows, overrides, passengers)
+                nxt = self.runner.run_chained(rows, overrides, passengers, deferred)
             except Exception as e:  # noqa: BLE001
                 return self._failed(list(rows), e)
             self.steps += 1
@@ -397,6 +422,12 @@ class Engine:
                 if i not in passengers:
                     seq.n_computed += 1
         outs = self._read(cur)
+        live = [(i, cur.wanting[i]) for i in sorted(deferred) if not cur.wanting[i].finished]
+        if nxt is not None and live:  # their tokens at ``nxt``, now that their masks are known
+            try:
+                self.sampler.resample(nxt, live)
+            except Exception as e:  # noqa: BLE001
+                outs += self._failed([seq for _, seq in live], e)
         self._inflight = nxt
         return outs
 

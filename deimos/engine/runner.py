@@ -120,6 +120,10 @@ class StepResult:
     # rows of ``logits`` copied to the host before a chained step overwrote them
     # (BatchSampler.hold): row -> (host copy, the event that marks it done)
     held: dict[int, tuple[torch.Tensor, object]] = field(default_factory=dict)
+    # rows chosen after the launch (BatchSampler.resample): (sampling state, its ticket, row ->
+    # its place there), and rows whose mask could not be made there (row -> the error)
+    resampled: tuple[object, int, dict[int, int]] | None = None
+    resample_errors: dict[int, BaseException] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -352,13 +356,16 @@ class ModelRunner:
         return StepResult(logits, x.wanting, verify=x.verify, hidden=hidden, snaps=snaps)
 
     def run_chained(self, seqs: list[Sequence], overrides: tuple[tuple[int, int, int], ...] = (),
-                    passengers: frozenset[int] = frozenset()) -> StepResult:
+                    passengers: frozenset[int] = frozenset(),
+                    deferred: frozenset[int] = frozenset()) -> StepResult:
         """The decode step after the last one, on the same graph and rows, its tokens fed on
         the device by that step's choices: ``seqs`` are that step's rows, each with a block
         for its next position (the caller grew the tables); only the tables are copied in.
         ``overrides``: (row, token, position) of rows whose input the host chose instead
         (written on the device before the replay); ``passengers``: rows whose input is
-        nobody's choice (their outputs are not read, and their draws are not taken)."""
+        nobody's choice (their outputs are not read, and their draws are not taken);
+        ``deferred``: rows chosen after the launch (BatchSampler.resample): the graph's
+        sampling takes no draw for them either."""
         # the expert cache between steps here too: a long greedy answer is one chain of steps,
         # and without this its promotions were never published and a squeeze never shrank it
         self._between_steps(len(seqs))
@@ -369,7 +376,7 @@ class ModelRunner:
         for i, seq in enumerate(seqs):
             h32[i * mb : i * mb + len(seq.table)] = seq.table
         if self.decode_before is not None:
-            self.decode_before(graph.n_seqs, seqs, passengers)
+            self.decode_before(graph.n_seqs, seqs, passengers | deferred)
         logits = graph.replay(chained=True, overrides=overrides)
         self._serve(graph, len(seqs))
         if self.states is not None:  # the same rows on the same slots, one token further

@@ -28,6 +28,7 @@ import torch
 
 from deimos.engine.request import EngineError
 from deimos.engine.sequence import Sequence
+from deimos.kernels.sample_batch import EXACT, NAN_ROW
 from deimos.kernels.sampling import Sampler, choose, filter_candidates, logprobs
 
 
@@ -107,6 +108,8 @@ class BatchSampler:
         self._eager = None  # the eager steps' sampling state (made at the first)
         self._held: list[torch.Tensor] = []  # pinned rows for ``hold``, used in turn
         self._held_at = 0
+        self._resampler = None  # ``resample``'s sampling state and its logits rows
+        self._resample_in: torch.Tensor | None = None
 
     # ---- graph capture and replay -------------------------------------------------------
 
@@ -150,6 +153,30 @@ class BatchSampler:
             result.held[i] = (buf, done)
         done.record()
 
+    def resample(self, result, rows: list[tuple[int, Sequence]]) -> None:
+        """After a chained launch (``result``): its deferred rows (``Engine._deferred``, a
+        grammar's: their masks needed the token read since) sampled now on the device from
+        that launch's logits, each with its mask and its draw; each choice written as the
+        row's next input (the graph's feed, which the next launch reads) and kept for
+        ``choose``. Enqueued before the next launch overwrites the logits."""
+        k = len(rows)
+        state = self._resampler
+        if state is None or state.n_rows < k:
+            n = max(k, 4)
+            state = self._resampler = self._device_rows(n, self.n_vocab, self.device)
+            self._resample_in = torch.empty((n, self.n_vocab), dtype=torch.float32,
+                                            device=self.device)
+        state.load([seq for _, seq in rows])
+        x = self._resample_in
+        for j, (i, _) in enumerate(rows):
+            x[j].copy_(result.logits[i])
+        state.run(x[:k])
+        feed = result.graph.tokens
+        for j, (i, _) in enumerate(rows):  # a flagged row's -1: its request fails at the read
+            feed[i : i + 1].copy_(state.ids[j : j + 1].clamp(min=0))
+        result.resampled = (state, state.fetch(), {i: j for j, (i, _) in enumerate(rows)})
+        result.resample_errors = {rows[j][0]: e for j, e in state.mask_errors.items()}
+
     # ---- after a step ------------------------------------------------------------------
 
     def choose(self, result, device: torch.device) -> list[tuple[int | None, BaseException | None]]:
@@ -168,6 +195,10 @@ class BatchSampler:
             eager.load(wanting)
             eager.run(logits[:n])
             device_ids, flags, us = eager.read(eager.fetch(), n)
+        late = None  # the rows chosen after the launch (resample): their places, ids, flags
+        if result.resampled is not None:
+            st, ticket, place = result.resampled
+            late = place, *st.read(ticket, len(place))[:2]
         out: list[tuple[int | None, BaseException | None]] = []
         for i, seq in enumerate(wanting):
             if i in result.passengers:  # not read (Engine._read skips the row)
@@ -175,6 +206,9 @@ class BatchSampler:
                 continue
             req = seq.request
             try:
+                if late is not None and i in late[0]:
+                    out.append((self._late(result, i, late), None))
+                    continue
                 if device_ids is not None and not _host_only(seq) and flags[i] == 0:
                     token = device_ids[i]
                 elif device_ids is not None and flags[i] == 2:
@@ -187,6 +221,20 @@ class BatchSampler:
             except EngineError as e:
                 out.append((None, e))
         return out
+
+    @staticmethod
+    def _late(result, i: int, late) -> int:
+        """Row ``i``'s token chosen by ``resample``; EngineError where it could not be (its
+        logits were overwritten by the next launch since: no host fallback)."""
+        place, ids, flags = late
+        j = place[i]
+        if flags[j] == EXACT:
+            return ids[j]
+        if flags[j] == NAN_ROW:
+            raise EngineError("cannot sample from the model's logits: logits contain NaN")
+        err = result.resample_errors.get(i)
+        raise EngineError(f"the request's grammar could not mask its next token: {err}"
+                          if err is not None else "the device could not sample the grammar's row")
 
     # ---- verifying drafts ----------------------------------------------------------------
 
