@@ -8,7 +8,8 @@
 #     alternating new, old, new, old; each tree with its own Triton cache.
 #   bench/gpu_round_s43.sh next   # (carry .whl .peer/td; ~4 min) first thing next session: the
 #     GPU tests of the mask read by the sampler's window kernel (300e2c2, untimed) and of the
-#     engine, then the constrained A/B (bench/gpu_round_s42.sh cons, levels 0 1 0 1)
+#     engine (the deferred grammar rows, c61546c, included), then the constrained A/B
+#     (bench/gpu_round_s42.sh cons, levels 0 1 0 1), then bench/constrained_steps.py --defer
 . bench/gpu_env.sh
 case "${1:-}" in
 mask)
@@ -30,6 +31,9 @@ next)
   timeout ${TEST_S:-240} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_sample_batch.py \
     tests/test_engine_kernels.py tests/test_engine_oom.py 2>&1 | grep -E "^E |passed|failed|^FAILED" \
     | cut -c1-300 | tail -12
-  CONS="0 1 0 1" bash bench/gpu_round_s42.sh cons 2>&1 | tail -8 ;;
+  CONS="0 1 0 1" bash bench/gpu_round_s42.sh cons 2>&1 | tail -8
+  # the deferred grammar rows (c61546c, off by default) against passengers, in the engine's loop
+  timeout ${STEPS_S:-200} python3 bench/constrained_steps.py /tmp/m/qwen3-4b-Q4_K_M-qwen3.gguf --defer \
+    2>&1 | grep "^|" | tee "$OUT/constrained_steps.txt" ;;
 *) echo "usage: $0 mask|next" >&2; exit 2 ;;
 esac
