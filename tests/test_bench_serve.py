@@ -144,7 +144,8 @@ def test_bench_serve_against_deimos_serve(tiny, tmp_path, capsys) -> None:
 def test_constrained_clients_beside_plain_ones(tiny, tmp_path, capsys) -> None:
     """``--constrained 1``: one client task of each level sends JSON-schema requests (no
     ignore_eos: the server refuses the pair with a 400), the others plain ones; the level's
-    figures cover all, its plain row the plain requests alone over their own span."""
+    figures cover all, its plain row the plain requests alone over their own span, its
+    constrained row the constrained ones alone."""
     body = constrained_body(request_body("chat", "m", "hi", 8, {"temperature": 0.5}))
     assert "ignore_eos" not in body and body["temperature"] == 0.5
     assert body["response_format"]["json_schema"]["schema"] == LONG_JSON_SCHEMA
@@ -171,6 +172,10 @@ def test_constrained_clients_beside_plain_ones(tiny, tmp_path, capsys) -> None:
     span = max(r["sent_s"] + r["e2e_s"] for r in plain) - min(r["sent_s"] for r in plain)
     assert p["wall_s"] == pytest.approx(span) and p["wall_s"] <= lv["wall_s"]
     assert p["output_tps"] == pytest.approx(p["output_tokens"] / span)
+    c = lv["constrained"]
+    assert c["requests"] == c["ok"] == len(mine)
+    assert c["output_tokens"] == sum(r["completion_tokens"] for r in mine)
+    assert "| 3 (constrained only) |" in out
     assert lv["output_tokens"] == p["output_tokens"] + sum(r["completion_tokens"] for r in mine)
     with pytest.raises(ValueError, match="--constrained must leave plain clients"):
         ServeBenchConfig(concurrency=(1, 4), constrained=1)

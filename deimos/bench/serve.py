@@ -12,7 +12,7 @@ length is calibrated first on the server itself: probe requests of ``max_tokens`
 ``constrained`` (``--constrained N``): N of a level's client tasks send JSON-schema-constrained
 requests (serve_client.constrained_body) among the plain ones; the level's statistics are then
 also given for the plain requests alone, which is what a constrained neighbour may cost them
-(run the level with 0 beside it).
+(run the level with 0 beside it), and for the constrained ones alone (their own rate).
 
 No sampling field is sent unless given, so each server samples with its own defaults; both
 ``deimos serve`` and llama-server default to llama.cpp's sampler chain (temperature 0.8,

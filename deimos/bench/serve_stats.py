@@ -119,6 +119,7 @@ class LevelSummary:
     warmup_ok: int = 0
     warmup_failed: int = 0
     plain: LevelSummary | None = None  # with constrained requests: the plain ones' alone
+    constrained: LevelSummary | None = None  # and the constrained ones' alone
 
 
 def summarize_level(concurrency: int, records: Sequence[RequestRecord],
@@ -126,14 +127,16 @@ def summarize_level(concurrency: int, records: Sequence[RequestRecord],
     """The level's statistics over its measured (not warm-up) requests; where some were
     constrained, also over the plain ones alone (``plain``: their tokens over their own span,
     from the first sent to the last finished: a constrained request, a token every other step,
-    can end the level after the plain ones, and their rate is not to count that tail).
+    can end the level after the plain ones, and their rate is not to count that tail), and
+    over the constrained ones alone (``constrained``: their own inter-token gaps).
     ``wall``: the time the rates are taken over (default: the records')."""
     if wall is None:
         wall = (max(r.sent_s + r.e2e_s for r in records) - min(r.sent_s for r in records)
                 if records else 0.0)
-    plain = None
-    if any(r.constrained for r in records):
+    plain = constrained = None
+    if any(r.constrained for r in records) and not all(r.constrained for r in records):
         plain = summarize_level(concurrency, [r for r in records if not r.constrained])
+        constrained = summarize_level(concurrency, [r for r in records if r.constrained])
     ok = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok]
     out = sum(r.completion_tokens for r in ok)
@@ -156,6 +159,7 @@ def summarize_level(concurrency: int, records: Sequence[RequestRecord],
         warmup_ok=sum(1 for r in warmup if r.ok),
         warmup_failed=sum(1 for r in warmup if not r.ok),
         plain=plain,
+        constrained=constrained,
     )
 
 
@@ -220,7 +224,8 @@ def markdown(report: ServeReport) -> str:
     ]
     for lv in report.levels:
         for name, row in ((str(lv.concurrency), lv),
-                          (f"{lv.concurrency} (plain only)", lv.plain)):
+                          (f"{lv.concurrency} (plain only)", lv.plain),
+                          (f"{lv.concurrency} (constrained only)", lv.constrained)):
             if row is None:
                 continue
             lines.append(
