@@ -3,7 +3,7 @@ and C constrained ones (a JSON schema of >= 512 short strings, as `deimos bench 
 --constrained`) decoded together from 512-token prompts, default sampling, A answers' tokens;
 each setting run twice, the second reported. Per run: the plain rows' tokens a second, the
 constrained rows', the steps' wall time (p50 / p95, what the plain rows wait between tokens)
-and the passenger rows. `--defer` runs each setting with EngineConfig.defer_grammar off and on.
+and the passenger rows. `--defer` runs each setting with EngineConfig.defer_rows off and on.
 
     python bench/constrained_steps.py MODEL.gguf [-P 15] [-C 1] [-A 128] [--defer]
 
@@ -73,14 +73,14 @@ def main() -> int:
     ap.add_argument("-P", "--plain", type=int, default=15)
     ap.add_argument("-C", "--constrained", type=int, default=1)
     ap.add_argument("-A", "--answer", type=int, default=128)
-    ap.add_argument("--defer", action="store_true", help="also with defer_grammar on")
+    ap.add_argument("--defer", action="store_true", help="also with defer_rows on")
     ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a dry run)")
     args = ap.parse_args()
-    print("| defer_grammar | constrained | plain tok/s | constrained tok/s (each) | step p50 ms "
+    print("| defer_rows | constrained | plain tok/s | constrained tok/s (each) | step p50 ms "
           "| step p95 ms | passenger rows |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for defer in (False, True) if args.defer else (False,):
-        llm = LLM(args.model, device=args.device, n_ctx=2048, defer_grammar=defer)
+        llm = LLM(args.model, device=args.device, n_ctx=2048, defer_rows=defer)
         for c in (0, args.constrained):
             for rep in range(2):
                 r = run(llm, args.plain, c, args.answer)

@@ -229,24 +229,27 @@ def _grammar(llm: LLM):
 
 
 def test_deferred_grammar_rows_keep_the_chain_on_the_cpu(tiny, tmp_path_factory):
-    """With ``defer_grammar`` a grammar's row (greedy or top-k <= 256, no penalties, no
-    logprobs) chains as a plain row, even when every row is one and in a hybrid; a grammar's
-    row the device cannot decide (top-k off) or with penalties, or a row with another
-    processor, rides as a passenger as before (in a hybrid: stops the chain). Off by default."""
+    """With ``defer_rows`` a grammar's row (greedy or top-k <= 256, no logprobs) chains as a
+    plain row, even when every row is one and in a hybrid; one the device cannot decide
+    (top-k off) or with another processor rides as a passenger as before (in a hybrid: stops
+    the chain). A row with penalties over a window of at most 64 tokens is deferred too
+    (without, it stops the chain for all). Off by default."""
     from hybrid_support import tiny_qwen35
 
     from deimos.engine.runner import StepResult
 
     for path in (tiny, tiny_qwen35(tmp_path_factory, "defer_hybrid").path):
-        llm = LLM(path, n_ctx=256, defer_grammar=True)
+        llm = LLM(path, n_ctx=256, defer_rows=True)
         eng = llm.engine
         seqs = _decoding(eng, 3)
         for s in seqs:
             s.request.logits_processors = [_grammar(llm)]
         assert all(eng._deferred(s) for s in seqs)
         assert eng._chain_ok(StepResult(None, seqs))
-        # not deferred: a passenger every other launch, which a hybrid has not
-        for other in (SamplingParams(top_k=0, seed=1), SamplingParams(repetition_penalty=1.1)):
+        # not deferred (top-k off; penalties over the whole answer): a passenger every other
+        # launch, which a hybrid has not
+        for other in (SamplingParams(top_k=0, seed=1),
+                      SamplingParams(repetition_penalty=1.1, penalty_last_n=-1)):
             seqs[0].request.sampling = other
             assert not eng._deferred(seqs[0])
             assert eng._chain_ok(StepResult(None, seqs)) != eng.hybrid
@@ -254,6 +257,13 @@ def test_deferred_grammar_rows_keep_the_chain_on_the_cpu(tiny, tmp_path_factory)
         seqs[0].request.logits_processors = [lambda ids, x: x]
         assert not eng._deferred(seqs[0])
         assert eng._chain_ok(StepResult(None, seqs)) != eng.hybrid
+        # penalties: a plain row deferred (it stopped the whole chain), over a window the
+        # device sampler holds
+        seqs[0].request.logits_processors = ()
+        seqs[0].request.sampling = SamplingParams(presence_penalty=0.5, seed=3)
+        assert eng._deferred(seqs[0]) and eng._chain_ok(StepResult(None, seqs))
+        seqs[0].request.sampling = SamplingParams(presence_penalty=0.5, penalty_last_n=-1)
+        assert not eng._deferred(seqs[0]) and not eng._chain_ok(StepResult(None, seqs))
         for s in seqs:
             eng.cancel(s)
     llm = LLM(tiny, n_ctx=256)  # the default: off
@@ -261,6 +271,9 @@ def test_deferred_grammar_rows_keep_the_chain_on_the_cpu(tiny, tmp_path_factory)
     for s in seqs:
         s.request.logits_processors = [_grammar(llm)]
     assert not llm.engine._deferred(seqs[0]) and not llm.engine._chain_ok(StepResult(None, seqs))
+    seqs[0].request.logits_processors = ()
+    seqs[0].request.sampling = SamplingParams(presence_penalty=0.5, seed=3)
+    assert not llm.engine._deferred(seqs[0])
     for s in seqs:
         llm.engine.cancel(s)
 

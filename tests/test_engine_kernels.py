@@ -161,10 +161,10 @@ def test_grammar_rows_are_masked_and_sampled_on_the_gpu(files, defer):
     """A JSON grammar's rows masked on the device (``mask_words``, read by sample_rows) and
     sampled there with the others give the tokens the host gives when it masks and samples
     them (same seeds, greedy and sampled, beside plain rows): chained as passengers, or with
-    ``defer_grammar`` chosen after each chained launch (``BatchSampler.resample``: no
+    ``defer_rows`` chosen after each chained launch (``BatchSampler.resample``: no
     passengers); the device path never calls the processor on the host."""
     f = files[("llama-tiny-k", "Q4_K_M")]
-    _, ker = _engines(f, max_seqs=16, defer_grammar=defer)
+    _, ker = _engines(f, max_seqs=16, defer_rows=defer)
     ker.warm()
     tok = Tokenizer.from_gguf(f)
     vocab = GrammarVocab.from_tokenizer(tok, tok.eog_ids, ker.n_vocab)
@@ -199,6 +199,27 @@ def test_grammar_rows_are_masked_and_sampled_on_the_gpu(files, defer):
             for t in out:
                 if t not in tok.eog_ids:
                     c.advance(t)
+
+
+@pytest.mark.gpu
+def test_penalized_rows_deferred_keep_the_chain_on_the_gpu(files):
+    """With ``defer_rows``, rows with penalties (which stop the chain for every row without
+    it) are sampled after each chained launch (``BatchSampler.resample``): the same tokens as
+    the engine without it (same seeds: one draw a token either way)."""
+    f = files[("llama-tiny-k", "Q4_K_M")]
+    runs = []
+    for defer in (False, True):
+        _, ker = _engines(f, max_seqs=16, defer_rows=defer)
+        ker.warm()
+        prompts = _prompts(ker.n_vocab) * 2
+        params = [SamplingParams(seed=30 + i, presence_penalty=0.7, frequency_penalty=0.3,
+                                 repetition_penalty=1.2) if i % 2 else SamplingParams(seed=30 + i)
+                  for i in range(len(prompts))]
+        reqs = [Request(p, 24, s) for p, s in zip(prompts, params)]
+        _run(ker, reqs)
+        runs.append([r.output_ids for r in reqs])
+        assert (ker.sampler._resampler is not None) == defer
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.gpu

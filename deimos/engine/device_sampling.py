@@ -20,10 +20,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from deimos.kernels.sample_batch import PENALTY_WIDTH
 from deimos.kernels.token_mask import n_words
 from deimos.kernels.triton.sample_batch import EXACT, HOST, SampleScratch, SamplingRows, sample_rows
 
-PENALTY_WIDTH = 64
 RING = 4  # pinned output slots: more than the steps ever in flight
 
 

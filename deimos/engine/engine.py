@@ -39,6 +39,7 @@ from deimos.engine.sampling import BatchSampler
 from deimos.engine.scheduler import Scheduler, SchedulerConfig
 from deimos.engine.sequence import SeqStatus, Sequence
 from deimos.engine.speculate import SpecConfig, SpecState, make_drafter
+from deimos.kernels.sample_batch import PENALTY_WIDTH
 from deimos.kernels.sampling import Sampler, logprobs
 from deimos.models.blocks import DecoderModel
 from deimos.runtime.kv_pool import KVPool, bytes_per_token, pool_blocks, step_bytes
@@ -54,7 +55,7 @@ class EngineConfig:
     otherwise ``kv_fraction`` of the memory free after the weights (less a reserve for the
     step's activations), at most ``kv_max_factor`` full contexts per running sequence; on the
     CPU ``n_ctx`` tokens per running sequence, at most 4 GiB. ``spec``: speculative decoding
-    (None: off). ``defer_grammar``: below."""
+    (None: off). ``defer_rows``: below."""
 
     n_ctx: int
     max_seqs: int = 64
@@ -67,10 +68,11 @@ class EngineConfig:
     prefix_cache: bool = True
     cuda_graphs: bool = True
     spec: SpecConfig | None = None
-    # a JSON grammar's rows chosen after the chained launch that computed them, on the
-    # device (BatchSampler.resample), instead of riding every other launch as passengers:
-    # their full rate in a chain. Off until measured on a GPU
-    defer_grammar: bool = False
+    # rows whose choice needs their last token (a JSON grammar's mask, penalties) chosen
+    # after the chained launch that computed them, on the device (BatchSampler.resample),
+    # instead of riding every other launch as passengers (a grammar's) or stopping the chain
+    # for the whole batch (penalties): their full rate in a chain. Off until measured on a GPU
+    defer_rows: bool = False
 
     def __post_init__(self) -> None:
         if self.n_ctx < 1:  # 1: every request is refused (a prompt needs a row to generate from)
@@ -336,17 +338,19 @@ class Engine:
 
     def _deferred(self, seq: Sequence) -> bool:
         """Whether ``seq``'s row stays in a chain of decode steps at its full rate though its
-        mask needs its last token (``EngineConfig.defer_grammar``): every processor a grammar's
-        mask (``mask_words``), no logprobs, and a sampling the device always decides without
-        the host (greedy or top-k 1..256, no penalties). In a chained launch its input is the
-        token chosen after the launch before (``BatchSampler.resample``, enqueued between the
-        two), so its key, value and recurrent state are its own: hybrids too."""
+        choice needs its last token (``EngineConfig.defer_rows``): a grammar's mask (every
+        processor one, ``mask_words``) or penalties (over a window the device sampler holds:
+        ``penalty_last_n`` 0..PENALTY_WIDTH), no logprobs, and a sampling the device always
+        decides without the host (greedy or top-k 1..256). In a chained launch its input is
+        the token chosen after the launch before (``BatchSampler.resample``, enqueued between
+        the two), so its key, value and recurrent state are its own: hybrids too."""
         req = seq.request
         p = req.sampling
-        return (self.cfg.defer_grammar and bool(req.logits_processors)
-                and all(hasattr(x, "mask_words") for x in req.logits_processors)
-                and req.top_logprobs is None and not p.penalties_enabled
-                and (p.greedy or 1 <= p.top_k <= 256))  # fmt: skip
+        procs = req.logits_processors
+        return (self.cfg.defer_rows and bool(procs or p.penalties_enabled)
+                and all(hasattr(x, "mask_words") for x in procs)
+                and req.top_logprobs is None and (p.greedy or 1 <= p.top_k <= 256)
+                and (not p.penalties_enabled or 0 <= p.penalty_last_n <= PENALTY_WIDTH))  # fmt: skip
 
     def _host_rides(self, seq: Sequence) -> bool:
         """Whether ``seq``'s row can stay in a chain of decode steps though its choice is the
@@ -388,8 +392,9 @@ class Engine:
 
     def _continue(self) -> list[StepOutput]:
         """The step after ``_inflight``, launched before it is read when ``_chain_ok``. A
-        grammar's row (``_deferred``) is chosen after the launch, once ``cur``'s token gave its
-        mask (``BatchSampler.resample``, before the next launch reads it). A row whose choice
+        row whose choice needs its last token (``_deferred``: a grammar's mask, penalties) is
+        chosen after the launch, once ``cur``'s token is read (``BatchSampler.resample``,
+        before the next launch reads it). A row whose choice
         is the host's (``_host_rides``) alternates: where it was read-worthy in
         the step before, its next input is not chosen yet, so it rides the launch as a
         passenger (its output not read; the key and value it writes are rewritten by its next

@@ -154,11 +154,12 @@ class BatchSampler:
         done.record()
 
     def resample(self, result, rows: list[tuple[int, Sequence]]) -> None:
-        """After a chained launch (``result``): its deferred rows (``Engine._deferred``, a
-        grammar's: their masks needed the token read since) sampled now on the device from
-        that launch's logits, each with its mask and its draw; each choice written as the
-        row's next input (the graph's feed, which the next launch reads) and kept for
-        ``choose``. Enqueued before the next launch overwrites the logits."""
+        """After a chained launch (``result``): its deferred rows (``Engine._deferred``: a
+        grammar's mask or penalties, which needed the token read since) sampled now on the
+        device from that launch's logits, each with its mask, penalty window and draw; each
+        choice written as the row's next input (the graph's feed, which the next launch
+        reads) and kept for ``choose``. Enqueued before the next launch overwrites the
+        logits."""
         k = len(rows)
         state = self._resampler
         if state is None or state.n_rows < k:
@@ -234,7 +235,7 @@ class BatchSampler:
             raise EngineError("cannot sample from the model's logits: logits contain NaN")
         err = result.resample_errors.get(i)
         raise EngineError(f"the request's grammar could not mask its next token: {err}"
-                          if err is not None else "the device could not sample the grammar's row")
+                          if err is not None else "the device could not sample the row")
 
     # ---- verifying drafts ----------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from deimos.kernels.sampling import Sampler, SamplingParams, _top_p_cut, apply_p
 from deimos.kernels.token_mask import NEG, bits_of
 
 WINDOW = 256  # candidates the device keeps per row
+PENALTY_WIDTH = 64  # distinct penalized ids a row the engine's device sampler takes
 EXACT, HOST, NAN_ROW = 0, 1, 2  # out_flags values
 
 
