@@ -1,11 +1,12 @@
-"""What JSON-constrained rows cost a batch, in the engine's own loop (no HTTP): P plain requests
-and C constrained ones (a JSON schema of >= 512 short strings, as `deimos bench serve
---constrained`) decoded together from 512-token prompts, default sampling, A answers' tokens;
-each setting run twice, the second reported. Per run: the plain rows' tokens a second, the
-constrained rows', the steps' wall time (p50 / p95, what the plain rows wait between tokens)
-and the passenger rows. `--defer` runs each setting with EngineConfig.defer_rows off and on.
+"""What rows whose choice needs their last token cost a batch, in the engine's own loop (no
+HTTP): P plain requests and C JSON-constrained ones (a schema of >= 512 short strings, as
+`deimos bench serve --constrained`), or with `--penalized` C requests with a presence penalty
+instead, decoded together from 512-token prompts, default sampling, A answers' tokens; each
+setting run twice, the second reported. Per run: the plain rows' tokens a second, the others'
+(each), the steps' wall time (p50 / p95, what the plain rows wait between tokens) and the
+passenger rows. `--defer` runs each setting with EngineConfig.defer_rows off and on.
 
-    python bench/constrained_steps.py MODEL.gguf [-P 15] [-C 1] [-A 128] [--defer]
+    python bench/constrained_steps.py MODEL.gguf [-P 15] [-C 1] [-A 128] [--penalized] [--defer]
 
 A measurement, not a test (`--device cpu`: a dry run of the loop; nothing chains there).
 """
@@ -27,14 +28,20 @@ from deimos.kernels.sampling import SamplingParams  # noqa: E402
 from deimos.server.params import schema_constraint  # noqa: E402
 
 
-def run(llm: LLM, plain: int, constrained: int, answer: int) -> dict[str, float]:
+def run(llm: LLM, plain: int, constrained: int, answer: int, penalized: bool) -> dict[str, float]:
     eng = llm.engine
     prompt = [(7 * i + 3) % llm.config.n_vocab for i in range(511)]
     reqs = [Request(prompt + [i], answer, SamplingParams(seed=i), frozenset())
             for i in range(plain)]
-    grammar = [Request(prompt + [plain + i], answer, SamplingParams(seed=plain + i), llm.stop_ids,
-                       logits_processors=[schema_constraint(LONG_JSON_SCHEMA, llm, "schema")])
-               for i in range(constrained)]
+    if penalized:
+        grammar = [Request(prompt + [plain + i], answer,
+                           SamplingParams(seed=plain + i, presence_penalty=0.5), frozenset())
+                   for i in range(constrained)]
+    else:
+        grammar = [Request(prompt + [plain + i], answer, SamplingParams(seed=plain + i),
+                           llm.stop_ids,
+                           logits_processors=[schema_constraint(LONG_JSON_SCHEMA, llm, "schema")])
+                   for i in range(constrained)]
     for r in reqs + grammar:
         eng.add(r)
     passengers = eng.passenger_rows
@@ -73,17 +80,20 @@ def main() -> int:
     ap.add_argument("-P", "--plain", type=int, default=15)
     ap.add_argument("-C", "--constrained", type=int, default=1)
     ap.add_argument("-A", "--answer", type=int, default=128)
+    ap.add_argument("--penalized", action="store_true",
+                    help="the C rows have a presence penalty instead of a JSON grammar")
     ap.add_argument("--defer", action="store_true", help="also with defer_rows on")
     ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a dry run)")
     args = ap.parse_args()
-    print("| defer_rows | constrained | plain tok/s | constrained tok/s (each) | step p50 ms "
+    kind = "penalized" if args.penalized else "constrained"
+    print(f"| defer_rows | {kind} | plain tok/s | {kind} tok/s (each) | step p50 ms "
           "| step p95 ms | passenger rows |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for defer in (False, True) if args.defer else (False,):
         llm = LLM(args.model, device=args.device, n_ctx=2048, defer_rows=defer)
         for c in (0, args.constrained):
             for rep in range(2):
-                r = run(llm, args.plain, c, args.answer)
+                r = run(llm, args.plain, c, args.answer, args.penalized)
             each = r["grammar_tps"] / c if c else 0.0
             print(f"| {'on' if defer else 'off'} | {c} | {r['plain_tps']:.0f} | {each:.0f} | "
                   f"{r['step_p50_ms']:.2f} | {r['step_p95_ms']:.2f} | {r['passengers']} |",

@@ -10,6 +10,7 @@
 #     GPU tests of the mask read by the sampler's window kernel (300e2c2, untimed) and of the
 #     engine (the deferred grammar rows, c61546c, included), then the constrained A/B
 #     (bench/gpu_round_s42.sh cons, levels 0 1 0 1), then bench/constrained_steps.py --defer
+#     with a constrained row and with a penalized one (defer_rows, 1ad6452: off by default)
 . bench/gpu_env.sh
 case "${1:-}" in
 mask)
@@ -33,7 +34,9 @@ next)
     | cut -c1-300 | tail -12
   CONS="0 1 0 1" bash bench/gpu_round_s42.sh cons 2>&1 | tail -8
   # the deferred grammar rows (c61546c, off by default) against passengers, in the engine's loop
-  timeout ${STEPS_S:-200} python3 bench/constrained_steps.py /tmp/m/qwen3-4b-Q4_K_M-qwen3.gguf --defer \
-    2>&1 | grep "^|" | tee "$OUT/constrained_steps.txt" ;;
+  for kind in "" --penalized; do
+    timeout ${STEPS_S:-200} python3 bench/constrained_steps.py /tmp/m/qwen3-4b-Q4_K_M-qwen3.gguf --defer \
+      $kind 2>&1 | grep "^|" | tee -a "$OUT/constrained_steps.txt"
+  done ;;
 *) echo "usage: $0 mask|next" >&2; exit 2 ;;
 esac
