@@ -174,7 +174,8 @@ def _masks(x: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     masked = torch.zeros(n_b, dtype=torch.int32)
     for b in range(0, n_b, 2):
         order = torch.argsort(x[b].nan_to_num(nan=-1e9), descending=True)
-        pick = [b % 5 + 2 * (b % 3), 300, 301, v - 1] if b % 4 else torch.randperm(v, generator=g)[: v // 2]
+        few = [b % 5 + 2 * (b % 3), 300, 301, v - 1]
+        pick = few if b % 4 else torch.randperm(v, generator=g)[: v // 2]
         keep = set(order[torch.as_tensor(pick)].tolist())
         nan = torch.isnan(x[b]).nonzero().flatten().tolist()
         if nan and b % 4 == 0:

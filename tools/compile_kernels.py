@@ -458,9 +458,10 @@ def _sample_batch_jobs() -> list[Job]:
     for v in (49152, 151936, 262144):
         n_blk = triton.cdiv(v, sb.TOPK_BLOCK)
         for masked in (False, True):  # a graph's sampler reads the rows' masks (MASKED)
-            jobs.append(Job("sb_window_block", f"V={v} B={sb.TOPK_BLOCK} K={sb.WINDOW} w=8 mask={int(masked)}",
-                            _warm(sb._window_block_kernel,
-                                  [f32, i64, f32, f64, i32, v, v, n_blk, f64, i32, (v + 31) // 32, i32],
+            what = f"V={v} B={sb.TOPK_BLOCK} K={sb.WINDOW} w=8 mask={int(masked)}"
+            args = [f32, i64, f32, f64, i32, v, v, n_blk, f64, i32, (v + 31) // 32, i32]
+            jobs.append(Job("sb_window_block", what,
+                            _warm(sb._window_block_kernel, args,
                                   BLOCK=sb.TOPK_BLOCK, K_PAD=sb.WINDOW, MASKED=masked, num_warps=8,
                                   **sb.NO_FUSION)))
         jobs.append(Job("sb_window_merge", f"V={v} M={sb.TOPK_MERGE} K={sb.WINDOW} w=8",

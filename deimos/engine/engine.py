@@ -350,7 +350,8 @@ class Engine:
         return (self.cfg.defer_rows and bool(procs or p.penalties_enabled)
                 and all(hasattr(x, "mask_words") for x in procs)
                 and req.top_logprobs is None and (p.greedy or 1 <= p.top_k <= 256)
-                and (not p.penalties_enabled or 0 <= p.penalty_last_n <= PENALTY_WIDTH))  # fmt: skip
+                and (not p.penalties_enabled
+                     or 0 <= p.penalty_last_n <= PENALTY_WIDTH))  # fmt: skip
 
     def _host_rides(self, seq: Sequence) -> bool:
         """Whether ``seq``'s row can stay in a chain of decode steps though its choice is the

@@ -7,12 +7,12 @@ The launches, in order (five at V = 151,936):
 1. ``_penalize_kernel``, grid (B,): llama.cpp's penalties applied in place at each row's
    pen_ids (the float32 ops of ``apply_penalties``, no FMA contraction), the raw values saved.
 2. ``_window_block_kernel``, grid (blocks of 4096, B): a masked row's forbidden tokens read as
-   NEG (its allowed-token words, a grammar's: the logits themselves are not written), then the top-k stage 1 of
-   deimos.kernels.triton.sampling (the 256 best order keys of each block; here by a 32-step
-   search over the value bits, ties at the cut taken by position, which is id order in a
-   block: ``_store_top_block_keys``) fused with the block's float64 logsumexp partial (max,
-   sum of exp) and a NaN flag: the one pass over [B, V]. A greedy row (temperature 0) keeps
-   only its block's first maximum (slot 0; no counting passes).
+   NEG (its allowed-token words, a grammar's: the logits are not written), then the top-k
+   stage 1 of deimos.kernels.triton.sampling (the 256 best order keys of each block; here by
+   a 32-step search over the value bits, ties at the cut taken by position, which is id order
+   in a block: ``_store_top_block_keys``) fused with the block's float64 logsumexp partial
+   (max, sum of exp) and a NaN flag: the one pass over [B, V]. A greedy row (temperature 0)
+   keeps only its block's first maximum (slot 0; no counting passes).
 3. ``_window_merge_kernel``, one launch per merge pass (sampling.py's merge; a greedy row
    keeps only the maximum): 256 keys per row left.
 4. ``_row_kernel``, grid (B,): restores the penalized logits; a greedy row's token is the
@@ -122,8 +122,8 @@ def _store_greedy_key(key, p_out, K_PAD: tl.constexpr):
 
 @triton.jit
 def _window_block_kernel(p_x, p_keys, p_bmax, p_bsum, p_bnan, V, stride_b, N_BLOCKS, p_temp,
-                         p_words, stride_w, p_masked,
-                         BLOCK: tl.constexpr, K_PAD: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+                         p_words, stride_w, p_masked, BLOCK: tl.constexpr, K_PAD: tl.constexpr,
+                         MASKED: tl.constexpr):  # fmt: skip
     i_blk = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
     o_v = i_blk * BLOCK + tl.arange(0, BLOCK)

@@ -17,16 +17,16 @@ step's tile (NK = 32 / W codes a word): the packed words' column order, in which
 hands x (``permuted_columns``), so the x tile is one contiguous load. The decode is float32,
 each weight rounded to float16 once (the default: the same weights as the fp16 dequantized
 copies the larger batches multiply, so a prompt's logits do not depend on which path ran), or
-float16 (``GemmQConfig.half``; ``DEIMOS_DECODE_F16=1`` for the rule and moe_gemm): each group's
-scale and min (``group_scales`` / ``q2k_scales``, float32) rounded to float16 once, the 4-bit formats'
-codes made by inline PTX with float16 magic numbers (three instructions a pair of codes) and
-scaled by one float16x2 fused multiply-add a pair, the other formats' codes by
-``_dequant_kernel``'s operations in float16; the float32 decode rounds each weight once
-instead: 575 against 378 instructions a step of 64 weights a thread for Q4_K in the sm_90
-SASS, but on an H100 the float16 decode was only 1-5% faster (llama 8B's Q4_K matrices at 16
-and 64 rows; qwen3moe's prefill +0.6%) for twice the weights' rounding error, and its weights
-differed from the other paths' (a cached prompt's last token then got other logits than
-the whole prompt's prefill had): off by default. ``split_k > 1``: K is cut into that many runs of whole steps over the grid's second
+float16 (``GemmQConfig.half``; ``DEIMOS_DECODE_F16=1`` for the rule and moe_gemm): each
+group's scale and min (``group_scales`` / ``q2k_scales``, float32) rounded to float16 once,
+the 4-bit formats' codes made by inline PTX with float16 magic numbers (three instructions a
+pair of codes) and scaled by one float16x2 fused multiply-add a pair, the other formats'
+codes by ``_dequant_kernel``'s operations in float16. The float16 decode is 378 instructions
+against 575 a step of 64 weights a thread for Q4_K in the sm_90 SASS, but on an H100 it was
+only 1-5% faster (llama 8B's Q4_K matrices at 16 and 64 rows; qwen3moe's prefill +0.6%) for
+twice the weights' rounding error, and its weights differed from the other paths' (a cached
+prompt's last token then got other logits than the whole prompt's prefill had): off by
+default. ``split_k > 1``: K is cut into that many runs of whole steps over the grid's second
 axis and the partial sums are atomically added into a zeroed output (when n / block_n alone
 gives too few programs to keep the memory system busy).
 
