@@ -233,7 +233,8 @@ def test_deferred_grammar_rows_keep_the_chain_on_the_cpu(tiny, tmp_path_factory)
     plain row, even when every row is one and in a hybrid; one the device cannot decide
     (top-k off) or with another processor rides as a passenger as before (in a hybrid: stops
     the chain). A row with penalties over a window of at most 64 tokens is deferred too
-    (without, it stops the chain for all). Off by default."""
+    (without, it stops the chain for all), and a row reporting logprobs stays. Off by
+    default."""
     from hybrid_support import tiny_qwen35
 
     from deimos.engine.runner import StepResult
@@ -264,6 +265,12 @@ def test_deferred_grammar_rows_keep_the_chain_on_the_cpu(tiny, tmp_path_factory)
         assert eng._deferred(seqs[0]) and eng._chain_ok(StepResult(None, seqs))
         seqs[0].request.sampling = SamplingParams(presence_penalty=0.5, penalty_last_n=-1)
         assert not eng._deferred(seqs[0]) and not eng._chain_ok(StepResult(None, seqs))
+        # logprobs: the row stays (its logits copied out), unless it also needs the host
+        seqs[0].request.sampling = SamplingParams(seed=4)
+        seqs[0].request.top_logprobs = 2
+        assert eng._logprob_row(seqs[0]) and eng._chain_ok(StepResult(None, seqs))
+        seqs[0].request.sampling = SamplingParams(top_k=0, seed=4)
+        assert not eng._logprob_row(seqs[0]) and not eng._chain_ok(StepResult(None, seqs))
         for s in seqs:
             eng.cancel(s)
     llm = LLM(tiny, n_ctx=256)  # the default: off
@@ -274,6 +281,9 @@ def test_deferred_grammar_rows_keep_the_chain_on_the_cpu(tiny, tmp_path_factory)
     seqs[0].request.logits_processors = ()
     seqs[0].request.sampling = SamplingParams(presence_penalty=0.5, seed=3)
     assert not llm.engine._deferred(seqs[0])
+    seqs[0].request.sampling = GREEDY
+    seqs[0].request.top_logprobs = 2
+    assert not llm.engine._logprob_row(seqs[0])
     for s in seqs:
         llm.engine.cancel(s)
 

@@ -223,6 +223,25 @@ def test_penalized_rows_deferred_keep_the_chain_on_the_gpu(files):
 
 
 @pytest.mark.gpu
+def test_logprob_rows_in_a_chain_on_the_gpu(files):
+    """With ``defer_rows``, rows reporting logprobs stay in the chain, their logits copied out
+    before the next launch (``BatchSampler.hold``): the tokens and logprobs of the engine
+    whose chain they stop, bit for bit."""
+    f = files[("llama-tiny-k", "Q4_K_M")]
+    runs = []
+    for defer in (False, True):
+        _, ker = _engines(f, max_seqs=16, defer_rows=defer)
+        ker.warm()
+        prompts = _prompts(ker.n_vocab) * 2
+        reqs = [Request(p, 24, SamplingParams(seed=50 + i), top_logprobs=3 if i % 3 == 0 else None)
+                for i, p in enumerate(prompts)]
+        _run(ker, reqs)
+        runs.append([(r.output_ids, r.token_logprobs) for r in reqs])
+        assert (len(ker.sampler._held) > 0) == defer
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
 def test_mixed_steps_and_preemption_on_the_gpu(files):
     ref, ker = _engines(files[("llama-tiny-k", "Q4_K_M")], max_seqs=8, max_batch_tokens=64,
                         kv_tokens=256)

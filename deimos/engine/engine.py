@@ -71,7 +71,8 @@ class EngineConfig:
     # rows whose choice needs their last token (a JSON grammar's mask, penalties) chosen
     # after the chained launch that computed them, on the device (BatchSampler.resample),
     # instead of riding every other launch as passengers (a grammar's) or stopping the chain
-    # for the whole batch (penalties): their full rate in a chain. Off until measured on a GPU
+    # for the whole batch (penalties); rows reporting logprobs kept in the chain, their
+    # logits copied out before the next launch. Off until measured on a GPU
     defer_rows: bool = False
 
     def __post_init__(self) -> None:
@@ -353,6 +354,18 @@ class Engine:
                 and (not p.penalties_enabled
                      or 0 <= p.penalty_last_n <= PENALTY_WIDTH))  # fmt: skip
 
+    def _logprob_row(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s row stays in a chain of decode steps though it reports logprobs
+        (``EngineConfig.defer_rows``; otherwise such a row stops the chain for the whole
+        batch): its token is the graph's sampler's as any plain row's (no processors or
+        penalties, greedy or top-k 1..256), and its logits row is copied to the host before
+        the next launch overwrites it (``BatchSampler.hold``), for the logprobs."""
+        req = seq.request
+        p = req.sampling
+        return (self.cfg.defer_rows and req.top_logprobs is not None
+                and not req.logits_processors and not p.penalties_enabled
+                and (p.greedy or 1 <= p.top_k <= 256))  # fmt: skip
+
     def _host_rides(self, seq: Sequence) -> bool:
         """Whether ``seq``'s row can stay in a chain of decode steps though its choice is the
         host's (a logits processor: a JSON grammar's mask): as a passenger every other step
@@ -377,7 +390,7 @@ class Engine:
             if (seq.finished or len(req.output_ids) + 1 >= req.max_tokens
                     or len(seq.tokens) >= self.cfg.n_ctx):  # fmt: skip
                 return False
-            if self._deferred(seq):
+            if self._deferred(seq) or self._logprob_row(seq):
                 pass
             elif self._host_rides(seq):
                 riders += 1
@@ -414,11 +427,14 @@ class Engine:
                               for i in hosts if i in cur.passengers)
             for seq in rows:
                 self.blocks.grow(seq.table, seq.n_computed + 1)
-            # the rows the host chooses at ``cur`` are read after the launch below, which
-            # overwrites the graph's logits: copied out first (an engine that read them from
-            # the device then took the next step's rows, and waited for that step)
+            # the rows the host chooses at ``cur`` (and those reporting logprobs) are read after
+            # the launch below, which overwrites the graph's logits: copied out first (an
+            # engine that read them from the device then took the next step's rows, and
+            # waited for that step)
+            held = [i for i in hosts if i not in cur.passengers]
+            held += [i for i, seq in enumerate(rows) if self._logprob_row(seq)]
             try:
-                self.sampler.hold(cur, [i for i in hosts if i not in cur.passengers])
+                self.sampler.hold(cur, held)
                 nxt = self.runner.run_chained(rows, overrides, passengers, deferred)
             except Exception as e:  # noqa: BLE001
                 return self._failed(list(rows), e)

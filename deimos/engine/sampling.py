@@ -217,7 +217,8 @@ class BatchSampler:
                 else:
                     token = self._host(seq, _row(result, i), None if us is None else us[i])
                 if req.top_logprobs is not None:
-                    req.token_logprobs.append(logprobs(logits[i].float(), token, req.top_logprobs))
+                    req.token_logprobs.append(logprobs(_row(result, i).float(), token,
+                                                       req.top_logprobs))
                 out.append((token, None))
             except EngineError as e:
                 out.append((None, e))
