@@ -201,24 +201,35 @@ def test_grammar_rows_are_masked_and_sampled_on_the_gpu(files, defer):
                     c.advance(t)
 
 
+def _without_and_with_defer(f: GGUFFile, requests, record):
+    """The same requests (``requests(n_vocab)``) on an engine without ``defer_rows`` and on
+    one with it: what ``record`` takes of each request, each way, and the two engines."""
+    runs, engines = [], []
+    for defer in (False, True):
+        _, ker = _engines(f, max_seqs=16, defer_rows=defer)
+        ker.warm()
+        reqs = requests(ker.n_vocab)
+        _run(ker, reqs)
+        runs.append([record(r) for r in reqs])
+        engines.append(ker)
+    return runs, engines
+
+
 @pytest.mark.gpu
 def test_penalized_rows_deferred_keep_the_chain_on_the_gpu(files):
     """With ``defer_rows``, rows with penalties (which stop the chain for every row without
     it) are sampled after each chained launch (``BatchSampler.resample``): the same tokens as
     the engine without it (same seeds: one draw a token either way)."""
-    f = files[("llama-tiny-k", "Q4_K_M")]
-    runs = []
-    for defer in (False, True):
-        _, ker = _engines(f, max_seqs=16, defer_rows=defer)
-        ker.warm()
-        prompts = _prompts(ker.n_vocab) * 2
+
+    def requests(n_vocab):
         params = [SamplingParams(seed=30 + i, presence_penalty=0.7, frequency_penalty=0.3,
                                  repetition_penalty=1.2) if i % 2 else SamplingParams(seed=30 + i)
-                  for i in range(len(prompts))]
-        reqs = [Request(p, 24, s) for p, s in zip(prompts, params)]
-        _run(ker, reqs)
-        runs.append([r.output_ids for r in reqs])
-        assert (ker.sampler._resampler is not None) == defer
+                  for i in range(10)]
+        return [Request(p, 24, s) for p, s in zip(_prompts(n_vocab) * 2, params)]
+
+    runs, (off, on) = _without_and_with_defer(files[("llama-tiny-k", "Q4_K_M")], requests,
+                                              lambda r: r.output_ids)
+    assert off.sampler._resampler is None and on.sampler._resampler is not None
     assert runs[0] == runs[1]
 
 
@@ -227,17 +238,14 @@ def test_logprob_rows_in_a_chain_on_the_gpu(files):
     """With ``defer_rows``, rows reporting logprobs stay in the chain, their logits copied out
     before the next launch (``BatchSampler.hold``): the tokens and logprobs of the engine
     whose chain they stop, bit for bit."""
-    f = files[("llama-tiny-k", "Q4_K_M")]
-    runs = []
-    for defer in (False, True):
-        _, ker = _engines(f, max_seqs=16, defer_rows=defer)
-        ker.warm()
-        prompts = _prompts(ker.n_vocab) * 2
-        reqs = [Request(p, 24, SamplingParams(seed=50 + i), top_logprobs=3 if i % 3 == 0 else None)
-                for i, p in enumerate(prompts)]
-        _run(ker, reqs)
-        runs.append([(r.output_ids, r.token_logprobs) for r in reqs])
-        assert (len(ker.sampler._held) > 0) == defer
+
+    def requests(n_vocab):
+        return [Request(p, 24, SamplingParams(seed=50 + i), top_logprobs=3 if i % 3 == 0 else None)
+                for i, p in enumerate(_prompts(n_vocab) * 2)]
+
+    runs, (off, on) = _without_and_with_defer(files[("llama-tiny-k", "Q4_K_M")], requests,
+                                              lambda r: (r.output_ids, r.token_logprobs))
+    assert not off.sampler._held and on.sampler._held
     assert runs[0] == runs[1]
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from deimos.engine.request import masks_only
 from deimos.kernels.sample_batch import PENALTY_WIDTH
 from deimos.kernels.token_mask import n_words
 from deimos.kernels.triton.sample_batch import EXACT, HOST, SampleScratch, SamplingRows, sample_rows
@@ -133,7 +134,7 @@ class DeviceRows:
         that only transforms logits: logit_bias; logprobs asked for, which report the logits
         before processing; or a processor that failed here: the host path raises it again)."""
         procs = req.logits_processors
-        if req.top_logprobs is not None or not all(hasattr(p, "mask_words") for p in procs):
+        if req.top_logprobs is not None or not masks_only(procs):
             return False
         words = self._hwn[i]
         try:

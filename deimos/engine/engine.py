@@ -33,19 +33,36 @@ import numpy as np
 import torch
 
 from deimos.engine.block_manager import BlockManager, pack_tokens
-from deimos.engine.request import ContextLengthError, EngineError, Request, RequestError
+from deimos.engine.request import (
+    ContextLengthError,
+    EngineError,
+    Request,
+    RequestError,
+    masks_only,
+)
 from deimos.engine.runner import ModelRunner
 from deimos.engine.sampling import BatchSampler
 from deimos.engine.scheduler import Scheduler, SchedulerConfig
 from deimos.engine.sequence import SeqStatus, Sequence
 from deimos.engine.speculate import SpecConfig, SpecState, make_drafter
-from deimos.kernels.sample_batch import PENALTY_WIDTH
+from deimos.kernels.sample_batch import PENALTY_WIDTH, always_decided
 from deimos.kernels.sampling import Sampler, logprobs
 from deimos.models.blocks import DecoderModel
 from deimos.runtime.kv_pool import KVPool, bytes_per_token, pool_blocks, step_bytes
 from deimos.runtime.state_pool import state_pool_for
 
 log = logging.getLogger("deimos")
+
+
+@dataclass(frozen=True)
+class _Chain:
+    """The rows of a chained decode step that need more than the graph's feed (indices into
+    the step's rows): chosen after the launch (``Engine._deferred``), chosen by the host (a
+    passenger every other launch), reporting logprobs (their logits copied out first)."""
+
+    deferred: frozenset[int]
+    hosts: tuple[int, ...]
+    logprob: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -340,17 +357,16 @@ class Engine:
     def _deferred(self, seq: Sequence) -> bool:
         """Whether ``seq``'s row stays in a chain of decode steps at its full rate though its
         choice needs its last token (``EngineConfig.defer_rows``): a grammar's mask (every
-        processor one, ``mask_words``) or penalties (over a window the device sampler holds:
+        processor one, ``masks_only``) or penalties (over a window the device sampler holds:
         ``penalty_last_n`` 0..PENALTY_WIDTH), no logprobs, and a sampling the device always
-        decides without the host (greedy or top-k 1..256). In a chained launch its input is
-        the token chosen after the launch before (``BatchSampler.resample``, enqueued between
-        the two), so its key, value and recurrent state are its own: hybrids too."""
+        decides (``always_decided``). In a chained launch its input is the token chosen after
+        the launch before (``BatchSampler.resample``, enqueued between the two), so its key,
+        value and recurrent state are its own: hybrids too."""
         req = seq.request
         p = req.sampling
         procs = req.logits_processors
-        return (self.cfg.defer_rows and bool(procs or p.penalties_enabled)
-                and all(hasattr(x, "mask_words") for x in procs)
-                and req.top_logprobs is None and (p.greedy or 1 <= p.top_k <= 256)
+        return (self.cfg.defer_rows and bool(procs or p.penalties_enabled) and masks_only(procs)
+                and req.top_logprobs is None and always_decided(p)
                 and (not p.penalties_enabled
                      or 0 <= p.penalty_last_n <= PENALTY_WIDTH))  # fmt: skip
 
@@ -358,70 +374,74 @@ class Engine:
         """Whether ``seq``'s row stays in a chain of decode steps though it reports logprobs
         (``EngineConfig.defer_rows``; otherwise such a row stops the chain for the whole
         batch): its token is the graph's sampler's as any plain row's (no processors or
-        penalties, greedy or top-k 1..256), and its logits row is copied to the host before
-        the next launch overwrites it (``BatchSampler.hold``), for the logprobs."""
+        penalties, ``always_decided``), and its logits row is copied to the host before the
+        next launch overwrites it (``BatchSampler.hold``), for the logprobs."""
         req = seq.request
         p = req.sampling
         return (self.cfg.defer_rows and req.top_logprobs is not None
                 and not req.logits_processors and not p.penalties_enabled
-                and (p.greedy or 1 <= p.top_k <= 256))  # fmt: skip
-
-    def _host_rides(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s row can stay in a chain of decode steps though its choice is the
-        host's (a logits processor: a JSON grammar's mask): as a passenger every other step
-        (``_continue``). Not in a hybrid model, whose recurrent state a passenger's input
-        would advance wrongly (there a KV row is only overwritten by the next step)."""
-        return bool(seq.request.logits_processors) and not self.hybrid and not self._deferred(seq)
+                and always_decided(p))  # fmt: skip
 
     def _chain_ok(self, cur) -> bool:
-        """Whether the decode step after ``cur`` can be launched before ``cur`` is read: the
-        same sequences (nothing waiting, nothing else running), none of them finishing by
-        length at ``cur``, every one sampled on the device exactly without needing ``cur``'s
-        token on the host (no penalties, processors or logprobs; greedy or top-k <= 256) or
-        riding along as a passenger (``_host_rides``; not all of them: a chain of passengers
-        alone would only halve their rate), and a block for every next position."""
+        """Whether the decode step after ``cur`` can be launched before ``cur`` is read
+        (``_chain_rows``)."""
+        return self._chain_rows(cur) is not None
+
+    def _chain_rows(self, cur) -> _Chain | None:
+        """The rows of the decode step after ``cur`` that need more than the graph's own
+        feed, where that step can be launched before ``cur`` is read; None where it cannot.
+        It can with the same sequences (nothing waiting, nothing else running), none of them
+        finishing by length at ``cur``, a block for every next position, and every row
+        either sampled on the device exactly without ``cur``'s token on the host (no
+        penalties, processors or logprobs; ``always_decided``), or ``_deferred``, or a
+        ``_logprob_row``, or riding along as a passenger (a row whose choice is the host's,
+        a logits processor: every other step, ``_continue``; not all of them, which would
+        only halve their rate; not in a hybrid model, whose recurrent state a passenger's
+        input would advance wrongly, where a KV row is only overwritten by the next step)."""
         rows = cur.wanting
         if self.scheduler.waiting or len(self.scheduler.running) != len(rows):
-            return False
-        need = riders = 0
-        for seq in rows:
+            return None
+        need = 0
+        deferred, hosts, logprob = [], [], []
+        for i, seq in enumerate(rows):
             req = seq.request
             p = req.sampling
             if (seq.finished or len(req.output_ids) + 1 >= req.max_tokens
                     or len(seq.tokens) >= self.cfg.n_ctx):  # fmt: skip
-                return False
-            if self._deferred(seq) or self._logprob_row(seq):
-                pass
-            elif self._host_rides(seq):
-                riders += 1
+                return None
+            if self._deferred(seq):
+                deferred.append(i)
+            elif self._logprob_row(seq):
+                logprob.append(i)
+            elif req.logits_processors and not self.hybrid:
+                hosts.append(i)
             elif (req.logits_processors or req.top_logprobs is not None
-                    or p.penalties_enabled or not (p.greedy or 1 <= p.top_k <= 256)):  # fmt: skip
-                return False
+                    or p.penalties_enabled or not always_decided(p)):  # fmt: skip
+                return None
             if seq.spec is not None and seq.spec.wanted(len(req.output_ids) + 1):
-                return False  # it drafts at its next step: that step needs this one's token
+                return None  # it drafts at its next step: that step needs this one's token
             need += self.blocks.blocks_to_grow(seq.table, seq.n_computed + 1)
-        if riders == len(rows):
-            return False  # passengers alone: a chain would only halve their rate
-        return need <= self.blocks.n_free
+        if len(hosts) == len(rows) or need > self.blocks.n_free:
+            return None  # (passengers alone: a chain would only halve their rate)
+        return _Chain(frozenset(deferred), tuple(hosts), tuple(logprob))
 
     def _continue(self) -> list[StepOutput]:
-        """The step after ``_inflight``, launched before it is read when ``_chain_ok``. A
-        row whose choice needs its last token (``_deferred``: a grammar's mask, penalties) is
-        chosen after the launch, once ``cur``'s token is read (``BatchSampler.resample``,
-        before the next launch reads it). A row whose choice
-        is the host's (``_host_rides``) alternates: where it was read-worthy in
-        the step before, its next input is not chosen yet, so it rides the launch as a
-        passenger (its output not read; the key and value it writes are rewritten by its next
-        step); where it was a passenger, its host-chosen token and position are written on the
-        device for this launch (``overrides``), and its output is read."""
+        """The step after ``_inflight``, launched before it is read when ``_chain_rows``
+        allows. A row whose choice needs its last token (``_deferred``: a grammar's mask,
+        penalties) is chosen after the launch, once ``cur``'s token is read
+        (``BatchSampler.resample``, before the next launch reads it). A row whose choice is
+        the host's alternates: where it was read-worthy in the step before, its next input is
+        not chosen yet, so it rides the launch as a passenger (its output not read; the key
+        and value it writes are rewritten by its next step); where it was a passenger, its
+        host-chosen token and position are written on the device for this launch
+        (``overrides``), and its output is read."""
         cur, self._inflight = self._inflight, None
         nxt = None
-        deferred = frozenset()
-        if self._chain_ok(cur):
+        chain = self._chain_rows(cur)
+        deferred = frozenset() if chain is None else chain.deferred
+        if chain is not None:
             rows = cur.wanting
-            deferred = frozenset(i for i, seq in enumerate(rows) if self._deferred(seq))
-            hosts = [i for i, seq in enumerate(rows)
-                     if seq.request.logits_processors and i not in deferred]
+            hosts = chain.hosts
             passengers = frozenset(i for i in hosts if i not in cur.passengers)
             overrides = tuple((i, rows[i].tokens[-1], rows[i].n_computed)
                               for i in hosts if i in cur.passengers)
@@ -431,8 +451,7 @@ class Engine:
             # the launch below, which overwrites the graph's logits: copied out first (an
             # engine that read them from the device then took the next step's rows, and
             # waited for that step)
-            held = [i for i in hosts if i not in cur.passengers]
-            held += [i for i, seq in enumerate(rows) if self._logprob_row(seq)]
+            held = [i for i in hosts if i not in cur.passengers] + list(chain.logprob)
             try:
                 self.sampler.hold(cur, held)
                 nxt = self.runner.run_chained(rows, overrides, passengers, deferred)

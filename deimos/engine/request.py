@@ -16,6 +16,12 @@ from deimos.kernels.sampling import Sampler, SamplingParams, TokenLogprobs
 LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
 
 
+def masks_only(processors: Sequence[LogitsProcessor]) -> bool:
+    """Whether every processor is a grammar's allowed-token mask (``mask_words``: the server's
+    ``Constrained``), which the device's sampler applies itself; True for none."""
+    return all(hasattr(p, "mask_words") for p in processors)
+
+
 class RequestError(ValueError):
     """A request that cannot be served as asked (too long for the context, bad ids...)."""
 

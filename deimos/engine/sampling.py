@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from deimos.engine.request import EngineError
+from deimos.engine.request import EngineError, masks_only
 from deimos.engine.sequence import Sequence
 from deimos.kernels.sample_batch import EXACT, NAN_ROW
 from deimos.kernels.sampling import Sampler, choose, filter_candidates, logprobs
@@ -35,7 +35,7 @@ from deimos.kernels.sampling import Sampler, choose, filter_candidates, logprobs
 def _host_only(seq: Sequence) -> bool:
     """Whether ``seq``'s tokens are chosen on the host: a logits processor the device cannot
     apply (only a grammar's allowed-token mask, ``mask_words``, is applied there)."""
-    return any(not hasattr(p, "mask_words") for p in seq.request.logits_processors)
+    return not masks_only(seq.request.logits_processors)
 
 
 def _row(result, i: int) -> torch.Tensor:
@@ -212,7 +212,7 @@ class BatchSampler:
                     continue
                 if device_ids is not None and not _host_only(seq) and flags[i] == 0:
                     token = device_ids[i]
-                elif device_ids is not None and flags[i] == 2:
+                elif device_ids is not None and flags[i] == NAN_ROW:
                     raise EngineError("cannot sample from the model's logits: logits contain NaN")
                 else:
                     token = self._host(seq, _row(result, i), None if us is None else us[i])

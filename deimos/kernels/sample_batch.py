@@ -122,6 +122,12 @@ def row_params(rows: SamplingRows, b: int) -> tuple[SamplingParams, Counter[int]
     return p, counts, float(rows.u[b])
 
 
+def always_decided(p: SamplingParams) -> bool:
+    """Whether the device's window decides every row sampled with ``p``, whatever its logits:
+    greedy, or top_k of 1..WINDOW (module docstring)."""
+    return p.greedy or 1 <= p.top_k <= WINDOW
+
+
 def window_decides(logits: torch.Tensor, p: SamplingParams, window: int = WINDOW) -> bool:
     """Whether the device's ``window`` best candidates decide this row (module docstring):
     ``logits`` [V] float32 after penalties. Computed here from the whole sorted row."""
