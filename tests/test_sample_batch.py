@@ -309,6 +309,14 @@ def test_bad_input() -> None:
         sample_rows(x, rows._replace(pen_ids=rows.pen_ids[:, :2]), ids, flags, scratch)
     with pytest.raises(ValueError, match="out_ids"):
         sample_rows(x, rows, ids.int(), flags, scratch)
+    words = torch.zeros(n_b, n_words(v), dtype=torch.int32, device=DEVICE)
+    masked = torch.zeros(n_b, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="words and masked go together"):
+        sample_rows(x, rows, ids, flags, scratch, words)
+    with pytest.raises(ValueError, match=r"words must be int32 \[>= 3, >= 32\]"):
+        sample_rows(x, rows, ids, flags, scratch, words[:, :31], masked)
+    with pytest.raises(ValueError, match="masked int32"):
+        sample_rows(x, rows, ids, flags, scratch, words, masked.long())
     with pytest.raises(ValueError, match="must exceed the window"):
         SampleScratch(n_b, 256, w, DEVICE)
     with pytest.raises(ValueError, match="width 2"):
