@@ -236,8 +236,9 @@ def test_penalized_rows_deferred_keep_the_chain_on_the_gpu(files):
 @pytest.mark.gpu
 def test_logprob_rows_in_a_chain_on_the_gpu(files):
     """With ``defer_rows``, rows reporting logprobs stay in the chain, their logits copied out
-    before the next launch (``BatchSampler.hold``): the tokens and logprobs of the engine
-    whose chain they stop, bit for bit."""
+    before the next launch (``BatchSampler.hold``): the tokens of the engine whose chain they
+    stop, bit for bit, and its logprobs: the same ids, the values to float32's rounding (the
+    held row's log-softmax runs on the host's copy, the unchained row's on the device)."""
 
     def requests(n_vocab):
         return [Request(p, 24, SamplingParams(seed=50 + i), top_logprobs=3 if i % 3 == 0 else None)
@@ -246,7 +247,16 @@ def test_logprob_rows_in_a_chain_on_the_gpu(files):
     runs, (off, on) = _without_and_with_defer(files[("llama-tiny-k", "Q4_K_M")], requests,
                                               lambda r: (r.output_ids, r.token_logprobs))
     assert not off.sampler._held and on.sampler._held
-    assert runs[0] == runs[1]
+    assert [ids for ids, _ in runs[0]] == [ids for ids, _ in runs[1]]
+    n = 0
+    for (_, want), (_, got) in zip(runs[0], runs[1]):
+        assert len(want) == len(got)
+        for w, g in zip(want, got):
+            assert (g.token, g.top_ids) == (w.token, w.top_ids)
+            assert g.logprob == pytest.approx(w.logprob, abs=1e-5)
+            assert g.top_logprobs == pytest.approx(w.top_logprobs, abs=1e-5)
+            n += 1
+    assert n >= 4  # the four logprob requests reported their tokens
 
 
 @pytest.mark.gpu

@@ -5,7 +5,7 @@
 #              ../shared/device/README.md)
 #   .peer/td   the llama.cpp vocabularies and chat templates the rounds synthesize models with
 #              and the GPU tests read (llama-spm), in the layout of $DEIMOS_TEST_DATA;
-#              .peer/td-q (part tdq) Qwen's vocabulary alone
+#              .peer/td-q (part tdq) Qwen's vocabulary and llama-spm's (the GPU engine tests')
 #   .whl-min   (part whlmin) the engine's imports alone (gguf, llguidance, jsonschema)
 #   .peer/lc   llama.cpp's CUDA build for sm_90 (../shared/peers)
 #   .whl-ggml  ggml-python built here, avx2 and avx512 (part ggml; ~10 min each on 2 cores)
@@ -39,7 +39,7 @@ vocabs() {  # DIR VOCAB...: the templates and the named vocabularies, as $DEIMOS
     $(for v in "$@"; do echo "$SRC/llama.cpp/models/ggml-vocab-$v.gguf"; done)
 }
 td() { vocabs .peer/td qwen2 llama-bpe llama-spm; }
-tdq() { vocabs .peer/td-q qwen2; }  # Qwen's alone: beside .peer/lc and .whl-min under 64 MiB
+tdq() { vocabs .peer/td-q qwen2 llama-spm; }  # beside .peer/lc and .whl-min under 64 MiB
 whlmin() {  # what the engine imports (no server): for rounds that also carry .peer/lc
   [ -d .whl-min ] && return
   whl
