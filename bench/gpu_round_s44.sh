@@ -5,7 +5,7 @@
 #     the GPU engine tests with defer_rows on by default (the logprob-row test now compares
 #     the values to float32 rounding: the held row's log-softmax runs on the host), the
 #     constrained A/B through the server (bench/gpu_round_s42.sh cons, levels 0 1), then the
-#     multi-turn agent session on qwen3 4B Q4_K_M against llama-server -np 1 (issue 17's 1.5x)
+#     three agent sessions on qwen3 4B Q4_K_M against llama-server -np 1 (issue 17's 1.5x)
 . bench/gpu_env.sh
 Q3=/tmp/m/qwen3-4b-Q4_K_M-qwen3.gguf
 case "${1:-}" in
@@ -17,6 +17,6 @@ all)
     tests/test_engine_kernels.py 2>&1 | grep -E "^E |passed|failed|^FAILED" | cut -c1-300 | tail -12
   wait
   CONS="${CONS:-0 1}" bash bench/gpu_round_s42.sh cons 2>&1 | tail -6
-  SESSIONS=${SESSIONS:-multi-turn} agent $Q3 qwen3-4b ;;
+  SESSIONS=${SESSIONS:-multi-turn long-prompt long-decode} agent $Q3 qwen3-4b ;;
 *) echo "usage: $0 all" >&2; exit 2 ;;
 esac

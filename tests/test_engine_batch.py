@@ -233,14 +233,14 @@ def test_deferred_grammar_rows_keep_the_chain_on_the_cpu(tiny, tmp_path_factory)
     plain row, even when every row is one and in a hybrid; one the device cannot decide
     (top-k off) or with another processor rides as a passenger as before (in a hybrid: stops
     the chain). A row with penalties over a window of at most 64 tokens is deferred too
-    (without, it stops the chain for all), and a row reporting logprobs stays. Off by
-    default."""
+    (without, it stops the chain for all), and a row reporting logprobs stays. On by
+    default; off, the rows ride as passengers or stop the chain, as before."""
     from hybrid_support import tiny_qwen35
 
     from deimos.engine.runner import StepResult
 
     for path in (tiny, tiny_qwen35(tmp_path_factory, "defer_hybrid").path):
-        llm = LLM(path, n_ctx=256, defer_rows=True)
+        llm = LLM(path, n_ctx=256)  # the default: on
         eng = llm.engine
         seqs = _decoding(eng, 3)
         for s in seqs:
@@ -273,7 +273,7 @@ def test_deferred_grammar_rows_keep_the_chain_on_the_cpu(tiny, tmp_path_factory)
         assert not eng._logprob_row(seqs[0]) and not eng._chain_ok(StepResult(None, seqs))
         for s in seqs:
             eng.cancel(s)
-    llm = LLM(tiny, n_ctx=256)  # the default: off
+    llm = LLM(tiny, n_ctx=256, defer_rows=False)
     seqs = _decoding(llm.engine, 2)
     for s in seqs:
         s.request.logits_processors = [_grammar(llm)]

@@ -231,6 +231,7 @@ class DecodeConfig(NamedTuple):
     block_s: int  # keys per tile
     n_split: int  # splits per (row, kv head): each a 1/n_split share of the row's keys
     num_warps: int
+    num_stages: int = 3  # Triton's default for sm_90
 
 
 def split_count(programs: int, s: int, block_s: int, d: int) -> int:
@@ -352,6 +353,7 @@ def decode_attention(
     new: NewToken | None = None,
     block_tables: torch.Tensor | None = None,
     block_size: int = 0,
+    cfg: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Attention of B query rows over a KV cache.
 
@@ -375,6 +377,7 @@ def decode_attention(
     of q_pos[b] in row b's table when paged; B = 1 when contiguous): what
     ``apply_rope(..., cache=..., slots=...)`` followed by this function does, in one launch
     fewer.
+    ``cfg``: the tile, splits, warps and stages (None: ``decode_config``'s rule; a sweep's).
     """
     out = check_attention_io("decode_attention", q, k, v, window, out, q_pos.device, "B")
     n_b, hq, d = q.shape
@@ -397,7 +400,10 @@ def decode_attention(
     if n_b == 0:
         return out
     new_args, new_kw = _new_token_args(new, q, k, paged)
-    cfg = decode_config(s, n_b, hkv, d)
+    if cfg is None:
+        cfg = decode_config(s, n_b, hkv, d)
+    elif cfg.n_split < 1 or cfg.block_s < 16 or cfg.block_s & (cfg.block_s - 1):
+        raise ValueError(f"decode_attention: bad config {cfg}")
     f32 = dict(dtype=torch.float32, device=q.device)
     part_m = torch.empty((n_b, hq, cfg.n_split), **f32)
     part_l = torch.empty((n_b, hq, cfg.n_split), **f32)
@@ -411,7 +417,8 @@ def decode_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         s, hkv, d, cfg.n_split, scale, window, *new_args,
         G=hq // hkv, G_PAD=GROUP_ROWS, BLOCK_S=cfg.block_s, BLOCK_D=block_d,
-        num_warps=cfg.num_warps, **new_kw, **paged_kw, **launch_options(pdl_on(q.device)),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **new_kw, **paged_kw,
+        **launch_options(pdl_on(q.device)),
     )  # fmt: skip
     combine_splits(part_m, part_l, part_acc, out, quantized, pdl=pdl_on(q.device))
     return out
