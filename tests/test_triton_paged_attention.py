@@ -149,6 +149,28 @@ def test_paged_decode(case: tuple) -> None:
         _close(f"paged decode {case} row {b}", out[b : b + 1], ref, 3e-3)
 
 
+def test_paged_decode_config_override() -> None:
+    """A sweep's ``cfg`` (other key tiles, splits, warps and stages than the rule's) gives the
+    reference's attention; a key tile that is not a power of two >= 16, or no split, is
+    refused by name."""
+    from deimos.kernels.triton.decode_attention import DecodeConfig
+
+    lens, bs, hq, hkv, d = [70, 17], 16, 8, 2, 64
+    pool = Paged(lens, lens, bs, hkv, d, seed=11)
+    q = _rand(2, hq, d, seed=12, dtype=F16)
+    pos = torch.tensor([69, 16], dtype=torch.int32, device=DEVICE)
+    for cfg in (DecodeConfig(16, 1, 4, 2), DecodeConfig(32, 5, 2, 4), DecodeConfig(128, 2, 8, 3)):
+        out = decode_attention(q, pool.k, pool.v, pos, d**-0.5, out=_poison(q),
+                               block_tables=pool.tables(), block_size=bs, cfg=cfg)  # fmt: skip
+        for b, n in enumerate(lens):
+            _close(f"decode {cfg} row {b}", out[b : b + 1],
+                   pool.reference(q[b : b + 1], [n - 1], b, d**-0.5, 0), 3e-3)
+    for bad in (DecodeConfig(24, 2, 4), DecodeConfig(8, 2, 4), DecodeConfig(32, 0, 4)):
+        with pytest.raises(ValueError, match="bad config"):
+            decode_attention(q, pool.k, pool.v, pos, d**-0.5, block_tables=pool.tables(),
+                             block_size=bs, cfg=bad)
+
+
 def test_paged_decode_padding_row_and_quantized() -> None:
     """Row 1 is a CUDA graph's padding (q_pos 0, every table entry the scratch block): it runs
     like any sequence of one key; the others are untouched by it. The combine kernel's
