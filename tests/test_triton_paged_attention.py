@@ -402,12 +402,12 @@ def test_split_rules() -> None:
     assert paged_prefill_split(1, 1, 100, 64) == 2  # two key tiles of a 100-key table
     assert paged_prefill_split(1, 1, 1 << 20, 256) == 64  # the combine's registers at D 256
     assert paged_prefill_split(1, 1, 1 << 20, 128) == 128
-    # decode: (S, B, Hkv, D) -> (block_s, n_split, warps), the values before sharing
-    assert decode_config(4096, 1, 8, 128) == (64, 64, 4)
-    assert decode_config(4096, 16, 8, 128) == (64, 4, 4)
-    assert decode_config(32768, 1, 8, 128) == (64, 66, 4)
-    assert decode_config(1 << 20, 1, 1, 256) == (32, 64, 4)
-    assert decode_config(4096, 64, 8, 64) == (64, 1, 4)
+    # decode: (S, B, Hkv, D) -> (block_s, n_split, warps, stages), the values before sharing
+    assert decode_config(4096, 1, 8, 128) == (64, 64, 4, 3)
+    assert decode_config(4096, 16, 8, 128) == (64, 4, 4, 3)
+    assert decode_config(32768, 1, 8, 128) == (64, 66, 4, 3)
+    assert decode_config(1 << 20, 1, 1, 256) == (32, 64, 4, 3)
+    assert decode_config(4096, 64, 8, 64) == (64, 1, 4, 3)
     # test_paged_prefill's "rule" runs split where the table has more than one key tile
     assert [_rule_split(c) for c in PREFILL_CASES] == [2, 3, 2, 1, 3, 4]
 
