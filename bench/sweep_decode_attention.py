@@ -82,13 +82,13 @@ def main() -> int:
                 print(f"budget of {a.budget:.0f} s spent: stopped", flush=True)
                 return report(rows)
             out = torch.empty_like(q)
-            calls = [lambda kv=kv, c=c, out=out: decode_attention(
+            calls = [lambda kv=kv, c=c, out=out, q_pos=q_pos: decode_attention(
                 q, kv[0], kv[1], q_pos, scale, out=out, block_tables=table, block_size=BLOCK,
                 cfg=c) for kv in pools]  # fmt: skip
             try:
                 calls[0]()
                 torch.cuda.synchronize()
-            except Exception as e:  # registers, shared memory
+            except Exception as e:  # noqa: BLE001 - registers, shared memory: reported, skipped
                 print(f"P={pos} {c}: {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
                 continue
             err = (out.float() - ref.float()).abs().max().item()
@@ -109,7 +109,7 @@ def report(rows: list) -> int:
     by_pos: dict[int, list] = {}
     for r in rows:
         by_pos.setdefault(r[0], []).append(r)
-    for pos, rs in by_pos.items():
+    for rs in by_pos.values():
         rs.sort(key=lambda r: r[2])
         shown = rs[:6] + [r for r in rs[6:] if r[5]]
         for p, c, us, gbs, err, tag in shown:
