@@ -1,7 +1,8 @@
 # Sourced by the GPU round scripts (bench/gpu_round_*.sh), from the repository root on the GPU
 # machine: the carried wheels and llama.cpp build on the paths, the test data, the outputs.
 set -uo pipefail
-# (tools/gpu_carry.sh builds the carried folders; .peer/td-q: Qwen's and llama-spm's vocabularies, the templates)
+# (tools/gpu_carry.sh builds the carried folders; .peer/td-q: Qwen's and llama-spm's
+# vocabularies and the templates)
 TD=$PWD/.peer/td; [ -d "$TD" ] || TD=$PWD/.peer/td-q
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD DEIMOS_TEST_DATA=$TD
 export LD_LIBRARY_PATH=/tmp/lc:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
