@@ -173,8 +173,9 @@ class BatchSampler:
             x[j].copy_(result.logits[i])
         state.run(x[:k])
         feed = result.graph.tokens
-        for j, (i, _) in enumerate(rows):  # a flagged row's -1: its request fails at the read
-            feed[i : i + 1].copy_(state.ids[j : j + 1].clamp(min=0))
+        chosen = state.ids[:k].clamp(min=0)  # a flagged row's -1: its request fails at the read
+        for j, (i, _) in enumerate(rows):
+            feed[i : i + 1].copy_(chosen[j : j + 1])
         result.resampled = (state, state.fetch(), {i: j for j, (i, _) in enumerate(rows)})
         result.resample_errors = {rows[j][0]: e for j, e in state.mask_errors.items()}
 

@@ -45,8 +45,9 @@ class Constrained:
 
     def mask_words(self, output_ids: Sequence[int], out: np.ndarray) -> None:
         """What ``__call__`` would mask now, as allowed-token bit words into ``out`` (uint32
-        [n_words(V)]): the device masks the row instead (deimos.kernels.triton.token_mask),
-        and samples it with the others, equal to the host's choice on the processed row."""
+        [n_words(V)]): the device masks the row instead (the batch sampler's window kernel,
+        deimos.kernels.triton.sample_batch reads them) and samples it with the others, equal
+        to the host's choice on the processed row."""
         self._advance(output_ids)
         if self.constraint.done:
             set_ids(out, self.stop_ids.tolist())
