@@ -140,6 +140,50 @@ def test_gemv_q8_gpu(t: GGMLType, shape: tuple[int, int]) -> None:
     print(f"PERF q8 {t.name:5} {n:>6}x{k:<6} {sec * 1e6:7.2f} us {gbs:6.0f} GB/s {gbs / ROOF_GBS:4.0%}")
 
 
+@pytest.mark.gpu
+def test_gemv_q8_ahead_waits_for_its_activation(monkeypatch) -> None:
+    """With PDL a GEMV loads its first weights before waiting on the kernel before it
+    (``ahead``); its activation must still be the one that kernel just wrote. A CUDA graph
+    of 12 (RMSNorm writing the quantized activation, GEMV) pairs, each GEMV reading what the
+    norm before it wrote, replayed on new inputs: equal to the chain with the loads after the
+    wait, run eagerly."""
+    if INTERPRETED or not torch.cuda.is_available():
+        pytest.fail("gpu test needs CUDA and TRITON_INTERPRET unset (run on the GPU machine)")
+    import deimos.quant.triton.gemv_q8 as gq
+    from deimos.kernels.triton.norm import rms_norm
+    from deimos.quant.triton.pdl import ahead_on
+
+    assert ahead_on(torch.device("cuda")), "PDL off on this GPU: nothing to test"
+    d = 2048
+    types = [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0]
+    ws = [pack(_blocks(types[i % 3], d, d, seed=20 + i), types[i % 3]).to("cuda") for i in range(12)]
+    norm_w = torch.rand(d, device="cuda") + 0.5
+    x = torch.empty(1, d, device="cuda")
+
+    def chain() -> torch.Tensor:
+        h = x
+        for w in ws:
+            q = gq.empty_quantized(1, d, "cuda")
+            rms_norm(h, norm_w, 1e-6, quantized=q)
+            h = gq.gemv_q8(w, q)
+        return h
+
+    x.copy_(torch.randn(1, d, device="cuda"))
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = chain()
+    for seed in range(3):
+        x.copy_(torch.randn(1, d, generator=torch.Generator().manual_seed(seed)).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        with monkeypatch.context() as m:
+            m.setattr(gq, "ahead_on", lambda device: False)
+            want = chain()
+        assert _rel(y, want) < 1e-6, f"replay {seed}: {_rel(y, want):.2e}"
+
+
 def test_gemv_grid_holds_large_vocabularies() -> None:
     """gemma3's tied output matrix has 262144 rows: 65536 row tiles, one past CUDA's limit
     for grid axes 1 and 2 (a launch failed with "invalid argument" on the H200 when they were

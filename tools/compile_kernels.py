@@ -115,7 +115,7 @@ def _q8_jobs() -> list[Job]:
             jobs.append(Job("gemv_q8_" + t.name, _describe(cfg) + f" xb={int(cfg.xb)} even={int(even)}",
                             _warm_args(q._gemv_q8_kernel, args, FMT=FMT_ID[kt], BLOCK_N=cfg.block_n,
                                        BLOCK_S=cfg.block_s, ASM=True, XB=cfg.xb, EVEN=even,
-                                       SCALE16=scale16(sample),
+                                       SCALE16=scale16(sample), AHEAD=True,
                                        num_warps=cfg.num_warps, **PDL_KW)))
     from deimos.models.gpu import dequant
 
@@ -544,7 +544,7 @@ def _moe_jobs() -> list[Job]:
                                 _warm_args(mv._moe_gemv_kernel, args, FMT=FMT_ID[kt],
                                            BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s, ASM=True,
                                            XB=cfg.xb, EVEN=even, SCALE16=scale16(sample),
-                                           PAIR_ROWS=pair, CHUNKED=chunked,
+                                           PAIR_ROWS=pair, CHUNKED=chunked, AHEAD=pair,
                                            num_warps=cfg.num_warps, **PDL_KW)))
             if not pair and t in chunk_samples:  # gate and up in one launch (moe_gemv_pair)
                 two = {f"{p}2": MockTensor(a.dtype) for p, a in zip(("p_qw", "p_qh", "p_s", "p_d", "p_m"), arrays)}
@@ -563,12 +563,13 @@ def _moe_jobs() -> list[Job]:
     # the fused one-token step (quant.triton.moe_decode, kernels.triton.moe_router)
     md = importlib.import_module("deimos.quant.triton.moe_decode")
     mr = importlib.import_module("deimos.kernels.triton.moe_router")
+    rt = mr.RouterTile()
     for e, k in ((n_exp, top_k), (512, 10)):
-        jobs.append(Job("moe_router", f"E={e} D={d_model} k={k}",
-                        _warm(mr._router_kernel, [f32, f32, f32, i32, f32, i32, e, d_model, e // mr.RouterTile().block_e],
-                              TOP_K=k, K_PAD=triton.next_power_of_2(k), BLOCK_E=mr.RouterTile().block_e,
-                              BLOCK_D=512, BLOCK_ALL=triton.next_power_of_2(e), RENORM=True,
-                              num_warps=4, **PDL_KW)))
+        jobs.append(Job("moe_router", f"E={e} D={d_model} k={k} " + str(tuple(rt)),
+                        _warm(mr._router_kernel, [f32, f32, f32, i32, f32, i32, e, d_model, e // rt.block_e],
+                              TOP_K=k, K_PAD=triton.next_power_of_2(k), BLOCK_E=rt.block_e,
+                              BLOCK_D=rt.block_d, BLOCK_ALL=triton.next_power_of_2(e), RENORM=True,
+                              num_warps=rt.num_warps, AHEAD=True, **PDL_KW)))
     for t in [*FMT_ID, GGMLType.IQ4_XS, GGMLType.IQ2_XS]:
         kt = KERNEL_TYPE.get(t, t)
         gate = _packed_sample(t, d_model)

@@ -25,18 +25,20 @@ import triton
 import triton.language as tl
 
 from deimos.kernels.triton.moe_route import MAX_EXPERTS, MAX_TOP_K, _topk_store
-from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
+from deimos.quant.triton.pdl import ahead_on, launch_options, pdl_on, pdl_start
 
 MAX_TOKENS = 8  # the decode steps this launch serves (more tokens: torch.mm then moe_route)
 
 
 class RouterTile(NamedTuple):
     """A program's experts (``block_e`` rows of W_r), the columns a loop step (``block_d``),
-    its warps."""
+    its warps. The default: bench/sweep_router.py's best on the H200 (session 31) at both
+    qwen35moe's 256 x 2048 (4.70 us a call against 5.97 at (8, 512, 4)) and qwen3moe's
+    128 x 2048 (4.54 against 5.82)."""
 
-    block_e: int = 8
-    block_d: int = 512
-    num_warps: int = 4
+    block_e: int = 2
+    block_d: int = 2048
+    num_warps: int = 2
 
 
 class RouterScratch:
@@ -60,14 +62,27 @@ class RouterScratch:
 def _router_kernel(p_x, p_r, p_logits, p_count, p_w, p_ids, E, D, N_SPLIT,
                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_ALL: tl.constexpr, RENORM: tl.constexpr,
-                   PDL: tl.constexpr = False):
-    pdl_start(PDL)
+                   PDL: tl.constexpr = False, AHEAD: tl.constexpr = False):
+    """AHEAD (with PDL): the router's first BLOCK_D columns (a weight: no kernel of the step
+    writes it) loaded before the wait, streaming while the kernel before still runs."""
+    if not AHEAD:
+        pdl_start(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     i_s = tl.program_id(1)
     o_e = i_s * BLOCK_E + tl.arange(0, BLOCK_E)
     m_e = o_e < E
     acc = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
+    first = 0
+    if AHEAD:
+        o_d = tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        b_r = tl.load(p_r + o_e[:, None].to(tl.int64) * D + o_d[None, :], mask=m_e[:, None] & m_d[None, :],
+                      other=0.0)  # fmt: skip
+        pdl_start(True)
+        b_x = tl.load(p_x + i_t * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+        acc += b_r * b_x[None, :]
+        first = BLOCK_D
+    for d0 in range(first, D, BLOCK_D):
         o_d = d0 + tl.arange(0, BLOCK_D)
         m_d = o_d < D
         b_x = tl.load(p_x + i_t * D + o_d, mask=m_d, other=0.0).to(tl.float32)
@@ -91,7 +106,7 @@ def moe_router(x: torch.Tensor, router: torch.Tensor, k: int, renorm: bool,
     """x ``[T, D]`` (float, contiguous, T <= MAX_TOKENS), router float32 ``[E, D]`` (contiguous)
     -> (weights float32 ``[T, k]``, ids int32 ``[T, k]``) as ``moe_route(x W_r^T, k, renorm)``.
     ``scratch``: a ``RouterScratch``'s (logits, counters) for E on x's device. ``tile``: the
-    launch (default ``RouterTile()``, not yet swept)."""
+    launch (default ``RouterTile()``)."""
     if x.dim() != 2 or not x.is_contiguous() or not x.dtype.is_floating_point:
         raise ValueError(f"moe_router: x must be contiguous float [T, D], got {x.dtype} {tuple(x.shape)}")
     t, d = x.shape
@@ -121,6 +136,6 @@ def moe_router(x: torch.Tensor, router: torch.Tensor, k: int, renorm: bool,
             K_PAD=triton.next_power_of_2(k), BLOCK_E=tile.block_e,
             BLOCK_D=min(tile.block_d, triton.next_power_of_2(d)),
             BLOCK_ALL=max(16, triton.next_power_of_2(e)), RENORM=bool(renorm), num_warps=tile.num_warps,
-            **launch_options(pdl_on(x.device)),
+            AHEAD=ahead_on(x.device), **launch_options(pdl_on(x.device)),
         )  # fmt: skip
     return weights, ids

@@ -84,8 +84,10 @@ def expert_products(x: torch.Tensor, block, ids: torch.Tensor, slot_of: torch.Te
         g, u = moe_gemv_pair(w["gate"], w["up"], f, qx, ids, slot_of, "token", c.get("gate"), c.get("up"))
         qa = empty_quantized(k, f, x.device) if f % 32 == 0 else None
         a = gated_act(g, u, block.activation, quantized=qa)
+        # ahead: the kernel just before is gated_act's (or quantize_x's), which writes
+        # neither ids, slot_of nor the weights
         return moe_gemv(w["down"], d, qa if qa is not None else quantize_x(a), ids, slot_of, "pair",
-                        chunks=c.get("down"))
+                        chunks=c.get("down"), ahead=True)
     tiles = moe_align(ids, block.n_expert, moe_block_m(t * k, block.n_expert))
     x16 = x.to(torch.float16).contiguous()
     g = moe_gemm(x16, w["gate"], f, tiles, slot_of, "token", x_permuted=False, chunks=c.get("gate"))

@@ -66,7 +66,7 @@ from deimos.quant.triton.dequant_gemv import (
     scale16,
     weight_arrays,
 )
-from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
+from deimos.quant.triton.pdl import ahead_on, launch_options, pdl_on, pdl_start
 from deimos.quant.triton.layout import PackedWeight
 
 # read once: whether kernels run in Triton's interpreter (no inline PTX there)
@@ -115,128 +115,171 @@ def _gemv_q8_kernel(
     N, K,
     FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ASM: tl.constexpr,
     XB: tl.constexpr = False, EVEN: tl.constexpr = False, PDL: tl.constexpr = False,
-    SCALE16: tl.constexpr = False,
+    SCALE16: tl.constexpr = False, AHEAD: tl.constexpr = False,
 ):  # fmt: skip
     """Program (i_n, i_b): rows i_n BLOCK_N .. of y row i_b (``gemv_q8_rows``). PDL:
-    deimos.quant.triton.pdl."""
-    pdl_start(PDL)
+    deimos.quant.triton.pdl; AHEAD (with PDL): the first weights loaded before the wait."""
+    if not AHEAD:
+        pdl_start(PDL)
     i_n = tl.program_id(0)  # row tiles on axis 0: a 262144-row vocabulary is 65536 tiles,
     i_b = tl.program_id(1)  # past CUDA's 65535 limit of the other axes
     y = gemv_q8_rows(p_qw, p_qh, p_s, p_d, p_m, p_xq, p_xd, p_xs, i_n, i_b, N, K, FMT=FMT,
-                     BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S, ASM=ASM, XB=XB, EVEN=EVEN, SCALE16=SCALE16)
+                     BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S, ASM=ASM, XB=XB, EVEN=EVEN, SCALE16=SCALE16,
+                     WAIT=AHEAD)
     o_y = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(p_y + i_b * N + o_y, y, mask=o_y < N)
+
+
+@triton.jit
+def _step_weights(p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL,
+                  FMT: tl.constexpr, MASKED: tl.constexpr, SCALE16: tl.constexpr):
+    """One loop step's weight loads (groups ``u`` of rows ``o_n``): the code words, their high
+    bits' entries, the words' mask and the groups' scales (s_lo, s_hi, m_lo, m_hi: Q2_K's
+    scales and mins of each half; the other formats' ``group_scales`` with m_hi = m_lo).
+    Nothing here was written by another kernel of the step: a program may load it before
+    waiting on the kernel before it (``gemv_q8_rows``' WAIT)."""
+    m_ns = m_n[:, None] & m_s[None, :]
+    b_w, b_h, m_w = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT, MASKED)
+    if FMT == Q2_K:
+        s_lo, s_hi, mn_lo, mn_hi = q2k_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, MASKED)
+    else:
+        s_lo, s_hi, mn_lo = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT, MASKED, SCALE16)
+        mn_hi = mn_lo
+    return b_w, b_h, m_w, s_lo, s_hi, mn_lo, mn_hi
+
+
+@triton.jit
+def _step_dot(b_w, b_h, m_w, s_lo, s_hi, mn_lo, mn_hi, p_xq, p_xd, p_xs, i_b, o_n, u, m_s, S_TOTAL,
+              FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ASM: tl.constexpr,
+              XB: tl.constexpr, MASKED: tl.constexpr, SCALE16: tl.constexpr):  # fmt: skip
+    """One loop step's products (``_step_weights``' loads times x row i_b's groups ``u``;
+    ``p_xq`` already at the row): float32 ``[BLOCK_N, BLOCK_S]``, each group's dot times its
+    x scale."""
+    W: tl.constexpr = 8 if FMT == Q8_0 else (2 if FMT == Q2_K else 4)  # weight words per group
+    HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1 or FMT == Q5_1
+    OFFSET: tl.constexpr = 8 if FMT == Q4_0 else (16 if FMT == Q5_0 else (32 if FMT == Q6_K else 0))
+    o_w = tl.arange(0, W)
+    # XB: x words [1, S, W], broadcast over the rows held in registers; else in the weights'
+    # full shape (rows broadcast), the weights' register layout
+    if XB:
+        o_x = u[None, :, None] * 16 + o_w[None, None, :]
+        m_x = m_s[None, :, None] & (o_w < W)[None, None, :]
+    else:
+        o_x = u[None, :, None] * 16 + o_w[None, None, :] + (o_n * 0)[:, None, None]
+        m_x = m_w
+    zero = tl.zeros([BLOCK_N, BLOCK_S, W], dtype=tl.int32)
+    # x plane 0 (coarse codes) at words 16u + 0..7, plane 1 (residual codes) at 16u + 8..15
+    if FMT == Q8_0:
+        b_x = masked_load(p_xq + o_x, m_x, MASKED)
+        b_xr = masked_load(p_xq + o_x + 8, m_x, MASKED)
+        if SCALE16:
+            w_lo = b_w & 0xFFFF
+            w_hi = b_w & -65536
+            d_lo = _dp4a(w_lo, b_x, zero, ASM) * PLANE + _dp4a(w_lo, b_xr, zero, ASM)
+            d_hi = _dp4a(w_hi, b_x, zero, ASM) * PLANE + _dp4a(w_hi, b_xr, zero, ASM)
+        else:
+            d_lo = _dp4a(b_w, b_x, zero, ASM) * PLANE + _dp4a(b_w, b_xr, zero, ASM)
+            d_hi = d_lo
+    elif FMT == Q2_K:  # (word >> 2p) & 0x03030303: elements 2p + w + 8j, x word 2p + w
+        a1, a2, h1, h2 = zero, zero, zero, zero
+        for p in tl.static_range(4):
+            x_p = masked_load(p_xq + o_x + 2 * p, m_x, MASKED)
+            x_pr = masked_load(p_xq + o_x + 8 + 2 * p, m_x, MASKED)
+            c = (b_w >> (2 * p)) & 0x03030303
+            c_lo = c & 0xFFFF  # bytes 0-1: elements 0-15 (first scale and min)
+            c_hi = c & -65536
+            a1 = _dp4a(c_lo, x_p, a1, ASM)
+            a2 = _dp4a(c_lo, x_pr, a2, ASM)
+            h1 = _dp4a(c_hi, x_p, h1, ASM)
+            h2 = _dp4a(c_hi, x_pr, h2, ASM)
+        d_lo = a1 * PLANE + a2
+        d_hi = h1 * PLANE + h2
+    else:
+        x0 = masked_load(p_xq + o_x, m_x, MASKED)  # x words 0..3: parity 0
+        x1 = masked_load(p_xq + o_x + 4, m_x, MASKED)  # x words 4..7: parity 1
+        x0r = masked_load(p_xq + o_x + 8, m_x, MASKED)
+        x1r = masked_load(p_xq + o_x + 12, m_x, MASKED)
+        c0 = b_w & 0x0F0F0F0F
+        c1 = (b_w >> 4) & 0x0F0F0F0F
+        if FMT == Q6_K:
+            e = _q6_high(b_h)
+            c0 |= e & 0x30303030
+            c1 |= (e >> 2) & 0x30303030
+        elif FMT == Q5_K or FMT == Q5_0 or FMT == Q5_1:
+            c0 |= _spread1(b_h, 0)
+            c1 |= _spread1(b_h, 1)
+        if FMT == Q6_K:  # bytes 0-1: elements 0-15 (first scale), 2-3: 16-31
+            a0, a1 = c0 & 0xFFFF, c1 & 0xFFFF
+            b0, b1 = c0 & -65536, c1 & -65536
+            d_lo = (_dp4a(a0, x0, _dp4a(a1, x1, zero, ASM), ASM) * PLANE
+                    + _dp4a(a0, x0r, _dp4a(a1, x1r, zero, ASM), ASM))  # fmt: skip
+            d_hi = (_dp4a(b0, x0, _dp4a(b1, x1, zero, ASM), ASM) * PLANE
+                    + _dp4a(b0, x0r, _dp4a(b1, x1r, zero, ASM), ASM))  # fmt: skip
+        else:
+            d_lo = (_dp4a(c0, x0, _dp4a(c1, x1, zero, ASM), ASM) * PLANE
+                    + _dp4a(c0, x0r, _dp4a(c1, x1r, zero, ASM), ASM))  # fmt: skip
+            d_hi = d_lo
+    i_lo = tl.sum(d_lo, axis=2)
+    xs_lo = masked_load(p_xs + i_b * (2 * S_TOTAL) + 2 * u, m_s, MASKED)[None, :]
+    xs_hi = masked_load(p_xs + i_b * (2 * S_TOTAL) + 2 * u + 1, m_s, MASKED)[None, :]
+    xd = masked_load(p_xd + i_b * S_TOTAL + u, m_s, MASKED)[None, :]
+    if FMT == Q2_K:
+        i_hi = tl.sum(d_hi, axis=2)
+        dot = (s_lo * i_lo.to(tl.float32) + s_hi * i_hi.to(tl.float32)
+               - mn_lo * xs_lo.to(tl.float32) - mn_hi * xs_hi.to(tl.float32))  # fmt: skip
+    else:
+        if FMT == Q6_K or SCALE16:
+            i_hi = tl.sum(d_hi, axis=2)
+            dot = (s_lo * (i_lo - OFFSET * xs_lo).to(tl.float32)
+                   + s_hi * (i_hi - OFFSET * xs_hi).to(tl.float32))  # fmt: skip
+        else:
+            dot = s_lo * (i_lo - OFFSET * (xs_lo + xs_hi)).to(tl.float32)
+        if HAS_MIN:
+            dot += mn_lo * (xs_lo + xs_hi).to(tl.float32)
+    return xd * dot
 
 
 @triton.jit
 def gemv_q8_rows(
     p_qw, p_qh, p_s, p_d, p_m, p_xq, p_xd, p_xs, i_n, i_b, N, K,
     FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ASM: tl.constexpr,
-    XB: tl.constexpr, EVEN: tl.constexpr, SCALE16: tl.constexpr,
+    XB: tl.constexpr, EVEN: tl.constexpr, SCALE16: tl.constexpr, WAIT: tl.constexpr = False,
 ):  # fmt: skip
     """float32 ``[BLOCK_N]``: rows i_n BLOCK_N .. of W times x row i_b (rows past N: row N - 1's
     value, for the caller to mask). The body every integer-activation GEMV runs (the MoE
     kernels too). EVEN: BLOCK_S divides the groups of a row, so nothing is masked (rows past
     N are clamped to row N - 1 for loading). SCALE16 (Q8_0's layout): a scale per 16
     elements; bytes 0-1 of a word are the group's first 16 elements (32u + 8b + w), 2-3 its
-    last, dotted apart as Q6_K's halves."""
-    W: tl.constexpr = 8 if FMT == Q8_0 else (2 if FMT == Q2_K else 4)  # weight words per group
-    HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1 or FMT == Q5_1
-    OFFSET: tl.constexpr = 8 if FMT == Q4_0 else (16 if FMT == Q5_0 else (32 if FMT == Q6_K else 0))
+    last, dotted apart as Q6_K's halves.
+
+    WAIT (a kernel launched with PDL whose caller has not waited yet): the first loop step's
+    weights and scales are loaded, then ``pdl_start``, then x: the weights (never written in
+    a step) stream while the kernel before still runs, instead of after it (the caller's
+    program must not have loaded or stored anything another kernel of the step writes)."""
     S_TOTAL = K // 32
     MASKED: tl.constexpr = not EVEN
     o_y = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_n = tl.minimum(o_y, N - 1).to(tl.int64)  # rows that are loaded (the caller stores o_y < N)
     m_n = o_n >= 0  # every loaded row exists (all true; the shape the masks broadcast from)
     o_s = tl.arange(0, BLOCK_S)
-    o_w = tl.arange(0, W)
     p_xq += i_b * (K // 2)
     acc = tl.zeros([BLOCK_N, BLOCK_S], dtype=tl.float32)
-    for s0 in range(0, S_TOTAL, BLOCK_S):
+    first = 0
+    if WAIT:  # the first step peeled: its weights in flight across the wait
+        m_s = o_s < S_TOTAL
+        b_w, b_h, m_w, s_lo, s_hi, mn_lo, mn_hi = _step_weights(
+            p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, o_s, m_s, S_TOTAL, FMT, MASKED, SCALE16)
+        pdl_start(True)
+        acc += _step_dot(b_w, b_h, m_w, s_lo, s_hi, mn_lo, mn_hi, p_xq, p_xd, p_xs, i_b, o_n,
+                         o_s, m_s, S_TOTAL, FMT, BLOCK_N, BLOCK_S, ASM, XB, MASKED, SCALE16)
+        first = BLOCK_S
+    for s0 in range(first, S_TOTAL, BLOCK_S):
         u = s0 + o_s
         m_s = u < S_TOTAL
-        m_ns = m_n[:, None] & m_s[None, :]
-        b_w, b_h, m_w = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT, MASKED)
-        # XB: x words [1, S, W], broadcast over the rows held in registers; else in the weights'
-        # full shape (rows broadcast), the weights' register layout
-        if XB:
-            o_x = u[None, :, None] * 16 + o_w[None, None, :]
-            m_x = m_s[None, :, None] & (o_w < W)[None, None, :]
-        else:
-            o_x = u[None, :, None] * 16 + o_w[None, None, :] + (o_n * 0)[:, None, None]
-            m_x = m_w
-        zero = tl.zeros([BLOCK_N, BLOCK_S, W], dtype=tl.int32)
-        # x plane 0 (coarse codes) at words 16u + 0..7, plane 1 (residual codes) at 16u + 8..15
-        if FMT == Q8_0:
-            b_x = masked_load(p_xq + o_x, m_x, MASKED)
-            b_xr = masked_load(p_xq + o_x + 8, m_x, MASKED)
-            if SCALE16:
-                w_lo = b_w & 0xFFFF
-                w_hi = b_w & -65536
-                d_lo = _dp4a(w_lo, b_x, zero, ASM) * PLANE + _dp4a(w_lo, b_xr, zero, ASM)
-                d_hi = _dp4a(w_hi, b_x, zero, ASM) * PLANE + _dp4a(w_hi, b_xr, zero, ASM)
-            else:
-                d_lo = _dp4a(b_w, b_x, zero, ASM) * PLANE + _dp4a(b_w, b_xr, zero, ASM)
-                d_hi = d_lo
-        elif FMT == Q2_K:  # (word >> 2p) & 0x03030303: elements 2p + w + 8j, x word 2p + w
-            a1, a2, h1, h2 = zero, zero, zero, zero
-            for p in tl.static_range(4):
-                x_p = masked_load(p_xq + o_x + 2 * p, m_x, MASKED)
-                x_pr = masked_load(p_xq + o_x + 8 + 2 * p, m_x, MASKED)
-                c = (b_w >> (2 * p)) & 0x03030303
-                c_lo = c & 0xFFFF  # bytes 0-1: elements 0-15 (first scale and min)
-                c_hi = c & -65536
-                a1 = _dp4a(c_lo, x_p, a1, ASM)
-                a2 = _dp4a(c_lo, x_pr, a2, ASM)
-                h1 = _dp4a(c_hi, x_p, h1, ASM)
-                h2 = _dp4a(c_hi, x_pr, h2, ASM)
-            d_lo = a1 * PLANE + a2
-            d_hi = h1 * PLANE + h2
-        else:
-            x0 = masked_load(p_xq + o_x, m_x, MASKED)  # x words 0..3: parity 0
-            x1 = masked_load(p_xq + o_x + 4, m_x, MASKED)  # x words 4..7: parity 1
-            x0r = masked_load(p_xq + o_x + 8, m_x, MASKED)
-            x1r = masked_load(p_xq + o_x + 12, m_x, MASKED)
-            c0 = b_w & 0x0F0F0F0F
-            c1 = (b_w >> 4) & 0x0F0F0F0F
-            if FMT == Q6_K:
-                e = _q6_high(b_h)
-                c0 |= e & 0x30303030
-                c1 |= (e >> 2) & 0x30303030
-            elif FMT == Q5_K or FMT == Q5_0 or FMT == Q5_1:
-                c0 |= _spread1(b_h, 0)
-                c1 |= _spread1(b_h, 1)
-            if FMT == Q6_K:  # bytes 0-1: elements 0-15 (first scale), 2-3: 16-31
-                a0, a1 = c0 & 0xFFFF, c1 & 0xFFFF
-                b0, b1 = c0 & -65536, c1 & -65536
-                d_lo = (_dp4a(a0, x0, _dp4a(a1, x1, zero, ASM), ASM) * PLANE
-                        + _dp4a(a0, x0r, _dp4a(a1, x1r, zero, ASM), ASM))  # fmt: skip
-                d_hi = (_dp4a(b0, x0, _dp4a(b1, x1, zero, ASM), ASM) * PLANE
-                        + _dp4a(b0, x0r, _dp4a(b1, x1r, zero, ASM), ASM))  # fmt: skip
-            else:
-                d_lo = (_dp4a(c0, x0, _dp4a(c1, x1, zero, ASM), ASM) * PLANE
-                        + _dp4a(c0, x0r, _dp4a(c1, x1r, zero, ASM), ASM))  # fmt: skip
-                d_hi = d_lo
-        i_lo = tl.sum(d_lo, axis=2)
-        xs_lo = masked_load(p_xs + i_b * (2 * S_TOTAL) + 2 * u, m_s, MASKED)[None, :]
-        xs_hi = masked_load(p_xs + i_b * (2 * S_TOTAL) + 2 * u + 1, m_s, MASKED)[None, :]
-        xd = masked_load(p_xd + i_b * S_TOTAL + u, m_s, MASKED)[None, :]
-        if FMT == Q2_K:
-            s_lo, s_hi, mn_lo, mn_hi = q2k_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, MASKED)
-            i_hi = tl.sum(d_hi, axis=2)
-            dot = (s_lo * i_lo.to(tl.float32) + s_hi * i_hi.to(tl.float32)
-                   - mn_lo * xs_lo.to(tl.float32) - mn_hi * xs_hi.to(tl.float32))  # fmt: skip
-        else:
-            s_lo, s_hi, mn = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT, MASKED, SCALE16)
-            if FMT == Q6_K or SCALE16:
-                i_hi = tl.sum(d_hi, axis=2)
-                dot = (s_lo * (i_lo - OFFSET * xs_lo).to(tl.float32)
-                       + s_hi * (i_hi - OFFSET * xs_hi).to(tl.float32))  # fmt: skip
-            else:
-                dot = s_lo * (i_lo - OFFSET * (xs_lo + xs_hi)).to(tl.float32)
-            if HAS_MIN:
-                dot += mn * (xs_lo + xs_hi).to(tl.float32)
-        acc += xd * dot
+        b_w, b_h, m_w, s_lo, s_hi, mn_lo, mn_hi = _step_weights(
+            p_qw, p_qh, p_s, p_d, p_m, o_n, m_n, u, m_s, S_TOTAL, FMT, MASKED, SCALE16)
+        acc += _step_dot(b_w, b_h, m_w, s_lo, s_hi, mn_lo, mn_hi, p_xq, p_xd, p_xs, i_b, o_n,
+                         u, m_s, S_TOTAL, FMT, BLOCK_N, BLOCK_S, ASM, XB, MASKED, SCALE16)
     return tl.sum(acc, axis=1)
 
 
@@ -427,7 +470,7 @@ def gemv_q8(w: PackedWeight, x: QuantizedX, out: torch.Tensor | None = None,
         *weight_arrays(w), x.xq, x.xd, x.xs, out,
         w.n, k, FMT=FMT_ID[w.ggml_type], BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
         ASM=not _INTERPRETED, XB=cfg.xb, EVEN=(k // 32) % cfg.block_s == 0, SCALE16=scale16(w),
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, AHEAD=ahead_on(out.device),
         **launch_options(pdl_on(out.device)),
     )  # fmt: skip
     return out

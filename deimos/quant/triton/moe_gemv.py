@@ -44,7 +44,7 @@ from deimos.quant.triton.gemv_q8 import (
     q8_config,
 )
 from deimos.quant.triton.layout import PackedWeight
-from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
+from deimos.quant.triton.pdl import ahead_on, launch_options, pdl_on, pdl_start
 
 X_ROWS = ("token", "pair")  # the activation row of pair p = t k + j: t (gate/up) or p (down)
 
@@ -89,13 +89,17 @@ def _moe_gemv_kernel(
     FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ASM: tl.constexpr,
     XB: tl.constexpr, EVEN: tl.constexpr, SCALE16: tl.constexpr, PAIR_ROWS: tl.constexpr,
     CHUNKED: tl.constexpr = False, PDL: tl.constexpr = False, TWO: tl.constexpr = False,
+    AHEAD: tl.constexpr = False,
     p_qw2=None, p_qh2=None, p_s2=None, p_d2=None, p_m2=None,
     t_qw2=None, t_qh2=None, t_s2=None, t_d2=None, t_m2=None, p_y2=None,
 ):  # fmt: skip
     """Rows i_n BLOCK_N .. of pair i_p's output: W_slot(ids[i_p]) x_row, or 0 when the expert
     has no slot. PAIR_ROWS: x row i_p, else i_p // TOP_K. TWO: program_id(2) = 1 takes the
-    second stack (``*2``: the same format, shape and chunking) and stores into p_y2."""
-    pdl_start(PDL)
+    second stack (``*2``: the same format, shape and chunking) and stores into p_y2. AHEAD
+    (with PDL; the caller's promise that the kernel just before writes neither the ids, the
+    slot table nor the weights): the slot and the first weights are loaded before the wait."""
+    if not AHEAD:
+        pdl_start(PDL)
     i_n = tl.program_id(0)
     i_p = tl.program_id(1)
     if TWO:
@@ -104,6 +108,8 @@ def _moe_gemv_kernel(
             t_qw, t_qh, t_s, t_d, t_m = t_qw2, t_qh2, t_s2, t_d2, t_m2
     slot = expert_slot(p_ids, p_slot, i_p, E)
     if slot < 0:
+        if AHEAD:
+            pdl_start(True)
         o_y = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(p_y + i_p.to(tl.int64) * N + o_y, tl.zeros([BLOCK_N], dtype=tl.float32), mask=o_y < N)
     else:
@@ -114,7 +120,7 @@ def _moe_gemv_kernel(
                          slot_base(p_d, t_d, slot, N, r_d, SPC, CHUNKED),
                          slot_base(p_m, t_m, slot, N, r_m, SPC, CHUNKED),
                          p_xq, p_xd, p_xs, i_n, x_row, N, K, FMT=FMT, BLOCK_N=BLOCK_N,
-                         BLOCK_S=BLOCK_S, ASM=ASM, XB=XB, EVEN=EVEN, SCALE16=SCALE16)
+                         BLOCK_S=BLOCK_S, ASM=ASM, XB=XB, EVEN=EVEN, SCALE16=SCALE16, WAIT=AHEAD)
         o_y = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(p_y + i_p.to(tl.int64) * N + o_y, y, mask=o_y < N)
 
@@ -204,7 +210,8 @@ def _check_gemv_inputs(w: PackedWeight, n: int, qx: QuantizedX, ids: torch.Tenso
 
 def moe_gemv(w_stack: PackedWeight, n: int, qx: QuantizedX, ids: torch.Tensor,
              slot_of: torch.Tensor, x_rows: str, out: torch.Tensor | None = None,
-             cfg: Q8Config | None = None, chunks: ExpertChunks | None = None) -> torch.Tensor:
+             cfg: Q8Config | None = None, chunks: ExpertChunks | None = None,
+             ahead: bool = False) -> torch.Tensor:
     """The chosen experts' GEMVs: out[p] = W_slot(ids[p]) x_row(p), float32 ``[T * k, n]``.
 
     w_stack: packed ``[S * n, K]`` (slot s = rows s n ..); with ``chunks`` (slots stored in
@@ -215,7 +222,10 @@ def moe_gemv(w_stack: PackedWeight, n: int, qx: QuantizedX, ids: torch.Tensor,
     row p). ids: int32 ``[T, k]`` expert ids (device). slot_of: int32 ``[E]``, each expert's
     slot or -1 (its pairs' rows are 0; an id outside [0, E) too). ``out``: optional
     contiguous float32 ``[T * k, n]``, written in full. ``cfg``: gemv_q8's tile (default
-    ``moe_gemv_config``)."""
+    ``moe_gemv_config``). ``ahead``: the caller's promise that the kernel launched just before
+    this one writes neither ids, slot_of nor the weights (a down projection after the gated
+    activation): with PDL the programs then find their slot and load their first weights
+    before waiting on it (deimos.quant.triton.pdl)."""
     _check_gemv_inputs(w_stack, n, qx, ids, slot_of, x_rows, chunks is not None)
     t, k = ids.shape
     out = gemv_out(out, t * k, n, w_stack.device, "moe_gemv")
@@ -229,7 +239,8 @@ def moe_gemv(w_stack: PackedWeight, n: int, qx: QuantizedX, ids: torch.Tensor,
         FMT=FMT_ID[w_stack.ggml_type], BLOCK_N=cfg.block_n, BLOCK_S=cfg.block_s,
         ASM=not _INTERPRETED, XB=cfg.xb, EVEN=(w_stack.k // 32) % cfg.block_s == 0,
         SCALE16=scale16(w_stack), PAIR_ROWS=x_rows == "pair", CHUNKED=chunked,
-        num_warps=cfg.num_warps, **launch_options(pdl_on(out.device)),
+        AHEAD=ahead and ahead_on(out.device), num_warps=cfg.num_warps,
+        **launch_options(pdl_on(out.device)),
     )  # fmt: skip
     return out
 

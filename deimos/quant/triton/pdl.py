@@ -12,6 +12,13 @@ statement, run by every program before any load or store and before any early ex
 program that left without waiting could let the kernel finish before the one two launches
 back, whose output the next kernel reads.) A kernel without it is launched normally; torch's
 kernels in the same stream keep full ordering.
+
+The one exception, ``ahead`` (the weight GEMVs): loads of what no kernel of the step writes
+(packed weights) may come before ``pdl_start``, so that they stream while the kernel before
+still runs; nothing is stored, and nothing another kernel writes is loaded, before it. (Also
+safe to read before the wait: what a kernel two launches back or earlier wrote. This kernel
+starts only once every program of the one before has passed its own wait, so those are
+finished and visible; the MoE down projection reads its expert ids that way.)
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 # profile's kernel times then exclude the waits of kernels launched early: bench/profile_step.py)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _OFF = os.environ.get("DEIMOS_PDL", "1") == "0"
+# read once: DEIMOS_PDL_AHEAD=0 keeps the weight GEMVs' loads after the wait (a profile's A/B)
+_AHEAD_OFF = os.environ.get("DEIMOS_PDL_AHEAD", "1") == "0"
 
 
 @triton.jit
@@ -50,6 +59,12 @@ def pdl_on(device: torch.device) -> bool:
     if _INTERPRETED or _OFF or device.type != "cuda":
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def ahead_on(device: torch.device) -> bool:
+    """Whether the weight GEMVs on ``device`` load their first weights before the wait
+    (module docstring): with PDL, unless DEIMOS_PDL_AHEAD=0."""
+    return pdl_on(device) and not _AHEAD_OFF
 
 
 def launch_options(on: bool) -> dict:

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Session 45's GPU round (from the repository root on the GPU machine; carry .whl .peer/td-q):
+#   bench/gpu_round_s45.sh ahead
+#     the GPU tests of the weight GEMVs' loads before the PDL wait (gemv_q8, the MoE down
+#     projection, the router), then decode A/B in separate processes (the switch is read at
+#     import): DEIMOS_PDL_AHEAD=1/0 on qwen3 4B Q4_K_M, and on qwen3moe 30B-A3B Q4_K_M with
+#     DEIMOS_MOE_FUSED=0 (torch's router product + moe_route) and =router (one launch)
+#   bench/gpu_round_s45.sh moe30 "FUSED:AHEAD ..."   # more qwen3moe rounds, then its step's kernels
+. bench/gpu_env.sh
+Q3=/tmp/m/qwen3-4b-Q4_K_M-qwen3.gguf
+inst() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+}
+# tg MODEL TAG FUSED AHEAD: deimos bench's decode rounds in a fresh process
+tg() {
+  local J="$OUT/bench-$2-f$3-a$4-$RANDOM.json"
+  DEIMOS_MOE_FUSED=$3 DEIMOS_PDL_AHEAD=$4 timeout ${BENCH_S:-150} python3 -m deimos bench $1 -p 512 -n 128 -r 3 \
+    --json "$J" > "${J%.json}.txt" 2>&1
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); e=r.get('bench', r)['engines'][0]; p,d=e['prefill'],e['decode']; \
+print(f\"{sys.argv[2]} fused={sys.argv[3]} ahead={sys.argv[4]}: pp512 {p['mean']:.1f} tg128 {d['mean']:.2f} \
+(best {d['max']:.2f}, {e['decode_bytes_per_s']/1e9:.0f} GB/s)\")" "$J" $2 $3 $4 2>&1 | tail -1
+}
+case "${1:-}" in
+ahead)
+  inst; idle
+  (python3 -m deimos synth qwen3-4b $Q3 --type Q4_K_M --vocab-from "$V/ggml-vocab-qwen2.gguf" > /dev/null) &
+  (synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2) &
+  timeout ${TEST_S:-220} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_triton_gemv_q8.py \
+    tests/test_moe_gpu.py tests/test_triton_moe.py tests/test_triton_moe_decode.py > "$OUT/tests.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | cut -c1-250 | tail -12
+  wait; idle
+  for a in 1 0 1 0; do tg $Q3 q3-4b 0 $a; done
+  for fa in ${SETS:-0:0 router:1}; do tg $M30 q3moe30 ${fa%:*} ${fa#*:}; done
+  idle ;;
+moe30)
+  inst; idle; (synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2)
+  for fa in ${2:-0:1 router:0}; do tg $M30 q3moe30 ${fa%:*} ${fa#*:}; done
+  DEIMOS_PDL=0 DEIMOS_MOE_FUSED=${FUSED:-router} timeout 200 python3 bench/profile_step.py $M30 -b 1 --greedy --steps 20 \
+    --top 16 2>&1 | grep -v Warn | tee "$OUT/profile-30b.txt" | tail -20
+  idle ;;
+*) echo "usage: $0 ahead|moe30" >&2; exit 2 ;;
+esac
