@@ -138,20 +138,22 @@ def _q8_jobs() -> list[Job]:
     shapes = [(m, n) for m in (2, 16, 64, 128, 512) for n in (4096, 28672)]
     for mc in dict.fromkeys(matmul.matmul_config(m, n, 4096) for m, n in shapes):
         for splits in (1, 4) if mc.block_m * mc.block_n <= 64 * 64 else (1,):  # split-K: decode rows
-            jobs.append(Job("matmul_f16", f"M={mc.block_m} N={mc.block_n} K={mc.block_k} "
-                                          f"w={mc.num_warps} st={mc.num_stages} splits={splits}",
-                            _warm(matmul._matmul_kernel,
-                                  [torch.float16, torch.float16, torch.float32, torch.float32,
-                                   torch.int32] + [4096] * 7,
-                                  BLOCK_M=mc.block_m, BLOCK_N=mc.block_n, BLOCK_K=mc.block_k,
-                                  GROUP=matmul.GROUP_M, EVEN_K=True, SPLITS=splits,
-                                  num_warps=mc.num_warps, num_stages=mc.num_stages)))
+            for ahead in (True, False):  # a resident weight, or one just dequantized
+                jobs.append(Job("matmul_f16", f"M={mc.block_m} N={mc.block_n} K={mc.block_k} "
+                                              f"w={mc.num_warps} st={mc.num_stages} splits={splits} "
+                                              f"ahead={int(ahead)}",
+                                _warm(matmul._matmul_kernel,
+                                      [torch.float16, torch.float16, torch.float32, torch.float32,
+                                       torch.int32] + [4096] * 7,
+                                      BLOCK_M=mc.block_m, BLOCK_N=mc.block_n, BLOCK_K=mc.block_k,
+                                      GROUP=matmul.GROUP_M, EVEN_K=True, SPLITS=splits, AHEAD=ahead,
+                                      num_warps=mc.num_warps, num_stages=mc.num_stages, **PDL_KW)))
     gc = matmul.gemv_config(4096, 4096)
     for even in (True, False):
         jobs.append(Job("gemv_f16", f"N={gc.block_n} K={gc.block_k} w={gc.num_warps} even={int(even)}",
                         _warm(matmul._gemv_kernel, [torch.float16, torch.float16, torch.float32] + [4096] * 3,
-                              BLOCK_N=gc.block_n, BLOCK_K=gc.block_k, EVEN_K=even,
-                              num_warps=gc.num_warps)))
+                              BLOCK_N=gc.block_n, BLOCK_K=gc.block_k, EVEN_K=even, AHEAD=True,
+                              num_warps=gc.num_warps, **PDL_KW)))
     for dt in (torch.float32, torch.float16):
         args = [MockTensor(dt), MockTensor(torch.int32), MockTensor(torch.float32),
                 MockTensor(torch.int32), 4096]

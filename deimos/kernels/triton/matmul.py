@@ -7,7 +7,9 @@ path (a weight dequantized to fp16 by ``dequantize_fp16``, then this product) ru
 Tiles of ``block_m x block_n`` outputs, ``block_k`` of K a step, Triton's software pipeline
 for the loads (``num_stages``); program ids grouped ``GROUP_M`` row tiles at a time so the
 b tiles a group reads stay in L2. Rows past M or N are clamped for loading (no masks in the
-loop) and never stored; a K that ``block_k`` does not divide masks the loop's loads.
+loop) and never stored; a K that ``block_k`` does not divide masks the loop's loads. Both
+kernels are launched with programmatic dependent launch where the GPU has it, their first b
+tile loaded before the wait (deimos.quant.triton.pdl's ``ahead``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import triton
 import triton.language as tl
 
 from deimos.quant.triton.dequant_gemv import pow2_at_most
+from deimos.quant.triton.pdl import ahead_on, launch_options, pdl_on, pdl_start
 
 GROUP_M = 8
 
@@ -40,7 +43,7 @@ class SplitScratch:
     """What split-K launches on one device need: a counter a tile (zeros between launches:
     each tile's last program resets its own) and room for the partial tiles. One per model
     (its InputCache), made before any graph capture; launches on one stream in turn share it
-    (matmul_f16 is launched without PDL, so two launches never overlap)."""
+    (with PDL a launch touches the scratch only after its wait, when the one before is done)."""
 
     def __init__(self, device: torch.device | str) -> None:
         device = torch.device(device)
@@ -67,8 +70,13 @@ def split_count(tiles: int, k: int, block_k: int, n_sm: int) -> int:
 def _matmul_kernel(
     p_a, p_b, p_y, p_part, p_count, M, N, K, K_SPLIT, stride_am, stride_bn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    EVEN_K: tl.constexpr, SPLITS: tl.constexpr,
+    EVEN_K: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False,
+    AHEAD: tl.constexpr = False,
 ):  # fmt: skip
+    """AHEAD (with PDL): the first K step's b tile (the weight: no kernel of the step writes
+    it) loaded before the wait (deimos.quant.triton.pdl), a and the scratch after it."""
+    if not AHEAD:
+        pdl_start(PDL)
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -91,7 +99,17 @@ def _matmul_kernel(
     p_at = p_a + r_m[:, None] * stride_am + (k_lo + o_k)[None, :]
     p_bt = p_b + r_n[:, None] * stride_bn + (k_lo + o_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    first = k_lo
+    if AHEAD:  # the first step peeled (masked: a split past K has no step)
+        m_k = (k_lo + o_k < k_hi)[None, :]
+        b_b = tl.load(p_bt, mask=m_k, other=0.0)
+        pdl_start(True)
+        b_a = tl.load(p_at, mask=m_k, other=0.0)
+        acc = tl.dot(b_a, tl.trans(b_b), acc, out_dtype=tl.float32)
+        p_at += BLOCK_K
+        p_bt += BLOCK_K
+        first = k_lo + BLOCK_K
+    for k0 in range(first, k_hi, BLOCK_K):
         if EVEN_K:
             b_a = tl.load(p_at)
             b_b = tl.load(p_bt)
@@ -140,12 +158,17 @@ def matmul_config(m: int, n: int, k: int) -> MatmulConfig:
 
 
 def matmul_f16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
-               cfg: MatmulConfig | None = None, scratch: SplitScratch | None = None) -> torch.Tensor:
+               cfg: MatmulConfig | None = None, scratch: SplitScratch | None = None,
+               ahead: bool = False) -> torch.Tensor:
     """float32 ``[M, N]`` = a ``[M, K]`` @ b ``[N, K]``^T, both fp16 with unit column stride
     (rows may be strided), on the same CUDA device (or the interpreter). ``out``: optional
     float32 ``[M, N]`` with unit column stride. ``scratch``: the device's SplitScratch; with
     it the rule may split K (``split_count``; a ``cfg`` with splits > 1 makes a scratch of its
-    own without). Deterministic: a split tile's partials are summed in split order."""
+    own without). Deterministic: a split tile's partials are summed in split order.
+    ``ahead``: the caller's promise that b is a weight no kernel of the step writes (not a
+    matrix just dequantized): with PDL its first tile is loaded before the wait, in the
+    16-row tiles of decode batches (larger tiles would need more shared memory for it:
+    tools/compile_kernels.py, 64 x 64 at 80 KB instead of 64)."""
     m, k, n = _check(a, b, "matmul_f16")
     out = _out(out, m, n, a.device, "matmul_f16")
     if m == 0 or n == 0:
@@ -180,7 +203,8 @@ def matmul_f16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None
         a, b, out, part, count, m, n, k, k_split, a.stride(0), b.stride(0), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP=GROUP_M,
         EVEN_K=k % cfg.block_k == 0, SPLITS=cfg.splits, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, AHEAD=ahead and cfg.block_m == 16 and ahead_on(a.device),
+        **launch_options(pdl_on(a.device)),
     )  # fmt: skip
     return out
 
@@ -193,14 +217,26 @@ class GemvConfig(NamedTuple):
 
 @triton.jit
 def _gemv_kernel(p_a, p_b, p_y, N, K, stride_bn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr):  # fmt: skip
+                 EVEN_K: tl.constexpr, PDL: tl.constexpr = False, AHEAD: tl.constexpr = False):  # fmt: skip
     """y[n] = sum_k a[k] b[n, k]: products summed elementwise in float32 over the K steps,
-    reduced once at the end; rows past N clamped for loading, never stored."""
+    reduced once at the end; rows past N clamped for loading, never stored. AHEAD (with PDL):
+    the first step's b loaded before the wait, as ``_matmul_kernel``'s."""
+    if not AHEAD:
+        pdl_start(PDL)
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
     p_bt = p_b + tl.minimum(o_n, N - 1).to(tl.int64)[:, None] * stride_bn + o_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    first = 0
+    if AHEAD:
+        m_k = o_k < K
+        b_b = tl.load(p_bt, mask=m_k[None, :], other=0.0)
+        pdl_start(True)
+        b_a = tl.load(p_a + o_k, mask=m_k, other=0.0)
+        acc += b_b.to(tl.float32) * b_a.to(tl.float32)[None, :]
+        p_bt += BLOCK_K
+        first = BLOCK_K
+    for k0 in range(first, K, BLOCK_K):
         if EVEN_K:
             b_b = tl.load(p_bt)
             b_a = tl.load(p_a + k0 + o_k)
@@ -223,9 +259,9 @@ def gemv_config(n: int, k: int) -> GemvConfig:
 
 
 def gemv_f16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
-             cfg: GemvConfig | None = None) -> torch.Tensor:
+             cfg: GemvConfig | None = None, ahead: bool = False) -> torch.Tensor:
     """float32 ``[1, N]`` = a ``[1, K]`` @ b ``[N, K]``^T (both fp16, unit column stride):
-    ``matmul_f16`` for one row, reading b once as a stream."""
+    ``matmul_f16`` for one row, reading b once as a stream. ``ahead``: as matmul_f16's."""
     m, k, n = _check(a, b, "gemv_f16")
     if m != 1:
         raise ValueError(f"gemv_f16: a must be one row, got {tuple(a.shape)}")
@@ -240,7 +276,8 @@ def gemv_f16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
                          "one up to 4096, num_warps 1, 2, 4 or 8)")
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         a, b, out, n, k, b.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps,
+        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, AHEAD=ahead and ahead_on(a.device),
+        **launch_options(pdl_on(a.device)),
     )  # fmt: skip
     return out
 

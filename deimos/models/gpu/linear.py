@@ -148,7 +148,7 @@ class QuantLinear:
         elif t <= GEMV_ROWS and (self.dense is None or t < DENSE_ROWS):
             y = gemv_rows(self.packed, self.inputs.quantized(x))
         elif self.dense is not None:
-            y = matmul_f16(self.inputs.half(x), self.dense, scratch=self.inputs.split)
+            y = matmul_f16(self.inputs.half(x), self.dense, scratch=self.inputs.split, ahead=True)
         elif t <= GEMM_ROWS:
             y = gemm_q(self.packed, self.inputs.permuted(x, self._words, self._columns()))
         else:
@@ -179,9 +179,9 @@ class DenseLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.weight.shape[1], self.name)
         if x.shape[0] == 1:
-            y = gemv_f16(self.inputs.half(x), self.weight)
+            y = gemv_f16(self.inputs.half(x), self.weight, ahead=True)
         else:
-            y = matmul_f16(self.inputs.half(x), self.weight, scratch=self.inputs.split)
+            y = matmul_f16(self.inputs.half(x), self.weight, scratch=self.inputs.split, ahead=True)
         return y if self.bias is None else y + self.bias
 
 
