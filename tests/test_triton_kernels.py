@@ -525,6 +525,33 @@ def test_fused_quantized_outputs() -> None:
         add_rms_norm(x, r, w, 1e-6, quantized=empty_quantized(1, 64, DEVICE))
 
 
+def test_fused_half_outputs() -> None:
+    """A batch's rows also stored in float16 by the kernel that makes them (what the next
+    matmuls read, with no cast launch between): equal to the stored output's ``.half()``; a
+    buffer that does not fit is refused before any launch."""
+    from deimos.kernels.triton import add_rms_norm, gated_act
+
+    d = 320
+    x, r = _rand(3, d, seed=1), _rand(3, d, seed=2)
+    w = _rand(d, seed=3)
+    for res in (r, None):
+        h = torch.empty(3, d, dtype=torch.float16, device=DEVICE)
+        y, _ = add_rms_norm(x, res, w, 1e-6, half=h)
+        assert torch.equal(h, y.half()), f"add_rms_norm (residual {res is not None})"
+    f = 2112
+    g, u = _rand(5, f, seed=4), _rand(5, f, seed=5)
+    for act in ("silu", "gelu_tanh"):
+        h = torch.empty(5, f, dtype=torch.float16, device=DEVICE)
+        y = gated_act(g, u, act, half=h)
+        assert torch.equal(h, y.half()), act
+    for bad in (torch.empty(3, d, device=DEVICE), torch.empty(2, d, dtype=torch.float16, device=DEVICE),
+                torch.empty(d, 3, dtype=torch.float16, device=DEVICE).t()):
+        with pytest.raises(ValueError, match="half output must be contiguous float16"):
+            add_rms_norm(x, r, w, 1e-6, half=bad)
+    with pytest.raises(ValueError, match="half output must be contiguous float16"):
+        gated_act(g, u, "silu", half=torch.empty(5, f, device=DEVICE))
+
+
 def test_decode_attention_new_token_bad_input() -> None:
     """A fused new token (RoPE in the attention launch) checked before any launch: one query
     row, k/v of the cache's heads, a known rope type, inv_freq and head norms that fit."""

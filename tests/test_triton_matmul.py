@@ -168,3 +168,51 @@ def test_matmul_f16_split_gpu(m: int, n: int, k: int) -> None:
     want = matmul_reference(a.cpu(), b.cpu())
     rel = ((first.cpu() - want).norm() / want.norm()).item()
     assert rel < 1e-4, f"relative RMS error {rel:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16])
+def test_ahead_waits_for_its_activation(monkeypatch, rows: int) -> None:
+    """With PDL a matmul on a resident weight loads its first tile before waiting on the
+    kernel before it (``ahead``); its activation must still be the one that kernel just
+    wrote. A CUDA graph of 12 (RMSNorm writing its float16 rows, matmul or, for one row,
+    gemv_f16) pairs, split-K included, replayed on new inputs: equal to the chain with the
+    loads after the wait, run eagerly."""
+    if INTERPRETED or not torch.cuda.is_available():
+        pytest.fail("gpu test needs CUDA and TRITON_INTERPRET unset (run on the GPU machine)")
+    import deimos.kernels.triton.matmul as mm
+    from deimos.kernels.triton.norm import rms_norm
+    from deimos.quant.triton.pdl import ahead_on
+
+    assert ahead_on(torch.device("cuda")), "PDL off on this GPU: nothing to test"
+    d = 2048
+    g = torch.Generator().manual_seed(5)
+    ws = [(torch.randn(d, d, generator=g) * d**-0.5).half().cuda() for _ in range(12)]
+    norm_w = torch.rand(d, device="cuda") + 0.5
+    scratch = SplitScratch("cuda")
+    x = torch.empty(rows, d, device="cuda")
+
+    def chain() -> torch.Tensor:
+        h = x
+        for w in ws:
+            half = torch.empty(rows, d, dtype=torch.float16, device="cuda")
+            rms_norm(h, norm_w, 1e-6, half=half)
+            h = (mm.gemv_f16(half, w, ahead=True) if rows == 1
+                 else mm.matmul_f16(half, w, scratch=scratch, ahead=True))  # fmt: skip
+        return h
+
+    x.copy_(torch.randn(rows, d, device="cuda"))
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = chain()
+    for seed in range(3):
+        x.copy_(torch.randn(rows, d, generator=torch.Generator().manual_seed(seed)).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        with monkeypatch.context() as m:
+            m.setattr(mm, "ahead_on", lambda device: False)
+            want = chain()
+        err = ((y - want).norm() / want.norm()).item()
+        assert err < 1e-6, f"replay {seed}: {err:.2e}"

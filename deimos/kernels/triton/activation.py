@@ -38,7 +38,9 @@ def gated_value(g, u, ACT: tl.constexpr):
 def _gated_act_kernel(
     p_g, p_u, p_y, stride_g, stride_u, stride_y, F, p_xq, p_xd, p_xs,
     ACT: tl.constexpr, BLOCK_F: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
+    p_h=None, HALF: tl.constexpr = False,
 ):  # fmt: skip
+    """HALF: the output also stored as float16 at p_h (contiguous ``[T, F]``)."""
     pdl_start(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     o_f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -47,6 +49,8 @@ def _gated_act_kernel(
     b_u = tl.load(p_u + i_t * stride_u + o_f, mask=m_f, other=0.0).to(tl.float32)
     b_y = gated_value(b_g, b_u, ACT).to(p_y.dtype.element_ty)
     tl.store(p_y + i_t * stride_y + o_f, b_y, mask=m_f)
+    if HALF:
+        tl.store(p_h + i_t * F + o_f, b_y.to(tl.float16), mask=m_f)
     if QUANT:  # also as the GEMV's integer activation (gemv_q8.quantize_groups)
         G: tl.constexpr = BLOCK_F // 32
         o_g = tl.program_id(1) * G + tl.arange(0, G)
@@ -56,14 +60,15 @@ def _gated_act_kernel(
 
 def gated_act(
     gate: torch.Tensor, up: torch.Tensor, activation: str, out: torch.Tensor | None = None,
-    quantized=None,
+    quantized=None, half: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act(gate) * up, computed in float32, stored in gate's dtype.
 
     gate, up: ``[T, F]`` (rows may be strided, last dim contiguous); activation: "silu"
     (SwiGLU) or "gelu_tanh" (GeGLU). out: optional ``[T, F]``. Returns ``[T, F]``.
     ``quantized``: a ``QuantizedX`` ``[T, F]`` (F a multiple of 32) that also receives the
-    output as the GEMV's integer activation.
+    output as the GEMV's integer activation. ``half``: a contiguous float16 ``[T, F]`` that
+    also receives it rounded to float16 (what a batch's tensor-core matmul reads).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"gated_act: unknown activation {activation!r}")
@@ -86,10 +91,15 @@ def gated_act(
         raise ValueError(f"gated_act: quantized output {tuple(quantized.shape)} does not fit "
                          f"[{n_t}, {n_f}] (F a multiple of 32)")
     q = quantized if quantized is not None else (out, out, out)
+    if half is not None and (half.dtype != torch.float16 or tuple(half.shape) != (n_t, n_f)
+                             or not half.is_contiguous() or half.device != gate.device):  # fmt: skip
+        raise ValueError(f"gated_act: half output must be contiguous float16 [{n_t}, {n_f}] on "
+                         f"{gate.device}, got {half.dtype} {tuple(half.shape)} on {half.device}")
     if n_t and n_f:
         _gated_act_kernel[(n_t, triton.cdiv(n_f, BLOCK))](
             gate, up, out, gate.stride(0), up.stride(0), out.stride(0), n_f, q[0], q[1], q[2],
             ACT=ACTIVATIONS[activation], BLOCK_F=BLOCK, QUANT=quantized is not None,
-            num_warps=NUM_WARPS, **launch_options(pdl_on(gate.device)),
+            num_warps=NUM_WARPS, p_h=half if half is not None else out, HALF=half is not None,
+            **launch_options(pdl_on(gate.device)),
         )  # fmt: skip
     return out

@@ -29,9 +29,12 @@ def _rms_norm_kernel(
     QUANT: tl.constexpr,
     CHUNK: tl.constexpr,
     PDL: tl.constexpr = False,
+    p_h=None,
+    HALF: tl.constexpr = False,
 ):  # fmt: skip
     """Program (row, chunk): the whole row's sum of squares, then its CHUNK elements normalized,
-    stored (and the residual sum stored) and quantized. CHUNK == BLOCK_D: one program a row."""
+    stored (and the residual sum stored) and quantized. CHUNK == BLOCK_D: one program a row.
+    HALF: the normalized rows also stored as float16 at p_h (contiguous ``[T, D]``)."""
     pdl_start(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
@@ -56,6 +59,8 @@ def _rms_norm_kernel(
     b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_y = (b_x * rstd * b_w).to(p_y.dtype.element_ty)
     tl.store(p_y + i_t * stride_y + o_d, b_y, mask=m_d)
+    if HALF:
+        tl.store(p_h + i_t * D + o_d, b_y.to(tl.float16), mask=m_d)
     if QUANT:  # the chunk also as the GEMV's integer activation (gemv_q8.quantize_groups)
         G: tl.constexpr = CHUNK // 32
         o_g = i_c * G + tl.arange(0, G)
@@ -100,7 +105,7 @@ def _check_rows(name: str, t: torch.Tensor, d: int) -> None:
         raise ValueError(f"{name}: the last dimension must be contiguous (stride {t.stride()})")
 
 
-def _launch(x, residual, w, eps, out, residual_out, quantized=None) -> None:
+def _launch(x, residual, w, eps, out, residual_out, quantized=None, half=None) -> None:
     t, d = x.shape
     r = residual if residual is not None else x
     ro = residual_out if residual_out is not None else out
@@ -112,12 +117,17 @@ def _launch(x, residual, w, eps, out, residual_out, quantized=None) -> None:
         raise ValueError(f"rms_norm: quantized output {tuple(quantized.shape)} does not fit [{t}, {d}] "
                          "(D a multiple of 32)")
     q = quantized if quantized is not None else (x, x, x)
+    if half is not None and (half.dtype != torch.float16 or tuple(half.shape) != (t, d)
+                             or not half.is_contiguous() or half.device != x.device):  # fmt: skip
+        raise ValueError(f"rms_norm: half output must be contiguous float16 [{t}, {d}] on {x.device}, got "
+                         f"{half.dtype} {tuple(half.shape)} on {half.device}")  # fmt: skip
     _rms_norm_kernel[(t, triton.cdiv(d, cfg.chunk))](
         x, r, w, out, ro,
         x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
         d, eps, q[0], q[1], q[2],
         HAS_RESIDUAL=residual is not None, BLOCK_D=cfg.block_d, QUANT=quantized is not None,
-        CHUNK=cfg.chunk, num_warps=cfg.num_warps, **launch_options(pdl_on(x.device)),
+        CHUNK=cfg.chunk, num_warps=cfg.num_warps, p_h=half if half is not None else out,
+        HALF=half is not None, **launch_options(pdl_on(x.device)),
     )  # fmt: skip
 
 
@@ -137,20 +147,20 @@ def _validate(x: torch.Tensor, w: torch.Tensor, who: str) -> int:
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
-    quantized=None,
+    quantized=None, half: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x / sqrt(mean(x^2) + eps) * weight, in float32, stored in x's dtype.
 
     x: ``[T, D]`` fp16/bf16/fp32 (rows may be strided, the last dim contiguous); weight: ``[D]``.
-    out: optional ``[T, D]`` (written in full). Returns ``[T, D]``. ``quantized``: as in
-    ``add_rms_norm``.
+    out: optional ``[T, D]`` (written in full). Returns ``[T, D]``. ``quantized``, ``half``:
+    as in ``add_rms_norm``.
     """
     d = _validate(x, weight, "rms_norm")
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     _check_rows("rms_norm: out", out, d)
     if x.shape[0]:
-        _launch(x, None, weight, eps, out, None, quantized)
+        _launch(x, None, weight, eps, out, None, quantized, half)
     return out
 
 
@@ -162,6 +172,7 @@ def add_rms_norm(
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     quantized=None,
+    half: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused residual step: r' = x + residual (or x when residual is None);
     returns ``(rms_norm(r'), r')``.
@@ -169,11 +180,13 @@ def add_rms_norm(
     x, residual: ``[T, D]``; weight: ``[D]``. ``residual_out`` may be ``residual`` itself (in
     place: each row is read before it is written). Without a residual this is ``rms_norm`` and
     ``r'`` is x itself (no copy). ``quantized``: a ``QuantizedX`` (gemv_q8.empty_quantized)
-    that also receives the output rows as the GEMV's integer activation.
+    that also receives the output rows as the GEMV's integer activation. ``half``: a
+    contiguous float16 ``[T, D]`` that also receives them rounded to float16 (what the
+    tensor-core matmuls of a batch read; the same values as ``out.half()``).
     """
     d = _validate(x, weight, "add_rms_norm")
     if residual is None:
-        return rms_norm(x, weight, eps, out, quantized), x
+        return rms_norm(x, weight, eps, out, quantized, half), x
     _check_rows("add_rms_norm: residual", residual, d)
     if residual.shape[0] != x.shape[0] or residual.device != x.device:
         raise ValueError(
@@ -187,5 +200,5 @@ def add_rms_norm(
     _check_rows("add_rms_norm: out", out, d)
     _check_rows("add_rms_norm: residual_out", residual_out, d)
     if x.shape[0]:
-        _launch(x, residual, weight, eps, out, residual_out, quantized)
+        _launch(x, residual, weight, eps, out, residual_out, quantized, half)
     return out, residual_out

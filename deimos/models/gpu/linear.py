@@ -71,6 +71,12 @@ class InputCache:
         self._x, self._quantized, self._half = x, quantized, None
         self._permuted = {}
 
+    def put_half(self, x: torch.Tensor, half: torch.Tensor) -> None:
+        """``x`` rounded to contiguous float16, made by the kernel that produced x (a batch's
+        rows: no cast launch between that kernel and the matmul, which PDL then overlaps)."""
+        self._x, self._quantized, self._half = x, None, half
+        self._permuted = {}
+
     def quantized(self, x: torch.Tensor) -> QuantizedX:
         self._switch(x)
         if self._quantized is None:

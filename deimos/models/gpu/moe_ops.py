@@ -68,13 +68,13 @@ def route(x: torch.Tensor, block, scratch: RouterScratch | None = None) -> tuple
 
 def expert_products(x: torch.Tensor, block, ids: torch.Tensor, slot_of: torch.Tensor,
                     stacks: dict | None = None, chunks: dict | None = None,
-                    quantized=None) -> torch.Tensor:
+                    quantized=None, half: torch.Tensor | None = None) -> torch.Tensor:
     """Every (token, chosen expert) pair's SwiGLU FFN, float32 ``[T * k, D]`` (pairs whose
     expert has no slot in ``slot_of``: rows of 0). ``stacks``: the packed weight of each part
     ("gate", "up", "down"; default the block's own); ``chunks``: each part's ExpertChunks when
     the slots live in the expert cache's chunks. One token: the GEMVs on integer activations
     (``quantized``: x's, when the norm kernel made it); more: the pairs grouped by expert and
-    the grouped GEMM."""
+    the grouped GEMM (``half``: x in float16, when the norm kernel made it)."""
     t, k = x.shape[0], block.n_expert_used
     w = stacks or {"gate": block.gate.weight, "up": block.up.weight, "down": block.down.weight}
     c = chunks or {}
@@ -89,7 +89,7 @@ def expert_products(x: torch.Tensor, block, ids: torch.Tensor, slot_of: torch.Te
         return moe_gemv(w["down"], d, qa if qa is not None else quantize_x(a), ids, slot_of, "pair",
                         chunks=c.get("down"), ahead=True)
     tiles = moe_align(ids, block.n_expert, moe_block_m(t * k, block.n_expert))
-    x16 = x.to(torch.float16).contiguous()
+    x16 = half if half is not None else x.to(torch.float16).contiguous()
     g = moe_gemm(x16, w["gate"], f, tiles, slot_of, "token", x_permuted=False, chunks=c.get("gate"))
     u = moe_gemm(x16, w["up"], f, tiles, slot_of, "token", x_permuted=False, chunks=c.get("up"))
     a = gated_act(g, u, block.activation).to(torch.float16)
@@ -111,20 +111,22 @@ def fused_decode(x: torch.Tensor, block, slot_of: torch.Tensor, router: RouterSc
 
 def moe_step(x: torch.Tensor, block, slot_of: torch.Tensor, quantized=None,
              router: RouterScratch | None = None, experts_fused: bool = True,
-             shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+             shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+             half: torch.Tensor | None = None) -> torch.Tensor:
     """x float32 ``[T, D]`` -> float32 ``[T, D]``: ``block``'s routed experts (a
     deimos.models.moe.MoE holding PackedExperts). ``quantized``: x's integer activation when
     the norm kernel made it (one token). ``router``: the ops' scratch for the fused router
     (a few tokens: ``moe_router``); with ``experts_fused`` one token then runs in three
     launches (``fused_decode``). None: the unfused chain. ``shared``: (a shared expert's
     output float32 ``[T, D]``, its gate float32 ``[D]``): the combine adds it scaled by
-    sigmoid(x . gate) (the unfused chain only)."""
+    sigmoid(x . gate) (the unfused chain only). ``half``: x in contiguous float16 (more
+    tokens: what the grouped GEMM reads), when the norm kernel made it."""
     if router is not None and experts_fused and shared is None:
         y = fused_decode(x, block, slot_of, router, quantized)
         if y is not None:
             return y
     weights, ids = route(x, block, router)
-    y = expert_products(x, block, ids, slot_of, quantized=quantized)
+    y = expert_products(x, block, ids, slot_of, quantized=quantized, half=half)
     if shared is None:
         return moe_combine(y, weights)
     return moe_combine(y, weights, add=shared[0], gate=(x, shared[1]))

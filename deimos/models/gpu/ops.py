@@ -26,7 +26,7 @@ from deimos.kernels.triton.rope import apply_rope, rope_inv_freq
 from deimos.kernels.triton.shared_gate import shared_gate_add
 from deimos.models.batch import Batch
 from deimos.models.config import ModelConfig
-from deimos.models.gpu.linear import InputCache
+from deimos.models.gpu.linear import GEMV_ROWS, InputCache
 from deimos.kernels.triton.moe_router import RouterScratch
 from deimos.models.gpu.moe_ops import FUSED, ResidentSlots, moe_step
 from deimos.models.ops import StepState
@@ -70,11 +70,21 @@ class TritonOps:
             return None
         return empty_quantized(rows, k, device)
 
+    def _half_for(self, rows: int, k: int, device: torch.device):
+        """A batch's rows (T > 1) in float16, for the kernel making them to fill: what the
+        next matmuls read (InputCache.put_half), with no cast launch between."""
+        if self.inputs is None or rows < 2:
+            return None
+        return torch.empty((rows, k), dtype=torch.float16, device=device)
+
     def add_rms_norm(self, x, residual, weight, eps):
         qx = self._quantized_for(x.shape[0], x.shape[1], x.device)
-        y, r = add_rms_norm(x, residual, weight, eps, quantized=qx)
+        half = self._half_for(x.shape[0], x.shape[1], x.device)
+        y, r = add_rms_norm(x, residual, weight, eps, quantized=qx, half=half)
         if qx is not None:
             self.inputs.put(y, qx)
+        if half is not None:
+            self.inputs.put_half(y, half)
         return y, r
 
     def rms_norm(self, x, weight, eps):
@@ -97,9 +107,14 @@ class TritonOps:
             qx = None
             if n == 1 and q.shape[2] % 32 == 0 and not gated:
                 qx = self._quantized_for(1, q.shape[1] * q.shape[2], q.device)
+            # more rows than the integer GEMVs take: the output in float16, what the output
+            # projection's matmul reads (no cast launch between them)
+            half = None
+            if n > GEMV_ROWS and not gated and self.inputs is not None:
+                half = torch.empty(q.shape[:2] + (v.shape[2],), dtype=torch.float16, device=q.device)
             new = NewToken(k, v, inv_freq, self.cfg.rope_type, head_norms)
             out = decode_attention(q, k_cache, v_cache, step.rope, scale, window, quantized=qx,
-                                   new=new, **paged)  # fmt: skip
+                                   new=new, out=half, **paged)  # fmt: skip
             if qx is not None:
                 out = out.view(1, -1)  # what the output projection reads
                 self.inputs.put(out, qx)
@@ -131,8 +146,12 @@ class TritonOps:
         return y
 
     def gated_act(self, gate, up, activation):
-        return self._made_quantized(lambda qx: gated_act(gate, up, activation, quantized=qx),
-                                    gate.shape[0], gate.shape[1], gate.device)
+        half = self._half_for(gate.shape[0], gate.shape[1], gate.device)
+        y = self._made_quantized(lambda qx: gated_act(gate, up, activation, quantized=qx, half=half),
+                                 gate.shape[0], gate.shape[1], gate.device)
+        if half is not None:
+            self.inputs.put_half(y, half)
+        return y
 
     def rms_norm_gated(self, o, z, weight, eps):
         """The Gated DeltaNet block's output norm; a decode row's also as the output
@@ -185,8 +204,9 @@ class TritonOps:
         qx = self.inputs.quantized(x) if self.inputs is not None and x.shape[0] == 1 else None
         if self.offload is not None:
             return self.offload.moe(x, block, quantized=qx)
+        half = self.inputs.half(x) if self.inputs is not None and x.shape[0] > 1 else None
         return moe_step(x, block, self.slots(block.n_expert, x.device), quantized=qx, router=self.router,
-                        experts_fused=FUSED == "1")
+                        experts_fused=FUSED == "1", half=half)
 
     def moe_shared(self, x, block):
         """A MoEShared block: with every expert on the device and the unfused one-token chain,
@@ -198,9 +218,10 @@ class TritonOps:
             # x's integer activation taken before the shared expert's activation replaces it
             # in the input cache (one quantize_x launch less)
             qx = self.inputs.quantized(x) if self.inputs is not None and x.shape[0] == 1 else None
+            half = self.inputs.half(x) if self.inputs is not None and x.shape[0] > 1 else None
             s = shared.product(x)
             routed = block.moe
             return moe_step(x, routed, self.slots(routed.n_expert, x.device), quantized=qx,
                             router=self.router, experts_fused=False,
-                            shared=(s.float().contiguous(), shared.gate_inp))
+                            shared=(s.float().contiguous(), shared.gate_inp), half=half)
         return self.shared_gate_add(block.moe(x), shared.product(x), x, shared.gate_inp)
