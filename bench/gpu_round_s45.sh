@@ -5,7 +5,14 @@
 #     projection, the router), then decode A/B in separate processes (the switch is read at
 #     import): DEIMOS_PDL_AHEAD=1/0 on qwen3 4B Q4_K_M, and on qwen3moe 30B-A3B Q4_K_M with
 #     DEIMOS_MOE_FUSED=0 (torch's router product + moe_route) and =router (one launch)
-#   bench/gpu_round_s45.sh moe30 "FUSED:AHEAD ..."   # more qwen3moe rounds, then its step's kernels
+#   SETS="0:1 base router:1 0:0" bench/gpu_round_s45.sh moe30   # carry as ab
+#     qwen3moe 30B-A3B Q4_K_M's deimos bench rounds (FUSED:AHEAD, or "base": the session's
+#     start), then its step's kernels with PDL off
+#   bench/gpu_round_s45.sh ab   # carry .whl .peer/td-q .peer/base (git archive of the session's
+#     start, 6560722: deimos, bench/engine_batch.py, bench/profile_step.py)
+#     the GPU tests of the ahead loads and the batch's float16 rows, then the session's start
+#     against this tree on qwen3 4B Q4_K_M: deimos bench (batch 1) and bench/engine_batch.py
+#     (16 and 64 requests, default sampling and greedy), each in a fresh process
 . bench/gpu_env.sh
 Q3=/tmp/m/qwen3-4b-Q4_K_M-qwen3.gguf
 inst() {
@@ -20,7 +27,29 @@ tg() {
 print(f\"{sys.argv[2]} fused={sys.argv[3]} ahead={sys.argv[4]}: pp512 {p['mean']:.1f} tg128 {d['mean']:.2f} \
 (best {d['max']:.2f}, {e['decode_bytes_per_s']/1e9:.0f} GB/s)\")" "$J" $2 $3 $4 2>&1 | tail -1
 }
+# base CMD...: CMD run in the session start's tree (.peer/base), its own kernel cache
+base() { (cd .peer/base && TRITON_CACHE_DIR=/tmp/tc-base PYTHONPATH=/tmp/site:$PWD "$@"); }
 case "${1:-}" in
+ab)
+  inst; idle
+  (python3 -m deimos synth qwen3-4b $Q3 --type Q4_K_M --vocab-from "$V/ggml-vocab-qwen2.gguf" > /dev/null) &
+  timeout ${TEST_S:-200} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_triton_gemv_q8.py \
+    tests/test_triton_matmul.py tests/test_triton_kernels.py -k "ahead or half or quantized" > "$OUT/tests.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | cut -c1-250 | tail -8
+  wait; idle
+  for who in new base new base; do
+    J="$OUT/q3-b1-$who-$RANDOM.json"
+    if [ $who = new ]; then timeout 120 python3 -m deimos bench $Q3 -p 512 -n 128 -r 3 --json $J > ${J%.json}.txt 2>&1
+    else base timeout 120 python3 -m deimos bench $Q3 -p 512 -n 128 -r 3 --json $J > ${J%.json}.txt 2>&1; fi
+    python3 -c "import json,sys; e=json.load(open(sys.argv[1]))['engines'][0]; \
+print(sys.argv[2], 'b1: pp512 %.1f tg128 %.2f' % (e['prefill']['mean'], e['decode']['mean']))" $J $who
+  done
+  for who in new base; do
+    if [ $who = new ]; then timeout 150 python3 bench/engine_batch.py $Q3 -c 16,64 -n 128 > "$OUT/q3-batch-$who.txt" 2>&1
+    else base timeout 150 python3 bench/engine_batch.py $Q3 -c 16,64 -n 128 > "$OUT/q3-batch-$who.txt" 2>&1; fi
+    grep -E "^\| (default|greedy)" "$OUT/q3-batch-$who.txt" | sed "s/^/$who /"
+  done
+  idle ;;
 ahead)
   inst; idle
   (python3 -m deimos synth qwen3-4b $Q3 --type Q4_K_M --vocab-from "$V/ggml-vocab-qwen2.gguf" > /dev/null) &
@@ -34,9 +63,16 @@ ahead)
   idle ;;
 moe30)
   inst; idle; (synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2)
-  for fa in ${2:-0:1 router:0}; do tg $M30 q3moe30 ${fa%:*} ${fa#*:}; done
+  for fa in ${SETS:-0:1 base router:1 0:0}; do
+    if [ $fa = base ]; then
+      J="$OUT/q3moe30-base-$RANDOM.json"
+      base timeout ${BENCH_S:-150} python3 -m deimos bench $M30 -p 512 -n 128 -r 3 --json $J > ${J%.json}.txt 2>&1
+      python3 -c "import json,sys; r=json.load(open(sys.argv[1])); e=r.get('bench', r)['engines'][0]; \
+print('q3moe30 base: pp512 %.1f tg128 %.2f' % (e['prefill']['mean'], e['decode']['mean']))" $J
+    else tg $M30 q3moe30 ${fa%:*} ${fa#*:}; fi
+  done
   DEIMOS_PDL=0 DEIMOS_MOE_FUSED=${FUSED:-router} timeout 200 python3 bench/profile_step.py $M30 -b 1 --greedy --steps 20 \
     --top 16 2>&1 | grep -v Warn | tee "$OUT/profile-30b.txt" | tail -20
   idle ;;
-*) echo "usage: $0 ahead|moe30" >&2; exit 2 ;;
+*) echo "usage: $0 ab|ahead|moe30" >&2; exit 2 ;;
 esac
