@@ -287,23 +287,28 @@ def _layer_jobs() -> list[Job]:
 
     f16, f32, i32, i64 = torch.float16, torch.float32, torch.int32, torch.int64
     jobs = []
+    from triton.runtime.jit import MockTensor
+
     for d in (576, 4096, 5376):
         for c in dict.fromkeys((norm.norm_config(d), norm.norm_config(d, 1, split=True))):
             for res in (False, True):
-                for quant in (False, True):
-                    jobs.append(Job("rms_norm" + ("+add" if res else "") + ("+q8" if quant else ""),
+                for out in ("", "+q8", "+f16"):  # a decode row's integer activation, a batch's fp16
+                    jobs.append(Job("rms_norm" + ("+add" if res else "") + out,
                                     f"D={d} B={c.block_d} w={c.num_warps} C={c.chunk}",
                                     _warm(norm._rms_norm_kernel,
                                           [f32] * 5 + [4096] * 4 + [d, 1e-6, i32, f32, i32],
-                                          HAS_RESIDUAL=res, BLOCK_D=c.block_d, QUANT=quant,
-                                          CHUNK=c.chunk, num_warps=c.num_warps, **PDL_KW)))
+                                          HAS_RESIDUAL=res, BLOCK_D=c.block_d, QUANT=out == "+q8",
+                                          CHUNK=c.chunk, num_warps=c.num_warps,
+                                          p_h=MockTensor(f16 if out == "+f16" else f32),
+                                          HALF=out == "+f16", **PDL_KW)))
     for act in activation.ACTIVATIONS.values():
-        for quant in (False, True):
+        for out in ("", "+q8", "+f16"):
             args = [f32] * 3 + [28672, 28672, 14336, 14336, i32, f32, i32]
-            jobs.append(Job("gated_act" + ("+q8" if quant else ""), f"act={act} B={activation.BLOCK}",
+            jobs.append(Job("gated_act" + out, f"act={act} B={activation.BLOCK}",
                             _warm(activation._gated_act_kernel, args, ACT=act,
-                                  BLOCK_F=activation.BLOCK, QUANT=quant,
-                                  num_warps=activation.NUM_WARPS, **PDL_KW)))
+                                  BLOCK_F=activation.BLOCK, QUANT=out == "+q8",
+                                  p_h=MockTensor(f16 if out == "+f16" else f32),
+                                  HALF=out == "+f16", num_warps=activation.NUM_WARPS, **PDL_KW)))
     for hq, hk, d in ((32, 8, 128), (8, 4, 256), (9, 3, 64)):
         for neox, norm_ in ((False, False), (True, False), (True, True)):
             args = [f32] * 6 + [i32, f32, f32, f32] + [d * (hq + 2 * hk), d] * 6 + [hq, hk, d, d, 1e-6]
