@@ -36,6 +36,10 @@ ab)
   timeout ${TEST_S:-200} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_triton_gemv_q8.py \
     tests/test_triton_matmul.py tests/test_triton_kernels.py -k "ahead or half or quantized" > "$OUT/tests.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | cut -c1-250 | tail -8
+  # the engine on the GPU: 5-row steps (the float16 rows), DeviceRows' one packed copy
+  timeout ${TEST_S:-200} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_engine_kernels.py \
+    > "$OUT/tests-engine.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests-engine.txt" | cut -c1-250 | tail -8
   wait; idle
   for who in new base new base; do
     J="$OUT/q3-b1-$who-$RANDOM.json"

@@ -404,3 +404,32 @@ def test_gpu_graph_capture_equals_reference() -> None:
         graph.replay()
     torch.cuda.synchronize()
     print(f"sample_rows B={n_b} V={v}: {(time.perf_counter() - t0) / reps * 1e6:.1f} us a replay")
+
+
+def test_packed_views_one_copy_moves_every_part() -> None:
+    """DeviceRows' inputs live in one buffer (one host-to-device copy a step): each part a
+    view at an 8-byte aligned offset, none overlapping, and a copy of the whole buffer into
+    another of the same parts carries every part's values."""
+    from deimos.engine.device_sampling import packed_views
+
+    parts = [("f64", torch.float64, (4, 3)), ("ids", torch.int64, (3, 5)), ("f32", torch.float32, (3, 3)),
+             ("k", torch.int32, (3,)), ("m", torch.int32, (3,)), ("c", torch.int32, (3, 5))]
+    src, a = packed_views(parts, torch.device("cpu"))
+    dst, b = packed_views(parts, torch.device("cpu"))
+    spans = []
+    for name, dtype, shape in parts:
+        v = a[name]
+        assert v.dtype == dtype and tuple(v.shape) == shape and v.is_contiguous(), name
+        off = v.data_ptr() - src.data_ptr()
+        assert off % 8 == 0, name
+        spans.append((off, off + v.numel() * v.element_size()))
+        assert torch.count_nonzero(v) == 0, name
+    spans.sort()
+    assert all(e0 <= s1 for (_, e0), (s1, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] <= src.numel()
+    g = torch.Generator().manual_seed(3)
+    for name, dtype, shape in parts:
+        a[name].copy_(torch.randint(-1000, 1000, shape, generator=g).to(dtype))
+    dst.copy_(src)
+    for name, _, _ in parts:
+        assert torch.equal(a[name], b[name]), name

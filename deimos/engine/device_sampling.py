@@ -8,7 +8,8 @@ sampled step takes one, whichever path samples it) and its penalty window as (id
 grammar's row its allowed tokens as bit words (``Constrained.mask_words``, read by the
 sampler's window kernel: its choice is then the device's, exact, as any other row's;
 a row with another logits processor is left to the host). Padding rows are greedy with no
-penalties. Six or seven host-to-device copies before a step (from pinned buffers); the
+penalties. One host-to-device copy before a step (a pinned buffer laid out as the device's,
+``packed_views``), two when a row has a mask; the
 kernels (captured in the decode graph) leave ids and flags in a device buffer, and ``fetch``,
 after the replay, copies them into one of ``RING`` pinned slots with an event: a step's
 choices can be read while the next step, launched already, runs and overwrites the device
@@ -28,25 +29,48 @@ from deimos.kernels.triton.sample_batch import EXACT, HOST, SampleScratch, Sampl
 RING = 4  # pinned output slots: more than the steps ever in flight
 
 
+def packed_views(parts: list[tuple[str, torch.dtype, tuple[int, ...]]], device: torch.device,
+                 pin: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One zeroed byte buffer on ``device`` (pinned on the host with ``pin``) holding every
+    part ``(name, dtype, shape)`` at an offset aligned to 8 bytes: (the buffer, the parts'
+    views by name). Two calls with the same parts lay them out alike, so one copy of the
+    whole buffer moves every part."""
+    offsets, end = [], 0
+    for _, dtype, shape in parts:
+        offsets.append(end)
+        n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        end += -(-n // 8) * 8
+    buf = torch.zeros(max(end, 8), dtype=torch.uint8, device=device, pin_memory=pin)
+    views = {}
+    for (name, dtype, shape), off in zip(parts, offsets):
+        n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        views[name] = buf[off:off + n].view(dtype).view(shape)
+    return buf, views
+
+
 class DeviceRows:
     def __init__(self, rows: int, n_vocab: int, device: torch.device, width: int = PENALTY_WIDTH):
         self.n_rows = rows
         self.width = width
         dev = torch.device(device)
-        # device inputs: views of one buffer per dtype
-        self._f64 = torch.zeros((4, rows), dtype=torch.float64, device=dev)  # temp, top_p, min_p, u
-        self._f32 = torch.zeros((3, rows), dtype=torch.float32, device=dev)  # repeat, freq, pres
-        self._i32 = torch.zeros((1 + width, rows), dtype=torch.int32, device=dev)  # top_k, counts^T
-        self._i64 = torch.zeros((rows, width), dtype=torch.int64, device=dev)  # pen ids
-        self._counts = torch.zeros((rows, width), dtype=torch.int32, device=dev)
-        self.rows = SamplingRows(self._f64[0], self._i32[0], self._f64[1], self._f64[2],
-                                 self._f32[0], self._f32[1], self._f32[2], self._f64[3],
-                                 self._i64, self._counts)
+        # the per-row inputs: views of one device buffer, filled from a pinned buffer of the
+        # same layout by one copy a step
+        parts = [("f64", torch.float64, (4, rows)),  # temperature, top_p, min_p, u
+                 ("pen_ids", torch.int64, (rows, width)),
+                 ("f32", torch.float32, (3, rows)),  # repeat, frequency, presence
+                 ("top_k", torch.int32, (rows,)),
+                 ("masked", torch.int32, (rows,)),  # which rows read an allowed-token mask
+                 ("counts", torch.int32, (rows, width))]  # fmt: skip
+        self._dev, d = packed_views(parts, dev)
+        self._host, h = packed_views(parts, torch.device("cpu"), pin=True)
+        self.rows = SamplingRows(d["f64"][0], d["top_k"], d["f64"][1], d["f64"][2],
+                                 d["f32"][0], d["f32"][1], d["f32"][2], d["f64"][3],
+                                 d["pen_ids"], d["counts"])  # fmt: skip
+        self._masked = d["masked"]
+        self._hn = [h[k].numpy() for k in ("f64", "f32", "counts", "pen_ids")]
+        self._hkn = h["top_k"].numpy()
+        self._hmn = h["masked"].numpy()
         pin = dict(pin_memory=True)
-        self._h = [torch.zeros_like(t, device="cpu", **pin) for t in (self._f64, self._f32, self._counts, self._i64)]
-        self._hk = torch.zeros(rows, dtype=torch.int32, device="cpu", **pin)
-        self._hn = [t.numpy() for t in self._h]
-        self._hkn = self._hk.numpy()
         self.ids = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.flags = torch.zeros(rows, dtype=torch.int32, device=dev)
         self._ring = [torch.zeros(2 * rows, dtype=torch.int64, device="cpu", **pin) for _ in range(RING)]
@@ -62,9 +86,6 @@ class DeviceRows:
         self._words = torch.zeros((rows, n_words(n_vocab)), dtype=torch.int32, device=dev)
         self._hw = torch.zeros_like(self._words, device="cpu", **pin)
         self._hwn = self._hw.numpy().view(np.uint32)
-        self._masked = torch.zeros(rows, dtype=torch.int32, device=dev)
-        self._hm = torch.zeros(rows, dtype=torch.int32, device="cpu", **pin)
-        self._hmn = self._hm.numpy()
         self.scratch = SampleScratch(rows, n_vocab, width, dev)
         self.loaded = False
         self._us: list[float] = []
@@ -116,12 +137,7 @@ class DeviceRows:
                 for j, (tok, c) in enumerate(window.items()):
                     ids[i, j] = tok
                     cnt[i, j] = c
-        self._f64.copy_(self._h[0], non_blocking=True)
-        self._f32.copy_(self._h[1], non_blocking=True)
-        self._counts.copy_(self._h[2], non_blocking=True)
-        self._i64.copy_(self._h[3], non_blocking=True)
-        self._i32[0].copy_(self._hk, non_blocking=True)
-        self._masked.copy_(self._hm, non_blocking=True)
+        self._dev.copy_(self._host, non_blocking=True)
         if masked.any():
             last = int(np.flatnonzero(masked)[-1]) + 1
             self._words[:last].copy_(self._hw[:last], non_blocking=True)
