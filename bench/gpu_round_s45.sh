@@ -8,6 +8,8 @@
 #   SETS="0:1 base router:1 0:0" bench/gpu_round_s45.sh moe30   # carry as ab
 #     qwen3moe 30B-A3B Q4_K_M's deimos bench rounds (FUSED:AHEAD, or "base": the session's
 #     start), then its step's kernels with PDL off
+#   bench/gpu_round_s45.sh all  # carry as ab: the tests, qwen3moe 30B and qwen3 4B against the
+#     session's start in one call (bench rounds in fresh processes, 2 rounds each)
 #   bench/gpu_round_s45.sh ab   # carry .whl .peer/td-q .peer/base (git archive of the session's
 #     start, 6560722: deimos, bench/engine_batch.py, bench/profile_step.py)
 #     the GPU tests of the ahead loads and the batch's float16 rows, then the session's start
@@ -29,7 +31,35 @@ print(f\"{sys.argv[2]} fused={sys.argv[3]} ahead={sys.argv[4]}: pp512 {p['mean']
 }
 # base CMD...: CMD run in the session start's tree (.peer/base), its own kernel cache
 base() { (cd .peer/base && TRITON_CACHE_DIR=/tmp/tc-base PYTHONPATH=/tmp/site:$PWD "$@"); }
+# b1 MODEL TAG WHO: deimos bench at batch 1 in the tree WHO (new: this one; base: .peer/base)
+b1() {
+  local J="$OUT/$2-$3-$RANDOM.json"
+  if [ $3 = base ]; then base timeout ${BENCH_S:-150} python3 -m deimos bench $1 -p 512 -n 128 -r ${R:-3} --json $J > ${J%.json}.txt 2>&1
+  else timeout ${BENCH_S:-150} python3 -m deimos bench $1 -p 512 -n 128 -r ${R:-3} --json $J > ${J%.json}.txt 2>&1; fi
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); e=r.get('bench', r)['engines'][0]; \
+print(sys.argv[2], sys.argv[3], 'fused=%s: pp512 %.1f tg128 %.2f' % (sys.argv[4], e['prefill']['mean'], e['decode']['mean']))" \
+    $J $2 $3 ${DEIMOS_MOE_FUSED:-0} 2>&1 | tail -1 | tee -a "$OUT/summary.txt"
+}
 case "${1:-}" in
+all)
+  # one call: the tests, then qwen3moe 30B (this tree, the start's, the one-launch router),
+  # qwen3 4B at batch 1 and 16 / 64 requests, each against the session's start
+  inst; idle
+  (python3 -m deimos synth qwen3-4b $Q3 --type Q4_K_M --vocab-from "$V/ggml-vocab-qwen2.gguf" > /dev/null) &
+  (synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2) &
+  timeout ${TEST_S:-150} python3 -m pytest -q -rfE -p no:cacheprovider tests/test_triton_gemv_q8.py \
+    tests/test_triton_matmul.py tests/test_triton_kernels.py tests/test_engine_kernels.py tests/test_moe_gpu.py \
+    -k "ahead or half or quantized or engine or graphs or grammar or moe" > "$OUT/tests.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | cut -c1-250 | tail -8 | tee -a "$OUT/summary.txt"
+  wait; idle
+  R=2 b1 $M30 q3moe30 new; R=2 b1 $M30 q3moe30 base; DEIMOS_MOE_FUSED=router R=2 b1 $M30 q3moe30 new
+  R=2 b1 $Q3 q3-4b new; R=2 b1 $Q3 q3-4b base
+  for who in new base; do
+    if [ $who = new ]; then timeout 120 python3 bench/engine_batch.py $Q3 -c 16,64 -n 128 > "$OUT/q3-batch-$who.txt" 2>&1
+    else base timeout 120 python3 bench/engine_batch.py $Q3 -c 16,64 -n 128 > "$OUT/q3-batch-$who.txt" 2>&1; fi
+    grep -E "^\| (default|greedy)" "$OUT/q3-batch-$who.txt" | sed "s/^/$who /" | tee -a "$OUT/summary.txt"
+  done
+  idle ;;
 ab)
   inst; idle
   (python3 -m deimos synth qwen3-4b $Q3 --type Q4_K_M --vocab-from "$V/ggml-vocab-qwen2.gguf" > /dev/null) &
@@ -78,5 +108,5 @@ print('q3moe30 base: pp512 %.1f tg128 %.2f' % (e['prefill']['mean'], e['decode']
   DEIMOS_PDL=0 DEIMOS_MOE_FUSED=${FUSED:-router} timeout 200 python3 bench/profile_step.py $M30 -b 1 --greedy --steps 20 \
     --top 16 2>&1 | grep -v Warn | tee "$OUT/profile-30b.txt" | tail -20
   idle ;;
-*) echo "usage: $0 ab|ahead|moe30" >&2; exit 2 ;;
+*) echo "usage: $0 all|ab|ahead|moe30" >&2; exit 2 ;;
 esac
