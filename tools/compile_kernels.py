@@ -692,6 +692,13 @@ def _host_link_jobs() -> list[Job]:
     jobs.append(Job("host_wait", "D=2048",
                     _warm(hl._wait_kernel, [i32, i32, i32, f32, f32, 2048, 3, hl.MAX_SPIN],
                           BLOCK_D=1024, ASM=True, num_warps=4)))
+    sf = importlib.import_module("deimos.kernels.triton.step_feed")  # a decode graph's inputs
+    for b in (1, 128):
+        jobs.append(Job("decode_slots", f"B={b}",
+                        _warm(sf._decode_slots_kernel, [i32, torch.int64, torch.int64, b, 64, 16],
+                              BLOCK=b, num_warps=1, **PDL_KW)))
+        jobs.append(Job("feed", f"B={b}", _warm(sf._feed_kernel, [torch.int64] * 3 + [b], BLOCK=b,
+                                                 num_warps=1, **PDL_KW)))
     cr = importlib.import_module("deimos.kernels.triton.copy_ranges")
     for word, dt in ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)):
         jobs.append(Job("copy_ranges", f"word={word}",

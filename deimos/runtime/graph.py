@@ -30,6 +30,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from deimos.kernels.triton.step_feed import decode_slots
+from deimos.kernels.triton.step_feed import feed as feed_step
 from deimos.models.batch import Batch, SeqLayout
 from deimos.models.blocks import DecoderModel
 
@@ -138,15 +140,12 @@ class StepGraph:
         self._graph = graph
 
     def _body(self, batch: Batch, feed: bool) -> torch.Tensor:
-        bs = self.pool.block_size
         if self.decode:  # slots from the tables at the (possibly device-fed) positions
-            blk = torch.gather(self.tables, 1, (self.positions // bs).view(-1, 1).to(torch.int64))
-            self.slots.copy_(blk.view(-1).to(torch.int64) * bs + self.positions % bs)
+            decode_slots(self.tables, self.positions, self.pool.block_size, self.slots)
         logits = self.model.step(batch)
         ids = self.after(logits) if self.after is not None else None
         if self.decode and ids is not None and feed:
-            self.tokens.copy_(ids.clamp(min=0))
-            self.positions.add_(1)
+            feed_step(ids, self.tokens, self.positions)
         self.chainable = self.decode and ids is not None
         return logits
 
