@@ -1,10 +1,12 @@
 """A routed-expert MLP step on the GPU kernels (``TritonOps.moe``), every expert on the device.
 
-One token (a batch-1 decode step): the router's float32 logits (torch) then ``moe_route``
-(softmax, top-k, renormalized), ``moe_gemv`` per projection (expert ids read on the device;
-gate and up in one launch, ``moe_gemv_pair``),
-``gated_act`` (writing the down projection's integer activation), ``moe_combine``. With
-DEIMOS_MOE_FUSED=router (read once) the router is one launch (``moe_router``); with
+One token (a batch-1 decode step): the router in one launch (``moe_router``: the float32
+logits, softmax, top-k, renormalized), ``moe_gemv`` per projection (expert ids read on the
+device; gate and up in one launch, ``moe_gemv_pair``), ``gated_act`` (writing the down
+projection's integer activation), ``moe_combine``. With DEIMOS_MOE_FUSED=0 (read once) the
+router is torch's float32 product then ``moe_route`` (the default until session 45: the
+one-launch router, its swept tile and its weights loaded before the PDL wait, measured 5%
+faster on qwen3moe 30B-A3B's decode, H100: BENCHMARKS.md); with
 DEIMOS_MOE_FUSED=1 (experts resident) the whole step is three launches: ``moe_router`` (the
 logits and the routing in one), ``moe_gate_up`` (gate and up with the gated activation between
 them) and ``moe_down_combine`` (down with the weighted combine), quant.triton.moe_decode.
@@ -34,8 +36,8 @@ from deimos.quant.triton.moe_gemv import moe_gemv, moe_gemv_pair
 from deimos.quant.triton.dequant_gemv import MAX_BATCH
 
 # read once: which one-token steps TritonOps fuses (a profile's switch; the default is what was
-# measured fastest on the H200): "0" none, "router" the router only, "1" all three launches
-FUSED = os.environ.get("DEIMOS_MOE_FUSED", "0")
+# measured fastest: session 45, H100): "0" none, "router" the router only, "1" all three launches
+FUSED = os.environ.get("DEIMOS_MOE_FUSED", "router")
 if FUSED not in ("0", "router", "1"):
     raise ValueError(f"DEIMOS_MOE_FUSED must be 0, router or 1, got {FUSED!r}")
 
