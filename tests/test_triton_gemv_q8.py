@@ -26,6 +26,7 @@ from deimos.quant.triton.gemv_q8 import (  # noqa: E402
     quantize_x_reference,
 )
 from deimos.quant.triton.naive import gemv_ref  # noqa: E402
+from pdl_chain import assert_replays_match  # noqa: E402
 
 
 
@@ -170,20 +171,7 @@ def test_gemv_q8_ahead_waits_for_its_activation(monkeypatch) -> None:
             h = gq.gemv_q8(w, q)
         return h
 
-    x.copy_(torch.randn(1, d, device="cuda"))
-    chain()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = chain()
-    for seed in range(3):
-        x.copy_(torch.randn(1, d, generator=torch.Generator().manual_seed(seed)).cuda())
-        graph.replay()
-        torch.cuda.synchronize()
-        with monkeypatch.context() as m:
-            m.setattr(gq, "ahead_on", lambda device: False)
-            want = chain()
-        assert _rel(y, want) < 1e-6, f"replay {seed}: {_rel(y, want):.2e}"
+    assert_replays_match(chain, x, gq, monkeypatch)
 
 
 def test_gemv_grid_holds_large_vocabularies() -> None:

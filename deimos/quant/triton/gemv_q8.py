@@ -156,8 +156,6 @@ def _step_dot(b_w, b_h, m_w, s_lo, s_hi, mn_lo, mn_hi, p_xq, p_xd, p_xs, i_b, o_
     ``p_xq`` already at the row): float32 ``[BLOCK_N, BLOCK_S]``, each group's dot times its
     x scale."""
     W: tl.constexpr = 8 if FMT == Q8_0 else (2 if FMT == Q2_K else 4)  # weight words per group
-    HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1 or FMT == Q5_1
-    OFFSET: tl.constexpr = 8 if FMT == Q4_0 else (16 if FMT == Q5_0 else (32 if FMT == Q6_K else 0))
     o_w = tl.arange(0, W)
     # XB: x words [1, S, W], broadcast over the rows held in registers; else in the weights'
     # full shape (rows broadcast), the weights' register layout
@@ -219,10 +217,24 @@ def _step_dot(b_w, b_h, m_w, s_lo, s_hi, mn_lo, mn_hi, p_xq, p_xd, p_xs, i_b, o_
             d_lo = (_dp4a(c0, x0, _dp4a(c1, x1, zero, ASM), ASM) * PLANE
                     + _dp4a(c0, x0r, _dp4a(c1, x1r, zero, ASM), ASM))  # fmt: skip
             d_hi = d_lo
+    return scaled_dot(d_lo, d_hi, s_lo, s_hi, mn_lo, mn_hi, p_xs + i_b * (2 * S_TOTAL),
+                      p_xd + i_b * S_TOTAL, u, m_s, FMT, MASKED, SCALE16)
+
+
+@triton.jit
+def scaled_dot(d_lo, d_hi, s_lo, s_hi, mn_lo, mn_hi, p_xs, p_xd, u, m_s,
+               FMT: tl.constexpr, MASKED: tl.constexpr, SCALE16: tl.constexpr):  # fmt: skip
+    """Groups ``u``' integer dots (``[BLOCK_N, BLOCK_S, W]``: d_lo over a group's first 16
+    elements, d_hi its last, or d_lo over all 32) turned into float32 ``[BLOCK_N, BLOCK_S]``
+    contributions: the weight scales and mins (``_step_weights``' four), the format's offset
+    times the x codes' sums, the x scale. ``p_xs``, ``p_xd``: the activation row's code sums
+    and scales. Shared with gemv_rows (each of its rows)."""
+    HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1 or FMT == Q5_1
+    OFFSET: tl.constexpr = 8 if FMT == Q4_0 else (16 if FMT == Q5_0 else (32 if FMT == Q6_K else 0))
     i_lo = tl.sum(d_lo, axis=2)
-    xs_lo = masked_load(p_xs + i_b * (2 * S_TOTAL) + 2 * u, m_s, MASKED)[None, :]
-    xs_hi = masked_load(p_xs + i_b * (2 * S_TOTAL) + 2 * u + 1, m_s, MASKED)[None, :]
-    xd = masked_load(p_xd + i_b * S_TOTAL + u, m_s, MASKED)[None, :]
+    xs_lo = masked_load(p_xs + 2 * u, m_s, MASKED)[None, :]
+    xs_hi = masked_load(p_xs + 2 * u + 1, m_s, MASKED)[None, :]
+    xd = masked_load(p_xd + u, m_s, MASKED)[None, :]
     if FMT == Q2_K:
         i_hi = tl.sum(d_hi, axis=2)
         dot = (s_lo * i_lo.to(tl.float32) + s_hi * i_hi.to(tl.float32)

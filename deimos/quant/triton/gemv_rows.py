@@ -33,9 +33,6 @@ from deimos.quant.triton.dequant_gemv import (
     FMT_ID,
     MAX_BATCH,
     Q2_K,
-    Q4_0,
-    Q4_1,
-    Q4_K,
     Q5_0,
     Q5_1,
     Q5_K,
@@ -61,6 +58,7 @@ from deimos.quant.triton.gemv_q8 import (
     _q6_high,
     _spread1,
     q8_config,
+    scaled_dot,
 )
 from deimos.quant.triton.layout import PackedWeight
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
@@ -78,8 +76,6 @@ def _row_term(p_xq, p_xd, p_xs, o_x, m_x, u, m_s, zero, c0, c1, c2, c3, c4, c5, 
     Codes by format: Q8_0 c0 = the words (SCALE16: c0, c1 = their bytes 0-1, 2-3); Q2_K
     c(2p), c(2p+1) = crumb plane p's bytes 0-1, 2-3; Q6_K c0, c1 = parity 0, 1 bytes 0-1 and
     c2, c3 = bytes 2-3; other nibble formats c0, c1 = parity 0, 1. Unused ones: anything."""
-    OFFSET: tl.constexpr = 8 if FMT == Q4_0 else (16 if FMT == Q5_0 else (32 if FMT == Q6_K else 0))
-    HAS_MIN: tl.constexpr = FMT == Q4_K or FMT == Q5_K or FMT == Q4_1 or FMT == Q5_1
     # x plane 0 (coarse codes) at words 16u + 0..7, plane 1 (residual codes) at 16u + 8..15
     if FMT == Q8_0:
         b_x = masked_load(p_xq + o_x, m_x, MASKED)
@@ -129,24 +125,7 @@ def _row_term(p_xq, p_xd, p_xs, o_x, m_x, u, m_s, zero, c0, c1, c2, c3, c4, c5, 
                     + _dp4a(c2, x0r, _dp4a(c3, x1r, zero, ASM), ASM))  # fmt: skip
         else:
             d_hi = d_lo
-    i_lo = tl.sum(d_lo, axis=2)
-    xs_lo = masked_load(p_xs + 2 * u, m_s, MASKED)[None, :]
-    xs_hi = masked_load(p_xs + 2 * u + 1, m_s, MASKED)[None, :]
-    xd = masked_load(p_xd + u, m_s, MASKED)[None, :]
-    if FMT == Q2_K:
-        i_hi = tl.sum(d_hi, axis=2)
-        dot = (s_lo * i_lo.to(tl.float32) + s_hi * i_hi.to(tl.float32)
-               - mn * xs_lo.to(tl.float32) - mn_hi * xs_hi.to(tl.float32))  # fmt: skip
-    else:
-        if FMT == Q6_K or SCALE16:
-            i_hi = tl.sum(d_hi, axis=2)
-            dot = (s_lo * (i_lo - OFFSET * xs_lo).to(tl.float32)
-                   + s_hi * (i_hi - OFFSET * xs_hi).to(tl.float32))  # fmt: skip
-        else:
-            dot = s_lo * (i_lo - OFFSET * (xs_lo + xs_hi)).to(tl.float32)
-        if HAS_MIN:
-            dot += mn * (xs_lo + xs_hi).to(tl.float32)
-    return xd * dot
+    return scaled_dot(d_lo, d_hi, s_lo, s_hi, mn, mn_hi, p_xs, p_xd, u, m_s, FMT, MASKED, SCALE16)
 
 
 @triton.jit
