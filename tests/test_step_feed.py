@@ -50,3 +50,6 @@ def test_step_feed_bad_input() -> None:
         decode_slots(t, p, 16, torch.zeros(3, dtype=torch.int64, device=DEVICE))
     with pytest.raises(ValueError, match="feed: ids must be contiguous"):
         feed(p.int(), p.clone(), p.clone())
+    with pytest.raises(ValueError, match=r"feed: tokens must be contiguous torch.int64 \[B\]"):
+        feed(p.clone(), torch.zeros(2, 2, dtype=torch.int64, device=DEVICE), p.clone())
+

@@ -603,3 +603,15 @@ def test_pdl_launch_options() -> None:
     assert pdl_on(torch.device("cpu")) is False
     if INTERPRETED:
         assert pdl_on(torch.device("cuda", 0)) is False  # the interpreter has no griddepcontrol
+
+
+def test_a_bad_ahead_switch_is_named() -> None:
+    """DEIMOS_PDL_AHEAD other than 0 or 1: a named error when the kernels are imported."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DEIMOS_PDL_AHEAD": "off"}
+    r = subprocess.run([sys.executable, "-c", "import deimos.quant.triton.pdl"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "DEIMOS_PDL_AHEAD must be 0 or 1, got 'off'" in r.stderr

@@ -63,7 +63,9 @@ def decode_slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int,
 
 def feed(ids: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
     """In place, as feed_reference: tokens = max(ids, 0), positions += 1 (each int64 ``[B]``)."""
-    b = tokens.shape[0] if tokens.dim() == 1 else -1
+    if tokens.dim() != 1:
+        raise ValueError(f"feed: tokens must be contiguous torch.int64 [B], got {tuple(tokens.shape)}")
+    b = tokens.shape[0]
     for name, t in (("ids", ids), ("tokens", tokens), ("positions", positions)):
         _rows(f"feed: {name}", t, torch.int64, b)
     if not 1 <= b <= MAX_ROWS:

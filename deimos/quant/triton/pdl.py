@@ -36,7 +36,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _OFF = os.environ.get("DEIMOS_PDL", "1") == "0"
 # read once: DEIMOS_PDL_AHEAD=0 keeps the weight GEMVs' loads after the wait (a profile's A/B)
-_AHEAD_OFF = os.environ.get("DEIMOS_PDL_AHEAD", "1") == "0"
+_AHEAD = os.environ.get("DEIMOS_PDL_AHEAD", "1")
+if _AHEAD not in ("", "0", "1"):
+    raise ValueError(f"DEIMOS_PDL_AHEAD must be 0 or 1, got {_AHEAD!r}")
+_AHEAD_OFF = _AHEAD == "0"
 
 
 @triton.jit
