@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from deimos.engine import LLM
 from deimos.engine.request import Request
@@ -54,16 +55,30 @@ def main() -> int:
     ap.add_argument("-n", "--gen", type=int, default=128)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--max-seqs", type=int, default=64)
+    ap.add_argument("--compiles", action="store_true",
+                    help="list the Triton kernel variants first built in each phase")
+    ap.add_argument("--compiles-all", action="store_true", help="with --compiles: the lists uncut")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
+    trace = None
+    if args.compiles:
+        from compile_trace import CompileTrace
+
+        trace = CompileTrace()
+        trace.install()
+        trace.phase = "load"
     llm = LLM(args.model, n_ctx=args.ctx, device="cuda", max_seqs=args.max_seqs)
     print(f"pool: {llm.engine.pool.n_blocks} blocks of {llm.engine.pool.block_size}, "
           f"{llm.engine.pool.nbytes / 2**30:.1f} GiB", flush=True)
+    if trace:
+        trace.phase = "warm-up (2 requests)"
     run(llm, 2, 64, 8, SamplingParams(), 0)  # warm-up (every graph was captured at load)
     rows = []
     for k, (name, sp) in enumerate((("default", SamplingParams(seed=1)),
                                     ("greedy", SamplingParams(temperature=0)))):
         for c in levels:  # prompts of their own (no prefix-cache hit across runs)
+            if trace:
+                trace.phase = f"{name} {c}"
             r = run(llm, c, args.prompt, args.gen, sp, 1000 * k + c)
             r["sampling"] = name
             rows.append(r)
@@ -71,6 +86,8 @@ def main() -> int:
     print("\n| sampling | concurrency | output tok/s | wall s | mean TTFT s |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['sampling']} | {r['c']} | {r['tok_s']:.0f} | {r['wall_s']:.2f} | {r['ttft_mean_s']:.3f} |")
+    if trace:
+        print("\n" + trace.table(width=None if args.compiles_all else 1500))
     return 0
 
 

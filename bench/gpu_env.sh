@@ -2,8 +2,13 @@
 # machine: the carried wheels and llama.cpp build on the paths, the test data, the outputs.
 set -uo pipefail
 # (tools/gpu_carry.sh builds the carried folders; .peer/td-q: Qwen's and llama-spm's
-# vocabularies and the templates)
+# vocabularies and the templates;
+# .peer/tdz: the qwen2 and llama-bpe vocabularies xz-packed and two templates, when the carry
+# must stay small)
 TD=$PWD/.peer/td; [ -d "$TD" ] || TD=$PWD/.peer/td-q
+if [ ! -d "$TD" ] && [ -d .peer/tdz ]; then
+  TD=/tmp/tdz; [ -d $TD ] || { cp -r .peer/tdz $TD && find $TD -name '*.xz' -exec xz -d {} +; }
+fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD DEIMOS_TEST_DATA=$TD
 export LD_LIBRARY_PATH=/tmp/lc:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/m

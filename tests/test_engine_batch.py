@@ -336,6 +336,31 @@ def test_the_warm_up_steps_cover_a_first_requests_shapes(tiny):
     assert llm.engine.blocks.n_used == 0
 
 
+def test_the_warm_up_steps_cover_the_decode_attentions_variants(tiny, monkeypatch):
+    """Where the ops name the decode row counts whose attention builds another kernel variant
+    (TritonOps.eager_decode_rows, over the tables' positions and up to max_seqs - 1 rows), the
+    warm-up adds a short chunk beside each (an odd total) other than the 3 rows it has; they
+    run on the reference with finite logits."""
+    llm = LLM(tiny, n_ctx=1500, max_seqs=8, max_batch_tokens=600)
+    runner = llm.engine.runner
+    asked = []
+
+    def rows(s, max_rows):
+        asked.append((s, max_rows))
+        return [1, 3, 5]
+
+    monkeypatch.setattr(runner.model.ops, "eager_decode_rows", rows, raising=False)
+    shapes = runner.warm_shapes(600)
+    assert asked == [(runner.max_blocks * runner.block_size, 7)]
+    extra = [(x.n_decode, x.q_lens[-1]) for x in shapes[3:]]
+    assert extra == [(1, 16), (5, 16)]
+    for x in shapes[3:]:
+        assert sum(x.q_lens) % 2 == 1 and not x.tables.any()
+        logits = runner._eager(x)
+        assert logits.shape == (len(x.q_lens), llm.config.n_vocab) and bool(logits.isfinite().all())
+    assert llm.engine.blocks.n_used == 0
+
+
 def test_a_hybrid_model_decodes_together_as_alone(tmp_path):
     """qwen35 (Gated DeltaNet + attention) through the engine: each sequence keeps its own
     recurrent state (Sequence.state), so sequences decoded together give each one's tokens

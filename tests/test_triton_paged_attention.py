@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kernel_device import DEVICE  # noqa: I001  (first: sets TRITON_INTERPRET)
+import triton  # noqa: E402
 from kernel_checks import close as _close  # noqa: E402
 from kernel_checks import rand as _rand  # noqa: E402
 
@@ -34,7 +35,7 @@ from deimos.kernels.triton import (  # noqa: E402
     prefill_tile_map,
     rope_inv_freq,
 )
-from deimos.kernels.triton.decode_attention import decode_config  # noqa: E402
+from deimos.kernels.triton.decode_attention import decode_config, variant_rows  # noqa: E402
 from deimos.kernels.triton.prefill_attention import PrefillConfig, paged_prefill_split  # noqa: E402
 from deimos.quant.triton.gemv_q8 import empty_quantized, quantize_x  # noqa: E402
 
@@ -410,6 +411,19 @@ def test_split_rules() -> None:
     assert decode_config(4096, 64, 8, 64) == (64, 1, 4, 3)
     # test_paged_prefill's "rule" runs split where the table has more than one key tile
     assert [_rule_split(c) for c in PREFILL_CASES] == [2, 3, 2, 1, 3, 4]
+
+
+@pytest.mark.parametrize("s,hkv,d", [(1024, 8, 128), (40960, 8, 128), (40960, 2, 256), (64, 1, 64)])
+def test_variant_rows_cover_every_row_count(s: int, hkv: int, d: int) -> None:
+    """variant_rows: one row count per distinct combine tile (the split count's next power of
+    two) among 1..63 rows, each the least of its class, so a warm-up of those rows builds what
+    any row count asks for."""
+    rows = variant_rows(s, 63, hkv, d)
+    tile = {b: triton.next_power_of_2(decode_config(s, b, hkv, d).n_split) for b in range(1, 64)}
+    assert rows == sorted(rows) and rows[0] == 1
+    assert sorted(tile[b] for b in rows) == sorted(set(tile.values()))  # every class, once each
+    assert all(min(b for b in tile if tile[b] == tile[r]) == r for r in rows)
+    assert variant_rows(1024, 63, 8, 128) == [1, 8, 14, 23, 34]
 
 
 def test_prefill_tile_map() -> None:

@@ -258,8 +258,9 @@ class ModelRunner:
         specializes on whether a size is a multiple of 16, and the tiles follow the row
         count): a long prompt's first chunk alone (a whole budget) and its next chunk (an odd
         count at an odd position: a cached prefix's continuation), and a chunk beside a few
-        decode rows at an odd total; a hybrid's first one with a snapshot row. Empty when the
-        context is too short to hold them."""
+        decode rows at an odd total; a hybrid's first one with a snapshot row; a short chunk
+        beside each count of decode rows whose attention launches another kernel variant (the
+        ops' ``eager_decode_rows``). Empty when the context is too short to hold them."""
         n = min(max_batch_tokens, self.n_ctx)
         prefill_max = max(PREFILL_BUCKETS)
         big = max(prefill_max + 1, n - 1) | 1  # past the prefill graphs, odd
@@ -275,6 +276,14 @@ class ModelRunner:
         n_dec = min(3, self.max_seqs - 1)
         if n_dec:  # an odd total: 3 rows beside an even chunk
             shapes.append(self.scratch_inputs(n_dec, [big - n_dec - 2], [0]))
+        # the decode attention's variants of other row counts, each beside a short chunk
+        # (an odd total)
+        rows = getattr(self.model.ops, "eager_decode_rows", None)
+        if rows is not None and n_dec:
+            for nd in rows(self.max_blocks * self.block_size, self.max_seqs - 1):
+                chunk = 16 + (nd + 1) % 2
+                if nd != n_dec and nd + chunk <= max_batch_tokens and chunk <= self.n_ctx:
+                    shapes.append(self.scratch_inputs(nd, [chunk], [0]))
         return shapes
 
     @torch.inference_mode()

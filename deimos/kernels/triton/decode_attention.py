@@ -76,7 +76,9 @@ def key_slots(o_k, m_k, p_tab_row, bs_shift, PAGED: tl.constexpr):
         return o_k.to(tl.int64)
 
 
-@triton.jit
+# N_SPLIT unspecialized: it follows the row count of an eager step (mixed steps vary theirs),
+# and Triton would otherwise build a variant for 1, for multiples of 16 and for the rest
+@triton.jit(do_not_specialize=["N_SPLIT"])
 def _decode_split_kernel(
     p_q, p_k, p_v, p_pos, p_m, p_l, p_acc,
     sq_b, sq_h, sk_s, sk_h, sv_s, sv_h,
@@ -176,7 +178,7 @@ def _decode_split_kernel(
              mask=m_g[:, None] & m_d[None, :])  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_SPLIT"])
 def _decode_combine_kernel(
     p_m, p_l, p_acc, p_o, so_b, so_h, HQ, D, N_SPLIT, p_xq, p_xd, p_xs,
     BLOCK_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
@@ -253,6 +255,18 @@ def decode_config(s: int, b: int, hkv: int, d: int) -> DecodeConfig:
     splits of fixed keys (S / n_split) left one split of 9 tiles per row with work."""
     block_s = 32 if d > 128 else 64
     return DecodeConfig(block_s, split_count(b * hkv, s, block_s, d), 4)
+
+
+def variant_rows(s: int, max_rows: int, hkv: int, d: int) -> list[int]:
+    """The least row count (of 1..``max_rows``, tables of ``s`` positions) of each kernel
+    variant ``decode_attention`` launches under ``decode_config``'s rule: the combine's
+    BLOCK_SPLIT is the split count's next power of two, and the split count follows the rows
+    (the split kernel's N_SPLIT is not specialized). A warm-up that runs these row counts
+    builds every variant an eager step of up to ``max_rows`` rows can ask for."""
+    first: dict[int, int] = {}
+    for b in range(1, max_rows + 1):
+        first.setdefault(triton.next_power_of_2(decode_config(s, b, hkv, d).n_split), b)
+    return sorted(first.values())
 
 
 def combine_splits(part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Tensor,

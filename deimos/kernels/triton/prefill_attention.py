@@ -177,7 +177,9 @@ def prefill_attention(
 # ---- paged varlen prefill ---------------------------------------------------------------------
 
 
-@triton.jit
+# n_split follows the chunk's tiles, and p_start / p_tab are slices at the step's decode-row
+# count (4-byte rows): unspecialized, so a mixed step's row count makes no new variant
+@triton.jit(do_not_specialize=["n_split"], do_not_specialize_on_alignment=["p_start", "p_tab"])
 def _paged_prefill_kernel(
     p_q, p_k, p_v, p_o, p_tab, p_cu, p_start, p_map,
     sq_t, sq_h, sk_s, sk_h, sv_s, sv_h, so_t, so_h, stab_b,

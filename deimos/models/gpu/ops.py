@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from deimos.kernels.triton.activation import gated_act
-from deimos.kernels.triton.decode_attention import NewToken, decode_attention
+from deimos.kernels.triton.decode_attention import NewToken, decode_attention, variant_rows
 from deimos.kernels.triton.gated_norm import rms_norm_gated
 from deimos.kernels.triton.norm import add_rms_norm, rms_norm
 from deimos.kernels.triton.output_gate import output_gate
@@ -135,6 +135,12 @@ class TritonOps:
         paged_prefill_attention(q[nd:], k_cache, v_cache, seqs.tables[nd:], cu, seqs.q_start[nd:], tiles,
                                 bs, scale, window, out=out[nd:])
         return out
+
+    def eager_decode_rows(self, s: int, max_rows: int) -> list[int]:
+        """Decode row counts (1..``max_rows``) of eager steps over tables of ``s`` positions,
+        one for each variant of the decode attention's kernels they build: the rows a load's
+        warm-up steps run so that no request compiles one (``variant_rows``)."""
+        return variant_rows(s, max_rows, self.cfg.n_head_kv, self.cfg.head_dim)
 
     def _made_quantized(self, make, rows: int, k: int, device, whole_groups: bool = True):
         """``make(qx)``'s output, ``qx`` the QuantizedX it also fills for the next GEMV (a

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Session 46's GPU rounds (from the repository root on the GPU machine; carry .whl .peer/td-v, and .peer/lc for llama-server):
+#   bench/gpu_round_s46.sh first
+#     the Triton variants first built inside requests after the load's warm-up (qwen3 4B, a fresh
+#     kernel cache, bench/engine_batch.py --compiles), then deimos serve against llama-server on
+#     llama 8B Q4_K_M at 1, 16 and 64 streams (issue 14's measure), then qwen3moe 30B-A3B's
+#     batch-1 rounds (issue 15's whole-card decode)
+#   bench/gpu_round_s46.sh agent   # carry .whl .peer/lc .peer/tdz
+#     the three agent sessions against llama-server -np 1 (issue 17's 1.5x) on llama 8B Q4_K_M
+#     (Hermes-3's tool-use template) and qwen3 4B Q4_K_M (Qwen3's), tools sent as the field
+. bench/gpu_env.sh
+Q3=/tmp/m/qwen3-4b-Q4_K_M-qwen3.gguf
+say() { tee -a "$OUT/summary.txt"; }
+# serve_round FILE: deimos serve then llama-server, each driven by deimos bench serve
+serve_round() {
+  python3 -m deimos serve $1 --listen 127.0.0.1:8090 --no-tui -c 1024 > "$OUT/deimos-serve.log" 2>&1 &
+  local D=$!
+  for i in $(seq 150); do curl -sf 127.0.0.1:8090/health > /dev/null && break; kill -0 $D 2>/dev/null || break; sleep 1; done
+  kill -0 $D 2>/dev/null || tail -3 "$OUT/deimos-serve.log"
+  timeout ${DS_S:-150} python3 -m deimos bench serve --url http://127.0.0.1:8090 --concurrency ${DLEVELS:-1,16,64} \
+    --prompt-tokens 512 --max-tokens 128 --json "$OUT/serve-deimos.json" 2>&1 | grep -E "^\| *[0-9]" | sed 's/^/deimos /' | say
+  kill -INT $D; wait $D; idle
+  [ -x /tmp/lc/llama-server ] || [ -f .peer/lc/llama-cuda-sm90.tar.xz ] || return 0
+  /tmp/lc/llama-server -m $1 -ngl 99 -fa on --parallel 64 -c 65536 --host 127.0.0.1 --port 8091 \
+    > "$OUT/llama-serve.log" 2>&1 &
+  local L=$!
+  for i in $(seq 180); do curl -sf 127.0.0.1:8091/health > /dev/null && break; kill -0 $L 2>/dev/null || break; sleep 1; done
+  timeout ${LS_S:-200} python3 -m deimos bench serve --url http://127.0.0.1:8091 --concurrency ${LLEVELS:-16,64} \
+    --prompt-tokens 512 --max-tokens 128 --json "$OUT/serve-llama.json" 2>&1 | grep -E "^\| *[0-9]" | sed 's/^/llama /' | say
+  kill $L; wait $L; idle
+}
+case "${1:-}" in
+first)
+  setup; idle | say
+  (python3 -m deimos synth qwen3-4b $Q3 --type Q4_K_M --vocab-from "$V/ggml-vocab-qwen2.gguf" > /dev/null) &
+  (synth llama-8b $M8 Q4_K_M llama-bpe) &
+  (synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2) &
+  wait; idle
+  TRITON_CACHE_DIR=/tmp/tc-fresh timeout ${BATCH_S:-200} python3 bench/engine_batch.py $Q3 -c 16,64 -n 128 --compiles \
+    > "$OUT/q3-batch-compiles.txt" 2>&1
+  grep -E "^\| " "$OUT/q3-batch-compiles.txt" | cut -c1-1600 | say
+  serve_round $M8
+  timeout ${BENCH_S:-150} python3 -m deimos bench $M30 -p 512 -n 128 -r 2 > "$OUT/q3moe30.txt" 2>&1
+  grep -E "pp512|tg128" "$OUT/q3moe30.txt" | sed 's/^/q3moe30 /' | say
+  idle | say ;;
+agent)
+  setup; idle | say
+  M8H=/tmp/m/llama-8b-Q4_K_M-hermes.gguf
+  ([ -f $M8H ] || python3 -m deimos synth llama-8b $M8H --type Q4_K_M --vocab-from "$V/ggml-vocab-llama-bpe.gguf" \
+    --chat-template "$V/templates/NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja" > /dev/null) &
+  Q3T=/tmp/m/qwen3-4b-Q4_K_M-tmpl.gguf
+  ([ -f $Q3T ] || python3 -m deimos synth qwen3-4b $Q3T --type Q4_K_M --vocab-from "$V/ggml-vocab-qwen2.gguf" \
+    --chat-template "$V/templates/Qwen-Qwen3-0.6B.jinja" > /dev/null) &
+  wait; idle
+  for m in ${MODELS:-llama-8b qwen3-4b}; do
+    [ $m = llama-8b ] && F=$M8H || F=$Q3T
+    SESSIONS=${SESSIONS:-multi-turn long-prompt long-decode} agent $F $m 2>&1 | say
+  done ;;
+*) echo "usage: $0 first|agent" >&2; exit 2 ;;
+esac
