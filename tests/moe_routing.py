@@ -126,10 +126,10 @@ def reference_routing(model, log: list[Routed]):
     ops = model.ops
     moe = ops.moe
 
-    def recording(x, block):
+    def recording(x, block, defer=False):
         w, i = route(x @ block.router.T, block.n_expert_used, block.normalize)
         log.append(Routed(block.layer, x.clone(), w, i))
-        return moe(x, block)
+        return moe(x, block, defer=defer)
 
     ops.moe = recording
     try:

@@ -47,6 +47,7 @@ from deimos.models import ARCHITECTURES, load_model
 from deimos.kernels.triton.moe_router import RouterScratch
 from deimos.models.gpu.moe_ops import ResidentSlots, moe_step
 from deimos.models.moe import moe_reference
+from deimos.models.ops import ExpertSum
 from deimos.models.weights import WeightSource
 from deimos.runtime.kv_cache import KVCache
 from deimos.synth import write_model
@@ -83,6 +84,31 @@ def test_moe_step_matches_the_reference_block(moe_file, tokens, fused):
     rel = ((got - want).norm() / want.norm()).item()
     # int8 activations at one token (gemv_q8), fp16 activations for several (moe_gemm)
     assert rel < 2e-2, f"relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_a_deferred_sum_equals_the_combine_then_the_norm(moe_file, tokens):
+    """The kernel model's layers hand their experts' outputs on unsummed (Ops.moe's defer) to
+    the next layer's attn_norm, which sums them in its launch: the same bits as the combine's
+    output through the same norm; the last layer does not defer (the model's final rows are
+    indexed before its norm); the reference ops ignore defer."""
+    f = moe_file
+    ker = ARCHITECTURES[f.metadata["general.architecture"]](
+        load_model(f).config, WeightSource(f, DEVICE, kernels=True))  # fmt: skip
+    assert [layer.defer_sum for layer in ker.layers] == [True] * (len(ker.layers) - 1) + [False]
+    block, ops, norm = ker.layers[1].moe, ker.ops, ker.layers[2].attn_norm
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, block.router.shape[1], generator=g).to(DEVICE)
+    residual = torch.randn(tokens, block.router.shape[1], generator=g).to(DEVICE)
+    deferred = ops.moe(x, block, defer=True)
+    assert isinstance(deferred, ExpertSum) and deferred.weights.shape == (tokens, block.n_expert_used)
+    whole = ops.moe(x, block)
+    assert isinstance(whole, torch.Tensor)
+    y1, r1 = norm(whole, residual)
+    y2, r2 = norm(deferred, residual)
+    assert torch.equal(r1, r2) and torch.equal(y1, y2)
+    ref = load_model(f)
+    assert isinstance(ref.ops.moe(x.cpu(), ref.layers[1].moe, defer=True), torch.Tensor)
 
 
 def test_an_expert_off_the_device_contributes_nothing(moe_file):

@@ -35,6 +35,8 @@ from deimos.kernels.moe import (
 )
 from deimos.kernels.triton.activation import gated_act
 from deimos.kernels.triton.moe_route import moe_combine, moe_route
+from deimos.kernels.triton.norm import add_rms_norm
+from deimos.kernels.norm import add_rms_norm as add_rms_norm_reference
 from deimos.models.gpu.dequant import permuted_columns
 from deimos.quant import get_format
 from deimos.quant.triton.dequant_gemv import FMT_ID
@@ -524,6 +526,51 @@ def test_moe_combine(add: bool, dtype: torch.dtype) -> None:
     assert got is out
     close(f"combine add={add} {dtype}", got, moe_combine_reference(y, weights, extra),
           1e-6 if dtype == torch.float32 else 1e-3)  # fmt: skip
+
+
+@pytest.mark.parametrize("t,d", [(1, 2048), (3, 1100), (9, 256)], ids=["decode-row", "rows", "more"])
+def test_combine_in_the_norm(t: int, d: int) -> None:
+    """add_rms_norm(y, residual, ..., mix=weights): the experts' weighted sum, the residual
+    add, the norm (and the decode row's integer activation, a batch's float16 rows) in one
+    launch, bit for bit the unfused moe_combine then add_rms_norm; against the references."""
+    k = 8
+    g = torch.Generator().manual_seed(11)
+    y = torch.randn(t * k, d, generator=g).to(DEVICE)
+    weights = torch.rand(t, k, generator=g).to(DEVICE)
+    residual = torch.randn(t, d, generator=g).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE)
+    q1 = empty_quantized(t, d, DEVICE) if t == 1 else None
+    q2 = empty_quantized(t, d, DEVICE) if t == 1 else None
+    h1 = torch.empty(t, d, dtype=torch.float16, device=DEVICE) if t > 1 else None
+    h2 = torch.empty(t, d, dtype=torch.float16, device=DEVICE) if t > 1 else None
+    y1, r1 = add_rms_norm(moe_combine(y, weights), residual, w, 1e-6, quantized=q1, half=h1)
+    y2, r2 = add_rms_norm(y, residual, w, 1e-6, quantized=q2, half=h2, mix=weights)
+    assert torch.equal(r1, r2) and torch.equal(y1, y2)
+    if t == 1:
+        assert all(torch.equal(a, b) for a, b in zip(q1, q2))
+    else:
+        assert torch.equal(h1, h2)
+    ref_y, ref_r = add_rms_norm_reference(moe_combine_reference(y.cpu(), weights.cpu()), residual.cpu(), w.cpu(), 1e-6)
+    close("mixed residual", r2, ref_r, 1e-5)
+    close("mixed norm", y2, ref_y, 1e-5)
+    # without a residual: the sum itself is r'
+    y3, r3 = add_rms_norm(y, None, w, 1e-6, mix=weights)
+    assert torch.equal(r3, moe_combine(y, weights))
+    close("mixed, no residual", y3, add_rms_norm_reference(r3.cpu(), None, w.cpu(), 1e-6)[0], 1e-5)
+
+
+def test_combine_in_the_norm_bad_input() -> None:
+    y = torch.zeros(6, 32, device=DEVICE)
+    w = torch.ones(32, device=DEVICE)
+    mix = torch.zeros(3, 2, device=DEVICE)
+    with pytest.raises(ValueError, match=r"with mix, x must be contiguous float32 \[6, D\]"):
+        add_rms_norm(y[:4], None, w, 1e-6, mix=mix)
+    with pytest.raises(ValueError, match="mix must be contiguous float32"):
+        add_rms_norm(y, None, w, 1e-6, mix=mix.double())
+    with pytest.raises(ValueError, match="does not match the 3 tokens"):
+        add_rms_norm(y, torch.zeros(2, 32, device=DEVICE), w, 1e-6, mix=mix)
+    with pytest.raises(ValueError, match="not the 3 tokens"):
+        add_rms_norm(y, None, w, 1e-6, mix=mix, out=torch.zeros(2, 32, device=DEVICE))
 
 
 def test_moe_combine_bad_input() -> None:

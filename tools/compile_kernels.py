@@ -301,6 +301,16 @@ def _layer_jobs() -> list[Job]:
                                           CHUNK=c.chunk, num_warps=c.num_warps,
                                           p_h=MockTensor(f16 if out == "+f16" else f32),
                                           HALF=out == "+f16", **PDL_KW)))
+    for d in (2048, 4096):  # the experts' sum in the norm (qwen3moe 30B-A3B's 8 of 128 experts)
+        for c in dict.fromkeys((norm.norm_config(d), norm.norm_config(d, 1, split=True))):
+            for out in ("+q8", "+f16"):
+                jobs.append(Job("rms_norm+mix" + out, f"D={d} B={c.block_d} w={c.num_warps} C={c.chunk} k=8",
+                                _warm(norm._rms_norm_kernel,
+                                      [f32] * 5 + [4096] * 4 + [d, 1e-6, i32, f32, i32],
+                                      HAS_RESIDUAL=True, BLOCK_D=c.block_d, QUANT=out == "+q8",
+                                      CHUNK=c.chunk, num_warps=c.num_warps,
+                                      p_h=MockTensor(f16 if out == "+f16" else f32),
+                                      HALF=out == "+f16", MIX=8, p_mw=MockTensor(f32), **PDL_KW)))
     for act in activation.ACTIVATIONS.values():
         for out in ("", "+q8", "+f16"):
             args = [f32] * 3 + [28672, 28672, 14336, 14336, i32, f32, i32]

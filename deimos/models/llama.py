@@ -24,8 +24,10 @@ class LlamaLayer:
         hidden, residual = self.attn_norm(hidden, residual)
         hidden = self.attn(hidden, step)
         hidden, residual = self.ffn_norm(hidden, residual)
-        hidden = self.mlp(hidden)
-        return hidden, residual
+        return self.ffn(hidden), residual
+
+    def ffn(self, hidden):
+        return self.mlp(hidden)
 
 
 class LlamaModel(DecoderModel):

@@ -11,7 +11,7 @@ layer: the batch (its sequences' layout in the paged cache) and the rope tables 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -32,6 +32,15 @@ class StepState:
     extra: Any = None  # what else the ops keep for the step (the GPU prefill's tile map)
 
 
+class ExpertSum(NamedTuple):
+    """Routed experts' outputs not yet summed (``ops.moe(..., defer=True)``): token t's output
+    is ``sum_j weights[t, j] * y[t k + j]``. Only the ops that made it take it, and only in
+    ``add_rms_norm``, which sums the rows in its own launch (``RMSNorm`` passes it through)."""
+
+    y: torch.Tensor  # float32 [T * k, D]
+    weights: torch.Tensor  # float32 [T, k]
+
+
 class Ops(Protocol):
     def begin(self, batch: Batch) -> StepState: ...
     def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -44,9 +53,11 @@ class Ops(Protocol):
         follows (the output projection reads the gate's output, not this one's)."""
         ...
     def gated_act(self, gate, up, activation: str) -> torch.Tensor: ...
-    def moe(self, x: torch.Tensor, block) -> torch.Tensor:
+    def moe(self, x: torch.Tensor, block, defer: bool = False) -> torch.Tensor | ExpertSum:
         """Routed experts: x [T, D] -> [T, D] through ``block`` (deimos.models.moe.MoE: its
-        router, expert weights, k, normalization and activation); moe_reference is the oracle."""
+        router, expert weights, k, normalization and activation); moe_reference is the oracle.
+        ``defer``: the caller hands the result only to this ops' ``add_rms_norm``, so an
+        ``ExpertSum`` may come back instead (the sum folded into the norm's launch)."""
         ...
     def output_gate(self, attn, gate) -> torch.Tensor:
         """Gated attention's ``attn [T, H Dh] * sigmoid(gate [T, H, Dh])`` (gate: a view)."""
@@ -115,7 +126,7 @@ class ReferenceOps:
     def gated_act(self, gate, up, activation):
         return gated_act(gate, up, activation)
 
-    def moe(self, x, block):
+    def moe(self, x, block, defer=False):
         return moe_reference(x, block)
 
     def shared_gate_add(self, routed, shared, x, gate_inp):

@@ -15,6 +15,12 @@ class Qwen3MoeLayer(LlamaLayer):
 
     def __init__(self, cfg: ModelConfig, i: int, w: WeightSource):
         super().__init__(cfg, i, w, mlp=MoE)
+        # every layer's output but the last goes only to the next layer's attn_norm: the ops
+        # may leave the experts' sum to that norm's launch (Ops.moe's defer)
+        self.defer_sum = i < cfg.n_layer - 1
+
+    def ffn(self, hidden):
+        return self.mlp.ops.moe(hidden, self.mlp, defer=self.defer_sum)
 
     @property
     def moe(self) -> MoE:

@@ -20,6 +20,19 @@ MAX_D = 16384
 
 
 @triton.jit
+def _x_row(p_x, stride_x, p_mw, i_t, o_d, m_d, MIX: tl.constexpr):
+    """Row i_t's x at columns o_d in float32: p_x's row, or with MIX = k the weighted sum of
+    its k expert rows (moe_route's combine: acc += w_j y_j from zero, j in order)."""
+    if MIX == 0:
+        return tl.load(p_x + i_t * stride_x + o_d, mask=m_d, other=0.0).to(tl.float32)
+    acc = tl.zeros(o_d.shape, dtype=tl.float32)
+    for j in tl.static_range(MIX):
+        w = tl.load(p_mw + i_t * MIX + j)
+        acc += w * tl.load(p_x + (i_t * MIX + j) * stride_x + o_d, mask=m_d, other=0.0)
+    return acc
+
+
+@triton.jit
 def _rms_norm_kernel(
     p_x, p_r, p_w, p_y, p_rout,
     stride_x, stride_r, stride_y, stride_rout,
@@ -31,16 +44,20 @@ def _rms_norm_kernel(
     PDL: tl.constexpr = False,
     p_h=None,
     HALF: tl.constexpr = False,
+    MIX: tl.constexpr = 0,
+    p_mw=None,
 ):  # fmt: skip
     """Program (row, chunk): the whole row's sum of squares, then its CHUNK elements normalized,
     stored (and the residual sum stored) and quantized. CHUNK == BLOCK_D: one program a row.
-    HALF: the normalized rows also stored as float16 at p_h (contiguous ``[T, D]``)."""
+    HALF: the normalized rows also stored as float16 at p_h (contiguous ``[T, D]``). MIX = k:
+    row t's x is the sum of p_x's rows t k .. t k + k - 1 weighted by p_mw[t, :] (moe_combine's
+    sum, in its order)."""
     pdl_start(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
-    b_x = tl.load(p_x + i_t * stride_x + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_x = _x_row(p_x, stride_x, p_mw, i_t, o_d, m_d, MIX)
     if HAS_RESIDUAL:
         b_r = tl.load(p_r + i_t * stride_r + o_d, mask=m_d, other=0.0).to(tl.float32)
         # round the sum to the residual's dtype first: the norm sees what is stored, as in the
@@ -50,7 +67,7 @@ def _rms_norm_kernel(
     if CHUNK < BLOCK_D:  # this program's chunk again (L1/L2), the row's other chunks are others'
         o_d = i_c * CHUNK + tl.arange(0, CHUNK)
         m_d = o_d < D
-        b_x = tl.load(p_x + i_t * stride_x + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_x = _x_row(p_x, stride_x, p_mw, i_t, o_d, m_d, MIX)
         if HAS_RESIDUAL:
             b_r = tl.load(p_r + i_t * stride_r + o_d, mask=m_d, other=0.0).to(tl.float32)
             b_x = (b_x + b_r).to(p_rout.dtype.element_ty).to(tl.float32)
@@ -105,8 +122,8 @@ def _check_rows(name: str, t: torch.Tensor, d: int) -> None:
         raise ValueError(f"{name}: the last dimension must be contiguous (stride {t.stride()})")
 
 
-def _launch(x, residual, w, eps, out, residual_out, quantized=None, half=None) -> None:
-    t, d = x.shape
+def _launch(x, residual, w, eps, out, residual_out, quantized=None, half=None, mix=None) -> None:
+    t, d = out.shape
     r = residual if residual is not None else x
     ro = residual_out if residual_out is not None else out
     ins = [x] if residual is None else [x, residual]
@@ -127,7 +144,8 @@ def _launch(x, residual, w, eps, out, residual_out, quantized=None, half=None) -
         d, eps, q[0], q[1], q[2],
         HAS_RESIDUAL=residual is not None, BLOCK_D=cfg.block_d, QUANT=quantized is not None,
         CHUNK=cfg.chunk, num_warps=cfg.num_warps, p_h=half if half is not None else out,
-        HALF=half is not None, **launch_options(pdl_on(x.device)),
+        HALF=half is not None, MIX=0 if mix is None else mix.shape[1], p_mw=mix,
+        **launch_options(pdl_on(x.device)),
     )  # fmt: skip
 
 
@@ -173,6 +191,7 @@ def add_rms_norm(
     residual_out: torch.Tensor | None = None,
     quantized=None,
     half: torch.Tensor | None = None,
+    mix: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused residual step: r' = x + residual (or x when residual is None);
     returns ``(rms_norm(r'), r')``.
@@ -183,7 +202,13 @@ def add_rms_norm(
     that also receives the output rows as the GEMV's integer activation. ``half``: a
     contiguous float16 ``[T, D]`` that also receives them rounded to float16 (what the
     tensor-core matmuls of a batch read; the same values as ``out.half()``).
+    ``mix``: contiguous float32 ``[T, k]`` routing weights; x is then the contiguous float32
+    ``[T k, D]`` rows of each token's k experts, and x + residual becomes their weighted sum +
+    residual (``moe_combine(x, mix)`` + residual, the same bits: the combine in this launch);
+    r' is then a new tensor even without a residual.
     """
+    if mix is not None:
+        return _mixed(x, mix, residual, weight, eps, out, residual_out, quantized, half)
     d = _validate(x, weight, "add_rms_norm")
     if residual is None:
         return rms_norm(x, weight, eps, out, quantized, half), x
@@ -201,4 +226,41 @@ def add_rms_norm(
     _check_rows("add_rms_norm: residual_out", residual_out, d)
     if x.shape[0]:
         _launch(x, residual, weight, eps, out, residual_out, quantized, half)
+    return out, residual_out
+
+
+def _mixed(y, mix, residual, weight, eps, out, residual_out, quantized, half):
+    """add_rms_norm with ``mix``: the checks of the experts' rows, then one launch (without a
+    residual, r' = the sum, stored as residual_out)."""
+    if mix.dim() != 2 or mix.dtype != torch.float32 or not mix.is_contiguous():
+        raise ValueError(f"add_rms_norm: mix must be contiguous float32 [T, k], got {mix.dtype} "
+                         f"{tuple(mix.shape)}")  # fmt: skip
+    t, k = mix.shape
+    if not 1 <= k <= 64:
+        raise ValueError(f"add_rms_norm: mix of k = {k} experts, not in 1..64")
+    if y.dim() != 2 or y.shape[0] != t * k or y.dtype != torch.float32 or not y.is_contiguous():
+        raise ValueError(f"add_rms_norm: with mix, x must be contiguous float32 [{t * k}, D] (T * k rows), "
+                         f"got {y.dtype} {tuple(y.shape)}")  # fmt: skip
+    d = _validate(y, weight, "add_rms_norm")
+    if mix.device != y.device:
+        raise ValueError(f"add_rms_norm: mix is on {mix.device}, x on {y.device}")
+    if residual is not None:
+        _check_rows("add_rms_norm: residual", residual, d)
+        if residual.shape[0] != t or residual.device != y.device:
+            raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} on {residual.device} does not "
+                             f"match the {t} tokens of mix on {y.device}")  # fmt: skip
+    like = residual if residual is not None else y
+    if out is None:
+        out = torch.empty((t, d), dtype=like.dtype, device=y.device)
+    if residual_out is None:
+        residual_out = torch.empty((t, d), dtype=like.dtype, device=y.device)
+    _check_rows("add_rms_norm: out", out, d)
+    _check_rows("add_rms_norm: residual_out", residual_out, d)
+    if out.shape[0] != t or residual_out.shape[0] != t:
+        raise ValueError(f"add_rms_norm: out {tuple(out.shape)} / residual_out {tuple(residual_out.shape)} "
+                         f"are not the {t} tokens of mix")  # fmt: skip
+    if t:
+        # without a residual the kernel's residual path adds zeros: the sum itself is stored
+        r = residual if residual is not None else torch.zeros((t, d), dtype=like.dtype, device=y.device)
+        _launch(y, r, weight, eps, out, residual_out, quantized, half, mix=mix)
     return out, residual_out

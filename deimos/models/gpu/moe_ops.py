@@ -29,6 +29,7 @@ import torch
 from deimos.kernels.triton.activation import gated_act
 from deimos.kernels.triton.moe_route import moe_combine, moe_route
 from deimos.kernels.triton.moe_router import MAX_TOKENS, RouterScratch, moe_router
+from deimos.models.ops import ExpertSum
 from deimos.quant.triton.gemv_q8 import empty_quantized, quantize_x
 from deimos.quant.triton.moe_decode import moe_down_combine, moe_gate_up
 from deimos.quant.triton.moe_gemm import moe_align, moe_block_m, moe_gemm
@@ -114,7 +115,7 @@ def fused_decode(x: torch.Tensor, block, slot_of: torch.Tensor, router: RouterSc
 def moe_step(x: torch.Tensor, block, slot_of: torch.Tensor, quantized=None,
              router: RouterScratch | None = None, experts_fused: bool = True,
              shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-             half: torch.Tensor | None = None) -> torch.Tensor:
+             half: torch.Tensor | None = None, defer: bool = False) -> torch.Tensor | ExpertSum:
     """x float32 ``[T, D]`` -> float32 ``[T, D]``: ``block``'s routed experts (a
     deimos.models.moe.MoE holding PackedExperts). ``quantized``: x's integer activation when
     the norm kernel made it (one token). ``router``: the ops' scratch for the fused router
@@ -122,7 +123,9 @@ def moe_step(x: torch.Tensor, block, slot_of: torch.Tensor, quantized=None,
     launches (``fused_decode``). None: the unfused chain. ``shared``: (a shared expert's
     output float32 ``[T, D]``, its gate float32 ``[D]``): the combine adds it scaled by
     sigmoid(x . gate) (the unfused chain only). ``half``: x in contiguous float16 (more
-    tokens: what the grouped GEMM reads), when the norm kernel made it."""
+    tokens: what the grouped GEMM reads), when the norm kernel made it. ``defer`` (no shared
+    expert): the experts' outputs and weights as an ``ExpertSum``, for the next add_rms_norm to
+    sum in its launch (no combine launch)."""
     if router is not None and experts_fused and shared is None:
         y = fused_decode(x, block, slot_of, router, quantized)
         if y is not None:
@@ -130,5 +133,5 @@ def moe_step(x: torch.Tensor, block, slot_of: torch.Tensor, quantized=None,
     weights, ids = route(x, block, router)
     y = expert_products(x, block, ids, slot_of, quantized=quantized, half=half)
     if shared is None:
-        return moe_combine(y, weights)
+        return ExpertSum(y, weights) if defer else moe_combine(y, weights)
     return moe_combine(y, weights, add=shared[0], gate=(x, shared[1]))

@@ -29,7 +29,7 @@ from deimos.models.config import ModelConfig
 from deimos.models.gpu.linear import GEMV_ROWS, InputCache
 from deimos.kernels.triton.moe_router import RouterScratch
 from deimos.models.gpu.moe_ops import FUSED, ResidentSlots, moe_step
-from deimos.models.ops import StepState
+from deimos.models.ops import ExpertSum, StepState
 from deimos.quant.triton.gemv_q8 import empty_quantized
 
 
@@ -78,9 +78,13 @@ class TritonOps:
         return torch.empty((rows, k), dtype=torch.float16, device=device)
 
     def add_rms_norm(self, x, residual, weight, eps):
-        qx = self._quantized_for(x.shape[0], x.shape[1], x.device)
-        half = self._half_for(x.shape[0], x.shape[1], x.device)
-        y, r = add_rms_norm(x, residual, weight, eps, quantized=qx, half=half)
+        mix = None
+        if isinstance(x, ExpertSum):  # moe(..., defer=True): the experts' sum in this launch
+            x, mix = x.y, x.weights
+        t, d = (x.shape[0], x.shape[1]) if mix is None else (mix.shape[0], x.shape[1])
+        qx = self._quantized_for(t, d, x.device)
+        half = self._half_for(t, d, x.device)
+        y, r = add_rms_norm(x, residual, weight, eps, quantized=qx, half=half, mix=mix)
         if qx is not None:
             self.inputs.put(y, qx)
         if half is not None:
@@ -204,15 +208,16 @@ class TritonOps:
         step's room back (``ExpertOffload.shed``); False when nothing could be given."""
         return self.offload is not None and self.offload.shed()
 
-    def moe(self, x, block):
+    def moe(self, x, block, defer=False):
         """The routed experts of ``block``: all on the device (deimos.models.gpu.moe_ops), or
-        through the offload's cache and the CPU."""
+        through the offload's cache and the CPU. ``defer``: the unfused chain's combine is left
+        to the next ``add_rms_norm`` (an ``ExpertSum``)."""
         qx = self.inputs.quantized(x) if self.inputs is not None and x.shape[0] == 1 else None
         if self.offload is not None:
             return self.offload.moe(x, block, quantized=qx)
         half = self.inputs.half(x) if self.inputs is not None and x.shape[0] > 1 else None
         return moe_step(x, block, self.slots(block.n_expert, x.device), quantized=qx, router=self.router,
-                        experts_fused=FUSED == "1", half=half)
+                        experts_fused=FUSED == "1", half=half, defer=defer)
 
     def moe_shared(self, x, block):
         """A MoEShared block: with every expert on the device and the unfused one-token chain,
