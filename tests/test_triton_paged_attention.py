@@ -172,6 +172,37 @@ def test_paged_decode_config_override() -> None:
                              block_size=bs, cfg=bad)
 
 
+def test_paged_decode_merged_in_the_split_launch() -> None:
+    """``counters``: the last split of each (row, kv head) merges its heads' partials (over the
+    splits that hold keys, 16 at a time: 38 of 64 splits for 600 keys in tiles of 16) in the
+    split launch; the output, and its QuantizedX, match the two-launch path's, and every
+    counter is zero again. Too few counters or another dtype are refused by name."""
+    from deimos.kernels.triton.decode_attention import DecodeConfig
+
+    lens, bs, hq, hkv, d = [600, 17, 1], 16, 8, 2, 64
+    pool = Paged(lens, lens, bs, hkv, d, seed=21)
+    q = _rand(3, hq, d, seed=22, dtype=F16)
+    pos = torch.tensor([599, 16, 0], dtype=torch.int32, device=DEVICE)
+    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    for cfg in (DecodeConfig(16, 64, 4, 2), DecodeConfig(32, 5, 4, 2), DecodeConfig(64, 1, 4, 2)):
+        kw = dict(block_tables=pool.tables(), block_size=bs, cfg=cfg)
+        qx1, qx2 = empty_quantized(3, hq * d, DEVICE), empty_quantized(3, hq * d, DEVICE)
+        two = decode_attention(q, pool.k, pool.v, pos, d**-0.5, out=_poison(q), quantized=qx1, **kw)
+        one = decode_attention(q, pool.k, pool.v, pos, d**-0.5, out=_poison(q), quantized=qx2,
+                               counters=counters, **kw)  # fmt: skip
+        assert not counters.any()
+        _close(f"merged {cfg}", one, two, 1e-5)  # float16 outputs: an ulp here and there
+        for b, n in enumerate(lens):
+            _close(f"merged {cfg} row {b}", one[b : b + 1], pool.reference(q[b : b + 1], [n - 1], b, d**-0.5, 0),
+                   3e-3)  # fmt: skip
+        want = quantize_x(one.reshape(3, -1))
+        assert torch.equal(qx2.xq, want.xq) and torch.equal(qx2.xd, want.xd)
+    for bad in (torch.zeros(5, dtype=torch.int32, device=DEVICE), torch.zeros(8, dtype=torch.int64, device=DEVICE)):
+        with pytest.raises(ValueError, match="counters must be int32"):
+            decode_attention(q, pool.k, pool.v, pos, d**-0.5, block_tables=pool.tables(), block_size=bs,
+                             counters=bad)  # fmt: skip
+
+
 def test_paged_decode_padding_row_and_quantized() -> None:
     """Row 1 is a CUDA graph's padding (q_pos 0, every table entry the scratch block): it runs
     like any sequence of one key; the others are untouched by it. The combine kernel's
@@ -231,11 +262,13 @@ def _rope_ref(x: torch.Tensor, pos, r: int, kind: str, norm_w: torch.Tensor | No
                          ids=lambda c: "p{}_bs{}_h{}x{}_d{}_r{}_{}_n{:d}_w{}".format(
                              "-".join(map(str, c[0])), *c[1:]))  # fmt: skip
 @pytest.mark.parametrize("padded", [False, True], ids=["", "padded"])
-def test_paged_decode_fused_new_token(case: tuple, padded: bool) -> None:
+@pytest.mark.parametrize("merge", [False, True], ids=["", "merged"])
+def test_paged_decode_fused_new_token(case: tuple, padded: bool, merge: bool) -> None:
     """B rows, each its own sequence: q and the new k/v as views of one projection output
     (un-rotated); the launch rotates (and head-norms) them at q_pos[b], stores k/v at the
     slot of q_pos[b] of row b's table (which held NaN) and attends. ``padded``: a fourth row
-    is graph padding (q_pos 0 in the scratch block): its output is its own value."""
+    is graph padding (q_pos 0 in the scratch block): its output is its own value. ``merge``:
+    the splits merged in the same launch (``counters``), which are zero again after it."""
     q_pos, bs, hq, hkv, d, r, kind, norms, window = case
     q_pos = list(q_pos) + ([0] if padded else [])
     n_b = len(q_pos)
@@ -252,9 +285,11 @@ def test_paged_decode_fused_new_token(case: tuple, padded: bool) -> None:
     pos = torch.tensor(q_pos, dtype=torch.int32, device=DEVICE)
     k_pool, v_pool = pool.k.clone(), pool.v.clone()
     qx = empty_quantized(n_b, hq * d, DEVICE)
+    counters = torch.zeros(n_b * hkv + 3, dtype=torch.int32, device=DEVICE) if merge else None
     out = decode_attention(q, k_pool, v_pool, pos, d**-0.5, window, out=_poison(q), quantized=qx,
                            new=NewToken(k, v, inv, kind, hn), block_tables=tables.to(DEVICE),
-                           block_size=bs)  # fmt: skip
+                           block_size=bs, counters=counters)  # fmt: skip
+    assert counters is None or not counters.any()
 
     q_ref = _rope_ref(q, q_pos, r, kind, qn)
     k_ref = _rope_ref(k, q_pos, r, kind, kn)

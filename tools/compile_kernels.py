@@ -398,14 +398,19 @@ def _paged_jobs() -> list[Job]:
                         d, c.n_split, d**-0.5, 0, f32, f32, d, d, f32, f32, f32, 1e-6, d]
                 paged = dict(PAGED=True, skn_b=(hq + 2 * hk) * d, svn_b=(hq + 2 * hk) * d,
                              p_tab=MockTensor(i32), stab_b=maxb, bs_shift=bs_shift)  # fmt: skip
-                jobs.append(Job("paged_decode" + ("+rope" if rope_kw else ""),
-                                f"G={g} D={d} S={c.block_s} w={c.num_warps}"
-                                + (f" neox={int(rope_kw['NEOX'])} norm={int(rope_kw['HAS_NORM'])}"
-                                   if rope_kw else ""),
-                                _warm(decode_attention._decode_split_kernel, args, G=g,
-                                      G_PAD=decode_attention.GROUP_ROWS, BLOCK_S=c.block_s,
-                                      BLOCK_D=d, num_warps=c.num_warps, **rope_kw, **paged,
-                                      **PDL_KW)))  # fmt: skip
+                # the splits merged in the launch (the engine's decode steps), with the output
+                # projection's integer activation where the step has one row
+                for merge in ({}, dict(MERGE=True, p_count=MockTensor(i32), p_o=MockTensor(f16),
+                                       so_b=hq * d, so_h=d, QUANT=bool(rope_kw), p_xq=MockTensor(i32),
+                                       p_xd=MockTensor(f32), p_xs=MockTensor(i32))):  # fmt: skip
+                    jobs.append(Job("paged_decode" + ("+rope" if rope_kw else "") + ("+merge" if merge else ""),
+                                    f"G={g} D={d} S={c.block_s} w={c.num_warps}"
+                                    + (f" neox={int(rope_kw['NEOX'])} norm={int(rope_kw['HAS_NORM'])}"
+                                       if rope_kw else ""),
+                                    _warm(decode_attention._decode_split_kernel, args, G=g,
+                                          G_PAD=decode_attention.GROUP_ROWS, BLOCK_S=c.block_s,
+                                          BLOCK_D=d, num_warps=c.num_warps, **rope_kw, **paged,
+                                          **merge, **PDL_KW)))  # fmt: skip
         c = decode_attention.decode_config(s, 64, 8, d)
         for quant in (False, True):
             jobs.append(Job("decode_combine" + ("+q8" if quant else ""),

@@ -24,9 +24,11 @@ The G heads are padded to 16 rows so both products are ``tl.dot`` (sm_90 needs M
 padding costs tensor-core work only, and decode is bound by reading K/V. Splits that lie past
 q_pos (or before the window) exit after writing an empty partial (max = -inf).
 Stage 2, grid (B, Hq): combine the n_split partials of a head: out = sum_j e^(m_j - M) acc_j /
-sum_j e^(m_j - M) l_j (``combine_splits``, also the paged prefill's stage 2). (Stage 2 done
-by the last stage-1 program of each kv head instead, found with an atomic counter, was
-measured slower on the H200: BENCHMARKS.md.)
+sum_j e^(m_j - M) l_j (``combine_splits``, also the paged prefill's stage 2). With
+``counters`` stage 2 runs inside stage 1's launch instead: the last program of each (row, kv
+head) to finish, found with an atomic counter, merges its G heads over only the splits that
+hold keys. (Tried in the third session, before PDL and with every split merged: slower on
+the H200, BENCHMARKS.md; measured again in session 46.)
 
 n_split is chosen from S, B * Hkv and D so stage 1 has about 4 programs per SM of an H200
 (132 SMs; ``split_count``, the paged prefill's rule too); it depends only on shapes, so a
@@ -88,6 +90,8 @@ def _decode_split_kernel(
     PDL: tl.constexpr = False, ROPE: tl.constexpr = False, NEOX: tl.constexpr = False,
     HAS_NORM: tl.constexpr = False, PAGED: tl.constexpr = False,
     skn_b=0, svn_b=0, p_tab=None, stab_b=0, bs_shift=0,
+    MERGE: tl.constexpr = False, p_count=None, p_o=None, so_b=0, so_h=0,
+    QUANT: tl.constexpr = False, p_xq=None, p_xd=None, p_xs=None, MERGE_SPLITS: tl.constexpr = 16,
 ):  # fmt: skip
     """PAGED: the keys of row b through its table row ``p_tab + b * stab_b`` (block_size =
     2^bs_shift), else in the rows of their positions. ROPE: q and the new token's k arrive as
@@ -95,7 +99,11 @@ def _decode_split_kernel(
     heads and the new key itself, and the program whose split holds q_pos stores the new key
     and value in the cache row of q_pos (its slot when PAGED) and folds that key in from
     registers; no program reads that row. Without PAGED the B rows share one cache, so ROPE
-    is for B = 1 there (the wrapper checks)."""
+    is for B = 1 there (the wrapper checks). MERGE: stage 2 in this launch: each program
+    counts itself done on its (row, kv head)'s counter at p_count (acquire-release, GPU
+    scope); the last one merges the G heads' partials of the splits that hold keys
+    (``_merge_head``), stores them at p_o (and the integer activation with QUANT) and resets
+    the counter."""
     pdl_start(PDL)
     i_bh = tl.program_id(0)
     i_sp = tl.program_id(1)
@@ -176,6 +184,57 @@ def _decode_split_kernel(
     tl.store(p_l + o_part, l_i, mask=m_g)
     tl.store(p_acc + o_part[:, None] * D + o_d[None, :], acc,
              mask=m_g[:, None] & m_d[None, :])  # fmt: skip
+    if MERGE:
+        tl.debug_barrier()  # every thread's partials stored before the count says so
+        done = tl.atomic_add(p_count + i_bh, 1, sem="acq_rel", scope="gpu")
+        if done == N_SPLIT - 1:  # the last split of this row and kv head: all partials in
+            n_live = tl.minimum((pos - first) // split + 1, N_SPLIT)  # splits that hold keys
+            for g in range(G):
+                h = i_kv * G + g
+                out = _merge_head(p_m, p_l, p_acc, (i_b.to(tl.int64) * (HKV * G) + h) * N_SPLIT, n_live,
+                                  o_d, m_d, D, MERGE_SPLITS)  # fmt: skip
+                b_o = out.to(p_o.dtype.element_ty)
+                tl.store(p_o + i_b.to(tl.int64) * so_b + h * so_h + o_d, b_o, mask=m_d)
+                if QUANT:
+                    _quantize_head(b_o, p_xq, p_xd, p_xs, i_b, h, HKV * G, D, BLOCK_D)
+            tl.atomic_xchg(p_count + i_bh, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _merge_head(p_m, p_l, p_acc, base, n_live, o_d, m_d, D, CHUNK: tl.constexpr):
+    """One head's output from its first n_live partials at base + j, read past L1 (other
+    programs wrote them): the max over them, then sum_j 2^(m_j - M) acc_j / sum_j 2^(m_j - M)
+    l_j in chunks of CHUNK splits (a split with max -inf adds nothing)."""
+    o_j = tl.arange(0, CHUNK)
+    big = tl.full([CHUNK], float("-inf"), dtype=tl.float32)
+    for j0 in range(0, n_live, CHUNK):
+        b_m = tl.load(p_m + base + j0 + o_j, mask=j0 + o_j < n_live, other=float("-inf"), cache_modifier=".cg")
+        big = tl.maximum(big, b_m)
+    top = tl.max(big, axis=0)
+    num = tl.zeros(o_d.shape, dtype=tl.float32)
+    den = tl.zeros([CHUNK], dtype=tl.float32)
+    for j0 in range(0, n_live, CHUNK):
+        m_j = j0 + o_j < n_live
+        b_m = tl.load(p_m + base + j0 + o_j, mask=m_j, other=float("-inf"), cache_modifier=".cg")
+        b_l = tl.load(p_l + base + j0 + o_j, mask=m_j, other=0.0, cache_modifier=".cg")
+        w = tl.exp2(b_m - top)
+        p_a = p_acc + (base + j0 + o_j)[:, None] * D + o_d[None, :]
+        b_acc = tl.load(p_a, mask=m_j[:, None] & m_d[None, :], other=0.0, cache_modifier=".cg")
+        num += tl.sum(b_acc * w[:, None], axis=0)
+        den += b_l * w
+    return num / tl.sum(den, axis=0)
+
+
+@triton.jit
+def _quantize_head(b_o, p_xq, p_xd, p_xs, i_b, i_h, HQ, D, BLOCK_D: tl.constexpr):
+    """Head i_h's D outputs of row i_b as their groups of the row's integer activation
+    (``[HQ * D]``, the output projection's input)."""
+    G: tl.constexpr = BLOCK_D // 32
+    o_g = tl.arange(0, G)
+    K = HQ * D
+    quantize_groups(tl.reshape(b_o.to(tl.float32), (G, 4, 8)), i_h * (D // 32) + o_g,
+                    o_g < D // 32, p_xq + i_b * (K // 2), p_xd + i_b * (K // 32),
+                    p_xs + i_b * (K // 16))  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["N_SPLIT"])
@@ -221,12 +280,7 @@ def _decode_combine_kernel(
     b_o = out.to(p_o.dtype.element_ty)
     tl.store(p_out, b_o, mask=m_d)
     if QUANT:  # the row [Hq * D] also as the output projection's integer activation
-        G: tl.constexpr = BLOCK_D // 32
-        o_g = tl.arange(0, G)
-        K = HQ * D
-        quantize_groups(tl.reshape(b_o.to(tl.float32), (G, 4, 8)), i_h * (D // 32) + o_g,
-                        o_g < D // 32, p_xq + i_b * (K // 2), p_xd + i_b * (K // 32),
-                        p_xs + i_b * (K // 16))  # fmt: skip
+        _quantize_head(b_o, p_xq, p_xd, p_xs, i_b, i_h, HQ, D, BLOCK_D)
 
 
 class DecodeConfig(NamedTuple):
@@ -368,6 +422,7 @@ def decode_attention(
     block_tables: torch.Tensor | None = None,
     block_size: int = 0,
     cfg: DecodeConfig | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of B query rows over a KV cache.
 
@@ -392,6 +447,9 @@ def decode_attention(
     ``apply_rope(..., cache=..., slots=...)`` followed by this function does, in one launch
     fewer.
     ``cfg``: the tile, splits, warps and stages (None: ``decode_config``'s rule; a sweep's).
+    ``counters``: int32 zeros on the device, at least B * Hkv of them (a ``SplitScratch``'s,
+    zero again after the launch): the splits' merge runs in the split launch, by the last
+    split of each row and kv head (``MERGE``), instead of a combine launch.
     """
     out = check_attention_io("decode_attention", q, k, v, window, out, q_pos.device, "B")
     n_b, hq, d = q.shape
@@ -426,13 +484,22 @@ def decode_attention(
     if quantized is not None and (d % 32 or tuple(quantized.shape) != (n_b, hq * d)):
         raise ValueError(f"decode_attention: quantized output {tuple(quantized.shape)} does not "
                          f"fit [{n_b}, {hq * d}] (D a multiple of 32)")
+    merge = {}
+    if counters is not None:
+        if counters.dtype != torch.int32 or counters.device != q.device or counters.numel() < n_b * hkv:
+            raise ValueError(f"decode_attention: counters must be int32 on {q.device}, at least "
+                             f"{n_b * hkv}; got {counters.dtype} {tuple(counters.shape)} on {counters.device}")
+        qx = quantized if quantized is not None else (out, out, out)
+        merge = dict(MERGE=True, p_count=counters, p_o=out, so_b=out.stride(0), so_h=out.stride(1),
+                     QUANT=quantized is not None, p_xq=qx[0], p_xd=qx[1], p_xs=qx[2])  # fmt: skip
     _decode_split_kernel[(n_b * hkv, cfg.n_split)](
         q, k, v, q_pos, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         s, hkv, d, cfg.n_split, scale, window, *new_args,
         G=hq // hkv, G_PAD=GROUP_ROWS, BLOCK_S=cfg.block_s, BLOCK_D=block_d,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **new_kw, **paged_kw,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **new_kw, **paged_kw, **merge,
         **launch_options(pdl_on(q.device)),
     )  # fmt: skip
-    combine_splits(part_m, part_l, part_acc, out, quantized, pdl=pdl_on(q.device))
+    if not merge:
+        combine_splits(part_m, part_l, part_acc, out, quantized, pdl=pdl_on(q.device))
     return out

@@ -14,6 +14,8 @@ takes nothing from the host that changes between replays, so any step is graph-s
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from deimos.kernels.triton.activation import gated_act
@@ -31,6 +33,13 @@ from deimos.kernels.triton.moe_router import RouterScratch
 from deimos.models.gpu.moe_ops import FUSED, ResidentSlots, moe_step
 from deimos.models.ops import ExpertSum, StepState
 from deimos.quant.triton.gemv_q8 import empty_quantized
+
+# read once: DEIMOS_ATTN_MERGE=0 keeps the decode attention's merge in a launch of its own (a
+# profile's A/B)
+_MERGE = os.environ.get("DEIMOS_ATTN_MERGE", "1")
+if _MERGE not in ("0", "1"):
+    raise ValueError(f"DEIMOS_ATTN_MERGE must be 0 or 1, got {_MERGE!r}")
+MERGE = _MERGE == "1"
 
 
 class TritonOps:
@@ -118,7 +127,7 @@ class TritonOps:
                 half = torch.empty(q.shape[:2] + (v.shape[2],), dtype=torch.float16, device=q.device)
             new = NewToken(k, v, inv_freq, self.cfg.rope_type, head_norms)
             out = decode_attention(q, k_cache, v_cache, step.rope, scale, window, quantized=qx,
-                                   new=new, out=half, **paged)  # fmt: skip
+                                   new=new, out=half, counters=self._counters(n), **paged)  # fmt: skip
             if qx is not None:
                 out = out.view(1, -1)  # what the output projection reads
                 self.inputs.put(out, qx)
@@ -130,15 +139,25 @@ class TritonOps:
         apply_rope(q, k, step.rope, inv_freq, self.cfg.rope_type, inplace=True,
                    cache=(v, k_cache, v_cache), head_norms=head_norms, slots=seqs.slots)
         if step.extra is None:
-            return decode_attention(q, k_cache, v_cache, step.rope, scale, window, **paged)
+            return decode_attention(q, k_cache, v_cache, step.rope, scale, window,
+                                    counters=self._counters(step.n), **paged)  # fmt: skip
         out = torch.empty(q.shape[:2] + (v.shape[2],), dtype=q.dtype, device=q.device)
         if nd:
             decode_attention(q[:nd], k_cache, v_cache, step.rope[:nd], scale, window, out=out[:nd],
-                             block_tables=seqs.tables[:nd], block_size=bs)
+                             block_tables=seqs.tables[:nd], block_size=bs, counters=self._counters(nd))
         cu, tiles = step.extra
         paged_prefill_attention(q[nd:], k_cache, v_cache, seqs.tables[nd:], cu, seqs.q_start[nd:], tiles,
                                 bs, scale, window, out=out[nd:])
         return out
+
+    def _counters(self, rows: int) -> torch.Tensor | None:
+        """The split-K scratch's counters for a decode attention of ``rows`` rows to merge its
+        splits in its own launch (None: the combine launch; DEIMOS_ATTN_MERGE=0, no scratch,
+        or too few counters)."""
+        split = self.inputs.split if self.inputs is not None and MERGE else None
+        if split is None or rows * self.cfg.n_head_kv > split.counters.numel():
+            return None
+        return split.counters
 
     def eager_decode_rows(self, s: int, max_rows: int) -> list[int]:
         """Decode row counts (1..``max_rows``) of eager steps over tables of ``s`` positions,
