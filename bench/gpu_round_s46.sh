@@ -11,6 +11,7 @@
 #     the norm; the variants a fresh kernel cache builds inside the first requests (after the
 #     warm-up's fix); then batch-1 decode of qwen3moe 30B-A3B and qwen3 4B: the session's start,
 #     this tree, this tree with DEIMOS_ATTN_MERGE=0 (fresh processes)
+#   bench/gpu_round_s46.sh serve   # deimos serve on llama 8B Q4_K_M at 1, 16, 64 streams again
 #   bench/gpu_round_s46.sh agent   # carry .whl .peer/lc .peer/tdz
 #     the three agent sessions against llama-server -np 1 (issue 17's 1.5x) on llama 8B Q4_K_M
 #     (Hermes-3's tool-use template) and qwen3 4B Q4_K_M (Qwen3's), tools sent as the field
@@ -91,5 +92,9 @@ r2)
   R=2 b1n $M30 q3moe30 new 1; R=2 b1n $M30 q3moe30 new 0; R=2 b1n $M30 q3moe30 base 1
   R=2 b1n $Q3 q3-4b new 1; R=2 b1n $Q3 q3-4b new 0; R=2 b1n $Q3 q3-4b base 1
   idle | say ;;
-*) echo "usage: $0 first|agent|r2" >&2; exit 2 ;;
+serve)  # carry .whl .peer/tdz (and .peer/lc for llama-server's rows)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  synth llama-8b $M8 Q4_K_M llama-bpe; idle | say
+  serve_round $M8 ;;
+*) echo "usage: $0 first|agent|r2|serve" >&2; exit 2 ;;
 esac
