@@ -137,6 +137,16 @@ def test_shared_expert_block_matches_the_reference(tmp_path_factory, tokens):
     for name, a, b in (("block", got, ref_block(x)), ("shared part", got - routed, ref_block.shared(x))):
         rel = ((a - b).norm() / b.norm()).item()
         assert rel < 2e-2, f"{name}: relative error {rel:.2e}"
+    # deferred (every layer but the last): the shared row and its gate ride in the ExpertSum,
+    # and the next layer's attn_norm sums it all to the same bits as the block's combine
+    assert [layer.defer_sum for layer in ker.layers] == [True] * (len(ker.layers) - 1) + [False]
+    deferred = ker_block(xd, defer=True)
+    assert isinstance(deferred, ExpertSum) and deferred.add is not None and deferred.gate is not None
+    residual = torch.randn(tokens, ref.config.n_embd, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    norm = ker.layers[2].attn_norm
+    y1, r1 = norm(ker_block(xd), residual)
+    y2, r2 = norm(deferred, residual)
+    assert torch.equal(r1, r2) and torch.equal(y1, y2)
 
 
 @pytest.mark.gpu

@@ -557,6 +557,12 @@ def test_combine_in_the_norm(t: int, d: int) -> None:
     y3, r3 = add_rms_norm(y, None, w, 1e-6, mix=weights)
     assert torch.equal(r3, moe_combine(y, weights))
     close("mixed, no residual", y3, add_rms_norm_reference(r3.cpu(), None, w.cpu(), 1e-6)[0], 1e-5)
+    # a shared expert's row, gated by sigmoid(x . g) (qwen35moe): as the combine that adds it
+    shared = torch.randn(t, d, generator=g).to(DEVICE)
+    gx, gw = torch.randn(t, 300, generator=g).to(DEVICE), torch.randn(300, generator=g).to(DEVICE)
+    y4, r4 = add_rms_norm(moe_combine(y, weights, add=shared, gate=(gx, gw)), residual, w, 1e-6)
+    y5, r5 = add_rms_norm(y, residual, w, 1e-6, mix=weights, add=shared, gate=(gx, gw))
+    assert torch.equal(r4, r5) and torch.equal(y4, y5)
 
 
 def test_combine_in_the_norm_bad_input() -> None:
@@ -571,6 +577,12 @@ def test_combine_in_the_norm_bad_input() -> None:
         add_rms_norm(y, torch.zeros(2, 32, device=DEVICE), w, 1e-6, mix=mix)
     with pytest.raises(ValueError, match="not the 3 tokens"):
         add_rms_norm(y, None, w, 1e-6, mix=mix, out=torch.zeros(2, 32, device=DEVICE))
+    with pytest.raises(ValueError, match="add must be contiguous float32"):
+        add_rms_norm(y, None, w, 1e-6, mix=mix, add=torch.zeros(3, 31, device=DEVICE))
+    with pytest.raises(ValueError, match="a gate scales the added rows"):
+        add_rms_norm(y, None, w, 1e-6, mix=mix, gate=(torch.zeros(3, 8, device=DEVICE), torch.zeros(8, device=DEVICE)))
+    with pytest.raises(ValueError, match="add and gate go with mix"):
+        add_rms_norm(y[:3], None, w, 1e-6, add=torch.zeros(3, 32, device=DEVICE))
 
 
 def test_moe_combine_bad_input() -> None:

@@ -311,6 +311,13 @@ def _layer_jobs() -> list[Job]:
                                       CHUNK=c.chunk, num_warps=c.num_warps,
                                       p_h=MockTensor(f16 if out == "+f16" else f32),
                                       HALF=out == "+f16", MIX=8, p_mw=MockTensor(f32), **PDL_KW)))
+            # qwen35moe's: a shared expert's row and its sigmoid gate added to the sum
+            jobs.append(Job("rms_norm+mix+shared+q8", f"D={d} B={c.block_d} w={c.num_warps} C={c.chunk} k=8",
+                            _warm(norm._rms_norm_kernel, [f32] * 5 + [4096] * 4 + [d, 1e-6, i32, f32, i32],
+                                  HAS_RESIDUAL=True, BLOCK_D=c.block_d, QUANT=True, CHUNK=c.chunk,
+                                  num_warps=c.num_warps, p_h=MockTensor(f32), MIX=8, p_mw=MockTensor(f32),
+                                  HAS_ADD=True, p_add=MockTensor(f32), HAS_GATE=True, p_gx=MockTensor(f32),
+                                  p_gw=MockTensor(f32), stride_gx=d, DX=d, BLOCK_X=min(1024, d), **PDL_KW)))
     for act in activation.ACTIVATIONS.values():
         for out in ("", "+q8", "+f16"):
             args = [f32] * 3 + [28672, 28672, 14336, 14336, i32, f32, i32]

@@ -61,8 +61,9 @@ class MoE:
         self.layer = layer
         self.ops = w.ops
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.moe(x, self)
+    def __call__(self, x: torch.Tensor, defer: bool = False):
+        """``defer``: the caller hands the output only to the ops' next add_rms_norm (Ops.moe)."""
+        return self.ops.moe(x, self, defer=defer)
 
 
 def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,8 +136,9 @@ class MoEShared:
         self.moe = MoE(cfg, layer, w)
         self.shared = SharedExpert(cfg, layer, w)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.shared.ops.moe_shared(x, self)
+    def __call__(self, x: torch.Tensor, defer: bool = False):
+        """``defer``: as MoE's."""
+        return self.shared.ops.moe_shared(x, self, defer=defer)
 
 
 def shared_gate_add(routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor,

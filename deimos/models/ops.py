@@ -39,6 +39,8 @@ class ExpertSum(NamedTuple):
 
     y: torch.Tensor  # float32 [T * k, D]
     weights: torch.Tensor  # float32 [T, k]
+    add: torch.Tensor | None = None  # float32 [T, D] added to the sum (a shared expert's output)
+    gate: tuple[torch.Tensor, torch.Tensor] | None = None  # (x, g): add scaled by sigmoid(x . g)
 
 
 class Ops(Protocol):
@@ -65,9 +67,10 @@ class Ops(Protocol):
     def shared_gate_add(self, routed, shared, x, gate_inp) -> torch.Tensor:
         """routed + shared * sigmoid(x . gate_inp) per token (deimos.models.moe.shared_gate_add)."""
         ...
-    def moe_shared(self, x: torch.Tensor, block) -> torch.Tensor:
+    def moe_shared(self, x: torch.Tensor, block, defer: bool = False) -> torch.Tensor | ExpertSum:
         """``block`` (deimos.models.moe.MoEShared): its routed experts plus its shared expert's
-        product gated per token, ``shared_gate_add(moe(x), product(x), x, gate_inp)``."""
+        product gated per token, ``shared_gate_add(moe(x), product(x), x, gate_inp)``;
+        ``defer`` as ``moe``'s (the shared row and its gate in the ``ExpertSum``)."""
         ...
 
 
@@ -132,7 +135,7 @@ class ReferenceOps:
     def shared_gate_add(self, routed, shared, x, gate_inp):
         return shared_gate_add(routed, shared, x, gate_inp)
 
-    def moe_shared(self, x, block):
+    def moe_shared(self, x, block, defer=False):
         shared = block.shared
         return shared_gate_add(block.moe(x), shared.product(x), x, shared.gate_inp)
 

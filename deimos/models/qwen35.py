@@ -29,6 +29,7 @@ from deimos.models.batch import Batch
 from deimos.models.blocks import Attention, DecoderModel, GatedMLP, RMSNorm
 from deimos.models.config import ModelConfig
 from deimos.models.deltanet import GatedDeltaNet, RecurrentState, step_states
+from deimos.models.moe import MoE, MoEShared
 from deimos.models.mtp import MTPHead
 from deimos.models.weights import WeightSource
 
@@ -72,6 +73,9 @@ class Qwen35Layer:
         self.ffn_norm = RMSNorm(w.vector(f"blk.{i}.post_attention_norm.weight", cfg.n_embd), cfg.rms_eps,
                                 w.ops)
         self.mlp = mlp(cfg, i, w)
+        # a MoE block's output, but the last layer's, goes only to the next layer's attn_norm:
+        # the ops may leave the experts' sum to that norm's launch (Ops.moe's defer)
+        self.defer_sum = isinstance(self.mlp, (MoE, MoEShared)) and i < cfg.n_layer - 1
 
     @property
     def moe(self):
@@ -85,7 +89,7 @@ class Qwen35Layer:
         else:
             hidden = self.mixer(hidden, step)
         hidden, residual = self.ffn_norm(hidden, residual)
-        return self.mlp(hidden), residual
+        return (self.mlp(hidden, defer=True) if self.defer_sum else self.mlp(hidden)), residual
 
 
 class Qwen35Model(DecoderModel):

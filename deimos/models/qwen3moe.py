@@ -20,7 +20,7 @@ class Qwen3MoeLayer(LlamaLayer):
         self.defer_sum = i < cfg.n_layer - 1
 
     def ffn(self, hidden):
-        return self.mlp.ops.moe(hidden, self.mlp, defer=self.defer_sum)
+        return self.mlp(hidden, defer=self.defer_sum)
 
     @property
     def moe(self) -> MoE:

@@ -107,7 +107,7 @@ def moe_route(logits: torch.Tensor, k: int, renorm: bool,
 
 @triton.jit
 def _combine_kernel(p_y, p_w, p_add, p_out, D, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                    HAS_ADD: tl.constexpr, PDL: tl.constexpr = False, HAS_GATE: tl.constexpr = False,
+                    HAS_ADD: tl.constexpr = False, PDL: tl.constexpr = False, HAS_GATE: tl.constexpr = False,
                     p_gx=None, p_gw=None, stride_gx=0, DX=0, BLOCK_X: tl.constexpr = 16):
     """Token i_t, columns i_d BLOCK_D ..: sum_j w[t, j] y[t TOP_K + j] (+ add[t], times
     sigmoid(gx[t] . gw) with HAS_GATE)."""
@@ -120,20 +120,58 @@ def _combine_kernel(p_y, p_w, p_add, p_out, D, TOP_K: tl.constexpr, BLOCK_D: tl.
         w = tl.load(p_w + i_t * TOP_K + j)
         acc += w * tl.load(p_y + (i_t * TOP_K + j) * D + o_d, mask=m_d, other=0.0)
     if HAS_ADD:
-        b_add = tl.load(p_add + i_t * D + o_d, mask=m_d, other=0.0)
-        if HAS_GATE:  # the token's gate: its x row . gw, in float32
-            dot = tl.zeros([BLOCK_X], dtype=tl.float32)
-            for c0 in range(0, DX, BLOCK_X):
-                o_x = c0 + tl.arange(0, BLOCK_X)
-                m_x = o_x < DX
-                b_x = tl.load(p_gx + i_t * stride_gx + o_x, mask=m_x, other=0.0).to(tl.float32)
-                dot += b_x * tl.load(p_gw + o_x, mask=m_x, other=0.0)
-            b_add = b_add * tl.sigmoid(tl.sum(dot, axis=0))
-        acc += b_add
+        acc += added_row(p_add, i_t, D, o_d, m_d, HAS_GATE, p_gx, p_gw, stride_gx, DX, BLOCK_X)
     tl.store(p_out + i_t * D + o_d, acc.to(p_out.dtype.element_ty), mask=m_d)
 
 
+@triton.jit
+def added_row(p_add, i_t, D, o_d, m_d, HAS_GATE: tl.constexpr, p_gx, p_gw, stride_gx, DX,
+              BLOCK_X: tl.constexpr):
+    """Token i_t's added row add[t] at columns o_d, times sigmoid(gx[t] . gw) with HAS_GATE
+    (the gate's dot in float32, BLOCK_X columns a step): what the combine adds to the experts'
+    sum (the add_rms_norm that takes the sum adds it the same way)."""
+    b_add = tl.load(p_add + i_t * D + o_d, mask=m_d, other=0.0)
+    if HAS_GATE:  # the token's gate: its x row . gw, in float32
+        dot = tl.zeros([BLOCK_X], dtype=tl.float32)
+        for c0 in range(0, DX, BLOCK_X):
+            o_x = c0 + tl.arange(0, BLOCK_X)
+            m_x = o_x < DX
+            b_x = tl.load(p_gx + i_t * stride_gx + o_x, mask=m_x, other=0.0).to(tl.float32)
+            dot += b_x * tl.load(p_gw + o_x, mask=m_x, other=0.0)
+        b_add = b_add * tl.sigmoid(tl.sum(dot, axis=0))
+    return b_add
+
+
 COMBINE_BLOCK = 1024
+
+
+def added_args(who: str, t: int, d: int, device: torch.device, add: torch.Tensor | None,
+               gate: tuple[torch.Tensor, torch.Tensor] | None) -> dict:
+    """The checks of an added row (``add`` float32 contiguous ``[T, D]``) and its gate (x float
+    ``[T, Dx]`` with unit column stride, g float32 contiguous ``[Dx]``; needs ``add``), and the
+    kernel arguments ``added_row`` takes (with HAS_ADD)."""
+    if add is None:
+        if gate is not None:
+            raise ValueError(f"{who}: a gate scales the added rows: it needs add")
+        return {}
+    if add.shape != (t, d) or add.dtype != torch.float32 or not add.is_contiguous():
+        raise ValueError(f"{who}: add must be contiguous float32 [{t}, {d}], got {add.dtype} "
+                         f"{tuple(add.shape)}")  # fmt: skip
+    kw = dict(HAS_ADD=True, p_add=add)
+    if gate is not None:
+        gx, gw = gate
+        if gx.dim() != 2 or gx.shape[0] != t or not gx.dtype.is_floating_point or gx.stride(1) != 1:
+            raise ValueError(f"{who}: gate x must be float [{t}, Dx] with unit column stride, "
+                             f"got {gx.dtype} {tuple(gx.shape)}")  # fmt: skip
+        if gw.shape != (gx.shape[1],) or gw.dtype != torch.float32 or not gw.is_contiguous():
+            raise ValueError(f"{who}: gate weight must be contiguous float32 [{gx.shape[1]}], "
+                             f"got {gw.dtype} {tuple(gw.shape)}")  # fmt: skip
+        kw.update(HAS_GATE=True, p_gx=gx, p_gw=gw, stride_gx=gx.stride(0), DX=gx.shape[1],
+                  BLOCK_X=min(COMBINE_BLOCK, max(16, triton.next_power_of_2(gx.shape[1]))))
+    for name, a in (("add", add), ("gate x", gate[0] if gate else None), ("gate weight", gate[1] if gate else None)):
+        if a is not None and a.device != device:
+            raise ValueError(f"{who}: {name} is on {a.device}, the rows on {device}")
+    return kw
 
 
 def moe_combine(y: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None = None,
@@ -158,9 +196,6 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None
     if not 1 <= k <= MAX_TOP_K:
         raise ValueError(f"moe_combine: k = {k} not in 1..{MAX_TOP_K}")
     d = y.shape[1]
-    if add is not None and (add.shape != (t, d) or add.dtype != torch.float32 or not add.is_contiguous()):
-        raise ValueError(f"moe_combine: add must be contiguous float32 [{t}, {d}], got {add.dtype} "
-                         f"{tuple(add.shape)}")  # fmt: skip
     if out is None:
         if dtype not in (torch.float32, torch.float16):
             raise ValueError(f"moe_combine: dtype must be float32 or float16, got {dtype}")
@@ -168,27 +203,15 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None
     elif out.shape != (t, d) or out.dtype not in (torch.float32, torch.float16) or not out.is_contiguous():
         raise ValueError(f"moe_combine: out must be contiguous float32/float16 [{t}, {d}], got "
                          f"{out.dtype} {tuple(out.shape)}")  # fmt: skip
-    gkw = {}
-    if gate is not None:
-        gx, gw = gate
-        if add is None:
-            raise ValueError("moe_combine: a gate scales the added rows: it needs add")
-        if gx.dim() != 2 or gx.shape[0] != t or not gx.dtype.is_floating_point or gx.stride(1) != 1:
-            raise ValueError(f"moe_combine: gate x must be float [{t}, Dx] with unit column stride, "
-                             f"got {gx.dtype} {tuple(gx.shape)}")  # fmt: skip
-        if gw.shape != (gx.shape[1],) or gw.dtype != torch.float32 or not gw.is_contiguous():
-            raise ValueError(f"moe_combine: gate weight must be contiguous float32 [{gx.shape[1]}], "
-                             f"got {gw.dtype} {tuple(gw.shape)}")  # fmt: skip
-        gkw = dict(HAS_GATE=True, p_gx=gx, p_gw=gw, stride_gx=gx.stride(0), DX=gx.shape[1],
-                   BLOCK_X=min(COMBINE_BLOCK, max(16, triton.next_power_of_2(gx.shape[1]))))
-    for name, a in (("weights", weights), ("add", add), ("out", out),
-                    ("gate x", gate[0] if gate else None), ("gate weight", gate[1] if gate else None)):
-        if a is not None and a.device != y.device:
+    gkw = added_args("moe_combine", t, d, y.device, add, gate)
+    for name, a in (("weights", weights), ("out", out)):
+        if a.device != y.device:
             raise ValueError(f"moe_combine: {name} is on {a.device}, y on {y.device}")
     if t and d:
         block = min(COMBINE_BLOCK, max(16, triton.next_power_of_2(d)))
+        gkw.setdefault("p_add", y)
         _combine_kernel[(t, triton.cdiv(d, block))](
-            y, weights, add if add is not None else y, out, d, TOP_K=k, BLOCK_D=block,
-            HAS_ADD=add is not None, num_warps=4, **launch_options(pdl_on(y.device)), **gkw,
+            y, weights, gkw.pop("p_add"), out, d, TOP_K=k, BLOCK_D=block, num_warps=4,
+            **launch_options(pdl_on(y.device)), **gkw,
         )  # fmt: skip
     return out

@@ -14,21 +14,26 @@ import triton
 import triton.language as tl
 
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
+from deimos.kernels.triton.moe_route import added_args, added_row
 from deimos.quant.triton.gemv_q8 import quantize_groups
 
 MAX_D = 16384
 
 
 @triton.jit
-def _x_row(p_x, stride_x, p_mw, i_t, o_d, m_d, MIX: tl.constexpr):
+def _x_row(p_x, stride_x, p_mw, i_t, o_d, m_d, D, MIX: tl.constexpr, HAS_ADD: tl.constexpr, p_add,
+           HAS_GATE: tl.constexpr, p_gx, p_gw, stride_gx, DX, BLOCK_X: tl.constexpr):
     """Row i_t's x at columns o_d in float32: p_x's row, or with MIX = k the weighted sum of
-    its k expert rows (moe_route's combine: acc += w_j y_j from zero, j in order)."""
+    its k expert rows, plus with HAS_ADD the added row (gated with HAS_GATE): moe_combine's sum,
+    in its order (acc += w_j y_j from zero, j in order, then the added row)."""
     if MIX == 0:
         return tl.load(p_x + i_t * stride_x + o_d, mask=m_d, other=0.0).to(tl.float32)
     acc = tl.zeros(o_d.shape, dtype=tl.float32)
     for j in tl.static_range(MIX):
         w = tl.load(p_mw + i_t * MIX + j)
         acc += w * tl.load(p_x + (i_t * MIX + j) * stride_x + o_d, mask=m_d, other=0.0)
+    if HAS_ADD:
+        acc += added_row(p_add, i_t, D, o_d, m_d, HAS_GATE, p_gx, p_gw, stride_gx, DX, BLOCK_X)
     return acc
 
 
@@ -46,18 +51,27 @@ def _rms_norm_kernel(
     HALF: tl.constexpr = False,
     MIX: tl.constexpr = 0,
     p_mw=None,
+    HAS_ADD: tl.constexpr = False,
+    p_add=None,
+    HAS_GATE: tl.constexpr = False,
+    p_gx=None,
+    p_gw=None,
+    stride_gx=0,
+    DX=0,
+    BLOCK_X: tl.constexpr = 16,
 ):  # fmt: skip
     """Program (row, chunk): the whole row's sum of squares, then its CHUNK elements normalized,
     stored (and the residual sum stored) and quantized. CHUNK == BLOCK_D: one program a row.
     HALF: the normalized rows also stored as float16 at p_h (contiguous ``[T, D]``). MIX = k:
-    row t's x is the sum of p_x's rows t k .. t k + k - 1 weighted by p_mw[t, :] (moe_combine's
-    sum, in its order)."""
+    row t's x is the sum of p_x's rows t k .. t k + k - 1 weighted by p_mw[t, :], plus with
+    HAS_ADD the added row (gated with HAS_GATE): moe_combine's sum, in its order."""
     pdl_start(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
-    b_x = _x_row(p_x, stride_x, p_mw, i_t, o_d, m_d, MIX)
+    b_x = _x_row(p_x, stride_x, p_mw, i_t, o_d, m_d, D, MIX, HAS_ADD, p_add, HAS_GATE, p_gx, p_gw, stride_gx,
+                   DX, BLOCK_X)
     if HAS_RESIDUAL:
         b_r = tl.load(p_r + i_t * stride_r + o_d, mask=m_d, other=0.0).to(tl.float32)
         # round the sum to the residual's dtype first: the norm sees what is stored, as in the
@@ -67,7 +81,8 @@ def _rms_norm_kernel(
     if CHUNK < BLOCK_D:  # this program's chunk again (L1/L2), the row's other chunks are others'
         o_d = i_c * CHUNK + tl.arange(0, CHUNK)
         m_d = o_d < D
-        b_x = _x_row(p_x, stride_x, p_mw, i_t, o_d, m_d, MIX)
+        b_x = _x_row(p_x, stride_x, p_mw, i_t, o_d, m_d, D, MIX, HAS_ADD, p_add, HAS_GATE, p_gx, p_gw, stride_gx,
+                   DX, BLOCK_X)
         if HAS_RESIDUAL:
             b_r = tl.load(p_r + i_t * stride_r + o_d, mask=m_d, other=0.0).to(tl.float32)
             b_x = (b_x + b_r).to(p_rout.dtype.element_ty).to(tl.float32)
@@ -122,7 +137,8 @@ def _check_rows(name: str, t: torch.Tensor, d: int) -> None:
         raise ValueError(f"{name}: the last dimension must be contiguous (stride {t.stride()})")
 
 
-def _launch(x, residual, w, eps, out, residual_out, quantized=None, half=None, mix=None) -> None:
+def _launch(x, residual, w, eps, out, residual_out, quantized=None, half=None, mix=None,
+            added: dict | None = None) -> None:
     t, d = out.shape
     r = residual if residual is not None else x
     ro = residual_out if residual_out is not None else out
@@ -144,7 +160,7 @@ def _launch(x, residual, w, eps, out, residual_out, quantized=None, half=None, m
         d, eps, q[0], q[1], q[2],
         HAS_RESIDUAL=residual is not None, BLOCK_D=cfg.block_d, QUANT=quantized is not None,
         CHUNK=cfg.chunk, num_warps=cfg.num_warps, p_h=half if half is not None else out,
-        HALF=half is not None, MIX=0 if mix is None else mix.shape[1], p_mw=mix,
+        HALF=half is not None, MIX=0 if mix is None else mix.shape[1], p_mw=mix, **(added or {}),
         **launch_options(pdl_on(x.device)),
     )  # fmt: skip
 
@@ -192,6 +208,8 @@ def add_rms_norm(
     quantized=None,
     half: torch.Tensor | None = None,
     mix: torch.Tensor | None = None,
+    add: torch.Tensor | None = None,
+    gate: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused residual step: r' = x + residual (or x when residual is None);
     returns ``(rms_norm(r'), r')``.
@@ -205,10 +223,13 @@ def add_rms_norm(
     ``mix``: contiguous float32 ``[T, k]`` routing weights; x is then the contiguous float32
     ``[T k, D]`` rows of each token's k experts, and x + residual becomes their weighted sum +
     residual (``moe_combine(x, mix)`` + residual, the same bits: the combine in this launch);
-    r' is then a new tensor even without a residual.
+    r' is then a new tensor even without a residual. ``add``, ``gate`` (with ``mix``): a row
+    added to the sum, scaled by its gate, as ``moe_combine``'s (a shared expert's output).
     """
     if mix is not None:
-        return _mixed(x, mix, residual, weight, eps, out, residual_out, quantized, half)
+        return _mixed(x, mix, residual, weight, eps, out, residual_out, quantized, half, add, gate)
+    if add is not None or gate is not None:
+        raise ValueError("add_rms_norm: add and gate go with mix (the experts' sum)")
     d = _validate(x, weight, "add_rms_norm")
     if residual is None:
         return rms_norm(x, weight, eps, out, quantized, half), x
@@ -229,7 +250,7 @@ def add_rms_norm(
     return out, residual_out
 
 
-def _mixed(y, mix, residual, weight, eps, out, residual_out, quantized, half):
+def _mixed(y, mix, residual, weight, eps, out, residual_out, quantized, half, add, gate):
     """add_rms_norm with ``mix``: the checks of the experts' rows, then one launch (without a
     residual, r' = the sum, stored as residual_out)."""
     if mix.dim() != 2 or mix.dtype != torch.float32 or not mix.is_contiguous():
@@ -244,6 +265,7 @@ def _mixed(y, mix, residual, weight, eps, out, residual_out, quantized, half):
     d = _validate(y, weight, "add_rms_norm")
     if mix.device != y.device:
         raise ValueError(f"add_rms_norm: mix is on {mix.device}, x on {y.device}")
+    added = added_args("add_rms_norm", t, d, y.device, add, gate)
     if residual is not None:
         _check_rows("add_rms_norm: residual", residual, d)
         if residual.shape[0] != t or residual.device != y.device:
@@ -262,5 +284,5 @@ def _mixed(y, mix, residual, weight, eps, out, residual_out, quantized, half):
     if t:
         # without a residual the kernel's residual path adds zeros: the sum itself is stored
         r = residual if residual is not None else torch.zeros((t, d), dtype=like.dtype, device=y.device)
-        _launch(y, r, weight, eps, out, residual_out, quantized, half, mix=mix)
+        _launch(y, r, weight, eps, out, residual_out, quantized, half, mix=mix, added=added)
     return out, residual_out

@@ -123,15 +123,17 @@ def moe_step(x: torch.Tensor, block, slot_of: torch.Tensor, quantized=None,
     launches (``fused_decode``). None: the unfused chain. ``shared``: (a shared expert's
     output float32 ``[T, D]``, its gate float32 ``[D]``): the combine adds it scaled by
     sigmoid(x . gate) (the unfused chain only). ``half``: x in contiguous float16 (more
-    tokens: what the grouped GEMM reads), when the norm kernel made it. ``defer`` (no shared
-    expert): the experts' outputs and weights as an ``ExpertSum``, for the next add_rms_norm to
-    sum in its launch (no combine launch)."""
+    tokens: what the grouped GEMM reads), when the norm kernel made it. ``defer``: the experts'
+    outputs and weights (and the shared expert's row and gate) as an ``ExpertSum``, for the
+    next add_rms_norm to sum in its launch (no combine launch)."""
     if router is not None and experts_fused and shared is None:
         y = fused_decode(x, block, slot_of, router, quantized)
         if y is not None:
             return y
     weights, ids = route(x, block, router)
     y = expert_products(x, block, ids, slot_of, quantized=quantized, half=half)
+    if defer:
+        return ExpertSum(y, weights) if shared is None else ExpertSum(y, weights, shared[0], (x, shared[1]))
     if shared is None:
-        return ExpertSum(y, weights) if defer else moe_combine(y, weights)
+        return moe_combine(y, weights)
     return moe_combine(y, weights, add=shared[0], gate=(x, shared[1]))

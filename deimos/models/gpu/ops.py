@@ -87,13 +87,13 @@ class TritonOps:
         return torch.empty((rows, k), dtype=torch.float16, device=device)
 
     def add_rms_norm(self, x, residual, weight, eps):
-        mix = None
+        mix, add, gate = None, None, None
         if isinstance(x, ExpertSum):  # moe(..., defer=True): the experts' sum in this launch
-            x, mix = x.y, x.weights
+            x, mix, add, gate = x
         t, d = (x.shape[0], x.shape[1]) if mix is None else (mix.shape[0], x.shape[1])
         qx = self._quantized_for(t, d, x.device)
         half = self._half_for(t, d, x.device)
-        y, r = add_rms_norm(x, residual, weight, eps, quantized=qx, half=half, mix=mix)
+        y, r = add_rms_norm(x, residual, weight, eps, quantized=qx, half=half, mix=mix, add=add, gate=gate)
         if qx is not None:
             self.inputs.put(y, qx)
         if half is not None:
@@ -238,11 +238,12 @@ class TritonOps:
         return moe_step(x, block, self.slots(block.n_expert, x.device), quantized=qx, router=self.router,
                         experts_fused=FUSED == "1", half=half, defer=defer)
 
-    def moe_shared(self, x, block):
+    def moe_shared(self, x, block, defer=False):
         """A MoEShared block: with every expert on the device and the unfused one-token chain,
         the shared expert first, then the routed experts' combine adds its gated rows
         (``moe_combine(..., gate=...)``: one launch a layer fewer than the combine and then
-        ``shared_gate``); otherwise the routed experts, then ``shared_gate_add``."""
+        ``shared_gate``), or with ``defer`` the next norm does; otherwise the routed experts,
+        then ``shared_gate_add``."""
         shared = block.shared
         if self.offload is None and FUSED != "1" and x.is_contiguous():
             # x's integer activation taken before the shared expert's activation replaces it
@@ -253,5 +254,5 @@ class TritonOps:
             routed = block.moe
             return moe_step(x, routed, self.slots(routed.n_expert, x.device), quantized=qx,
                             router=self.router, experts_fused=False,
-                            shared=(s.float().contiguous(), shared.gate_inp), half=half)
+                            shared=(s.float().contiguous(), shared.gate_inp), half=half, defer=defer)
         return self.shared_gate_add(block.moe(x), shared.product(x), x, shared.gate_inp)
