@@ -10,7 +10,7 @@
 #     the GPU tests of the decode attention's merge in the split launch and the experts' sum in
 #     the norm; the variants a fresh kernel cache builds inside the first requests (after the
 #     warm-up's fix); then batch-1 decode of qwen3moe 30B-A3B and qwen3 4B: the session's start,
-#     this tree, this tree with DEIMOS_ATTN_MERGE=0 (fresh processes)
+#     this tree with DEIMOS_ATTN_MERGE=1 and =0 (off by default; fresh processes)
 #   bench/gpu_round_s46.sh serve   # deimos serve on llama 8B Q4_K_M at 1, 16, 64 streams again
 #   bench/gpu_round_s46.sh agent   # carry .whl .peer/lc .peer/tdz
 #     the three agent sessions against llama-server -np 1 (issue 17's 1.5x) on llama 8B Q4_K_M
@@ -91,6 +91,15 @@ r2)
   grep -E "^\| (default|greedy|phase|warm|[0-9a-z ]+ \| [0-9])" "$OUT/q3-batch-compiles.txt" | cut -c1-700 | say
   R=2 b1n $M30 q3moe30 new 1; R=2 b1n $M30 q3moe30 new 0; R=2 b1n $M30 q3moe30 base 1
   R=2 b1n $Q3 q3-4b new 1; R=2 b1n $Q3 q3-4b new 0; R=2 b1n $Q3 q3-4b base 1
+  idle | say ;;
+r3)  # carry as r2: deimos serve on llama 8B at 1, 16, 64 streams after the warm-up's fix, then
+  # qwen35moe 35B-A3B Q4_K_M's batch-1 decode, the session's start against this tree
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  M35=/tmp/m/qwen35moe-35b-Q4_K_M.gguf
+  (synth qwen35moe-35b-a3b $M35 Q4_K_M qwen2) &
+  synth llama-8b $M8 Q4_K_M llama-bpe; idle | say
+  serve_round $M8
+  wait; R=2 b1n $M35 q35moe new 1; R=2 b1n $M35 q35moe base 1
   idle | say ;;
 serve)  # carry .whl .peer/tdz (and .peer/lc for llama-server's rows)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

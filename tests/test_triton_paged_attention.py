@@ -633,3 +633,26 @@ def test_paged_bad_input() -> None:
         apply_rope(q.float(), k3, pos, inv, "norm", slots=pos)
     with pytest.raises(ValueError, match=r"slots must be int32/int64 \[2\]"):
         apply_rope(q.float(), k3, pos, inv, "norm", cache=(k3, pool.k, pool.v), slots=pos[:1])
+
+
+def test_the_ops_pass_counters_only_when_asked(monkeypatch) -> None:
+    """TritonOps gives decode_attention the split-K scratch's counters (the merge in the split
+    launch) only with DEIMOS_ATTN_MERGE=1 (ops.MERGE), a scratch, and enough counters for the
+    rows' kv heads (rows * Hkv <= the scratch's)."""
+    from types import SimpleNamespace
+
+    from deimos.kernels.triton.matmul import SplitScratch
+    from deimos.models.gpu import ops as gpu_ops
+
+    me = gpu_ops.TritonOps.__new__(gpu_ops.TritonOps)
+    me.cfg = SimpleNamespace(n_head_kv=8)
+    scratch = SplitScratch(DEVICE)
+    me.inputs = SimpleNamespace(split=scratch)
+    n = scratch.counters.numel() // 8
+    monkeypatch.setattr(gpu_ops, "MERGE", False)
+    assert me._counters(1) is None
+    monkeypatch.setattr(gpu_ops, "MERGE", True)
+    assert me._counters(1) is scratch.counters and me._counters(n) is scratch.counters
+    assert me._counters(n + 1) is None
+    me.inputs = SimpleNamespace(split=None)
+    assert me._counters(1) is None

@@ -34,9 +34,12 @@ from deimos.models.gpu.moe_ops import FUSED, ResidentSlots, moe_step
 from deimos.models.ops import ExpertSum, StepState
 from deimos.quant.triton.gemv_q8 import empty_quantized
 
-# read once: DEIMOS_ATTN_MERGE=0 keeps the decode attention's merge in a launch of its own (a
-# profile's A/B)
-_MERGE = os.environ.get("DEIMOS_ATTN_MERGE", "1")
+# read once: DEIMOS_ATTN_MERGE=1 merges the decode attention's splits in the split launch
+# (decode_attention's ``counters``) instead of a combine launch of its own. Off by default
+# until measured on a GPU: the same merge, tried in the third session without the skip of the
+# splits past a row's keys, was slower (BENCHMARKS.md); written in session 46, whose device
+# time ran out before its round
+_MERGE = os.environ.get("DEIMOS_ATTN_MERGE", "0")
 if _MERGE not in ("0", "1"):
     raise ValueError(f"DEIMOS_ATTN_MERGE must be 0 or 1, got {_MERGE!r}")
 MERGE = _MERGE == "1"
@@ -152,8 +155,8 @@ class TritonOps:
 
     def _counters(self, rows: int) -> torch.Tensor | None:
         """The split-K scratch's counters for a decode attention of ``rows`` rows to merge its
-        splits in its own launch (None: the combine launch; DEIMOS_ATTN_MERGE=0, no scratch,
-        or too few counters)."""
+        splits in its own launch (None: the combine launch; DEIMOS_ATTN_MERGE not 1, no
+        scratch, or too few counters)."""
         split = self.inputs.split if self.inputs is not None and MERGE else None
         if split is None or rows * self.cfg.n_head_kv > split.counters.numel():
             return None
