@@ -10,7 +10,8 @@
 #     the GPU tests of the decode attention's merge in the split launch and the experts' sum in
 #     the norm; the variants a fresh kernel cache builds inside the first requests (after the
 #     warm-up's fix); then batch-1 decode of qwen3moe 30B-A3B and qwen3 4B: the session's start,
-#     this tree with DEIMOS_ATTN_MERGE=1 and =0 (off by default; fresh processes)
+#     this tree with DEIMOS_ATTN_MERGE=0 (the default) and =1, qwen3moe with DEIMOS_MOE_DEFER=0
+#     (fresh processes)
 #   bench/gpu_round_s46.sh serve   # deimos serve on llama 8B Q4_K_M at 1, 16, 64 streams again
 #   bench/gpu_round_s46.sh agent   # carry .whl .peer/lc .peer/tdz
 #     the three agent sessions against llama-server -np 1 (issue 17's 1.5x) on llama 8B Q4_K_M
@@ -89,8 +90,9 @@ r2)
   TRITON_CACHE_DIR=/tmp/tc-fresh2 timeout ${BATCH_S:-150} python3 bench/engine_batch.py $Q3 -c 16,64 -n 128 --compiles \
     > "$OUT/q3-batch-compiles.txt" 2>&1
   grep -E "^\| (default|greedy|phase|warm|[0-9a-z ]+ \| [0-9])" "$OUT/q3-batch-compiles.txt" | cut -c1-700 | say
-  R=2 b1n $M30 q3moe30 new 1; R=2 b1n $M30 q3moe30 new 0; R=2 b1n $M30 q3moe30 base 1
-  R=2 b1n $Q3 q3-4b new 1; R=2 b1n $Q3 q3-4b new 0; R=2 b1n $Q3 q3-4b base 1
+  R=2 b1n $M30 q3moe30 new 0; R=2 b1n $M30 q3moe30 new 1; R=2 b1n $M30 q3moe30 base 0
+  DEIMOS_MOE_DEFER=0 R=2 b1n $M30 q3moe30-nodefer new 0
+  R=2 b1n $Q3 q3-4b new 0; R=2 b1n $Q3 q3-4b new 1; R=2 b1n $Q3 q3-4b base 0
   idle | say ;;
 r3)  # carry as r2: deimos serve on llama 8B at 1, 16, 64 streams after the warm-up's fix, then
   # qwen35moe 35B-A3B Q4_K_M's batch-1 decode, the session's start against this tree

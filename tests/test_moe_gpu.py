@@ -45,6 +45,7 @@ from testdata import llama_cpp_path
 from deimos.gguf import GGUFFile
 from deimos.models import ARCHITECTURES, load_model
 from deimos.kernels.triton.moe_router import RouterScratch
+from deimos.models.gpu import moe_ops
 from deimos.models.gpu.moe_ops import ResidentSlots, moe_step
 from deimos.models.moe import moe_reference
 from deimos.models.ops import ExpertSum
@@ -87,7 +88,7 @@ def test_moe_step_matches_the_reference_block(moe_file, tokens, fused):
 
 
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_a_deferred_sum_equals_the_combine_then_the_norm(moe_file, tokens):
+def test_a_deferred_sum_equals_the_combine_then_the_norm(moe_file, tokens, monkeypatch):
     """The kernel model's layers hand their experts' outputs on unsummed (Ops.moe's defer) to
     the next layer's attn_norm, which sums them in its launch: the same bits as the combine's
     output through the same norm; the last layer does not defer (the model's final rows are
@@ -109,6 +110,8 @@ def test_a_deferred_sum_equals_the_combine_then_the_norm(moe_file, tokens):
     assert torch.equal(r1, r2) and torch.equal(y1, y2)
     ref = load_model(f)
     assert isinstance(ref.ops.moe(x.cpu(), ref.layers[1].moe, defer=True), torch.Tensor)
+    monkeypatch.setattr(moe_ops, "DEFER", False)  # DEIMOS_MOE_DEFER=0: the combine all the same
+    assert torch.equal(ops.moe(x, block, defer=True), whole)
 
 
 def test_an_expert_off_the_device_contributes_nothing(moe_file):

@@ -43,6 +43,14 @@ if FUSED not in ("0", "router", "1"):
     raise ValueError(f"DEIMOS_MOE_FUSED must be 0, router or 1, got {FUSED!r}")
 
 
+# read once: DEIMOS_MOE_DEFER=0 keeps the experts' sum in a combine launch of its own even where
+# the layer would let the next norm take it (Ops.moe's defer; a profile's A/B)
+_DEFER = os.environ.get("DEIMOS_MOE_DEFER", "1")
+if _DEFER not in ("0", "1"):
+    raise ValueError(f"DEIMOS_MOE_DEFER must be 0 or 1, got {_DEFER!r}")
+DEFER = _DEFER == "1"
+
+
 class ResidentSlots:
     """The identity slot table of each expert count (every expert on the device)."""
 
@@ -125,14 +133,15 @@ def moe_step(x: torch.Tensor, block, slot_of: torch.Tensor, quantized=None,
     sigmoid(x . gate) (the unfused chain only). ``half``: x in contiguous float16 (more
     tokens: what the grouped GEMM reads), when the norm kernel made it. ``defer``: the experts'
     outputs and weights (and the shared expert's row and gate) as an ``ExpertSum``, for the
-    next add_rms_norm to sum in its launch (no combine launch)."""
+    next add_rms_norm to sum in its launch (no combine launch; DEIMOS_MOE_DEFER=0: the
+    combine all the same)."""
     if router is not None and experts_fused and shared is None:
         y = fused_decode(x, block, slot_of, router, quantized)
         if y is not None:
             return y
     weights, ids = route(x, block, router)
     y = expert_products(x, block, ids, slot_of, quantized=quantized, half=half)
-    if defer:
+    if defer and DEFER:
         return ExpertSum(y, weights) if shared is None else ExpertSum(y, weights, shared[0], (x, shared[1]))
     if shared is None:
         return moe_combine(y, weights)
