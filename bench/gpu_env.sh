@@ -3,7 +3,7 @@
 set -uo pipefail
 # (tools/gpu_carry.sh builds the carried folders; .peer/td-q: Qwen's and llama-spm's
 # vocabularies and the templates;
-# .peer/tdz: the qwen2 and llama-bpe vocabularies xz-packed and two templates, when the carry
+# .peer/tdz: .peer/td-q with the llama-bpe vocabulary, its vocabularies xz-packed, when the carry
 # must stay small)
 TD=$PWD/.peer/td; [ -d "$TD" ] || TD=$PWD/.peer/td-q
 if [ ! -d "$TD" ] && [ -d .peer/tdz ]; then

@@ -5,11 +5,13 @@
 #              ../shared/device/README.md)
 #   .peer/td   the llama.cpp vocabularies and chat templates the rounds synthesize models with
 #              and the GPU tests read (llama-spm), in the layout of $DEIMOS_TEST_DATA;
-#              .peer/td-q (part tdq) Qwen's vocabulary and llama-spm's (the GPU engine tests')
+#              .peer/td-q (part tdq) Qwen's vocabulary and llama-spm's (the GPU engine tests');
+#              .peer/tdz (part tdz) those and llama-bpe's, xz-packed (bench/gpu_env.sh unpacks
+#              them there): beside .peer/lc and .whl under 64 MiB
 #   .whl-min   (part whlmin) the engine's imports alone (gguf, llguidance, jsonschema)
 #   .peer/lc   llama.cpp's CUDA build for sm_90 (../shared/peers)
 #   .whl-ggml  ggml-python built here, avx2 and avx512 (part ggml; ~10 min each on 2 cores)
-# Usage: tools/gpu_carry.sh [whl whlmin td tdq lc ggml]   (default: whl td lc); each part is
+# Usage: tools/gpu_carry.sh [whl whlmin td tdq tdz lc ggml]   (default: whl td lc); each part is
 # skipped when its folder is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +42,11 @@ vocabs() {  # DIR VOCAB...: the templates and the named vocabularies, as $DEIMOS
 }
 td() { vocabs .peer/td qwen2 llama-bpe llama-spm; }
 tdq() { vocabs .peer/td-q qwen2 llama-spm; }  # beside .peer/lc and .whl-min under 64 MiB
+tdz() {
+  [ -d .peer/tdz ] && return
+  vocabs .peer/tdz qwen2 llama-bpe llama-spm
+  xz -9 .peer/tdz/src/$SRC/llama.cpp/models/*.gguf
+}
 whlmin() {  # what the engine imports (no server): for rounds that also carry .peer/lc
   [ -d .whl-min ] && return
   whl
