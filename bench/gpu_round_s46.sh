@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 46's GPU rounds (from the repository root on the GPU machine; carry .whl .peer/td-v, and .peer/lc for llama-server):
+# Session 46's GPU rounds (from the repository root on the GPU machine; carry .whl .peer/tdz
+# (tools/gpu_carry.sh tdz), and .peer/lc for llama-server):
 #   bench/gpu_round_s46.sh first
 #     the Triton variants first built inside requests after the load's warm-up (qwen3 4B, a fresh
 #     kernel cache, bench/engine_batch.py --compiles), then deimos serve against llama-server on
@@ -95,17 +96,19 @@ r2)
   R=2 b1n $Q3 q3-4b new 0; R=2 b1n $Q3 q3-4b new 1; R=2 b1n $Q3 q3-4b base 0
   idle | say ;;
 r3)  # carry as r2: deimos serve on llama 8B at 1, 16, 64 streams after the warm-up's fix, then
-  # qwen35moe 35B-A3B Q4_K_M's batch-1 decode, the session's start against this tree
+  # qwen35moe 35B-A3B Q4_K_M's batch-1 decode: the session's start, this tree, and this tree
+  # with DEIMOS_MOE_DEFER=0
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   M35=/tmp/m/qwen35moe-35b-Q4_K_M.gguf
   (synth qwen35moe-35b-a3b $M35 Q4_K_M qwen2) &
   synth llama-8b $M8 Q4_K_M llama-bpe; idle | say
   serve_round $M8
-  wait; R=2 b1n $M35 q35moe new 1; R=2 b1n $M35 q35moe base 1
+  wait; R=2 b1n $M35 q35moe new 0; R=2 b1n $M35 q35moe base 0
+  DEIMOS_MOE_DEFER=0 R=2 b1n $M35 q35moe-nodefer new 0
   idle | say ;;
 serve)  # carry .whl .peer/tdz (and .peer/lc for llama-server's rows)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   synth llama-8b $M8 Q4_K_M llama-bpe; idle | say
   serve_round $M8 ;;
-*) echo "usage: $0 first|agent|r2|serve" >&2; exit 2 ;;
+*) echo "usage: $0 first|agent|r2|r3|serve" >&2; exit 2 ;;
 esac
