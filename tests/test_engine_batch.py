@@ -341,19 +341,24 @@ def test_the_warm_up_steps_cover_the_decode_attentions_variants(tiny, monkeypatc
     (TritonOps.eager_decode_rows, over the tables' positions and up to max_seqs - 1 rows), the
     warm-up adds a short chunk beside each (an odd total) other than the 3 rows it has; they
     run on the reference with finite logits."""
-    llm = LLM(tiny, n_ctx=1500, max_seqs=8, max_batch_tokens=600)
-    runner = llm.engine.runner
+    from deimos.kernels.triton.decode_attention import variant_rows
+
+    llm = LLM(tiny, n_ctx=1500, max_seqs=48, max_batch_tokens=600)
+    runner, cfg = llm.engine.runner, llm.config
     asked = []
 
-    def rows(s, max_rows):
+    def rows(s, max_rows):  # TritonOps.eager_decode_rows on this model's heads (the CPU has no TritonOps)
         asked.append((s, max_rows))
-        return [1, 3, 5]
+        return variant_rows(s, max_rows, cfg.n_head_kv, cfg.head_dim)
 
     monkeypatch.setattr(runner.model.ops, "eager_decode_rows", rows, raising=False)
     shapes = runner.warm_shapes(600)
-    assert asked == [(runner.max_blocks * runner.block_size, 7)]
-    extra = [(x.n_decode, x.q_lens[-1]) for x in shapes[3:]]
-    assert extra == [(1, 16), (5, 16)]
+    s = runner.max_blocks * runner.block_size
+    assert asked == [(s, 47)]
+    want = [nd for nd in variant_rows(s, 47, cfg.n_head_kv, cfg.head_dim) if nd != 3]
+    assert len(want) >= 3
+    assert [x.n_decode for x in shapes[3:]] == want
+    assert all(x.q_lens[-1] in (16, 17) for x in shapes[3:])
     for x in shapes[3:]:
         assert sum(x.q_lens) % 2 == 1 and not x.tables.any()
         logits = runner._eager(x)
