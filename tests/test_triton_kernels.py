@@ -96,6 +96,10 @@ def test_add_rms_norm_without_residual_and_errors() -> None:
         rms_norm(x, w[:16], 1e-6)
     with pytest.raises(ValueError, match="x must be"):
         rms_norm(x[0], w, 1e-6)
+    with pytest.raises(ValueError, match="are not the 3 rows of x"):  # the kernel would write past it
+        add_rms_norm(x, x.clone(), w, 1e-6, out=torch.empty_like(x[:2]))
+    with pytest.raises(ValueError, match=r"residual \(2, 32\) .* does not match x \(3, 32\)"):
+        add_rms_norm(x, x[:2].clone(), w, 1e-6)
 
 
 # ---- RoPE ---------------------------------------------------------------------------------------
@@ -605,13 +609,16 @@ def test_pdl_launch_options() -> None:
         assert pdl_on(torch.device("cuda", 0)) is False  # the interpreter has no griddepcontrol
 
 
-def test_a_bad_ahead_switch_is_named() -> None:
-    """DEIMOS_PDL_AHEAD other than 0 or 1: a named error when the kernels are imported."""
+@pytest.mark.parametrize("var,module", [("DEIMOS_PDL_AHEAD", "deimos.quant.triton.pdl"),
+                                        ("DEIMOS_ATTN_MERGE", "deimos.models.gpu.ops"),
+                                        ("DEIMOS_MOE_DEFER", "deimos.models.gpu.moe_ops")])
+def test_a_bad_switch_is_named(var: str, module: str) -> None:
+    """A profile switch other than 0 or 1: a named error when its module is imported."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "DEIMOS_PDL_AHEAD": "off"}
-    r = subprocess.run([sys.executable, "-c", "import deimos.quant.triton.pdl"], env=env,
+    env = {**os.environ, var: "off"}
+    r = subprocess.run([sys.executable, "-c", f"import {module}"], env=env,
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "DEIMOS_PDL_AHEAD must be 0 or 1, got 'off'" in r.stderr
+    assert r.returncode != 0 and f"{var} must be 0 or 1, got 'off'" in r.stderr

@@ -226,33 +226,39 @@ def add_rms_norm(
     r' is then a new tensor even without a residual. ``add``, ``gate`` (with ``mix``): a row
     added to the sum, scaled by its gate, as ``moe_combine``'s (a shared expert's output).
     """
-    if mix is not None:
-        return _mixed(x, mix, residual, weight, eps, out, residual_out, quantized, half, add, gate)
-    if add is not None or gate is not None:
-        raise ValueError("add_rms_norm: add and gate go with mix (the experts' sum)")
-    d = _validate(x, weight, "add_rms_norm")
-    if residual is None:
-        return rms_norm(x, weight, eps, out, quantized, half), x
+    if mix is None:
+        if add is not None or gate is not None:
+            raise ValueError("add_rms_norm: add and gate go with mix (the experts' sum)")
+        d = _validate(x, weight, "add_rms_norm")
+        if residual is None:
+            return rms_norm(x, weight, eps, out, quantized, half), x
+        t, added, rows = x.shape[0], None, f"x {tuple(x.shape)}"
+    else:
+        t, d, added = _mix_args(x, mix, weight, add, gate)
+        rows = f"the {t} tokens of mix"
+        if residual is None:  # the kernel's residual path adds zeros: the sum itself is stored as r'
+            residual = torch.zeros((t, d), dtype=x.dtype, device=x.device)
     _check_rows("add_rms_norm: residual", residual, d)
-    if residual.shape[0] != x.shape[0] or residual.device != x.device:
-        raise ValueError(
-            f"add_rms_norm: residual {tuple(residual.shape)} on {residual.device} does not match "
-            f"x {tuple(x.shape)} on {x.device}"
-        )
+    if residual.shape[0] != t or residual.device != x.device:
+        raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} on {residual.device} does not match "
+                         f"{rows} on {x.device}")  # fmt: skip
     if out is None:
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        out = torch.empty((t, d), dtype=(x if mix is None else residual).dtype, device=x.device)
     if residual_out is None:
-        residual_out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+        residual_out = torch.empty((t, d), dtype=residual.dtype, device=x.device)
     _check_rows("add_rms_norm: out", out, d)
     _check_rows("add_rms_norm: residual_out", residual_out, d)
-    if x.shape[0]:
-        _launch(x, residual, weight, eps, out, residual_out, quantized, half)
+    if out.shape[0] != t or residual_out.shape[0] != t:
+        raise ValueError(f"add_rms_norm: out {tuple(out.shape)} / residual_out {tuple(residual_out.shape)} "
+                         f"are not the {t} {'rows of x' if mix is None else 'tokens of mix'}")  # fmt: skip
+    if t:
+        _launch(x, residual, weight, eps, out, residual_out, quantized, half, mix=mix, added=added)
     return out, residual_out
 
 
-def _mixed(y, mix, residual, weight, eps, out, residual_out, quantized, half, add, gate):
-    """add_rms_norm with ``mix``: the checks of the experts' rows, then one launch (without a
-    residual, r' = the sum, stored as residual_out)."""
+def _mix_args(y, mix, weight, add, gate) -> tuple[int, int, dict]:
+    """add_rms_norm's checks of the experts' rows ``y``, their weights ``mix`` and an added
+    row and its gate -> (T, D, the added row's kernel arguments)."""
     if mix.dim() != 2 or mix.dtype != torch.float32 or not mix.is_contiguous():
         raise ValueError(f"add_rms_norm: mix must be contiguous float32 [T, k], got {mix.dtype} "
                          f"{tuple(mix.shape)}")  # fmt: skip
@@ -265,24 +271,4 @@ def _mixed(y, mix, residual, weight, eps, out, residual_out, quantized, half, ad
     d = _validate(y, weight, "add_rms_norm")
     if mix.device != y.device:
         raise ValueError(f"add_rms_norm: mix is on {mix.device}, x on {y.device}")
-    added = added_args("add_rms_norm", t, d, y.device, add, gate)
-    if residual is not None:
-        _check_rows("add_rms_norm: residual", residual, d)
-        if residual.shape[0] != t or residual.device != y.device:
-            raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} on {residual.device} does not "
-                             f"match the {t} tokens of mix on {y.device}")  # fmt: skip
-    like = residual if residual is not None else y
-    if out is None:
-        out = torch.empty((t, d), dtype=like.dtype, device=y.device)
-    if residual_out is None:
-        residual_out = torch.empty((t, d), dtype=like.dtype, device=y.device)
-    _check_rows("add_rms_norm: out", out, d)
-    _check_rows("add_rms_norm: residual_out", residual_out, d)
-    if out.shape[0] != t or residual_out.shape[0] != t:
-        raise ValueError(f"add_rms_norm: out {tuple(out.shape)} / residual_out {tuple(residual_out.shape)} "
-                         f"are not the {t} tokens of mix")  # fmt: skip
-    if t:
-        # without a residual the kernel's residual path adds zeros: the sum itself is stored
-        r = residual if residual is not None else torch.zeros((t, d), dtype=like.dtype, device=y.device)
-        _launch(y, r, weight, eps, out, residual_out, quantized, half, mix=mix, added=added)
-    return out, residual_out
+    return t, d, added_args("add_rms_norm", t, d, y.device, add, gate)
