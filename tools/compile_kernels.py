@@ -289,35 +289,29 @@ def _layer_jobs() -> list[Job]:
     jobs = []
     from triton.runtime.jit import MockTensor
 
+    def norm_job(name: str, d: int, c, res: bool, out: str, **kw) -> Job:
+        """The norm kernel at D = d and config c, with a residual (res), the integer
+        activation ("+q8") or a batch's fp16 rows ("+f16"); kw: the experts' sum's arguments."""
+        return Job(name + out, f"D={d} B={c.block_d} w={c.num_warps} C={c.chunk}" + (" k=8" if kw else ""),
+                   _warm(norm._rms_norm_kernel, [f32] * 5 + [4096] * 4 + [d, 1e-6, i32, f32, i32],
+                         HAS_RESIDUAL=res, BLOCK_D=c.block_d, QUANT=out == "+q8", CHUNK=c.chunk,
+                         num_warps=c.num_warps, p_h=MockTensor(f16 if out == "+f16" else f32),
+                         HALF=out == "+f16", **kw, **PDL_KW))
+
     for d in (576, 4096, 5376):
         for c in dict.fromkeys((norm.norm_config(d), norm.norm_config(d, 1, split=True))):
             for res in (False, True):
                 for out in ("", "+q8", "+f16"):  # a decode row's integer activation, a batch's fp16
-                    jobs.append(Job("rms_norm" + ("+add" if res else "") + out,
-                                    f"D={d} B={c.block_d} w={c.num_warps} C={c.chunk}",
-                                    _warm(norm._rms_norm_kernel,
-                                          [f32] * 5 + [4096] * 4 + [d, 1e-6, i32, f32, i32],
-                                          HAS_RESIDUAL=res, BLOCK_D=c.block_d, QUANT=out == "+q8",
-                                          CHUNK=c.chunk, num_warps=c.num_warps,
-                                          p_h=MockTensor(f16 if out == "+f16" else f32),
-                                          HALF=out == "+f16", **PDL_KW)))
+                    jobs.append(norm_job("rms_norm" + ("+add" if res else ""), d, c, res, out))
     for d in (2048, 4096):  # the experts' sum in the norm (qwen3moe 30B-A3B's 8 of 128 experts)
+        mix = dict(MIX=8, p_mw=MockTensor(f32))
+        # qwen35moe's: a shared expert's row and its sigmoid gate added to the sum
+        shared = dict(HAS_ADD=True, p_add=MockTensor(f32), HAS_GATE=True, p_gx=MockTensor(f32),
+                      p_gw=MockTensor(f32), stride_gx=d, DX=d, BLOCK_X=min(1024, d))
         for c in dict.fromkeys((norm.norm_config(d), norm.norm_config(d, 1, split=True))):
             for out in ("+q8", "+f16"):
-                jobs.append(Job("rms_norm+mix" + out, f"D={d} B={c.block_d} w={c.num_warps} C={c.chunk} k=8",
-                                _warm(norm._rms_norm_kernel,
-                                      [f32] * 5 + [4096] * 4 + [d, 1e-6, i32, f32, i32],
-                                      HAS_RESIDUAL=True, BLOCK_D=c.block_d, QUANT=out == "+q8",
-                                      CHUNK=c.chunk, num_warps=c.num_warps,
-                                      p_h=MockTensor(f16 if out == "+f16" else f32),
-                                      HALF=out == "+f16", MIX=8, p_mw=MockTensor(f32), **PDL_KW)))
-            # qwen35moe's: a shared expert's row and its sigmoid gate added to the sum
-            jobs.append(Job("rms_norm+mix+shared+q8", f"D={d} B={c.block_d} w={c.num_warps} C={c.chunk} k=8",
-                            _warm(norm._rms_norm_kernel, [f32] * 5 + [4096] * 4 + [d, 1e-6, i32, f32, i32],
-                                  HAS_RESIDUAL=True, BLOCK_D=c.block_d, QUANT=True, CHUNK=c.chunk,
-                                  num_warps=c.num_warps, p_h=MockTensor(f32), MIX=8, p_mw=MockTensor(f32),
-                                  HAS_ADD=True, p_add=MockTensor(f32), HAS_GATE=True, p_gx=MockTensor(f32),
-                                  p_gw=MockTensor(f32), stride_gx=d, DX=d, BLOCK_X=min(1024, d), **PDL_KW)))
+                jobs.append(norm_job("rms_norm+mix", d, c, True, out, **mix))
+            jobs.append(norm_job("rms_norm+mix+shared", d, c, True, "+q8", **mix, **shared))
     for act in activation.ACTIVATIONS.values():
         for out in ("", "+q8", "+f16"):
             args = [f32] * 3 + [28672, 28672, 14336, 14336, i32, f32, i32]
