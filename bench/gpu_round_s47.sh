@@ -27,8 +27,9 @@ prof() {  # prof WHICH [ARGS]: one launch under ncu, its headline metrics
   [ -n "$NCU" ] || { echo "no ncu on this machine" | say; return; }
   timeout 120 $NCU -k regex:"gemm" --launch-skip 1 --launch-count 1 --section SpeedOfLight \
     --section WarpStateStats --section Occupancy --section SchedulerStats --section InstructionStats \
-    --section MemoryWorkloadAnalysis python3 bench/gemm_parts.py --which "$@" > "$OUT/ncu-$1.txt" 2>&1
-  grep -E "Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Registers Per|Stall|One or More Eligible|Executed Ipc A" \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --page raw \
+    python3 bench/gemm_parts.py --which "$@" > "$OUT/ncu-$1.txt" 2>&1
+  grep -E "gpu__time_duration.sum|dram__throughput.avg.pct_of_peak_sustained_elapsed|sm__throughput.avg.pct|sm__warps_active.avg.pct|smsp__issue_active.avg.pct|issue_stalled_[a-z_]*_per_issue_active|inst_executed_pipe_[a-z_]*.avg.pct|pipe_tensor[a-z_]*cycles_active.avg.pct|registers_per_thread|mem_shared.*pct|ERROR" \
     "$OUT/ncu-$1.txt" | sed "s/^ */$1 /" | cut -c1-150 | say
 }
 case "${1:-}" in
