@@ -7,7 +7,8 @@
 #     5f0a8b6, this tree (DEIMOS_ATTN_MERGE=0 and 1), this tree with DEIMOS_MOE_DEFER=0
 #   bench/gpu_round_s47.sh b   # the variants a fresh kernel cache builds inside the first
 #     requests (after 852f2af's warm-up fix); qwen3 4B batch-1 decode, 5f0a8b6 against this
-#     tree's merge 0 and 1; qwen35moe 35B-A3B batch-1, 5f0a8b6 against this tree
+#     tree's merge 0 and 1; the prefill MoE GEMM's tiles at qwen3moe's shapes (never swept);
+#     qwen35moe 35B-A3B batch-1, 5f0a8b6 against this tree
 #   bench/gpu_round_s47.sh serve   # deimos serve on llama 8B at 1, 16, 64 streams
 . bench/gpu_env.sh
 Q3=/tmp/m/qwen3-4b-Q4_K_M-qwen3.gguf
@@ -59,6 +60,8 @@ b)
     > "$OUT/q3-batch-compiles.txt" 2>&1
   grep -E "^\| " "$OUT/q3-batch-compiles.txt" | cut -c1-700 | say
   b1n $Q3 q3-4b new 0; b1n $Q3 q3-4b new 1; b1n $Q3 q3-4b base 0
+  timeout 100 python3 bench/sweep_moe_gemm.py --arch qwen3moe --down Q6_K --budget 80 > "$OUT/sweep-moe-q3.txt" 2>&1
+  grep -E "^\\| (gate|down)|WRONG" "$OUT/sweep-moe-q3.txt" | say
   wait; b1n $M35 q35moe new 0; b1n $M35 q35moe base 0
   idle | say ;;
 serve)
