@@ -2,9 +2,9 @@
 # Session 47's GPU rounds (from the repository root on the GPU machine; carry .whl .peer/tdz
 # .peer/base, .peer/base a git archive of 5f0a8b6: deimos, bench/engine_batch.py):
 #   bench/gpu_round_s47.sh a   # the GPU tests of session 46's kernels (the decode attention's
-#     merge, the experts' sum in the norm); the quantized GEMMs under Nsight Compute where the
-#     machine has it (bench/gemm_parts.py: warp stalls, pipes); qwen3moe 30B-A3B batch-1 decode:
-#     5f0a8b6, this tree (DEIMOS_ATTN_MERGE=0 and 1), this tree with DEIMOS_MOE_DEFER=0
+#     merge, the experts' sum in the norm); qwen3moe 30B-A3B batch-1 decode: 5f0a8b6, this
+#     tree (DEIMOS_ATTN_MERGE=0 and 1), this tree with DEIMOS_MOE_DEFER=0; then the quantized
+#     GEMMs under Nsight Compute where the machine has it (bench/gemm_parts.py: stalls, pipes)
 #   bench/gpu_round_s47.sh b   # the variants a fresh kernel cache builds inside the first
 #     requests (after 852f2af's warm-up fix); qwen3 4B batch-1 decode, 5f0a8b6 against this
 #     tree's merge 0 and 1; the prefill MoE GEMM's tiles at qwen3moe's shapes (never swept);
@@ -43,12 +43,12 @@ a)
     -k "merge or fused_new or in_the_norm or deferred or combine or whole or engine or graphs or gpu" \
     > "$OUT/tests.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | cut -c1-250 | tail -8 | say
-  python3 bench/gemm_parts.py --which moe --time 2>&1 | tail -1 | say
-  python3 bench/gemm_parts.py --which gemm_q --rows 16 --time 2>&1 | tail -1 | say
-  prof moe; prof gemm_q --rows 16
   wait; idle
   b1n $M30 q3moe30 new 0; b1n $M30 q3moe30 new 1; b1n $M30 q3moe30 base 0
   DEIMOS_MOE_DEFER=0 b1n $M30 q3moe30-nodefer new 0
+  python3 bench/gemm_parts.py --which moe --time 2>&1 | tail -1 | say
+  python3 bench/gemm_parts.py --which gemm_q --rows 16 --time 2>&1 | tail -1 | say
+  prof moe; prof gemm_q --rows 16
   idle | say ;;
 b)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
