@@ -565,6 +565,48 @@ def test_combine_in_the_norm(t: int, d: int) -> None:
     assert torch.equal(r4, r5) and torch.equal(y4, y5)
 
 
+def test_combine_in_the_norm_outputs_over_its_inputs() -> None:
+    """A decode row's norm is split over programs that each read the whole row; an output
+    that is the added row or the gate's x (written by one program while the others still read
+    it) makes the launch keep each row in one program: the same result as fresh outputs."""
+    t, k, d = 1, 4, 1024
+    g = torch.Generator().manual_seed(3)
+    y, weights = torch.randn(t * k, d, generator=g).to(DEVICE), torch.rand(t, k, generator=g).to(DEVICE)
+    add, residual = torch.randn(t, d, generator=g).to(DEVICE), torch.randn(t, d, generator=g).to(DEVICE)
+    w, gx = torch.rand(d, generator=g).to(DEVICE), torch.randn(t, d, generator=g).to(DEVICE)
+    gw = (0.1 * torch.randn(d, generator=g)).to(DEVICE)
+    want, _ = add_rms_norm(y, residual, w, 1e-6, mix=weights, add=add.clone(), gate=(gx.clone(), gw))
+    a2 = add.clone()
+    got, _ = add_rms_norm(y, residual, w, 1e-6, mix=weights, add=a2, gate=(gx.clone(), gw), out=a2)
+    assert torch.equal(got, want)
+    x2 = gx.clone()
+    got, _ = add_rms_norm(y, residual, w, 1e-6, mix=weights, add=add.clone(), gate=(x2, gw), out=x2)
+    assert torch.equal(got, want)
+
+
+def test_gated_sum_in_the_norm_uses_the_combines_warps(monkeypatch) -> None:
+    """The gate's dot is a reduction whose order follows the warps a launch has: a norm that
+    gates an added row launches with moe_combine's (COMBINE_WARPS), whatever its own config
+    gives the row (here 1 warp for 9 rows of 256), so both sum the gate to the same bits."""
+    from deimos.kernels.triton import norm as norm_mod
+    from deimos.kernels.triton.moe_route import COMBINE_WARPS
+
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append((bool(kw.get("HAS_GATE")), kw["num_warps"]))
+
+    monkeypatch.setattr(norm_mod, "_rms_norm_kernel", Recorder())
+    t, k, d = 9, 8, 256
+    assert norm_mod.norm_config(d, t).num_warps != COMBINE_WARPS
+    y, weights = torch.zeros(t * k, d), torch.zeros(t, k)
+    gate = (torch.zeros(t, 300), torch.zeros(300))
+    add_rms_norm(y, None, torch.ones(d), 1e-6, mix=weights, add=torch.zeros(t, d), gate=gate)
+    add_rms_norm(y, None, torch.ones(d), 1e-6, mix=weights, add=torch.zeros(t, d))
+    assert seen == [(True, COMBINE_WARPS), (False, norm_mod.norm_config(d, t).num_warps)]
+
+
 def test_combine_in_the_norm_bad_input() -> None:
     y = torch.zeros(6, 32, device=DEVICE)
     w = torch.ones(32, device=DEVICE)

@@ -461,6 +461,27 @@ def test_variant_rows_cover_every_row_count(s: int, hkv: int, d: int) -> None:
     assert variant_rows(1024, 63, 8, 128) == [1, 8, 14, 23, 34]
 
 
+def test_step_shaped_arguments_build_no_variants() -> None:
+    """Arguments that follow a step's row counts are not specialized on (Triton builds a
+    variant for each integer's class and each pointer's 16-byte alignment): the split counts,
+    and the pointers a step slices at its decode-row count (the prefill's query starts and
+    table, the combine's row bound cu_q[B:]); else a step of new row counts compiles inside a
+    request, after the warm-up."""
+    from deimos.kernels.triton.decode_attention import _decode_combine_kernel, _decode_split_kernel
+    from deimos.kernels.triton.prefill_attention import _paged_prefill_kernel
+
+    def flags(kernel, name):  # the interpreter keeps the decorator's lists, the JIT its params
+        if not hasattr(kernel, "params"):
+            return tuple(name in (kernel.kwargs[k] or ()) for k in ("do_not_specialize", "do_not_specialize_on_alignment"))
+        p = next(p for p in kernel.params if p.name == name)
+        return p.do_not_specialize, p.do_not_specialize_on_alignment
+
+    assert flags(_decode_split_kernel, "N_SPLIT")[0] and flags(_decode_combine_kernel, "N_SPLIT")[0]
+    assert flags(_paged_prefill_kernel, "n_split")[0]
+    assert all(flags(_paged_prefill_kernel, n)[1] for n in ("p_start", "p_tab"))
+    assert flags(_decode_combine_kernel, "p_rows")[1]
+
+
 def test_prefill_tile_map() -> None:
     """cdiv(len * G, BLOCK_M) tiles per sequence (BLOCK_M 128 at D 64, 64 at D 256), highest
     tile index first."""

@@ -238,7 +238,8 @@ def _quantize_head(b_o, p_xq, p_xd, p_xs, i_b, i_h, HQ, D, BLOCK_D: tl.constexpr
                     p_xs + i_b * (K // 16))  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["N_SPLIT"])
+# p_rows: the paged prefill passes cu_q[B:], 16-byte aligned or not by B (a variant each)
+@triton.jit(do_not_specialize=["N_SPLIT"], do_not_specialize_on_alignment=["p_rows"])
 def _decode_combine_kernel(
     p_m, p_l, p_acc, p_o, so_b, so_h, HQ, D, N_SPLIT, p_xq, p_xd, p_xs,
     BLOCK_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,

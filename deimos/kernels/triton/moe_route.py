@@ -143,6 +143,9 @@ def added_row(p_add, i_t, D, o_d, m_d, HAS_GATE: tl.constexpr, p_gx, p_gw, strid
 
 
 COMBINE_BLOCK = 1024
+# moe_combine's warps; a kernel that also gates an added row (``added_row``) launches with
+# these, so the gate's dot is summed over the same layout, in the same order, to the same bits
+COMBINE_WARPS = 4
 
 
 def added_args(who: str, t: int, d: int, device: torch.device, add: torch.Tensor | None,
@@ -211,7 +214,7 @@ def moe_combine(y: torch.Tensor, weights: torch.Tensor, add: torch.Tensor | None
         block = min(COMBINE_BLOCK, max(16, triton.next_power_of_2(d)))
         gkw.setdefault("p_add", y)
         _combine_kernel[(t, triton.cdiv(d, block))](
-            y, weights, gkw.pop("p_add"), out, d, TOP_K=k, BLOCK_D=block, num_warps=4,
+            y, weights, gkw.pop("p_add"), out, d, TOP_K=k, BLOCK_D=block, num_warps=COMBINE_WARPS,
             **launch_options(pdl_on(y.device)), **gkw,
         )  # fmt: skip
     return out

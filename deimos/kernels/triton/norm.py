@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
-from deimos.kernels.triton.moe_route import added_args, added_row
+from deimos.kernels.triton.moe_route import COMBINE_WARPS, added_args, added_row
 from deimos.quant.triton.gemv_q8 import quantize_groups
 
 MAX_D = 16384
@@ -143,9 +143,13 @@ def _launch(x, residual, w, eps, out, residual_out, quantized=None, half=None, m
     r = residual if residual is not None else x
     ro = residual_out if residual_out is not None else out
     ins = [x] if residual is None else [x, residual]
+    # the experts' sum also reads its added row and the gate's x in every program of a row
+    ins += [added[k] for k in ("p_add", "p_gx") if added and k in added]
     outs = [out] if residual_out is None else [out, residual_out]
     split = not any(_overlap(a, b) for a in ins for b in outs)
     cfg = norm_config(d, t, split)
+    if added and added.get("HAS_GATE"):  # the gate's dot in moe_combine's layout: its bits
+        cfg = cfg._replace(num_warps=COMBINE_WARPS)
     if quantized is not None and (d % 32 or tuple(quantized.shape) != (t, d)):
         raise ValueError(f"rms_norm: quantized output {tuple(quantized.shape)} does not fit [{t}, {d}] "
                          "(D a multiple of 32)")
