@@ -38,13 +38,13 @@ a)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   idle | say
   (synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2) &
-  timeout ${TEST_S:-170} python3 -m pytest -q -rfE -p no:cacheprovider tests/test_triton_paged_attention.py \
+  timeout ${TEST_S:-150} python3 -m pytest -q -rfE -p no:cacheprovider tests/test_triton_paged_attention.py \
     tests/test_moe_gpu.py tests/test_triton_moe.py tests/test_engine_kernels.py \
     -k "merge or fused_new or in_the_norm or deferred or combine or whole or engine or graphs or gpu" \
     > "$OUT/tests.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | cut -c1-250 | tail -8 | say
   wait; idle
-  b1n $M30 q3moe30 new 0; b1n $M30 q3moe30 new 1; b1n $M30 q3moe30 base 0
+  b1n $M30 q3moe30 new 0; b1n $M30 q3moe30 new 1; [ "${BASE:-1}" = 0 ] || b1n $M30 q3moe30 base 0
   DEIMOS_MOE_DEFER=0 b1n $M30 q3moe30-nodefer new 0
   python3 bench/gemm_parts.py --which moe --time 2>&1 | tail -1 | say
   python3 bench/gemm_parts.py --which gemm_q --rows 16 --time 2>&1 | tail -1 | say
