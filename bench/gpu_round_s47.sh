@@ -50,6 +50,16 @@ a)
   python3 bench/gemm_parts.py --which gemm_q --rows 16 --time 2>&1 | tail -1 | say
   prof moe; prof gemm_q --rows 16
   idle | say ;;
+min)  # the least of a: the GPU tests, then qwen3moe's decode with the sum in the norm on and off
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  idle | say
+  (synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2) &
+  timeout ${TEST_S:-120} python3 -m pytest -q -rfE -p no:cacheprovider tests/test_triton_paged_attention.py \
+    tests/test_moe_gpu.py tests/test_triton_moe.py -k "merge or in_the_norm or deferred or combine or shared or gpu" \
+    > "$OUT/tests.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | cut -c1-250 | tail -8 | say
+  wait; b1n $M30 q3moe30 new 0; DEIMOS_MOE_DEFER=0 b1n $M30 q3moe30-nodefer new 0
+  idle | say ;;
 b)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   idle | say
@@ -73,5 +83,5 @@ serve)
   timeout ${DS_S:-200} python3 -m deimos bench serve --url http://127.0.0.1:8090 --concurrency ${DLEVELS:-1,16,64} \
     --prompt-tokens 512 --max-tokens 128 --json "$OUT/serve-deimos.json" 2>&1 | grep -E "^\| *[0-9]" | sed 's/^/deimos /' | say
   kill -INT $D; wait $D; idle | say ;;
-*) echo "usage: $0 a|b|serve" >&2; exit 2 ;;
+*) echo "usage: $0 a|min|b|serve" >&2; exit 2 ;;
 esac
