@@ -73,10 +73,12 @@ def slot_base(p_a, t_a, slot, N, r_a, SPC, CHUNKED: tl.constexpr):
 @triton.jit
 def expert_slot(p_ids, p_slot, i_p, E):
     """Pair i_p's slot: slot_of[ids[i_p]], -1 for an id outside [0, E) or an expert off the
-    device (nothing read out of bounds)."""
-    e = tl.load(p_ids + i_p)
+    device (nothing read out of bounds). Read from L2 (.cg), never a line an SM's L1 kept: the
+    ahead kernels read them before their PDL wait, and the router and the cache's publishing
+    rewrite them every step."""
+    e = tl.load(p_ids + i_p, cache_modifier=".cg")
     known = (e >= 0) & (e < E)
-    slot = tl.load(p_slot + tl.where(known, e, 0))
+    slot = tl.load(p_slot + tl.where(known, e, 0), cache_modifier=".cg")
     return tl.where(known, slot, -1)
 
 
