@@ -58,3 +58,22 @@ ggml_setup() {
   [ -d .whl-ggml/$G ] || G=avx2
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-ggml/$G/*.whl
 }
+# the round's short table (printed last by the caller)
+say() { tee -a "$OUT/summary.txt"; }
+# base CMD...: CMD run in the session start's tree (.peer/base: a git archive), its own kernel cache
+base() { (cd .peer/base && TRITON_CACHE_DIR=/tmp/tc-base PYTHONPATH=/tmp/site:$PWD "$@"); }
+# b1n MODEL TAG WHO MERGE: deimos bench at batch 1 in tree WHO (new / base), a fresh process
+b1n() {
+  local J="$OUT/$2-$3-m$4-$RANDOM.json"
+  if [ $3 = base ]; then base timeout ${BENCH_S:-120} python3 -m deimos bench $1 -p 512 -n 128 -r ${R:-2} --json $J > ${J%.json}.txt 2>&1
+  else DEIMOS_ATTN_MERGE=$4 timeout ${BENCH_S:-120} python3 -m deimos bench $1 -p 512 -n 128 -r ${R:-2} --json $J > ${J%.json}.txt 2>&1; fi
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); e=r.get('bench', r)['engines'][0]; \
+print(sys.argv[2], sys.argv[3], 'merge=%s: pp512 %.1f tg128 %.2f' % (sys.argv[4], e['prefill']['mean'], e['decode']['mean']))" \
+    $J $2 $3 $4 2>&1 | tail -1 | say
+}
+# gputests FILTER FILE...: the GPU tests of FILE... selected by -k FILTER, their failures and count
+gputests() {
+  local k=$1; shift
+  timeout ${TEST_S:-150} python3 -m pytest -q -rfE -p no:cacheprovider "$@" -k "$k" > "$OUT/tests.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | cut -c1-250 | tail -8 | say
+}

@@ -19,19 +19,6 @@
 #     (Hermes-3's tool-use template) and qwen3 4B Q4_K_M (Qwen3's), tools sent as the field
 . bench/gpu_env.sh
 Q3=/tmp/m/qwen3-4b-Q4_K_M-qwen3.gguf
-say() { tee -a "$OUT/summary.txt"; }
-# base CMD...: CMD run in the session start's tree (.peer/base), its own kernel cache
-base() { (cd .peer/base && TRITON_CACHE_DIR=/tmp/tc-base PYTHONPATH=/tmp/site:$PWD "$@"); }
-# b1n MODEL TAG WHO MERGE: deimos bench at batch 1 in the tree WHO (new: this one; base:
-# .peer/base) with DEIMOS_ATTN_MERGE=MERGE, a fresh process
-b1n() {
-  local J="$OUT/$2-$3-m$4-$RANDOM.json"
-  if [ $3 = base ]; then base timeout ${BENCH_S:-120} python3 -m deimos bench $1 -p 512 -n 128 -r ${R:-3} --json $J > ${J%.json}.txt 2>&1
-  else DEIMOS_ATTN_MERGE=$4 timeout ${BENCH_S:-120} python3 -m deimos bench $1 -p 512 -n 128 -r ${R:-3} --json $J > ${J%.json}.txt 2>&1; fi
-  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); e=r.get('bench', r)['engines'][0]; \
-print(sys.argv[2], sys.argv[3], 'merge=%s: pp512 %.1f tg128 %.2f' % (sys.argv[4], e['prefill']['mean'], e['decode']['mean']))" \
-    $J $2 $3 $4 2>&1 | tail -1 | say
-}
 # serve_round FILE: deimos serve then llama-server, each driven by deimos bench serve
 serve_round() {
   python3 -m deimos serve $1 --listen 127.0.0.1:8090 --no-tui -c 1024 > "$OUT/deimos-serve.log" 2>&1 &
@@ -82,11 +69,8 @@ r2)
   idle | say
   (python3 -m deimos synth qwen3-4b $Q3 --type Q4_K_M --vocab-from "$V/ggml-vocab-qwen2.gguf" > /dev/null) &
   (synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2) &
-  timeout ${TEST_S:-170} python3 -m pytest -q -rfE -p no:cacheprovider tests/test_triton_paged_attention.py \
-    tests/test_moe_gpu.py tests/test_triton_moe.py tests/test_engine_kernels.py \
-    -k "merge or fused_new or in_the_norm or deferred or combine or whole or engine or graphs or gpu" \
-    > "$OUT/tests.txt" 2>&1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | cut -c1-250 | tail -8 | say
+  gputests "merge or fused_new or in_the_norm or deferred or combine or whole or engine or graphs or gpu" \
+    tests/test_triton_paged_attention.py tests/test_moe_gpu.py tests/test_triton_moe.py tests/test_engine_kernels.py
   wait; idle
   TRITON_CACHE_DIR=/tmp/tc-fresh2 timeout ${BATCH_S:-150} python3 bench/engine_batch.py $Q3 -c 16,64 -n 128 --compiles \
     > "$OUT/q3-batch-compiles.txt" 2>&1

@@ -12,17 +12,6 @@
 #   bench/gpu_round_s47.sh serve   # deimos serve on llama 8B at 1, 16, 64 streams
 . bench/gpu_env.sh
 Q3=/tmp/m/qwen3-4b-Q4_K_M-qwen3.gguf
-say() { tee -a "$OUT/summary.txt"; }
-base() { (cd .peer/base && TRITON_CACHE_DIR=/tmp/tc-base PYTHONPATH=/tmp/site:$PWD "$@"); }
-# b1n MODEL TAG WHO MERGE: deimos bench at batch 1 in tree WHO (new / base), a fresh process
-b1n() {
-  local J="$OUT/$2-$3-m$4-$RANDOM.json"
-  if [ $3 = base ]; then base timeout ${BENCH_S:-120} python3 -m deimos bench $1 -p 512 -n 128 -r ${R:-2} --json $J > ${J%.json}.txt 2>&1
-  else DEIMOS_ATTN_MERGE=$4 timeout ${BENCH_S:-120} python3 -m deimos bench $1 -p 512 -n 128 -r ${R:-2} --json $J > ${J%.json}.txt 2>&1; fi
-  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); e=r.get('bench', r)['engines'][0]; \
-print(sys.argv[2], sys.argv[3], 'merge=%s: pp512 %.1f tg128 %.2f' % (sys.argv[4], e['prefill']['mean'], e['decode']['mean']))" \
-    $J $2 $3 $4 2>&1 | tail -1 | say
-}
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 prof() {  # prof WHICH [ARGS]: one launch under ncu, its headline metrics
   [ -n "$NCU" ] || { echo "no ncu on this machine" | say; return; }
@@ -38,11 +27,8 @@ a)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   idle | say
   (synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2) &
-  timeout ${TEST_S:-150} python3 -m pytest -q -rfE -p no:cacheprovider tests/test_triton_paged_attention.py \
-    tests/test_moe_gpu.py tests/test_triton_moe.py tests/test_engine_kernels.py \
-    -k "merge or fused_new or in_the_norm or deferred or combine or whole or engine or graphs or gpu" \
-    > "$OUT/tests.txt" 2>&1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | cut -c1-250 | tail -8 | say
+  gputests "merge or fused_new or in_the_norm or deferred or combine or whole or engine or graphs or gpu" \
+    tests/test_triton_paged_attention.py tests/test_moe_gpu.py tests/test_triton_moe.py tests/test_engine_kernels.py
   wait; idle
   b1n $M30 q3moe30 new 0; b1n $M30 q3moe30 new 1; [ "${BASE:-1}" = 0 ] || b1n $M30 q3moe30 base 0
   DEIMOS_MOE_DEFER=0 b1n $M30 q3moe30-nodefer new 0
@@ -54,10 +40,7 @@ min)  # the least of a: the GPU tests, then qwen3moe's decode with the sum in th
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   idle | say
   (synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2) &
-  timeout ${TEST_S:-120} python3 -m pytest -q -rfE -p no:cacheprovider tests/test_triton_paged_attention.py \
-    tests/test_moe_gpu.py tests/test_triton_moe.py -k "merge or in_the_norm or deferred or combine or shared or gpu" \
-    > "$OUT/tests.txt" 2>&1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | cut -c1-250 | tail -8 | say
+  gputests "merge or in_the_norm or deferred or combine or shared or gpu" tests/test_triton_paged_attention.py tests/test_moe_gpu.py tests/test_triton_moe.py
   wait; b1n $M30 q3moe30 new 0; DEIMOS_MOE_DEFER=0 b1n $M30 q3moe30-nodefer new 0
   idle | say ;;
 b)
