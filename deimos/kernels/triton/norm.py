@@ -148,7 +148,10 @@ def _launch(x, residual, w, eps, out, residual_out, quantized=None, half=None, m
     outs = [out] if residual_out is None else [out, residual_out]
     split = not any(_overlap(a, b) for a in ins for b in outs)
     cfg = norm_config(d, t, split)
-    if added and added.get("HAS_GATE"):  # the gate's dot in moe_combine's layout: its bits
+    if added and added.get("HAS_GATE"):
+        # the gate's dot in moe_combine's layout, so its bits (and a decode row's, split, and a
+        # prompt row's agree); for sm_90 a whole 4096-wide row then takes 255 registers and 264
+        # bytes of stack (prompt rows only: decode rows are split into 256-wide programs)
         cfg = cfg._replace(num_warps=COMBINE_WARPS)
     if quantized is not None and (d % 32 or tuple(quantized.shape) != (t, d)):
         raise ValueError(f"rms_norm: quantized output {tuple(quantized.shape)} does not fit [{t}, {d}] "
