@@ -120,30 +120,41 @@ def _combine_kernel(p_y, p_w, p_add, p_out, D, TOP_K: tl.constexpr, BLOCK_D: tl.
         w = tl.load(p_w + i_t * TOP_K + j)
         acc += w * tl.load(p_y + (i_t * TOP_K + j) * D + o_d, mask=m_d, other=0.0)
     if HAS_ADD:
-        acc += added_row(p_add, i_t, D, o_d, m_d, HAS_GATE, p_gx, p_gw, stride_gx, DX, BLOCK_X)
+        g = row_gate(i_t, HAS_GATE, p_gx, p_gw, stride_gx, DX, BLOCK_X)
+        acc += added_row(p_add, i_t, D, o_d, m_d, HAS_GATE, g)
     tl.store(p_out + i_t * D + o_d, acc.to(p_out.dtype.element_ty), mask=m_d)
 
 
 @triton.jit
-def added_row(p_add, i_t, D, o_d, m_d, HAS_GATE: tl.constexpr, p_gx, p_gw, stride_gx, DX,
-              BLOCK_X: tl.constexpr):
-    """Token i_t's added row add[t] at columns o_d, times sigmoid(gx[t] . gw) with HAS_GATE
-    (the gate's dot in float32, BLOCK_X columns a step): what the combine adds to the experts'
-    sum (the add_rms_norm that takes the sum adds it the same way)."""
-    b_add = tl.load(p_add + i_t * D + o_d, mask=m_d, other=0.0)
-    if HAS_GATE:  # the token's gate: its x row . gw, in float32
+def row_gate(i_t, HAS_GATE: tl.constexpr, p_gx, p_gw, stride_gx, DX, BLOCK_X: tl.constexpr):
+    """Token i_t's gate sigmoid(gx[t] . gw), the dot in float32, BLOCK_X columns a step (0.0
+    without HAS_GATE: unused then). What the combine scales its added row by; the
+    add_rms_norm that takes the sum computes it the same way, once a program."""
+    if HAS_GATE:
         dot = tl.zeros([BLOCK_X], dtype=tl.float32)
         for c0 in range(0, DX, BLOCK_X):
             o_x = c0 + tl.arange(0, BLOCK_X)
             m_x = o_x < DX
             b_x = tl.load(p_gx + i_t * stride_gx + o_x, mask=m_x, other=0.0).to(tl.float32)
             dot += b_x * tl.load(p_gw + o_x, mask=m_x, other=0.0)
-        b_add = b_add * tl.sigmoid(tl.sum(dot, axis=0))
+        g = tl.sigmoid(tl.sum(dot, axis=0))
+    else:
+        g = 0.0
+    return g
+
+
+@triton.jit
+def added_row(p_add, i_t, D, o_d, m_d, HAS_GATE: tl.constexpr, g):
+    """Token i_t's added row add[t] at columns o_d, times its gate ``g`` (``row_gate``) with
+    HAS_GATE: what the combine adds to the experts' sum."""
+    b_add = tl.load(p_add + i_t * D + o_d, mask=m_d, other=0.0)
+    if HAS_GATE:
+        b_add = b_add * g
     return b_add
 
 
 COMBINE_BLOCK = 1024
-# moe_combine's warps; a kernel that also gates an added row (``added_row``) launches with
+# moe_combine's warps; a kernel that also gates an added row (``row_gate``) launches with
 # these, so the gate's dot is summed over the same layout, in the same order, to the same bits
 COMBINE_WARPS = 4
 
@@ -152,7 +163,7 @@ def added_args(who: str, t: int, d: int, device: torch.device, add: torch.Tensor
                gate: tuple[torch.Tensor, torch.Tensor] | None) -> dict:
     """The checks of an added row (``add`` float32 contiguous ``[T, D]``) and its gate (x float
     ``[T, Dx]`` with unit column stride, g float32 contiguous ``[Dx]``; needs ``add``), and the
-    kernel arguments ``added_row`` takes (with HAS_ADD)."""
+    kernel arguments ``row_gate`` and ``added_row`` take (with HAS_ADD)."""
     if add is None:
         if gate is not None:
             raise ValueError(f"{who}: a gate scales the added rows: it needs add")

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
-from deimos.kernels.triton.moe_route import COMBINE_WARPS, added_args, added_row
+from deimos.kernels.triton.moe_route import COMBINE_WARPS, added_args, added_row, row_gate
 from deimos.quant.triton.gemv_q8 import quantize_groups
 
 MAX_D = 16384
@@ -22,10 +22,10 @@ MAX_D = 16384
 
 @triton.jit
 def _x_row(p_x, stride_x, p_mw, i_t, o_d, m_d, D, MIX: tl.constexpr, HAS_ADD: tl.constexpr, p_add,
-           HAS_GATE: tl.constexpr, p_gx, p_gw, stride_gx, DX, BLOCK_X: tl.constexpr):
+           HAS_GATE: tl.constexpr, g):
     """Row i_t's x at columns o_d in float32: p_x's row, or with MIX = k the weighted sum of
-    its k expert rows, plus with HAS_ADD the added row (gated with HAS_GATE): moe_combine's sum,
-    in its order (acc += w_j y_j from zero, j in order, then the added row)."""
+    its k expert rows, plus with HAS_ADD the added row (times the gate ``g`` with HAS_GATE):
+    moe_combine's sum, in its order (acc += w_j y_j from zero, j in order, then the added row)."""
     if MIX == 0:
         return tl.load(p_x + i_t * stride_x + o_d, mask=m_d, other=0.0).to(tl.float32)
     acc = tl.zeros(o_d.shape, dtype=tl.float32)
@@ -33,7 +33,7 @@ def _x_row(p_x, stride_x, p_mw, i_t, o_d, m_d, D, MIX: tl.constexpr, HAS_ADD: tl
         w = tl.load(p_mw + i_t * MIX + j)
         acc += w * tl.load(p_x + (i_t * MIX + j) * stride_x + o_d, mask=m_d, other=0.0)
     if HAS_ADD:
-        acc += added_row(p_add, i_t, D, o_d, m_d, HAS_GATE, p_gx, p_gw, stride_gx, DX, BLOCK_X)
+        acc += added_row(p_add, i_t, D, o_d, m_d, HAS_GATE, g)
     return acc
 
 
@@ -70,8 +70,8 @@ def _rms_norm_kernel(
     i_c = tl.program_id(1)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
-    b_x = _x_row(p_x, stride_x, p_mw, i_t, o_d, m_d, D, MIX, HAS_ADD, p_add, HAS_GATE, p_gx, p_gw, stride_gx,
-                   DX, BLOCK_X)
+    g = row_gate(i_t, HAS_GATE, p_gx, p_gw, stride_gx, DX, BLOCK_X)  # once: both reads of the row use it
+    b_x = _x_row(p_x, stride_x, p_mw, i_t, o_d, m_d, D, MIX, HAS_ADD, p_add, HAS_GATE, g)
     if HAS_RESIDUAL:
         b_r = tl.load(p_r + i_t * stride_r + o_d, mask=m_d, other=0.0).to(tl.float32)
         # round the sum to the residual's dtype first: the norm sees what is stored, as in the
@@ -81,8 +81,7 @@ def _rms_norm_kernel(
     if CHUNK < BLOCK_D:  # this program's chunk again (L1/L2), the row's other chunks are others'
         o_d = i_c * CHUNK + tl.arange(0, CHUNK)
         m_d = o_d < D
-        b_x = _x_row(p_x, stride_x, p_mw, i_t, o_d, m_d, D, MIX, HAS_ADD, p_add, HAS_GATE, p_gx, p_gw, stride_gx,
-                   DX, BLOCK_X)
+        b_x = _x_row(p_x, stride_x, p_mw, i_t, o_d, m_d, D, MIX, HAS_ADD, p_add, HAS_GATE, g)
         if HAS_RESIDUAL:
             b_r = tl.load(p_r + i_t * stride_r + o_d, mask=m_d, other=0.0).to(tl.float32)
             b_x = (b_x + b_r).to(p_rout.dtype.element_ty).to(tl.float32)
