@@ -311,7 +311,11 @@ def _layer_jobs() -> list[Job]:
         for c in dict.fromkeys((norm.norm_config(d), norm.norm_config(d, 1, split=True))):
             for out in ("+q8", "+f16"):
                 jobs.append(norm_job("rms_norm+mix", d, c, True, out, **mix))
-            jobs.append(norm_job("rms_norm+mix+shared", d, c, True, "+q8", **mix, **shared))
+            # a gated add launches at the combine's warps (norm._launch): a decode row's
+            # integer activation, a prompt's fp16 rows
+            for out in ("+q8", "+f16"):
+                jobs.append(norm_job("rms_norm+mix+shared", d, c._replace(num_warps=norm.COMBINE_WARPS), True,
+                                     out, **mix, **shared))
     for act in activation.ACTIVATIONS.values():
         for out in ("", "+q8", "+f16"):
             args = [f32] * 3 + [28672, 28672, 14336, 14336, i32, f32, i32]
