@@ -417,11 +417,13 @@ def test_moe_block_m_rule() -> None:
 
 
 def _check_gemm(w: PackedWeight, n: int, x: torch.Tensor, ids: torch.Tensor, x_rows: str,
-                permuted: bool, block_m: int, cfg: MoeGemmConfig | None, what: str) -> torch.Tensor:
+                permuted: bool, block_m: int, cfg: MoeGemmConfig | None, what: str,
+                mmq: bool | None = None) -> torch.Tensor:
     tiles = moe_align(ids.to(DEVICE), E, block_m)
     xk = x[:, permuted_columns(w).cpu()].contiguous() if permuted else x
     out = torch.full((ids.numel(), n), float("nan"), device=DEVICE)
-    y = moe_gemm(xk.to(DEVICE), w, n, tiles, _slot_of(), x_rows, x_permuted=permuted, out=out, cfg=cfg)
+    y = moe_gemm(xk.to(DEVICE), w, n, tiles, _slot_of(), x_rows, x_permuted=permuted, out=out, cfg=cfg,
+                 mmq=mmq)
     assert y is out
     wd = dequantize_packed(w)
     miss = _missing_rows(ids)
@@ -483,6 +485,21 @@ def test_moe_gemm_rule_tiles(t: GGMLType, block_m: int) -> None:
     ids = _ids(9, 2, seed=block_m)
     x = torch.randn(18, k, generator=torch.Generator().manual_seed(3)).half()
     _check_gemm(w, n, x, ids, "pair", True, block_m, cfg, f"gemm {t.name} m={block_m} {cfg}")
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize("permuted", [True, False], ids=["permuted", "elements"])
+@pytest.mark.parametrize("x_rows", ["token", "pair"])
+def test_moe_gemm_mmq_q4k(x_rows: str, permuted: bool, block_m: int) -> None:
+    """Q4_K through mmq.q4k_product (codes decoded in the dot's operand layout): the same
+    float16 weights as the other paths (1e-5 of the product on them), token and pair rows, x
+    in either column order, every tile height, K of 3 blocks."""
+    n, k = 40, 768
+    w = _stack(GGMLType.Q4_K, n, k, seed=block_m + 7)
+    ids = _ids(11, 3, seed=block_m)
+    x = torch.randn(11 if x_rows == "token" else 33, k, generator=torch.Generator().manual_seed(block_m)).half()
+    _check_gemm(w, n, x, ids, x_rows, permuted, block_m, None, f"mmq {x_rows} permuted={permuted} m={block_m}",
+                mmq=True)
 
 
 def test_moe_gemm_bad_input() -> None:

@@ -662,15 +662,17 @@ def _moe_jobs() -> list[Job]:
             args += [MockTensor(i64 if chunked else a.dtype) for a in arrays]
             args += [MockTensor(f32), MockTensor(i32), MockTensor(i32), MockTensor(i32), d_model, k,
                      top_k, k] + [a.stride(0) for a in arrays] + [4 if chunked else 1]
-            jobs.append(Job("moe_gemm_" + t.name,
-                            f"M={bm} N={c.block_n} J={c.block_j} w={c.num_warps} st={c.num_stages} "
-                            f"K={k} pair={int(pair)} perm={int(perm)} even={int(even)} "
-                            f"chunked={int(chunked)}",
-                            _warm_args(mg._moe_gemm_kernel, args, FMT=FMT_ID[kt], BLOCK_M=bm,
-                                       BLOCK_N=c.block_n, BLOCK_J=c.block_j, PAIR_ROWS=pair,
-                                       X_PERMUTED=perm, EVEN=even, SCALE16=scale16(sample),
-                                       CHUNKED=chunked, ASM=True, num_warps=c.num_warps,
-                                       num_stages=c.num_stages, **PDL_KW)))
+            # Q4_K also through mmq.q4k_product (DEIMOS_MOE_MMQ=1)
+            for mmq in (False, True) if t == GGMLType.Q4_K else (False,):
+                jobs.append(Job("moe_gemm_" + t.name,
+                                f"M={bm} N={c.block_n} J={c.block_j} w={c.num_warps} st={c.num_stages} "
+                                f"K={k} pair={int(pair)} perm={int(perm)} even={int(even)} "
+                                f"chunked={int(chunked)} mmq={int(mmq)}",
+                                _warm_args(mg._moe_gemm_kernel, args, FMT=FMT_ID[kt], BLOCK_M=bm,
+                                           BLOCK_N=c.block_n, BLOCK_J=c.block_j, PAIR_ROWS=pair,
+                                           X_PERMUTED=perm, EVEN=even, SCALE16=scale16(sample),
+                                           CHUNKED=chunked, ASM=True, MMQ=mmq, num_warps=c.num_warps,
+                                           num_stages=c.num_stages, **PDL_KW)))
     return jobs
 
 

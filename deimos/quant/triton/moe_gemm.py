@@ -30,6 +30,7 @@ decode's own weights).
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -52,9 +53,15 @@ from deimos.quant.triton.dequant_gemv import (
 from deimos.quant.triton.gemm_q import HALF_DECODE, TILE_ELEMENTS, decode_tile
 from deimos.quant.triton.gemv_q8 import _INTERPRETED
 from deimos.quant.triton.layout import KERNEL_TYPE, PackedWeight
+from deimos.quant.triton.mmq import q4k_product
 from deimos.quant.triton.moe_gemv import ExpertChunks, check_expert_inputs, slot_arrays, slot_base
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 
+# DEIMOS_MOE_MMQ=1: Q4_K experts through mmq.q4k_product (session 48, not yet measured: off)
+_MMQ = os.environ.get("DEIMOS_MOE_MMQ", "0")
+if _MMQ not in ("", "0", "1"):
+    raise ValueError(f"DEIMOS_MOE_MMQ must be 0 or 1, got {_MMQ!r}")
+MMQ_Q4K = _MMQ == "1"
 ALIGN_CHUNK = 128  # pairs a program of the count and scatter passes
 MAX_PAIRS = 1 << 17  # the scan holds every chunk's count of an expert block: 1024 chunks
 BLOCK_MS = (16, 32, 64)
@@ -240,11 +247,12 @@ def _moe_gemm_kernel(
     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
     PAIR_ROWS: tl.constexpr, X_PERMUTED: tl.constexpr, EVEN: tl.constexpr,
     SCALE16: tl.constexpr = False, CHUNKED: tl.constexpr = False, PDL: tl.constexpr = False,
-    ASM: tl.constexpr = False, HALF: tl.constexpr = True,
+    ASM: tl.constexpr = False, HALF: tl.constexpr = True, MMQ: tl.constexpr = False,
 ):  # fmt: skip
     """Program (i_t, i_n): the pairs of tile i_t (its expert's slot) times rows i_n BLOCK_N ..
     of that slot. X_PERMUTED: x's columns are in the packed words' order (gemm_q's contract),
-    else in element order (gathered here per group). EVEN: BLOCK_J / W groups divide K / 32."""
+    else in element order (gathered here per group). EVEN: BLOCK_J / W groups divide K / 32.
+    MMQ (Q4_K): the codes decoded in the dot's operand layout (mmq.q4k_product; BLOCK_J unused)."""
     pdl_start(PDL)
     W: tl.constexpr = 8 if FMT == Q8_0 else (2 if FMT == Q2_K else 4)
     NK: tl.constexpr = 32 // W
@@ -279,36 +287,40 @@ def _moe_gemm_kernel(
                 row = pair
             else:
                 row = pair // TOP_K
-            o_kk = tl.arange(0, BLOCK_K)
-            if X_PERMUTED:
-                o_col = o_kk
-            else:  # permuted column c of a group holds element (c % NK) W + c // NK
-                r = o_kk % 32
-                o_col = o_kk - r + (r % NK) * W + r // NK
-            p_xt = p_x + row[:, None] * stride_xm + o_col[None, :]
-            o_s = tl.arange(0, BLOCK_S)
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s0 in range(0, S_TOTAL, BLOCK_S):
-                u = s0 + o_s
-                m_s = u < S_TOTAL
-                m_ns = m_n[:, None] & m_s[None, :]
-                b_w, b_h, _ = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT, not EVEN)
-                if FMT == Q2_K:
-                    sc_lo, sc_hi, mn_lo, mn_hi = q2k_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL,
-                                                            not EVEN)
-                else:
-                    sc_lo, sc_hi, mn_lo = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT,
-                                                       not EVEN, SCALE16)
-                    mn_hi = mn_lo
-                # [BLOCK_N, BLOCK_K], the words' column order
-                b_wt = decode_tile(b_w, b_h, sc_lo, sc_hi, mn_lo, mn_hi, FMT, BLOCK_N, BLOCK_S,
-                                   ASM, HALF)
-                if EVEN:
-                    b_x = tl.load(p_xt + s0 * 32, mask=m_m[:, None], other=0.0)
-                else:
-                    m_k = s0 * 32 + o_kk < K
-                    b_x = tl.load(p_xt + s0 * 32, mask=m_m[:, None] & m_k[None, :], other=0.0)
-                acc = tl.dot(b_x, tl.trans(b_wt), acc, out_dtype=tl.float32)
+            if MMQ:
+                acc = q4k_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), p_qw, p_s, r_qw, r_s,
+                                  o_n, p_x + row[:, None] * stride_xm, m_m, K, X_PERMUTED, HALF, ASM)
+            else:
+                o_kk = tl.arange(0, BLOCK_K)
+                if X_PERMUTED:
+                    o_col = o_kk
+                else:  # permuted column c of a group holds element (c % NK) W + c // NK
+                    r = o_kk % 32
+                    o_col = o_kk - r + (r % NK) * W + r // NK
+                p_xt = p_x + row[:, None] * stride_xm + o_col[None, :]
+                o_s = tl.arange(0, BLOCK_S)
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s0 in range(0, S_TOTAL, BLOCK_S):
+                    u = s0 + o_s
+                    m_s = u < S_TOTAL
+                    m_ns = m_n[:, None] & m_s[None, :]
+                    b_w, b_h, _ = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT, not EVEN)
+                    if FMT == Q2_K:
+                        sc_lo, sc_hi, mn_lo, mn_hi = q2k_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL,
+                                                                not EVEN)
+                    else:
+                        sc_lo, sc_hi, mn_lo = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT,
+                                                           not EVEN, SCALE16)
+                        mn_hi = mn_lo
+                    # [BLOCK_N, BLOCK_K], the words' column order
+                    b_wt = decode_tile(b_w, b_h, sc_lo, sc_hi, mn_lo, mn_hi, FMT, BLOCK_N, BLOCK_S,
+                                       ASM, HALF)
+                    if EVEN:
+                        b_x = tl.load(p_xt + s0 * 32, mask=m_m[:, None], other=0.0)
+                    else:
+                        m_k = s0 * 32 + o_kk < K
+                        b_x = tl.load(p_xt + s0 * 32, mask=m_m[:, None] & m_k[None, :], other=0.0)
+                    acc = tl.dot(b_x, tl.trans(b_wt), acc, out_dtype=tl.float32)
             tl.store(p_out, acc, mask=m_out)
 
 
@@ -354,7 +366,8 @@ def _check_config(cfg: MoeGemmConfig, wpg: int) -> None:
 
 def moe_gemm(x: torch.Tensor, w_stack: PackedWeight, n: int, tiles: MoeTiles, slot_of: torch.Tensor,
              x_rows: str, x_permuted: bool = True, out: torch.Tensor | None = None,
-             cfg: MoeGemmConfig | None = None, chunks: ExpertChunks | None = None) -> torch.Tensor:
+             cfg: MoeGemmConfig | None = None, chunks: ExpertChunks | None = None,
+             mmq: bool | None = None) -> torch.Tensor:
     """The chosen experts' products for many tokens: out[p] = W_slot(ids[p]) x_row(p), float32
     ``[T * k, n]``, one launch over the tile map of ``moe_align``.
 
@@ -367,7 +380,8 @@ def moe_gemm(x: torch.Tensor, w_stack: PackedWeight, n: int, tiles: MoeTiles, sl
     ids. slot_of: int32 ``[E]``, each expert's slot or -1 (its rows are 0). ``out``: optional
     contiguous float32 ``[T * k, n]``; every pair's row with an id in [0, E) is written.
     ``cfg``: the tile (default ``moe_gemm_config``; ``INTERPRETER_TILE`` for a stack on the
-    CPU)."""
+    CPU). ``mmq``: Q4_K through mmq.q4k_product (default ``DEIMOS_MOE_MMQ``); other formats
+    ignore it."""
     check_expert_inputs(w_stack, n, slot_of, x_rows, "moe_gemm", chunked=chunks is not None)
     if tiles.order.device != w_stack.device:
         raise ValueError(f"moe_gemm: the tiles are on {tiles.order.device}, the weights on "
@@ -400,7 +414,9 @@ def moe_gemm(x: torch.Tensor, w_stack: PackedWeight, n: int, tiles: MoeTiles, sl
         FMT=FMT_ID[w_stack.ggml_type], BLOCK_M=tiles.block_m, BLOCK_N=cfg.block_n,
         BLOCK_J=cfg.block_j, PAIR_ROWS=x_rows == "pair", X_PERMUTED=bool(x_permuted),
         EVEN=(w_stack.k // 32) % (cfg.block_j // wpg) == 0, SCALE16=scale16(w_stack),
-        CHUNKED=chunked, ASM=not _INTERPRETED, HALF=HALF_DECODE, num_warps=cfg.num_warps,
+        CHUNKED=chunked, ASM=not _INTERPRETED, HALF=HALF_DECODE,
+        MMQ=(MMQ_Q4K if mmq is None else bool(mmq)) and w_stack.ggml_type == GGMLType.Q4_K,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch_options(pdl_on(out.device)),
     )  # fmt: skip
     return out

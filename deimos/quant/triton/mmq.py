@@ -1,0 +1,119 @@
+"""Q4_K tiles for the tensor cores decoded after the copy to shared memory (session 48): the
+inner loop of a quantized GEMM program over the engine's own Q4_K layout (layout.py), an
+alternative to gemm_q's ``decode_tile``.
+
+gemm_q decodes a tile of packed words in registers in the layout its loads gave, then Triton
+moves the decoded float16 tile through shared memory into the dot's operand layout (in the
+sm_90 SASS: 64 16-bit shared-memory stores and ~210 moves a 64-weight step a thread, ~11
+instructions a weight in all). Here a program loads a group's 16 code bytes a row as a
+``[BN, 16]`` uint8 tile that goes to the dot unchanged: Triton copies it into shared memory
+with cp.async (pipelined over ``num_stages``), reads it back in the dot's operand layout and
+only then decodes, in registers, each 4-byte register at once (``codes16``: two byte permutes,
+two masks with the float16 magic numbers, two float16x2 subtractions for four codes). Byte
+i = 4 w + b of group u holds codes 2 b (low nibble) and 2 b + 1 (high nibble) of word w, which
+are elements 32 u + 8 b + w and 32 u + 8 b + w + 4: the low nibbles of the 16 bytes are one
+K = 16 half of the group and the high nibbles the other, each one float16 ``tl.dot`` with x's
+matching columns. In the packed words' column order (gemm_q's contract,
+``permuted_columns``) code k of word w is column 32 u + 8 w + k, so byte i's low nibble
+multiplies column 32 u + 2 i and its high one 32 u + 2 i + 1; in element order the columns
+are gathered (``x_columns``).
+
+Weights are made as gemm_q's default makes them: float32 ``q (d sc) - dmin m`` rounded once to
+float16 (the dequantized copies' weights), or with ``HALF`` the group's scale and min rounded to
+float16 and applied by float16 fused multiply-adds (gemm_q's ``half``).
+
+Oracle: gemm_q_reference / naive.dequantize_packed, as for gemm_q.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from deimos.quant.triton.gemm_q import _fma
+
+# Four bytes (packed in $2) -> their low (or high) nibbles as four float16 in $0, $1: bytes 0, 1
+# (then 2, 3) copied to bytes 0 and 2 of a register (prmt), the nibble masked into a float16
+# whose unit is that nibble's lowest bit: 1024 + n (low nibble, bits 0-3 of 1024's mantissa),
+# 64 + n (high nibble, bits 4-7 of 64's mantissa count ones), then the magic subtracted: exact.
+_LO16 = tl.constexpr(
+    "{.reg .b32 a, b, m; prmt.b32 a, $2, $2, 0x1100; prmt.b32 b, $2, $2, 0x3322;"
+    "lop3.b32 a, a, 0x000F000F, 0x64006400, 0xEA; lop3.b32 b, b, 0x000F000F, 0x64006400, 0xEA;"
+    "mov.b32 m, 0x64006400; sub.rn.f16x2 $0, a, m; sub.rn.f16x2 $1, b, m;}")
+_HI16 = tl.constexpr(
+    "{.reg .b32 a, b, m; prmt.b32 a, $2, $2, 0x1100; prmt.b32 b, $2, $2, 0x3322;"
+    "lop3.b32 a, a, 0x00F000F0, 0x54005400, 0xEA; lop3.b32 b, b, 0x00F000F0, 0x54005400, 0xEA;"
+    "mov.b32 m, 0x54005400; sub.rn.f16x2 $0, a, m; sub.rn.f16x2 $1, b, m;}")
+
+
+@triton.jit
+def codes16(b, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """The low (HIGH: high) nibbles of uint8 ``b`` as float16, exact; inline PTX on a GPU
+    (``ASM``), the same values by Triton's operations in the interpreter."""
+    if ASM:
+        if HIGH:
+            q = tl.inline_asm_elementwise(_HI16, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            q = tl.inline_asm_elementwise(_LO16, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+    elif HIGH:
+        q = (b >> 4).to(tl.float16)
+    else:
+        q = (b & 0xF).to(tl.float16)
+    return q
+
+
+@triton.jit
+def k4_group(w0, w1, w2, w3, j: tl.constexpr):
+    """Group j's scale d sc and min dmin m (float32) from its block's four meta words
+    (layout._k4_meta: word 0 = d | dmin << 16; byte j % 4 of word 1 + j // 4 = sc | (m & 3) << 6;
+    nibble j of word 3 = m >> 2), the same values as dequant_gemv._k4_scales."""
+    if j < 4:
+        byte = (w1 >> (8 * j)) & 0xFF
+    else:
+        byte = (w2 >> (8 * (j - 4))) & 0xFF
+    sc = (byte & 63).to(tl.float32)
+    mn = (((byte >> 6) & 3) | (((w3 >> (4 * j)) & 0xF) << 2)).to(tl.float32)
+    d = (w0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((w0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return d * sc, dmin * mn
+
+
+@triton.jit
+def x_columns(o_i, h: tl.constexpr, X_PERMUTED: tl.constexpr):
+    """x's columns (within a group) that multiply nibble h of the group's bytes ``o_i``."""
+    if X_PERMUTED:
+        c = 2 * o_i + h
+    else:
+        c = 8 * (o_i % 4) + o_i // 4 + 4 * h
+    return c
+
+
+@triton.jit
+def q4k_product(acc, p_qw, p_meta, r_qw, r_meta, o_n, p_xr, m_m, K, X_PERMUTED: tl.constexpr,
+                HALF: tl.constexpr, ASM: tl.constexpr):
+    """acc ``[BM, BN]`` + x W^T over all K for rows ``o_n`` (int64 ``[BN]``, in range) of a
+    packed Q4_K weight (``p_qw`` int32 words, ``r_qw`` words a row; ``p_meta``, ``r_meta``
+    words a row) and x rows ``p_xr`` (``[BM, 1]`` pointers to each row's first column,
+    float16; rows off ``m_m`` read as 0)."""
+    o_i = tl.arange(0, 16)
+    p_q = p_qw.to(tl.pointer_type(tl.uint8)) + o_n[:, None] * (r_qw * 4) + o_i[None, :]
+    p_mt = p_meta + o_n * r_meta
+    for blk in range(0, K // 256):
+        w0 = tl.load(p_mt + blk * 4)
+        w1 = tl.load(p_mt + blk * 4 + 1)
+        w2 = tl.load(p_mt + blk * 4 + 2)
+        w3 = tl.load(p_mt + blk * 4 + 3)
+        for j in tl.static_range(8):
+            u = blk * 8 + j
+            b = tl.load(p_q + u * 16)  # [BN, 16] code bytes of group u
+            sc, mn = k4_group(w0, w1, w2, w3, j)
+            for h in tl.static_range(2):
+                q = codes16(b, h == 1, ASM)
+                if HALF:
+                    w = _fma(q, sc.to(tl.float16)[:, None], -mn.to(tl.float16)[:, None], True, ASM)
+                else:
+                    w = _fma(q.to(tl.float32), sc[:, None], -mn[:, None], False, ASM).to(tl.float16)
+                x = tl.load(p_xr + u * 32 + x_columns(o_i, h, X_PERMUTED)[None, :], mask=m_m[:, None],
+                            other=0.0)
+                acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.float32)
+    return acc
