@@ -328,6 +328,136 @@ def mmq4_q4k(pw, x4, out: torch.Tensor, bm: int, bn: int, warps: int, stages: in
                           num_stages=stages)
 
 
+@triton.jit
+def mmq6_q6k_kernel(p_x, p_qb, p_hb, p_sc, p_d, p_y, M, N, K, BM: tl.constexpr, BN: tl.constexpr):
+    """Q6_K on the engine's layout (layout._pack_q6_k), x in element order (gathered): a
+    group's 16 low-nibble bytes and, aligned with them, the high-bit bytes (qh entry w's byte
+    b % 2 for byte i = 4 w + b: each read twice), the scale per element (bytes with b < 2 hold
+    elements < 16); float32 weights rounded once."""
+    i_n = tl.program_id(0)
+    i_m = tl.program_id(1)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_m = i_m * BM + tl.arange(0, BM)
+    m_m = o_m < M
+    o_i = tl.arange(0, 16)
+    o_n64 = o_n.to(tl.int64)
+    p_q = p_qb + o_n64[:, None] * (K // 2) + o_i[None, :]
+    p_h = p_hb + o_n64[:, None] * (K // 4) + (2 * (o_i // 4) + o_i % 2)[None, :]
+    first = (o_i % 4 < 2)[None, :]
+    sh = tl.where(first, 4, 0).to(tl.uint8)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for blk in range(0, K // 256):
+        d = tl.load(p_d + o_n64 * (K // 256) + blk).to(tl.float32)
+        for j in tl.static_range(8):
+            u = blk * 8 + j
+            b = tl.load(p_q + u * 16)
+            hb = tl.load(p_h + u * 8)
+            s_a = tl.load(p_sc + o_n64 * (K // 16) + 2 * u).to(tl.float32) * d
+            s_b = tl.load(p_sc + o_n64 * (K // 16) + 2 * u + 1).to(tl.float32) * d
+            s = tl.where(first, s_a[:, None], s_b[:, None])
+            for h in tl.static_range(2):
+                if h == 0:
+                    c = (b & 0xF) | (((hb >> sh) & 3) << 4)
+                else:
+                    c = (b >> 4) | (((hb >> (sh + 2)) & 3) << 4)
+                w = ((c.to(tl.int32) - 32).to(tl.float32) * s).to(tl.float16)
+                o_c = 8 * (o_i % 4) + o_i // 4 + 4 * h
+                x = tl.load(p_x + o_m[:, None] * K + u * 32 + o_c[None, :], mask=m_m[:, None], other=0.0)
+                acc = tl.dot(x, tl.trans(w), acc)
+    p_o = p_y + o_m[:, None] * N + o_n[None, :]
+    tl.store(p_o, acc, mask=m_m[:, None])
+
+
+def mmq6_q6k(pw, x, out: torch.Tensor, bm: int, bn: int, warps: int, stages: int) -> None:
+    m = x.shape[0]
+    t = pw.tensors
+    grid = (pw.n // bn, triton.cdiv(m, bm))
+    mmq6_q6k_kernel[grid](x, t["qw"].view(torch.uint8), t["qh"].view(torch.uint8), t["sc"], t["d"], out, m,
+                          pw.n, pw.k, BM=bm, BN=bn, num_warps=warps, num_stages=stages)
+
+
+# Q6_K: code bytes $2 (low nibbles: codes 2b; high: 2b + 1), their high-bit bytes $3 (two
+# crumbs a nibble: bits 0-1 for code 2b, 2-3 for 2b + 1) whose nibble is the high one where
+# mask byte $4 is 0x0F (the low one where it is 0), four at a time -> four float16 (code - 32)
+_Q6_SEL = ("shr.b32 t, $3, 4; lop3.b32 s, t, $3, $4, 0xE4;")  # s = (t & m) | ($3 & ~m)
+_Q6_TAIL = ("prmt.b32 a, c, c, 0x1100; prmt.b32 b, c, c, 0x3322;"
+            "lop3.b32 a, a, 0x003F003F, 0x64006400, 0xEA; lop3.b32 b, b, 0x003F003F, 0x64006400, 0xEA;"
+            "mov.b32 m, 0x64206420; sub.rn.f16x2 $0, a, m; sub.rn.f16x2 $1, b, m;}")
+_Q6LO = tl.constexpr("{.reg .b32 t, s, c, a, b, m;" + _Q6_SEL
+                     + "shl.b32 t, s, 4; and.b32 t, t, 0x30303030; lop3.b32 c, $2, 0x0F0F0F0F, t, 0xEA;"
+                     + _Q6_TAIL)
+_Q6HI = tl.constexpr("{.reg .b32 t, s, c, a, b, m;" + _Q6_SEL
+                     + "shl.b32 t, s, 2; and.b32 t, t, 0x30303030; shr.b32 c, $2, 4;"
+                     + "lop3.b32 c, c, 0x0F0F0F0F, t, 0xEA;" + _Q6_TAIL)
+
+
+@triton.jit
+def _codes6(b, hb, m, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """Q6_K's codes less 32 as float16 (exact) from the low-nibble bytes b, the high-bit bytes
+    hb and the nibble select m (0x0F: hb's high nibble; 0: its low one)."""
+    if ASM:
+        if HIGH:
+            q = tl.inline_asm_elementwise(_Q6HI, "=r,=r,r,r,r", [b, hb, m], dtype=tl.float16, is_pure=True,
+                                          pack=4)
+        else:
+            q = tl.inline_asm_elementwise(_Q6LO, "=r,=r,r,r,r", [b, hb, m], dtype=tl.float16, is_pure=True,
+                                          pack=4)
+    else:
+        sel = tl.where(m != 0, hb >> 4, hb & 0xF)
+        if HIGH:
+            c = (b >> 4) | (((sel >> 2) & 3) << 4)
+        else:
+            c = (b & 0xF) | ((sel & 3) << 4)
+        q = (c.to(tl.int32) - 32).to(tl.float16)
+    return q
+
+
+@triton.jit
+def mmq7_q6k_kernel(p_x, p_qb, p_hb, p_sc, p_d, p_y, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
+                    HALF: tl.constexpr, ASM: tl.constexpr):
+    """mmq6 with the codes made by ``_codes6`` (inline PTX, four codes at a time)."""
+    i_n = tl.program_id(0)
+    i_m = tl.program_id(1)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_m = i_m * BM + tl.arange(0, BM)
+    m_m = o_m < M
+    o_i = tl.arange(0, 16)
+    o_n64 = o_n.to(tl.int64)
+    p_q = p_qb + o_n64[:, None] * (K // 2) + o_i[None, :]
+    p_h = p_hb + o_n64[:, None] * (K // 4) + (2 * (o_i // 4) + o_i % 2)[None, :]
+    first = (o_i % 4 < 2)[None, :]
+    sel = tl.where(first, 0x0F, 0).to(tl.uint8) + tl.zeros([BN, 16], tl.uint8)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for blk in range(0, K // 256):
+        d = tl.load(p_d + o_n64 * (K // 256) + blk).to(tl.float32)
+        for j in tl.static_range(8):
+            u = blk * 8 + j
+            b = tl.load(p_q + u * 16)
+            hb = tl.load(p_h + u * 8)
+            s_a = tl.load(p_sc + o_n64 * (K // 16) + 2 * u).to(tl.float32) * d
+            s_b = tl.load(p_sc + o_n64 * (K // 16) + 2 * u + 1).to(tl.float32) * d
+            for h in tl.static_range(2):
+                q = _codes6(b, hb, sel, h == 1, ASM)
+                if HALF:
+                    w = q * tl.where(first, s_a.to(tl.float16)[:, None], s_b.to(tl.float16)[:, None])
+                else:
+                    w = (q.to(tl.float32) * tl.where(first, s_a[:, None], s_b[:, None])).to(tl.float16)
+                o_c = 8 * (o_i % 4) + o_i // 4 + 4 * h
+                x = tl.load(p_x + o_m[:, None] * K + u * 32 + o_c[None, :], mask=m_m[:, None], other=0.0)
+                acc = tl.dot(x, tl.trans(w), acc)
+    p_o = p_y + o_m[:, None] * N + o_n[None, :]
+    tl.store(p_o, acc, mask=m_m[:, None])
+
+
+def mmq7_q6k(pw, x, out: torch.Tensor, bm: int, bn: int, warps: int, stages: int, half: bool) -> None:
+    m = x.shape[0]
+    t = pw.tensors
+    grid = (pw.n // bn, triton.cdiv(m, bm))
+    mmq7_q6k_kernel[grid](x, t["qw"].view(torch.uint8), t["qh"].view(torch.uint8), t["sc"], t["d"], out, m,
+                          pw.n, pw.k, BM=bm, BN=bn, HALF=half, ASM=DEV == "cuda", num_warps=warps,
+                          num_stages=stages)
+
+
 def quantize_x8(x: torch.Tensor, planes: int):
     """x [M, K] float -> (q1 int8, q2 int8 or None, xd [M, K/32] float32 (a plane's unit:
     amax / 127, divided by 254 for two planes), xs [M, K/32] float32 sums)."""
@@ -360,6 +490,7 @@ def main() -> None:
     ap.add_argument("shapes", nargs="*", default=["28672x4096", "196608x2048", "262144x768"])
     ap.add_argument("--rows", default="16,32,64")
     ap.add_argument("--v1", action="store_true", help="also the kernel on GGUF's own blocks")
+    ap.add_argument("--q6k", action="store_true", help="also Q6_K (mmq6) against gemm_q")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     fmt = get_format(GGMLType.Q4_K)
@@ -423,6 +554,37 @@ def main() -> None:
                               lambda: mmq4_q4k(pw, x4, out, bm, bn, warps, st, half))
                     check(f"mmq4 x gathered m{bm} n{bn} w{warps} s{st}",
                           lambda: mmq4_q4k(pw, x, out, bm, bn, warps, st, False, True))
+            if a.q6k:
+                b6 = get_format(GGMLType.Q6_K).random_blocks(rows * k // 256, rng)
+                w6f = torch.from_numpy(get_format(GGMLType.Q6_K).decode_blocks(b6).reshape(rows, k))
+                w6f = w6f.repeat(n // rows, 1).to(DEV)
+                p6 = pack(b6.reshape(rows, -1), GGMLType.Q6_K)
+                t6 = {name: v.repeat(n // rows, 1).contiguous().to(DEV) for name, v in p6.tensors.items()}
+                pw6 = PackedWeight(GGMLType.Q6_K, n, k, t6)
+                ref6 = x.float() @ w6f.T
+
+                def check6(label, fn):
+                    out.zero_()
+                    fn()
+                    err = ((out - ref6).norm() / ref6.norm()).item()
+                    if DEV == "cpu":
+                        print(f"  M={m:2d} {label:30s} err {err:.1e}")
+                        return
+                    us = triton.testing.do_bench(fn, warmup=20, rep=100) * 1e3
+                    print(f"  M={m:2d} {label:30s} {us:8.1f} us {pw6.nbytes / us / 1e3:7.0f} GB/s  err {err:.1e}")
+
+                for bm, bn, warps, st in tiles if DEV != "cpu" else ((16, 32, 4, 1),):
+                    if bm <= max(16, m) and n % bn == 0:
+                        check6(f"Q6_K mmq6 m{bm} n{bn} w{warps} s{st}",
+                               lambda: mmq6_q6k(pw6, x, out, bm, bn, warps, st))
+                        for half in (False, True):
+                            check6(f"Q6_K mmq7 half={int(half)} m{bm} n{bn} w{warps} s{st}",
+                                   lambda: mmq7_q6k(pw6, x, out, bm, bn, warps, st, half))
+                if DEV != "cpu":
+                    from deimos.models.gpu.dequant import permuted_columns
+                    from deimos.quant.triton.gemm_q import gemm_q
+                    x6 = x[:, permuted_columns(pw6)].contiguous()
+                    check6("Q6_K gemm_q rule", lambda: gemm_q(pw6, x6, out=out))
             if DEV != "cpu":
                 from deimos.models.gpu.dequant import permuted_columns
                 from deimos.quant.triton.gemm_q import gemm_q
