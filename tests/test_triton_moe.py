@@ -490,16 +490,17 @@ def test_moe_gemm_rule_tiles(t: GGMLType, block_m: int) -> None:
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 @pytest.mark.parametrize("permuted", [True, False], ids=["permuted", "elements"])
 @pytest.mark.parametrize("x_rows", ["token", "pair"])
-def test_moe_gemm_mmq_q4k(x_rows: str, permuted: bool, block_m: int) -> None:
-    """Q4_K through mmq.q4k_product (codes decoded in the dot's operand layout): the same
-    float16 weights as the other paths (1e-5 of the product on them), token and pair rows, x
-    in either column order, every tile height, K of 3 blocks."""
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_moe_gemm_mmq(t: GGMLType, x_rows: str, permuted: bool, block_m: int) -> None:
+    """Q4_K and Q6_K through deimos.quant.triton.mmq (codes decoded in the dot's operand
+    layout): the same float16 weights as the other paths (1e-5 of the product on them), token
+    and pair rows, x in either column order, every tile height, K of 3 blocks."""
     n, k = 40, 768
-    w = _stack(GGMLType.Q4_K, n, k, seed=block_m + 7)
+    w = _stack(t, n, k, seed=block_m + 7)
     ids = _ids(11, 3, seed=block_m)
     x = torch.randn(11 if x_rows == "token" else 33, k, generator=torch.Generator().manual_seed(block_m)).half()
-    _check_gemm(w, n, x, ids, x_rows, permuted, block_m, None, f"mmq {x_rows} permuted={permuted} m={block_m}",
-                mmq=True)
+    _check_gemm(w, n, x, ids, x_rows, permuted, block_m, None,
+                f"mmq {t.name} {x_rows} permuted={permuted} m={block_m}", mmq=True)
 
 
 def test_moe_gemm_bad_input() -> None:

@@ -1,5 +1,5 @@
-"""Q4_K tiles for the tensor cores decoded after the copy to shared memory (session 48): the
-inner loop of a quantized GEMM program over the engine's own Q4_K layout (layout.py), an
+"""Q4_K and Q6_K tiles for the tensor cores decoded after the copy to shared memory (session
+48): the inner loop of a quantized GEMM program over the engine's own layouts (layout.py), an
 alternative to gemm_q's ``decode_tile``.
 
 gemm_q decodes a tile of packed words in registers in the layout its loads gave, then Triton
@@ -18,6 +18,12 @@ matching columns. In the packed words' column order (gemm_q's contract,
 multiplies column 32 u + 2 i and its high one 32 u + 2 i + 1; in element order the columns
 are gathered (``x_columns``).
 
+Q6_K (``q6k_product``) shares Q4_K's low nibbles; a code's two high bits sit in int16 entry
+4 u + w of ``qh`` (layout.Q6_HIGH_SHIFT): for byte i = 4 w + b, in qh byte 2 w + b % 2, the
+nibble (bits 0-1 for code 2 b, 2-3 for 2 b + 1) high where b < 2, low otherwise. Each code
+byte's high-bit byte is loaded beside it (each qh byte twice) and ``codes6`` makes four codes
+at once. Its scale is one a 16 elements: bytes with b < 2 hold elements < 16.
+
 Weights are made as gemm_q's default makes them: float32 ``q (d sc) - dmin m`` rounded once to
 float16 (the dequantized copies' weights), or with ``HALF`` the group's scale and min rounded to
 float16 and applied by float16 fused multiply-adds (gemm_q's ``half``).
@@ -30,7 +36,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from deimos.gguf.constants import GGMLType
 from deimos.quant.triton.gemm_q import _fma
+
+MMQ_TYPES = (GGMLType.Q4_K, GGMLType.Q6_K)  # the formats with a product here
 
 # Four bytes (packed in $2) -> their low (or high) nibbles as four float16 in $0, $1: bytes 0, 1
 # (then 2, 3) copied to bytes 0 and 2 of a register (prmt), the nibble masked into a float16
@@ -59,6 +68,42 @@ def codes16(b, HIGH: tl.constexpr, ASM: tl.constexpr):
         q = (b >> 4).to(tl.float16)
     else:
         q = (b & 0xF).to(tl.float16)
+    return q
+
+
+# Q6_K: code bytes $2, their high-bit bytes $3 whose nibble is the high one where the select
+# byte $4 is 0x0F (the low one where 0), four at a time -> four float16 codes less 32 in $0, $1
+_Q6_SEL = "shr.b32 t, $3, 4; lop3.b32 s, t, $3, $4, 0xE4;"  # s = (t & sel) | ($3 & ~sel)
+_Q6_TAIL = ("prmt.b32 a, c, c, 0x1100; prmt.b32 b, c, c, 0x3322;"
+            "lop3.b32 a, a, 0x003F003F, 0x64006400, 0xEA; lop3.b32 b, b, 0x003F003F, 0x64006400, 0xEA;"
+            "mov.b32 m, 0x64206420; sub.rn.f16x2 $0, a, m; sub.rn.f16x2 $1, b, m;}")
+_Q6LO = tl.constexpr("{.reg .b32 t, s, c, a, b, m;" + _Q6_SEL
+                     + "shl.b32 t, s, 4; and.b32 t, t, 0x30303030; lop3.b32 c, $2, 0x0F0F0F0F, t, 0xEA;"
+                     + _Q6_TAIL)
+_Q6HI = tl.constexpr("{.reg .b32 t, s, c, a, b, m;" + _Q6_SEL
+                     + "shl.b32 t, s, 2; and.b32 t, t, 0x30303030; shr.b32 c, $2, 4;"
+                     + "lop3.b32 c, c, 0x0F0F0F0F, t, 0xEA;" + _Q6_TAIL)
+
+
+@triton.jit
+def codes6(b, hb, sel, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """Q6_K's codes less 32 as float16, exact, from the low-nibble bytes ``b`` (their high
+    nibbles: HIGH), the high-bit bytes ``hb`` and the nibble select ``sel`` (0x0F: hb's high
+    nibble; 0: its low one)."""
+    if ASM:
+        if HIGH:
+            q = tl.inline_asm_elementwise(_Q6HI, "=r,=r,r,r,r", [b, hb, sel], dtype=tl.float16,
+                                          is_pure=True, pack=4)
+        else:
+            q = tl.inline_asm_elementwise(_Q6LO, "=r,=r,r,r,r", [b, hb, sel], dtype=tl.float16,
+                                          is_pure=True, pack=4)
+    else:
+        nib = tl.where(sel != 0, hb >> 4, hb & 0xF)
+        if HIGH:
+            c = (b >> 4) | (((nib >> 2) & 3) << 4)
+        else:
+            c = (b & 0xF) | ((nib & 3) << 4)
+        q = (c.to(tl.int32) - 32).to(tl.float16)
     return q
 
 
@@ -113,6 +158,40 @@ def q4k_product(acc, p_qw, p_meta, r_qw, r_meta, o_n, p_xr, m_m, K, X_PERMUTED: 
                     w = _fma(q, sc.to(tl.float16)[:, None], -mn.to(tl.float16)[:, None], True, ASM)
                 else:
                     w = _fma(q.to(tl.float32), sc[:, None], -mn[:, None], False, ASM).to(tl.float16)
+                x = tl.load(p_xr + u * 32 + x_columns(o_i, h, X_PERMUTED)[None, :], mask=m_m[:, None],
+                            other=0.0)
+                acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def q6k_product(acc, p_qw, p_qh, p_sc, p_d, r_qw, r_qh, r_sc, r_d, o_n, p_xr, m_m, K,
+                X_PERMUTED: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
+    """q4k_product for a packed Q6_K weight (``p_qw`` int32 low-nibble words, ``p_qh`` int16
+    high bits, ``p_sc`` int8 scales a 16, ``p_d`` float16 a block; ``r_*`` each array's
+    elements a row)."""
+    BN: tl.constexpr = o_n.shape[0]
+    o_i = tl.arange(0, 16)
+    p_q = p_qw.to(tl.pointer_type(tl.uint8)) + o_n[:, None] * (r_qw * 4) + o_i[None, :]
+    p_h = (p_qh.to(tl.pointer_type(tl.uint8)) + o_n[:, None] * (r_qh * 2)
+           + (2 * (o_i // 4) + o_i % 2)[None, :])  # fmt: skip
+    first = (o_i % 4 < 2)[None, :]  # bytes of the group's first 16 elements
+    sel = tl.where(first, 0x0F, 0).to(tl.uint8) + tl.zeros([BN, 16], dtype=tl.uint8)
+    p_s = p_sc + o_n * r_sc
+    for blk in range(0, K // 256):
+        d = tl.load(p_d + o_n * r_d + blk).to(tl.float32)
+        for j in tl.static_range(8):
+            u = blk * 8 + j
+            b = tl.load(p_q + u * 16)  # [BN, 16] low-nibble bytes of group u
+            hb = tl.load(p_h + u * 8)  # [BN, 16] each byte's high bits
+            s_a = tl.load(p_s + 2 * u).to(tl.float32) * d
+            s_b = tl.load(p_s + 2 * u + 1).to(tl.float32) * d
+            for h in tl.static_range(2):
+                q = codes6(b, hb, sel, h == 1, ASM)
+                if HALF:
+                    w = q * tl.where(first, s_a.to(tl.float16)[:, None], s_b.to(tl.float16)[:, None])
+                else:
+                    w = (q.to(tl.float32) * tl.where(first, s_a[:, None], s_b[:, None])).to(tl.float16)
                 x = tl.load(p_xr + u * 32 + x_columns(o_i, h, X_PERMUTED)[None, :], mask=m_m[:, None],
                             other=0.0)
                 acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.float32)

@@ -41,6 +41,7 @@ from deimos.gguf.constants import GGMLType
 from deimos.quant.triton.dequant_gemv import (
     FMT_ID,
     Q2_K,
+    Q6_K,
     Q8_0,
     gemv_out,
     group_scales,
@@ -53,15 +54,16 @@ from deimos.quant.triton.dequant_gemv import (
 from deimos.quant.triton.gemm_q import HALF_DECODE, TILE_ELEMENTS, decode_tile
 from deimos.quant.triton.gemv_q8 import _INTERPRETED
 from deimos.quant.triton.layout import KERNEL_TYPE, PackedWeight
-from deimos.quant.triton.mmq import q4k_product
+from deimos.quant.triton.mmq import MMQ_TYPES, q4k_product, q6k_product
 from deimos.quant.triton.moe_gemv import ExpertChunks, check_expert_inputs, slot_arrays, slot_base
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 
-# DEIMOS_MOE_MMQ=1: Q4_K experts through mmq.q4k_product (session 48, not yet measured: off)
+# DEIMOS_MOE_MMQ=1: Q4_K and Q6_K experts through deimos.quant.triton.mmq (session 48, not yet
+# measured: off)
 _MMQ = os.environ.get("DEIMOS_MOE_MMQ", "0")
 if _MMQ not in ("", "0", "1"):
     raise ValueError(f"DEIMOS_MOE_MMQ must be 0 or 1, got {_MMQ!r}")
-MMQ_Q4K = _MMQ == "1"
+MMQ_ON = _MMQ == "1"
 ALIGN_CHUNK = 128  # pairs a program of the count and scatter passes
 MAX_PAIRS = 1 << 17  # the scan holds every chunk's count of an expert block: 1024 chunks
 BLOCK_MS = (16, 32, 64)
@@ -252,7 +254,8 @@ def _moe_gemm_kernel(
     """Program (i_t, i_n): the pairs of tile i_t (its expert's slot) times rows i_n BLOCK_N ..
     of that slot. X_PERMUTED: x's columns are in the packed words' order (gemm_q's contract),
     else in element order (gathered here per group). EVEN: BLOCK_J / W groups divide K / 32.
-    MMQ (Q4_K): the codes decoded in the dot's operand layout (mmq.q4k_product; BLOCK_J unused)."""
+    MMQ (Q4_K, Q6_K): the codes decoded in the dot's operand layout (mmq.q4k_product /
+    q6k_product; BLOCK_J unused)."""
     pdl_start(PDL)
     W: tl.constexpr = 8 if FMT == Q8_0 else (2 if FMT == Q2_K else 4)
     NK: tl.constexpr = 32 // W
@@ -287,7 +290,11 @@ def _moe_gemm_kernel(
                 row = pair
             else:
                 row = pair // TOP_K
-            if MMQ:
+            if MMQ and FMT == Q6_K:
+                acc = q6k_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), p_qw, p_qh, p_s, p_d,
+                                  r_qw, r_qh, r_s, r_d, o_n, p_x + row[:, None] * stride_xm, m_m, K,
+                                  X_PERMUTED, HALF, ASM)
+            elif MMQ:
                 acc = q4k_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), p_qw, p_s, r_qw, r_s,
                                   o_n, p_x + row[:, None] * stride_xm, m_m, K, X_PERMUTED, HALF, ASM)
             else:
@@ -380,8 +387,8 @@ def moe_gemm(x: torch.Tensor, w_stack: PackedWeight, n: int, tiles: MoeTiles, sl
     ids. slot_of: int32 ``[E]``, each expert's slot or -1 (its rows are 0). ``out``: optional
     contiguous float32 ``[T * k, n]``; every pair's row with an id in [0, E) is written.
     ``cfg``: the tile (default ``moe_gemm_config``; ``INTERPRETER_TILE`` for a stack on the
-    CPU). ``mmq``: Q4_K through mmq.q4k_product (default ``DEIMOS_MOE_MMQ``); other formats
-    ignore it."""
+    CPU). ``mmq``: Q4_K and Q6_K through deimos.quant.triton.mmq (default ``DEIMOS_MOE_MMQ``);
+    other formats ignore it."""
     check_expert_inputs(w_stack, n, slot_of, x_rows, "moe_gemm", chunked=chunks is not None)
     if tiles.order.device != w_stack.device:
         raise ValueError(f"moe_gemm: the tiles are on {tiles.order.device}, the weights on "
@@ -415,7 +422,7 @@ def moe_gemm(x: torch.Tensor, w_stack: PackedWeight, n: int, tiles: MoeTiles, sl
         BLOCK_J=cfg.block_j, PAIR_ROWS=x_rows == "pair", X_PERMUTED=bool(x_permuted),
         EVEN=(w_stack.k // 32) % (cfg.block_j // wpg) == 0, SCALE16=scale16(w_stack),
         CHUNKED=chunked, ASM=not _INTERPRETED, HALF=HALF_DECODE,
-        MMQ=(MMQ_Q4K if mmq is None else bool(mmq)) and w_stack.ggml_type == GGMLType.Q4_K,
+        MMQ=(MMQ_ON if mmq is None else bool(mmq)) and w_stack.ggml_type in MMQ_TYPES,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch_options(pdl_on(out.device)),
     )  # fmt: skip
