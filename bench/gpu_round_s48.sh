@@ -4,6 +4,7 @@
 #   bench/gpu_round_s48.sh mmq   # the Q4_K GEMM variants of bench/exp_gemm_mmq.py against
 #     gemm_q and a float16 copy's matmul; the MoE GPU tests (mmq.q4k_product in moe_gemm
 #     included); qwen3moe 30B-A3B pp512 / tg128 with DEIMOS_MOE_MMQ=0 and 1
+#   bench/gpu_round_s48.sh kern   # the kernels alone and the mmq GPU tests (~4 min)
 . bench/gpu_env.sh
 # b1e TAG ENV...: deimos bench of M30 at batch 1 in this tree under ENV (a fresh process)
 b1e() {
@@ -23,5 +24,12 @@ mmq)
   wait; b1e mmq0 DEIMOS_MOE_MMQ=0; b1e mmq1 DEIMOS_MOE_MMQ=1
   gputests "mmq or gemm or gpu" tests/test_triton_moe.py tests/test_moe_gpu.py
   idle | say ;;
-*) echo "usage: $0 mmq" >&2; exit 2 ;;
+kern)  # the least of mmq: the kernels alone at the expert-like stacks, the mmq GPU tests
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  idle | say
+  timeout ${EXP_S:-170} python3 bench/exp_gemm_mmq.py ${SHAPES:-196608x2048} --rows ${ROWS:-16,32} --q6k > "$OUT/mmq.txt" 2>&1
+  grep -E "^Q4_K|M=" "$OUT/mmq.txt" | cut -c1-100 > "$OUT/mmq-short.txt"
+  gputests "mmq" tests/test_triton_moe.py
+  idle | say ;;
+*) echo "usage: $0 mmq|kern" >&2; exit 2 ;;
 esac
