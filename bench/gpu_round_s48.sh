@@ -20,7 +20,7 @@ mmq)
   idle | say
   (synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2) &
   timeout ${EXP_S:-200} python3 bench/exp_gemm_mmq.py ${SHAPES:-196608x2048 262144x768 28672x4096} --q6k > "$OUT/mmq.txt" 2>&1
-  grep -E "^Q4_K|M=" "$OUT/mmq.txt" | sort -t' ' -k1,1 -s | cut -c1-100 > "$OUT/mmq-short.txt"
+  grep -E "x[0-9]+:|M=" "$OUT/mmq.txt" | sort -t' ' -k1,1 -s | cut -c1-100 > "$OUT/mmq-short.txt"
   wait; b1e mmq0 DEIMOS_MOE_MMQ=0; b1e mmq1 DEIMOS_MOE_MMQ=1
   gputests "mmq or gemm or gpu" tests/test_triton_moe.py tests/test_moe_gpu.py
   idle | say ;;
@@ -28,7 +28,7 @@ kern)  # the least of mmq: the kernels alone at the expert-like stacks, the mmq 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   idle | say
   timeout ${EXP_S:-170} python3 bench/exp_gemm_mmq.py ${SHAPES:-196608x2048} --rows ${ROWS:-16,32} --q6k > "$OUT/mmq.txt" 2>&1
-  grep -E "^Q4_K|M=" "$OUT/mmq.txt" | cut -c1-100 > "$OUT/mmq-short.txt"
+  grep -E "x[0-9]+:|M=" "$OUT/mmq.txt" | cut -c1-100 > "$OUT/mmq-short.txt"
   gputests "mmq" tests/test_triton_moe.py
   idle | say ;;
 *) echo "usage: $0 mmq|kern" >&2; exit 2 ;;

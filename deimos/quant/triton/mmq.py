@@ -13,10 +13,10 @@ two masks with the float16 magic numbers, two float16x2 subtractions for four co
 i = 4 w + b of group u holds codes 2 b (low nibble) and 2 b + 1 (high nibble) of word w, which
 are elements 32 u + 8 b + w and 32 u + 8 b + w + 4: the low nibbles of the 16 bytes are one
 K = 16 half of the group and the high nibbles the other, each one float16 ``tl.dot`` with x's
-matching columns. In the packed words' column order (gemm_q's contract,
+matching columns (``x_columns``). In the packed words' column order (gemm_q's contract,
 ``permuted_columns``) code k of word w is column 32 u + 8 w + k, so byte i's low nibble
 multiplies column 32 u + 2 i and its high one 32 u + 2 i + 1; in element order the columns
-are gathered (``x_columns``).
+are gathered; in the HALVES order each half is one contiguous load.
 
 Q6_K (``q6k_product``) shares Q4_K's low nibbles; a code's two high bits sit in int16 entry
 4 u + w of ``qh`` (layout.Q6_HIGH_SHIFT): for byte i = 4 w + b, in qh byte 2 w + b % 2, the
@@ -123,27 +123,44 @@ def k4_group(w0, w1, w2, w3, j: tl.constexpr):
     return d * sc, dmin * mn
 
 
+# x's column orders (``X_ORDER``): as the elements; the packed words' order (gemm_q's contract,
+# dequant.permuted_columns); by halves (``halves_columns``: a group's low-nibble half, then its
+# high one, each in byte order: one contiguous load a half)
+ELEMENTS, WORDS, HALVES = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
 @triton.jit
-def x_columns(o_i, h: tl.constexpr, X_PERMUTED: tl.constexpr):
+def x_columns(o_i, h: tl.constexpr, X_ORDER: tl.constexpr):
     """x's columns (within a group) that multiply nibble h of the group's bytes ``o_i``."""
-    if X_PERMUTED:
+    if X_ORDER == 1:
         c = 2 * o_i + h
+    elif X_ORDER == 2:
+        c = 16 * h + o_i
     else:
         c = 8 * (o_i % 4) + o_i // 4 + 4 * h
     return c
 
 
+def halves_columns(k: int):
+    """The element at each column of x in the HALVES order (torch int64 ``[k]``)."""
+    import torch
+
+    i = torch.arange(16)
+    within = torch.cat([8 * (i % 4) + i // 4, 8 * (i % 4) + i // 4 + 4])
+    return (torch.arange(k // 32)[:, None] * 32 + within[None, :]).reshape(-1)
+
+
 @triton.jit
-def q4k_product(acc, p_qw, p_meta, r_qw, r_meta, o_n, p_xr, m_m, K, X_PERMUTED: tl.constexpr,
+def q4k_product(acc, p_qw, p_meta, r_qw, r_meta, o_n, p_xr, m_m, K, X_ORDER: tl.constexpr,
                 HALF: tl.constexpr, ASM: tl.constexpr):
     """acc ``[BM, BN]`` + x W^T over all K for rows ``o_n`` (int64 ``[BN]``, in range) of a
     packed Q4_K weight (``p_qw`` int32 words, ``r_qw`` words a row; ``p_meta``, ``r_meta``
     words a row) and x rows ``p_xr`` (``[BM, 1]`` pointers to each row's first column,
-    float16; rows off ``m_m`` read as 0)."""
+    float16, its columns in ``X_ORDER``; rows off ``m_m`` read as 0)."""
     o_i = tl.arange(0, 16)
     p_q = p_qw.to(tl.pointer_type(tl.uint8)) + o_n[:, None] * (r_qw * 4) + o_i[None, :]
     p_mt = p_meta + o_n * r_meta
-    for blk in range(0, K // 256):
+    for blk in range(K // 256):
         w0 = tl.load(p_mt + blk * 4)
         w1 = tl.load(p_mt + blk * 4 + 1)
         w2 = tl.load(p_mt + blk * 4 + 2)
@@ -158,7 +175,7 @@ def q4k_product(acc, p_qw, p_meta, r_qw, r_meta, o_n, p_xr, m_m, K, X_PERMUTED: 
                     w = _fma(q, sc.to(tl.float16)[:, None], -mn.to(tl.float16)[:, None], True, ASM)
                 else:
                     w = _fma(q.to(tl.float32), sc[:, None], -mn[:, None], False, ASM).to(tl.float16)
-                x = tl.load(p_xr + u * 32 + x_columns(o_i, h, X_PERMUTED)[None, :], mask=m_m[:, None],
+                x = tl.load(p_xr + u * 32 + x_columns(o_i, h, X_ORDER)[None, :], mask=m_m[:, None],
                             other=0.0)
                 acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.float32)
     return acc
@@ -166,7 +183,7 @@ def q4k_product(acc, p_qw, p_meta, r_qw, r_meta, o_n, p_xr, m_m, K, X_PERMUTED: 
 
 @triton.jit
 def q6k_product(acc, p_qw, p_qh, p_sc, p_d, r_qw, r_qh, r_sc, r_d, o_n, p_xr, m_m, K,
-                X_PERMUTED: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
+                X_ORDER: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
     """q4k_product for a packed Q6_K weight (``p_qw`` int32 low-nibble words, ``p_qh`` int16
     high bits, ``p_sc`` int8 scales a 16, ``p_d`` float16 a block; ``r_*`` each array's
     elements a row)."""
@@ -178,7 +195,7 @@ def q6k_product(acc, p_qw, p_qh, p_sc, p_d, r_qw, r_qh, r_sc, r_d, o_n, p_xr, m_
     first = (o_i % 4 < 2)[None, :]  # bytes of the group's first 16 elements
     sel = tl.where(first, 0x0F, 0).to(tl.uint8) + tl.zeros([BN, 16], dtype=tl.uint8)
     p_s = p_sc + o_n * r_sc
-    for blk in range(0, K // 256):
+    for blk in range(K // 256):
         d = tl.load(p_d + o_n * r_d + blk).to(tl.float32)
         for j in tl.static_range(8):
             u = blk * 8 + j
@@ -192,7 +209,7 @@ def q6k_product(acc, p_qw, p_qh, p_sc, p_d, r_qw, r_qh, r_sc, r_d, o_n, p_xr, m_
                     w = q * tl.where(first, s_a.to(tl.float16)[:, None], s_b.to(tl.float16)[:, None])
                 else:
                     w = (q.to(tl.float32) * tl.where(first, s_a[:, None], s_b[:, None])).to(tl.float16)
-                x = tl.load(p_xr + u * 32 + x_columns(o_i, h, X_PERMUTED)[None, :], mask=m_m[:, None],
+                x = tl.load(p_xr + u * 32 + x_columns(o_i, h, X_ORDER)[None, :], mask=m_m[:, None],
                             other=0.0)
                 acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.float32)
     return acc

@@ -54,7 +54,7 @@ from deimos.quant.triton.dequant_gemv import (
 from deimos.quant.triton.gemm_q import HALF_DECODE, TILE_ELEMENTS, decode_tile
 from deimos.quant.triton.gemv_q8 import _INTERPRETED
 from deimos.quant.triton.layout import KERNEL_TYPE, PackedWeight
-from deimos.quant.triton.mmq import MMQ_TYPES, q4k_product, q6k_product
+from deimos.quant.triton.mmq import ELEMENTS, MMQ_TYPES, WORDS, q4k_product, q6k_product
 from deimos.quant.triton.moe_gemv import ExpertChunks, check_expert_inputs, slot_arrays, slot_base
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 
@@ -293,10 +293,11 @@ def _moe_gemm_kernel(
             if MMQ and FMT == Q6_K:
                 acc = q6k_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), p_qw, p_qh, p_s, p_d,
                                   r_qw, r_qh, r_s, r_d, o_n, p_x + row[:, None] * stride_xm, m_m, K,
-                                  X_PERMUTED, HALF, ASM)
+                                  WORDS if X_PERMUTED else ELEMENTS, HALF, ASM)
             elif MMQ:
                 acc = q4k_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), p_qw, p_s, r_qw, r_s,
-                                  o_n, p_x + row[:, None] * stride_xm, m_m, K, X_PERMUTED, HALF, ASM)
+                                  o_n, p_x + row[:, None] * stride_xm, m_m, K,
+                                  WORDS if X_PERMUTED else ELEMENTS, HALF, ASM)
             else:
                 o_kk = tl.arange(0, BLOCK_K)
                 if X_PERMUTED:
