@@ -102,6 +102,13 @@ def _k4_scales(p_s, o_n, u, m, S_TOTAL, MASKED: tl.constexpr = True):
     w0 = masked_load(p, m, MASKED)
     wa = masked_load(p + 1 + j // 4, m, MASKED)
     w3 = masked_load(p + 3, m, MASKED)
+    return k4_decode(w0, wa, w3, j)
+
+
+@triton.jit
+def k4_decode(w0, wa, w3, j):
+    """Group j's d * sc and dmin * m (float32) from its block's meta word 0, word 1 + j // 4
+    (``wa``) and word 3 (layout._k4_meta)."""
     byte = wa >> ((j % 4) * 8)
     sc = byte & 63
     mn = ((byte >> 6) & 3) | (((w3 >> (4 * j)) & 0xF) << 2)

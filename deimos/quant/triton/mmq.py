@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from deimos.gguf.constants import GGMLType
+from deimos.quant.triton.dequant_gemv import k4_decode
 from deimos.quant.triton.gemm_q import _fma
 
 MMQ_TYPES = (GGMLType.Q4_K, GGMLType.Q6_K)  # the formats with a product here
@@ -107,22 +108,6 @@ def codes6(b, hb, sel, HIGH: tl.constexpr, ASM: tl.constexpr):
     return q
 
 
-@triton.jit
-def k4_group(w0, w1, w2, w3, j: tl.constexpr):
-    """Group j's scale d sc and min dmin m (float32) from its block's four meta words
-    (layout._k4_meta: word 0 = d | dmin << 16; byte j % 4 of word 1 + j // 4 = sc | (m & 3) << 6;
-    nibble j of word 3 = m >> 2), the same values as dequant_gemv._k4_scales."""
-    if j < 4:
-        byte = (w1 >> (8 * j)) & 0xFF
-    else:
-        byte = (w2 >> (8 * (j - 4))) & 0xFF
-    sc = (byte & 63).to(tl.float32)
-    mn = (((byte >> 6) & 3) | (((w3 >> (4 * j)) & 0xF) << 2)).to(tl.float32)
-    d = (w0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    dmin = ((w0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return d * sc, dmin * mn
-
-
 # x's column orders (``X_ORDER``): as the elements; the packed words' order (gemm_q's contract,
 # dequant.permuted_columns); by halves (``halves_columns``: a group's low-nibble half, then its
 # high one, each in byte order: one contiguous load a half)
@@ -168,7 +153,10 @@ def q4k_product(acc, p_qw, p_meta, r_qw, r_meta, o_n, p_xr, m_m, K, X_ORDER: tl.
         for j in tl.static_range(8):
             u = blk * 8 + j
             b = tl.load(p_q + u * 16)  # [BN, 16] code bytes of group u
-            sc, mn = k4_group(w0, w1, w2, w3, j)
+            if j < 4:
+                sc, mn = k4_decode(w0, w1, w3, j)
+            else:
+                sc, mn = k4_decode(w0, w2, w3, j)
             for h in tl.static_range(2):
                 q = codes16(b, h == 1, ASM)
                 if HALF:
