@@ -609,9 +609,24 @@ def test_pdl_launch_options() -> None:
         assert pdl_on(torch.device("cuda", 0)) is False  # the interpreter has no griddepcontrol
 
 
+def test_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset or empty: the default; 0 / 1: off / on; anything else: the variable named."""
+    from deimos.switches import env_switch
+
+    monkeypatch.delenv("DEIMOS_TEST_SWITCH", raising=False)
+    assert env_switch("DEIMOS_TEST_SWITCH", True) is True
+    for value, want in (("", False), ("0", False), ("1", True)):
+        monkeypatch.setenv("DEIMOS_TEST_SWITCH", value)
+        assert env_switch("DEIMOS_TEST_SWITCH", False) is want
+    monkeypatch.setenv("DEIMOS_TEST_SWITCH", "yes")
+    with pytest.raises(ValueError, match="DEIMOS_TEST_SWITCH must be 0 or 1, got 'yes'"):
+        env_switch("DEIMOS_TEST_SWITCH", True)
+
+
 @pytest.mark.parametrize("var,module", [("DEIMOS_PDL_AHEAD", "deimos.quant.triton.pdl"),
                                         ("DEIMOS_ATTN_MERGE", "deimos.models.gpu.ops"),
-                                        ("DEIMOS_MOE_DEFER", "deimos.models.gpu.moe_ops")])
+                                        ("DEIMOS_MOE_DEFER", "deimos.models.gpu.moe_ops"),
+                                        ("DEIMOS_MOE_MMQ", "deimos.quant.triton.moe_gemm")])
 def test_a_bad_switch_is_named(var: str, module: str) -> None:
     """A profile switch other than 0 or 1: a named error when its module is imported."""
     import os

@@ -30,11 +30,12 @@ from deimos.kernels.triton.activation import gated_act
 from deimos.kernels.triton.moe_route import moe_combine, moe_route
 from deimos.kernels.triton.moe_router import MAX_TOKENS, RouterScratch, moe_router
 from deimos.models.ops import ExpertSum
+from deimos.quant.triton.dequant_gemv import MAX_BATCH
 from deimos.quant.triton.gemv_q8 import empty_quantized, quantize_x
 from deimos.quant.triton.moe_decode import moe_down_combine, moe_gate_up
 from deimos.quant.triton.moe_gemm import moe_align, moe_block_m, moe_gemm
 from deimos.quant.triton.moe_gemv import moe_gemv, moe_gemv_pair
-from deimos.quant.triton.dequant_gemv import MAX_BATCH
+from deimos.switches import env_switch
 
 # read once: which one-token steps TritonOps fuses (a profile's switch; the default is what was
 # measured fastest: session 45, H100): "0" none, "router" the router only, "1" all three launches
@@ -45,10 +46,7 @@ if FUSED not in ("0", "router", "1"):
 
 # read once: DEIMOS_MOE_DEFER=0 keeps the experts' sum in a combine launch of its own even where
 # the layer would let the next norm take it (Ops.moe's defer; a profile's A/B)
-_DEFER = os.environ.get("DEIMOS_MOE_DEFER", "1")
-if _DEFER not in ("0", "1"):
-    raise ValueError(f"DEIMOS_MOE_DEFER must be 0 or 1, got {_DEFER!r}")
-DEFER = _DEFER == "1"
+DEFER = env_switch("DEIMOS_MOE_DEFER", True)
 
 
 class ResidentSlots:

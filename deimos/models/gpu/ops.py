@@ -14,13 +14,12 @@ takes nothing from the host that changes between replays, so any step is graph-s
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from deimos.kernels.triton.activation import gated_act
 from deimos.kernels.triton.decode_attention import NewToken, decode_attention, variant_rows
 from deimos.kernels.triton.gated_norm import rms_norm_gated
+from deimos.kernels.triton.moe_router import RouterScratch
 from deimos.kernels.triton.norm import add_rms_norm, rms_norm
 from deimos.kernels.triton.output_gate import output_gate
 from deimos.kernels.triton.prefill_attention import paged_prefill_attention, prefill_tile_map
@@ -29,20 +28,17 @@ from deimos.kernels.triton.shared_gate import shared_gate_add
 from deimos.models.batch import Batch
 from deimos.models.config import ModelConfig
 from deimos.models.gpu.linear import GEMV_ROWS, InputCache
-from deimos.kernels.triton.moe_router import RouterScratch
 from deimos.models.gpu.moe_ops import FUSED, ResidentSlots, moe_step
 from deimos.models.ops import ExpertSum, StepState
 from deimos.quant.triton.gemv_q8 import empty_quantized
+from deimos.switches import env_switch
 
 # read once: DEIMOS_ATTN_MERGE=1 merges the decode attention's splits in the split launch
 # (decode_attention's ``counters``) instead of a combine launch of its own. Off by default
 # until measured on a GPU: the same merge, tried in the third session without the skip of the
 # splits past a row's keys, was slower (BENCHMARKS.md); written in session 46, whose device
 # time ran out before its round
-_MERGE = os.environ.get("DEIMOS_ATTN_MERGE", "0")
-if _MERGE not in ("0", "1"):
-    raise ValueError(f"DEIMOS_ATTN_MERGE must be 0 or 1, got {_MERGE!r}")
-MERGE = _MERGE == "1"
+MERGE = env_switch("DEIMOS_ATTN_MERGE", False)
 
 
 class TritonOps:

@@ -41,7 +41,6 @@ to deimos.quant bit for bit, times x in float64); the float16 decode's own weigh
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -71,14 +70,12 @@ from deimos.quant.triton.dequant_gemv import (
 from deimos.quant.triton.gemv_q8 import _INTERPRETED
 from deimos.quant.triton.layout import KERNEL_TYPE, PackedWeight
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
+from deimos.switches import env_switch
 
 MAX_ROWS = 64  # activation rows a call (one M tile: block_m <= 64)
 # The weight decode of gemm_q's rule and of moe_gemm: float32 rounded once (``decode_tile``);
 # read once, DEIMOS_DECODE_F16=1 the float16 one, for A/B measurements (as DEIMOS_PDL=0)
-_F16 = os.environ.get("DEIMOS_DECODE_F16", "0")
-if _F16 not in ("", "0", "1"):
-    raise ValueError(f"DEIMOS_DECODE_F16 must be 0 or 1, got {_F16!r}")
-HALF_DECODE = _F16 == "1"
+HALF_DECODE = env_switch("DEIMOS_DECODE_F16", False)
 
 
 @triton.jit

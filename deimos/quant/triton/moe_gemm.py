@@ -30,7 +30,6 @@ decode's own weights).
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -57,13 +56,11 @@ from deimos.quant.triton.layout import KERNEL_TYPE, PackedWeight
 from deimos.quant.triton.mmq import ELEMENTS, MMQ_TYPES, WORDS, q4k_product, q6k_product
 from deimos.quant.triton.moe_gemv import ExpertChunks, check_expert_inputs, slot_arrays, slot_base
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
+from deimos.switches import env_switch
 
 # DEIMOS_MOE_MMQ=1: Q4_K and Q6_K experts through deimos.quant.triton.mmq (session 48, not yet
 # measured: off)
-_MMQ = os.environ.get("DEIMOS_MOE_MMQ", "0")
-if _MMQ not in ("", "0", "1"):
-    raise ValueError(f"DEIMOS_MOE_MMQ must be 0 or 1, got {_MMQ!r}")
-MMQ_ON = _MMQ == "1"
+MMQ_ON = env_switch("DEIMOS_MOE_MMQ", False)
 ALIGN_CHUNK = 128  # pairs a program of the count and scatter passes
 MAX_PAIRS = 1 << 17  # the scan holds every chunk's count of an expert block: 1024 chunks
 BLOCK_MS = (16, 32, 64)

@@ -31,15 +31,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from deimos.switches import env_switch
+
 # read once: the interpreter has no grid dependency control; DEIMOS_PDL=0 turns PDL off (a
 # profile's kernel times then exclude the waits of kernels launched early: bench/profile_step.py)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _OFF = os.environ.get("DEIMOS_PDL", "1") == "0"
 # read once: DEIMOS_PDL_AHEAD=0 keeps the weight GEMVs' loads after the wait (a profile's A/B)
-_AHEAD = os.environ.get("DEIMOS_PDL_AHEAD", "1")
-if _AHEAD not in ("", "0", "1"):
-    raise ValueError(f"DEIMOS_PDL_AHEAD must be 0 or 1, got {_AHEAD!r}")
-_AHEAD_OFF = _AHEAD == "0"
+_AHEAD_OFF = not env_switch("DEIMOS_PDL_AHEAD", True)
 
 
 @triton.jit
