@@ -37,6 +37,7 @@ import triton.language as tl
 
 from deimos.gguf.constants import GGMLType
 from deimos.quant import get_format
+from deimos.quant.kquants import _scale_min_k4
 from deimos.quant.triton.layout import PackedWeight, pack
 from deimos.quant.triton.mmq import (
     ELEMENTS,
@@ -169,13 +170,8 @@ def repack2(raw: torch.Tensor, n: int, k: int):
     """GGUF Q4_K rows ``[n, k / 256 * 144]`` -> (qs, sm, dd) of mmq2_q4k_kernel (numpy, once)."""
     b = raw.view(n, k // 256, 144).numpy()
     qs = np.ascontiguousarray(b[:, :, 16:]).reshape(n, k // 2)
-    sc = b[:, :, 4:16].astype(np.int32)
-    s_, m_ = np.zeros((n, k // 256, 8), np.int32), np.zeros((n, k // 256, 8), np.int32)
-    s_[..., :4] = sc[..., 0:4] & 63
-    m_[..., :4] = sc[..., 4:8] & 63
-    s_[..., 4:] = (sc[..., 8:12] & 0xF) | ((sc[..., 0:4] >> 6) << 4)
-    m_[..., 4:] = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
-    sm = (s_ | (m_ << 8)).astype(np.uint16).reshape(n, k // 32)
+    s_, m_ = _scale_min_k4(b[:, :, 4:16].reshape(-1, 12))
+    sm = (s_.astype(np.uint16) | (m_.astype(np.uint16) << 8)).reshape(n, k // 32)
     dd = np.ascontiguousarray(b[:, :, 0:4]).view(np.int32).reshape(n, k // 256)
     return (torch.from_numpy(qs.copy()), torch.from_numpy(sm.view(np.int16).copy()),
             torch.from_numpy(dd.copy()))
