@@ -605,7 +605,9 @@ def test_combine_in_the_norm_outputs_over_its_inputs() -> None:
 def test_gated_sum_in_the_norm_uses_the_combines_warps(monkeypatch) -> None:
     """The gate's dot is a reduction whose order follows the warps a launch has: a norm that
     gates an added row launches with moe_combine's (COMBINE_WARPS), whatever its own config
-    gives the row (here 1 warp for 9 rows of 256), so both sum the gate to the same bits."""
+    gives the row (here 8 warps for 9 rows of 4096), so both sum the gate to the same bits. Up
+    to D = 2048 every norm takes COMBINE_WARPS (then a row's sum of squares is summed alike with
+    the gated sum in the launch or not)."""
     from deimos.kernels.triton import norm as norm_mod
     from deimos.kernels.triton.moe_route import COMBINE_WARPS
 
@@ -616,7 +618,10 @@ def test_gated_sum_in_the_norm_uses_the_combines_warps(monkeypatch) -> None:
             return lambda *a, **kw: seen.append((bool(kw.get("HAS_GATE")), kw["num_warps"]))
 
     monkeypatch.setattr(norm_mod, "_rms_norm_kernel", Recorder())
-    t, k, d = 9, 8, 256
+    for dd in (64, 256, 1000, 2048):
+        assert {norm_mod.norm_config(dd, tt, split).num_warps for tt in (1, 9, 512)
+                for split in (False, True)} == {COMBINE_WARPS}  # fmt: skip
+    t, k, d = 9, 8, 4096
     assert norm_mod.norm_config(d, t).num_warps != COMBINE_WARPS
     y, weights = torch.zeros(t * k, d), torch.zeros(t, k)
     gate = (torch.zeros(t, 300), torch.zeros(300))
@@ -726,3 +731,16 @@ def test_moe_combine_gated_add(dx: int) -> None:
     with pytest.raises(ValueError, match=r"gate x must be float \[3, Dx\]"):
         moe_combine(y.to(DEVICE), weights.to(DEVICE), shared.to(DEVICE),
                     gate=(x[:2].to(DEVICE), gw.to(DEVICE)))
+
+
+def test_moe_gemm_mmq_default_formats(monkeypatch) -> None:
+    """moe_gemm's mmq argument: by default Q4_K only (Q6_K's mmq measured slower than gemm_q),
+    and none with DEIMOS_MOE_MMQ=0; mmq=True takes every format mmq has a product for."""
+    from deimos.quant.triton import moe_gemm as mg
+
+    monkeypatch.setattr(mg, "MMQ_ON", True)
+    assert [mg._use_mmq(None, t) for t in (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)] == [True, False, False]
+    assert [mg._use_mmq(True, t) for t in (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)] == [True, True, False]
+    assert not mg._use_mmq(False, GGMLType.Q4_K)
+    monkeypatch.setattr(mg, "MMQ_ON", False)
+    assert not mg._use_mmq(None, GGMLType.Q4_K)

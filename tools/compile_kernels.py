@@ -662,7 +662,7 @@ def _moe_jobs() -> list[Job]:
             args += [MockTensor(i64 if chunked else a.dtype) for a in arrays]
             args += [MockTensor(f32), MockTensor(i32), MockTensor(i32), MockTensor(i32), d_model, k,
                      top_k, k] + [a.stride(0) for a in arrays] + [4 if chunked else 1]
-            # Q4_K and Q6_K also through deimos.quant.triton.mmq (DEIMOS_MOE_MMQ=1)
+            # Q4_K and Q6_K also through deimos.quant.triton.mmq (Q4_K by default, Q6_K with mmq=True)
             for mmq in (False, True) if t in (GGMLType.Q4_K, GGMLType.Q6_K) else (False,):
                 jobs.append(Job("moe_gemm_" + t.name,
                                 f"M={bm} N={c.block_n} J={c.block_j} w={c.num_warps} st={c.num_stages} "

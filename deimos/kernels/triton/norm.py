@@ -110,14 +110,18 @@ SPLIT_CHUNK = 256  # a decode row (T <= 8) split into programs of 256 elements (
 
 def norm_config(d: int, t: int = 1, split: bool = False) -> NormConfig:
     """A row per program; warps grow with the row so each thread holds 8..16 elements
-    (D = 4096: 8 warps x 32 threads x 16). Memory bound: no tuning beyond that. ``split``
+    (D = 4096: 8 warps x 32 threads x 16), and never fewer than a gated sum's norm takes
+    (COMBINE_WARPS): up to D = 2048 a row's sum of squares is then summed in one order with or
+    without an experts' gated sum in the launch (the deferred and the combined MoE give the same
+    bits; the H100 found 1-warp rows differing in the last bit, session 49). Memory bound: no
+    tuning beyond that. ``split``
     (few rows, output not aliasing an input): each row over D / 256 programs of 4 warps that
     all read the row for its sum of squares and store a chunk each, instead of one program
     doing a decode step's whole row alone."""
     block = triton.next_power_of_2(d)
     if split and t <= 8 and block >= 2 * SPLIT_CHUNK:
         return NormConfig(block, 4, SPLIT_CHUNK)
-    return NormConfig(block, max(1, min(16, block // 512)), block)
+    return NormConfig(block, max(COMBINE_WARPS, min(16, block // 512)), block)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -13,7 +13,7 @@ two masks with the float16 magic numbers, two float16x2 subtractions for four co
 i = 4 w + b of group u holds codes 2 b (low nibble) and 2 b + 1 (high nibble) of word w, which
 are elements 32 u + 8 b + w and 32 u + 8 b + w + 4: the low nibbles of the 16 bytes are one
 K = 16 half of the group and the high nibbles the other, each one float16 ``tl.dot`` with x's
-matching columns (``x_columns``). In the packed words' column order (gemm_q's contract,
+matching columns (``x_halves``). In the packed words' column order (gemm_q's contract,
 ``permuted_columns``) code k of word w is column 32 u + 8 w + k, so byte i's low nibble
 multiplies column 32 u + 2 i and its high one 32 u + 2 i + 1; in element order the columns
 are gathered; in the HALVES order each half is one contiguous load.
@@ -110,20 +110,32 @@ def codes6(b, hb, sel, HIGH: tl.constexpr, ASM: tl.constexpr):
 
 # x's column orders (``X_ORDER``): as the elements; the packed words' order (gemm_q's contract,
 # dequant.permuted_columns); by halves (``halves_columns``: a group's low-nibble half, then its
-# high one, each in byte order: one contiguous load a half)
+# high one, each in byte order: one contiguous load a half). ``x_halves`` reads each.
 ELEMENTS, WORDS, HALVES = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
-def x_columns(o_i, h: tl.constexpr, X_ORDER: tl.constexpr):
-    """x's columns (within a group) that multiply nibble h of the group's bytes ``o_i``."""
-    if X_ORDER == 1:
-        c = 2 * o_i + h
-    elif X_ORDER == 2:
-        c = 16 * h + o_i
+def x_halves(p_g, m_m, X_ORDER: tl.constexpr):
+    """A group's x as its two ``[BM, 16]`` float16 halves (h = 0 multiplies the bytes' low
+    nibbles, 1 the high ones; column i of each is byte i's), from ``p_g`` (``[BM, 1]`` pointers
+    to each row's group start; rows off ``m_m`` read as 0). HALVES: two contiguous loads. The
+    other orders load the group's 32 columns contiguously and reorder them in registers
+    (session 49, H100: a column-by-column gather of the halves ran the Q4_K product 2-4x
+    slower than the HALVES order): WORDS (column 2 i + h) splits the pairs; ELEMENTS (element
+    8 b + 4 h + w is byte 4 w + b's nibble h) views the 32 as [b, h, w] and permutes to [w, b, h]."""
+    BM: tl.constexpr = p_g.shape[0]
+    if X_ORDER == 2:
+        o_i = tl.arange(0, 16)
+        x0 = tl.load(p_g + o_i[None, :], mask=m_m[:, None], other=0.0)
+        x1 = tl.load(p_g + 16 + o_i[None, :], mask=m_m[:, None], other=0.0)
     else:
-        c = 8 * (o_i % 4) + o_i // 4 + 4 * h
-    return c
+        x = tl.load(p_g + tl.arange(0, 32)[None, :], mask=m_m[:, None], other=0.0)
+        if X_ORDER == 0:
+            x = tl.reshape(tl.permute(tl.reshape(x, (BM, 4, 2, 4)), (0, 3, 1, 2)), (BM, 16, 2))
+        else:
+            x = tl.reshape(x, (BM, 16, 2))
+        x0, x1 = tl.split(x)
+    return x0, x1
 
 
 def halves_columns(k: int):
@@ -157,15 +169,14 @@ def q4k_product(acc, p_qw, p_meta, r_qw, r_meta, o_n, p_xr, m_m, K, X_ORDER: tl.
                 sc, mn = k4_decode(w0, w1, w3, j)
             else:
                 sc, mn = k4_decode(w0, w2, w3, j)
+            xs = x_halves(p_xr + u * 32, m_m, X_ORDER)
             for h in tl.static_range(2):
                 q = codes16(b, h == 1, ASM)
                 if HALF:
                     w = _fma(q, sc.to(tl.float16)[:, None], -mn.to(tl.float16)[:, None], True, ASM)
                 else:
                     w = _fma(q.to(tl.float32), sc[:, None], -mn[:, None], False, ASM).to(tl.float16)
-                x = tl.load(p_xr + u * 32 + x_columns(o_i, h, X_ORDER)[None, :], mask=m_m[:, None],
-                            other=0.0)
-                acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.float32)
+                acc = tl.dot(xs[h], tl.trans(w), acc, out_dtype=tl.float32)
     return acc
 
 
@@ -191,13 +202,12 @@ def q6k_product(acc, p_qw, p_qh, p_sc, p_d, r_qw, r_qh, r_sc, r_d, o_n, p_xr, m_
             hb = tl.load(p_h + u * 8)  # [BN, 16] each byte's high bits
             s_a = tl.load(p_s + 2 * u).to(tl.float32) * d
             s_b = tl.load(p_s + 2 * u + 1).to(tl.float32) * d
+            xs = x_halves(p_xr + u * 32, m_m, X_ORDER)
             for h in tl.static_range(2):
                 q = codes6(b, hb, sel, h == 1, ASM)
                 if HALF:
                     w = q * tl.where(first, s_a.to(tl.float16)[:, None], s_b.to(tl.float16)[:, None])
                 else:
                     w = (q.to(tl.float32) * tl.where(first, s_a[:, None], s_b[:, None])).to(tl.float16)
-                x = tl.load(p_xr + u * 32 + x_columns(o_i, h, X_ORDER)[None, :], mask=m_m[:, None],
-                            other=0.0)
-                acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.float32)
+                acc = tl.dot(xs[h], tl.trans(w), acc, out_dtype=tl.float32)
     return acc

@@ -58,9 +58,12 @@ from deimos.quant.triton.moe_gemv import ExpertChunks, check_expert_inputs, slot
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 from deimos.switches import env_switch
 
-# DEIMOS_MOE_MMQ=1: Q4_K and Q6_K experts through deimos.quant.triton.mmq (session 48, not yet
-# measured: off)
-MMQ_ON = env_switch("DEIMOS_MOE_MMQ", False)
+# Q4_K experts through deimos.quant.triton.mmq unless DEIMOS_MOE_MMQ=0. H100, session 49
+# (bench/exp_gemm_mmq.py, 128 stacked [1536, 2048] experts): Q4_K 181 us against gemm_q's 437 at
+# 16 rows, 295 against 604 at 32; Q6_K's mmq ran slower than gemm_q (529 against 377 us at 16
+# rows, 597 against 527 at 32): Q6_K stays on gemm_q's decode unless asked (mmq=True)
+MMQ_ON = env_switch("DEIMOS_MOE_MMQ", True)
+MMQ_DEFAULT_TYPES = (GGMLType.Q4_K,)
 ALIGN_CHUNK = 128  # pairs a program of the count and scatter passes
 MAX_PAIRS = 1 << 17  # the scan holds every chunk's count of an expert block: 1024 chunks
 BLOCK_MS = (16, 32, 64)
@@ -369,6 +372,14 @@ def _check_config(cfg: MoeGemmConfig, wpg: int) -> None:
                          "num_warps 1, 2, 4 or 8; 1..6 stages)")
 
 
+def _use_mmq(mmq: bool | None, ggml_type) -> bool:
+    """moe_gemm's ``mmq``: None, the default (``DEIMOS_MOE_MMQ``, Q4_K); True, any format
+    mmq has a product for; False, none."""
+    if mmq is None:
+        return MMQ_ON and ggml_type in MMQ_DEFAULT_TYPES
+    return bool(mmq) and ggml_type in MMQ_TYPES
+
+
 def moe_gemm(x: torch.Tensor, w_stack: PackedWeight, n: int, tiles: MoeTiles, slot_of: torch.Tensor,
              x_rows: str, x_permuted: bool = True, out: torch.Tensor | None = None,
              cfg: MoeGemmConfig | None = None, chunks: ExpertChunks | None = None,
@@ -385,8 +396,8 @@ def moe_gemm(x: torch.Tensor, w_stack: PackedWeight, n: int, tiles: MoeTiles, sl
     ids. slot_of: int32 ``[E]``, each expert's slot or -1 (its rows are 0). ``out``: optional
     contiguous float32 ``[T * k, n]``; every pair's row with an id in [0, E) is written.
     ``cfg``: the tile (default ``moe_gemm_config``; ``INTERPRETER_TILE`` for a stack on the
-    CPU). ``mmq``: Q4_K and Q6_K through deimos.quant.triton.mmq (default ``DEIMOS_MOE_MMQ``);
-    other formats ignore it."""
+    CPU). ``mmq``: True, Q4_K and Q6_K through deimos.quant.triton.mmq; None, Q4_K unless
+    ``DEIMOS_MOE_MMQ=0``; other formats ignore it."""
     check_expert_inputs(w_stack, n, slot_of, x_rows, "moe_gemm", chunked=chunks is not None)
     if tiles.order.device != w_stack.device:
         raise ValueError(f"moe_gemm: the tiles are on {tiles.order.device}, the weights on "
@@ -420,7 +431,7 @@ def moe_gemm(x: torch.Tensor, w_stack: PackedWeight, n: int, tiles: MoeTiles, sl
         BLOCK_J=cfg.block_j, PAIR_ROWS=x_rows == "pair", X_PERMUTED=bool(x_permuted),
         EVEN=(w_stack.k // 32) % (cfg.block_j // wpg) == 0, SCALE16=scale16(w_stack),
         CHUNKED=chunked, ASM=not _INTERPRETED, HALF=HALF_DECODE,
-        MMQ=(MMQ_ON if mmq is None else bool(mmq)) and w_stack.ggml_type in MMQ_TYPES,
+        MMQ=_use_mmq(mmq, w_stack.ggml_type),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch_options(pdl_on(out.device)),
     )  # fmt: skip

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Session 49's GPU round (from the repository root on the GPU machine; carry .whl .peer/tdz
+# .peer/lc):
+#   bench/gpu_round_s49.sh mmq   # the Q4_K product with x loaded whole and reordered in
+#     registers (bench/exp_gemm_mmq.py, expert-like stacks); qwen3moe 30B-A3B and qwen35moe
+#     35B-A3B pp512 / tg128 with DEIMOS_MOE_MMQ=0 and 1, llama-bench beside qwen3moe; the MoE
+#     and norm GPU tests
+. bench/gpu_env.sh
+M35=/tmp/m/qwen35moe-35b-Q4_K_M.gguf
+# b1m MODEL TAG ENV...: deimos bench at batch 1 under ENV (a fresh process); EXTRA: more flags
+b1m() {
+  local m=$1 tag=$2; shift 2
+  local J="$OUT/$tag-$RANDOM.json"
+  env "$@" timeout ${BENCH_S:-150} python3 -m deimos bench $m -p 512 -n 128 -r ${R:-2} ${EXTRA:-} --json $J > ${J%.json}.txt 2>&1
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); es=r.get('bench', r)['engines']; \
+print(sys.argv[2], ' | '.join('%s pp512 %.1f tg128 %.2f' % (e.get('engine','?'), e['prefill']['mean'], e['decode']['mean']) for e in es))" \
+    $J "$tag $*" 2>&1 | tail -1 | say
+}
+case "${1:-}" in
+mmq)
+  setup; idle | say
+  (synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2; synth qwen35moe-35b-a3b $M35 Q4_K_M qwen2) &
+  timeout ${EXP_S:-150} python3 bench/exp_gemm_mmq.py ${SHAPES:-196608x2048 262144x768} --rows ${ROWS:-16,32,64} > "$OUT/mmq.txt" 2>&1
+  grep -E "x[0-9]+:|M=" "$OUT/mmq.txt" | grep -v int8 | cut -c1-100 > "$OUT/mmq-short.txt"
+  wait; idle | say
+  b1m $M30 q3-mmq0 DEIMOS_MOE_MMQ=0
+  EXTRA="--vs-llama /tmp/lc/llama-bench" b1m $M30 q3-mmq1 DEIMOS_MOE_MMQ=1
+  b1m $M35 q35-mmq0 DEIMOS_MOE_MMQ=0
+  b1m $M35 q35-mmq1 DEIMOS_MOE_MMQ=1
+  gputests "mmq or gemm or gpu or norm" tests/test_triton_moe.py tests/test_moe_gpu.py tests/test_triton_gated_norm.py
+  idle | say ;;
+*) echo "usage: $0 mmq" >&2; exit 2 ;;
+esac
