@@ -5,6 +5,7 @@
 #     registers (bench/exp_gemm_mmq.py, expert-like stacks); qwen3moe 30B-A3B and qwen35moe
 #     35B-A3B pp512 / tg128 with DEIMOS_MOE_MMQ=0 and 1, llama-bench beside qwen3moe; the MoE
 #     and norm GPU tests
+#   bench/gpu_round_s49.sh batch   # qwen3moe 30B-A3B, 16 and 64 requests at once, mmq off / on
 . bench/gpu_env.sh
 M35=/tmp/m/qwen35moe-35b-Q4_K_M.gguf
 # b1m MODEL TAG ENV...: deimos bench at batch 1 under ENV (a fresh process); EXTRA: more flags
@@ -29,5 +30,13 @@ mmq)
   b1m $M35 q35-mmq1 DEIMOS_MOE_MMQ=1
   gputests "mmq or gemm or gpu or norm" tests/test_triton_moe.py tests/test_moe_gpu.py tests/test_triton_gated_norm.py
   idle | say ;;
-*) echo "usage: $0 mmq" >&2; exit 2 ;;
+batch)  # qwen3moe 30B-A3B, 16 and 64 requests at once (bench/engine_batch.py), mmq off and on
+  setup; idle | say
+  synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2
+  for v in 0 1; do
+    DEIMOS_MOE_MMQ=$v timeout ${BATCH_S:-200} python3 bench/engine_batch.py $M30 -c 16,64 -n 128 > "$OUT/batch-mmq$v.txt" 2>&1
+    grep -E "^\|" "$OUT/batch-mmq$v.txt" | sed "s/^/mmq=$v /" | say
+  done
+  idle | say ;;
+*) echo "usage: $0 mmq|batch" >&2; exit 2 ;;
 esac

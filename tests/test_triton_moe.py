@@ -734,13 +734,15 @@ def test_moe_combine_gated_add(dx: int) -> None:
 
 
 def test_moe_gemm_mmq_default_formats(monkeypatch) -> None:
-    """moe_gemm's mmq argument: by default Q4_K only (Q6_K's mmq measured slower than gemm_q),
-    and none with DEIMOS_MOE_MMQ=0; mmq=True takes every format mmq has a product for."""
+    """moe_gemm's mmq argument: by default Q4_K only (Q6_K's mmq measured slower than gemm_q)
+    and tiles up to 32 rows (slower at 64), none with DEIMOS_MOE_MMQ=0; mmq=True takes every
+    format mmq has a product for at every tile."""
     from deimos.quant.triton import moe_gemm as mg
 
     monkeypatch.setattr(mg, "MMQ_ON", True)
-    assert [mg._use_mmq(None, t) for t in (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)] == [True, False, False]
-    assert [mg._use_mmq(True, t) for t in (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)] == [True, True, False]
-    assert not mg._use_mmq(False, GGMLType.Q4_K)
+    types = (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)
+    assert [mg._use_mmq(None, t, m) for t in types for m in mg.BLOCK_MS] == [True, True, False] + [False] * 6
+    assert [mg._use_mmq(True, t, 64) for t in types] == [True, True, False]
+    assert not mg._use_mmq(False, GGMLType.Q4_K, 16)
     monkeypatch.setattr(mg, "MMQ_ON", False)
-    assert not mg._use_mmq(None, GGMLType.Q4_K)
+    assert not mg._use_mmq(None, GGMLType.Q4_K, 16)

@@ -61,9 +61,12 @@ from deimos.switches import env_switch
 # Q4_K experts through deimos.quant.triton.mmq unless DEIMOS_MOE_MMQ=0. H100, session 49
 # (bench/exp_gemm_mmq.py, 128 stacked [1536, 2048] experts): Q4_K 181 us against gemm_q's 437 at
 # 16 rows, 295 against 604 at 32; Q6_K's mmq ran slower than gemm_q (529 against 377 us at 16
-# rows, 597 against 527 at 32): Q6_K stays on gemm_q's decode unless asked (mmq=True)
+# rows, 597 against 527 at 32): Q6_K stays on gemm_q's decode unless asked (mmq=True). At 64
+# rows an expert mmq's best tile took 552 us against gemm_q's 481: tiles of 64 rows stay on
+# gemm_q (qwen3moe's prompt steps over 512 tokens)
 MMQ_ON = env_switch("DEIMOS_MOE_MMQ", True)
 MMQ_DEFAULT_TYPES = (GGMLType.Q4_K,)
+MMQ_MAX_BLOCK_M = 32
 ALIGN_CHUNK = 128  # pairs a program of the count and scatter passes
 MAX_PAIRS = 1 << 17  # the scan holds every chunk's count of an expert block: 1024 chunks
 BLOCK_MS = (16, 32, 64)
@@ -372,11 +375,11 @@ def _check_config(cfg: MoeGemmConfig, wpg: int) -> None:
                          "num_warps 1, 2, 4 or 8; 1..6 stages)")
 
 
-def _use_mmq(mmq: bool | None, ggml_type) -> bool:
-    """moe_gemm's ``mmq``: None, the default (``DEIMOS_MOE_MMQ``, Q4_K); True, any format
-    mmq has a product for; False, none."""
+def _use_mmq(mmq: bool | None, ggml_type, block_m: int) -> bool:
+    """moe_gemm's ``mmq``: None, the default (``DEIMOS_MOE_MMQ``, Q4_K, tiles up to
+    MMQ_MAX_BLOCK_M rows); True, any format mmq has a product for; False, none."""
     if mmq is None:
-        return MMQ_ON and ggml_type in MMQ_DEFAULT_TYPES
+        return MMQ_ON and ggml_type in MMQ_DEFAULT_TYPES and block_m <= MMQ_MAX_BLOCK_M
     return bool(mmq) and ggml_type in MMQ_TYPES
 
 
@@ -396,8 +399,8 @@ def moe_gemm(x: torch.Tensor, w_stack: PackedWeight, n: int, tiles: MoeTiles, sl
     ids. slot_of: int32 ``[E]``, each expert's slot or -1 (its rows are 0). ``out``: optional
     contiguous float32 ``[T * k, n]``; every pair's row with an id in [0, E) is written.
     ``cfg``: the tile (default ``moe_gemm_config``; ``INTERPRETER_TILE`` for a stack on the
-    CPU). ``mmq``: True, Q4_K and Q6_K through deimos.quant.triton.mmq; None, Q4_K unless
-    ``DEIMOS_MOE_MMQ=0``; other formats ignore it."""
+    CPU). ``mmq``: True, Q4_K and Q6_K through deimos.quant.triton.mmq; None, Q4_K in tiles of up
+    to 32 rows unless ``DEIMOS_MOE_MMQ=0``; other formats ignore it."""
     check_expert_inputs(w_stack, n, slot_of, x_rows, "moe_gemm", chunked=chunks is not None)
     if tiles.order.device != w_stack.device:
         raise ValueError(f"moe_gemm: the tiles are on {tiles.order.device}, the weights on "
@@ -431,7 +434,7 @@ def moe_gemm(x: torch.Tensor, w_stack: PackedWeight, n: int, tiles: MoeTiles, sl
         BLOCK_J=cfg.block_j, PAIR_ROWS=x_rows == "pair", X_PERMUTED=bool(x_permuted),
         EVEN=(w_stack.k // 32) % (cfg.block_j // wpg) == 0, SCALE16=scale16(w_stack),
         CHUNKED=chunked, ASM=not _INTERPRETED, HALF=HALF_DECODE,
-        MMQ=_use_mmq(mmq, w_stack.ggml_type),
+        MMQ=_use_mmq(mmq, w_stack.ggml_type, tiles.block_m),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch_options(pdl_on(out.device)),
     )  # fmt: skip
