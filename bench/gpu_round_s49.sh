@@ -5,6 +5,7 @@
 #     registers (bench/exp_gemm_mmq.py, expert-like stacks); qwen3moe 30B-A3B and qwen35moe
 #     35B-A3B pp512 / tg128 with DEIMOS_MOE_MMQ=0 and 1, llama-bench beside qwen3moe; the MoE
 #     and norm GPU tests
+#   bench/gpu_round_s49.sh ab   # qwen3moe batch 1: DEIMOS_ATTN_MERGE 0 / 1, DEIMOS_MOE_DEFER=0
 #   bench/gpu_round_s49.sh batch   # qwen3moe 30B-A3B, 16 and 64 requests at once, mmq off / on
 . bench/gpu_env.sh
 M35=/tmp/m/qwen35moe-35b-Q4_K_M.gguf
@@ -38,5 +39,11 @@ batch)  # qwen3moe 30B-A3B, 16 and 64 requests at once (bench/engine_batch.py), 
     grep -E "^\|" "$OUT/batch-mmq$v.txt" | sed "s/^/mmq=$v /" | say
   done
   idle | say ;;
-*) echo "usage: $0 mmq|batch" >&2; exit 2 ;;
+ab)  # session 46's switches at batch 1 on qwen3moe 30B-A3B (attention merge, the sum in the norm)
+  setup; idle | say
+  synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2
+  b1m $M30 q3 DEIMOS_ATTN_MERGE=0; b1m $M30 q3 DEIMOS_ATTN_MERGE=1; b1m $M30 q3 DEIMOS_MOE_DEFER=0
+  gputests "merge" tests/test_triton_paged_attention.py
+  idle | say ;;
+*) echo "usage: $0 mmq|batch|ab" >&2; exit 2 ;;
 esac
