@@ -28,8 +28,8 @@ sum_j e^(m_j - M) l_j (``combine_splits``, also the paged prefill's stage 2). Wi
 ``counters`` stage 2 runs inside stage 1's launch instead: the last program of each (row, kv
 head) to finish, found with an atomic counter, merges its G heads over only the splits that
 hold keys. (Tried in the third session, before PDL and with every split merged: slower on
-the H200, BENCHMARKS.md; this form is not yet measured, so the engine passes ``counters``
-only with DEIMOS_ATTN_MERGE=1.)
+the H200, BENCHMARKS.md; this form too, session 49 on an H100: qwen3moe's batch-1 decode 18%
+slower, so the engine passes ``counters`` only with DEIMOS_ATTN_MERGE=1.)
 
 n_split is chosen from S, B * Hkv and D so stage 1 has about 4 programs per SM of an H200
 (132 SMs; ``split_count``, the paged prefill's rule too); it depends only on shapes, so a

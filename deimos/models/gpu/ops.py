@@ -34,10 +34,9 @@ from deimos.quant.triton.gemv_q8 import empty_quantized
 from deimos.switches import env_switch
 
 # read once: DEIMOS_ATTN_MERGE=1 merges the decode attention's splits in the split launch
-# (decode_attention's ``counters``) instead of a combine launch of its own. Off by default
-# until measured on a GPU: the same merge, tried in the third session without the skip of the
-# splits past a row's keys, was slower (BENCHMARKS.md); written in session 46, whose device
-# time ran out before its round
+# (decode_attention's ``counters``) instead of a combine launch of its own. Off: measured slower
+# (session 49, H100, qwen3moe 30B-A3B batch-1 tg128: 325 t/s against 399 without it; the third
+# session's form, without the skip of the splits past a row's keys, was slower too)
 MERGE = env_switch("DEIMOS_ATTN_MERGE", False)
 
 
