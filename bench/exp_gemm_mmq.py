@@ -197,10 +197,11 @@ def engine_kernel(p_x, p_qw, p_qh, p_s, p_d, p_y, M, N, K, r_qw, r_qh, r_s, r_d,
     acc = tl.zeros([BM, BN], tl.float32)
     p_xr = p_x + o_m[:, None] * K
     if Q6:
-        acc = q6k_product(acc, p_qw, p_qh, p_s, p_d, r_qw, r_qh, r_s, r_d, o_n.to(tl.int64), p_xr, m_m, K,
-                          X_ORDER, HALF, ASM)
+        acc = q6k_product(acc, p_qw, p_qh, p_s, p_d, r_qw, r_qh, r_s, r_d, o_n.to(tl.int64), p_xr, m_m, 0,
+                          K // 256, X_ORDER, HALF, ASM)
     else:
-        acc = q4k_product(acc, p_qw, p_s, r_qw, r_s, o_n.to(tl.int64), p_xr, m_m, K, X_ORDER, HALF, ASM)
+        acc = q4k_product(acc, p_qw, p_s, r_qw, r_s, o_n.to(tl.int64), p_xr, m_m, 0, K // 256, X_ORDER,
+                          HALF, ASM)
     tl.store(p_y + o_m[:, None] * N + o_n[None, :], acc, mask=m_m[:, None])
 
 

@@ -215,6 +215,21 @@ def gemv_grid(n: int, b: int, block_n: int) -> tuple[int, int]:
     return tiles, b
 
 
+@triton.jit
+def _fma(a, b, c, HALF: tl.constexpr, ASM: tl.constexpr):
+    """a b + c rounded once: float16 (HALF) by the GPU's fused multiply-add (ASM) or, in the
+    interpreter, in float32 rounded to float16 (a float16 product is exact in float32); float32
+    otherwise (fused where the compiler fuses)."""
+    if HALF and ASM:
+        v = tl.fma(a, b, c)
+    elif HALF:
+        v = (a.to(tl.float32) * b.to(tl.float32) + c.to(tl.float32)).to(tl.float16)
+    else:
+        v = a * b + c
+    return v
+
+
+
 def weight_arrays(w: PackedWeight) -> tuple:
     """(qw, qh, scales, d, m): the kernels' weight pointers, qw standing in for arrays the
     format does not have (never read)."""

@@ -58,6 +58,7 @@ from deimos.quant.triton.dequant_gemv import (
     Q5_K,
     Q8_0,
     _codes,
+    _fma,
     gemv_out,
     group_scales,
     group_words,
@@ -69,6 +70,7 @@ from deimos.quant.triton.dequant_gemv import (
 )
 from deimos.quant.triton.gemv_q8 import _INTERPRETED
 from deimos.quant.triton.layout import KERNEL_TYPE, PackedWeight
+from deimos.quant.triton.mmq import WORDS, q4k_product
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 from deimos.switches import env_switch
 
@@ -76,20 +78,6 @@ MAX_ROWS = 64  # activation rows a call (one M tile: block_m <= 64)
 # The weight decode of gemm_q's rule and of moe_gemm: float32 rounded once (``decode_tile``);
 # read once, DEIMOS_DECODE_F16=1 the float16 one, for A/B measurements (as DEIMOS_PDL=0)
 HALF_DECODE = env_switch("DEIMOS_DECODE_F16", False)
-
-
-@triton.jit
-def _fma(a, b, c, HALF: tl.constexpr, ASM: tl.constexpr):
-    """a b + c rounded once: float16 (HALF) by the GPU's fused multiply-add (ASM) or, in the
-    interpreter, in float32 rounded to float16 (a float16 product is exact in float32); float32
-    otherwise (fused where the compiler fuses)."""
-    if HALF and ASM:
-        v = tl.fma(a, b, c)
-    elif HALF:
-        v = (a.to(tl.float32) * b.to(tl.float32) + c.to(tl.float32)).to(tl.float16)
-    else:
-        v = a * b + c
-    return v
 
 
 @triton.jit
@@ -254,11 +242,14 @@ def _gemm_q_kernel(
     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
     ATOMIC: tl.constexpr, EVEN: tl.constexpr, SCALE16: tl.constexpr = False,
     PDL: tl.constexpr = False, ASM: tl.constexpr = False, HALF: tl.constexpr = True,
+    MMQ: tl.constexpr = False, R_QW=0, R_S=0,
 ):  # fmt: skip
     """Program (i_n, i_k): weight rows i_n BLOCK_N .. + BLOCK_N, groups i_k S_SPLIT ..
     + S_SPLIT of each row (S_SPLIT a multiple of a step's BLOCK_J / W groups), all M rows of
     x. EVEN: every program's run is S_SPLIT groups (no masks in the loop but x's rows).
-    ATOMIC: partial sums added into p_y (zeroed by the caller) instead of stored."""
+    ATOMIC: partial sums added into p_y (zeroed by the caller) instead of stored. MMQ (Q4_K,
+    a step a block of 8 groups): the run through ``mmq.q4k_product`` (``R_QW``, ``R_S``: the
+    code words' and the scale words' row widths)."""
     pdl_start(PDL)
     W: tl.constexpr = 8 if FMT == Q8_0 else (2 if FMT == Q2_K else 4)
     BLOCK_S: tl.constexpr = BLOCK_J // W  # groups of 32 a step
@@ -277,27 +268,31 @@ def _gemm_q_kernel(
     s_hi = tl.minimum(s_lo + S_SPLIT, S_TOTAL)
     p_xt = p_x + o_m[:, None] * stride_xm + o_kk[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for s0 in range(s_lo, s_hi, BLOCK_S):
-        u = s0 + o_s
-        m_s = u < s_hi
-        m_ns = m_n[:, None] & m_s[None, :]
-        # words [BN, BS, W] (a thread holds a group's words); masked words and scales load as
-        # 0, so their values are 0
-        b_w, b_h, _ = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT, not EVEN)
-        if FMT == Q2_K:
-            sc_lo, sc_hi, mn_lo, mn_hi = q2k_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, not EVEN)
-        else:
-            sc_lo, sc_hi, mn_lo = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT, not EVEN,
-                                               SCALE16)
-            mn_hi = mn_lo
-        # [BLOCK_N, BLOCK_K], x's permuted column order
-        b_wt = decode_tile(b_w, b_h, sc_lo, sc_hi, mn_lo, mn_hi, FMT, BLOCK_N, BLOCK_S, ASM, HALF)
-        if EVEN:
-            b_x = tl.load(p_xt + s0 * 32, mask=m_m[:, None], other=0.0)
-        else:
-            m_k = s0 * 32 + o_kk < s_hi * 32
-            b_x = tl.load(p_xt + s0 * 32, mask=m_m[:, None] & m_k[None, :], other=0.0)
-        acc = tl.dot(b_x, tl.trans(b_wt), acc, out_dtype=tl.float32)
+    if MMQ:
+        acc = q4k_product(acc, p_qw, p_s, R_QW, R_S, o_n, p_x + o_m[:, None] * stride_xm, m_m, s_lo // 8,
+                          s_hi // 8, WORDS, HALF, ASM)
+    else:
+        for s0 in range(s_lo, s_hi, BLOCK_S):
+            u = s0 + o_s
+            m_s = u < s_hi
+            m_ns = m_n[:, None] & m_s[None, :]
+            # words [BN, BS, W] (a thread holds a group's words); masked words and scales load as
+            # 0, so their values are 0
+            b_w, b_h, _ = group_words(p_qw, p_qh, o_n, m_n, u, m_s, S_TOTAL, FMT, not EVEN)
+            if FMT == Q2_K:
+                sc_lo, sc_hi, mn_lo, mn_hi = q2k_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, not EVEN)
+            else:
+                sc_lo, sc_hi, mn_lo = group_scales(p_s, p_d, p_m, o_n, u, m_ns, S_TOTAL, FMT, not EVEN,
+                                                   SCALE16)
+                mn_hi = mn_lo
+            # [BLOCK_N, BLOCK_K], x's permuted column order
+            b_wt = decode_tile(b_w, b_h, sc_lo, sc_hi, mn_lo, mn_hi, FMT, BLOCK_N, BLOCK_S, ASM, HALF)
+            if EVEN:
+                b_x = tl.load(p_xt + s0 * 32, mask=m_m[:, None], other=0.0)
+            else:
+                m_k = s0 * 32 + o_kk < s_hi * 32
+                b_x = tl.load(p_xt + s0 * 32, mask=m_m[:, None] & m_k[None, :], other=0.0)
+            acc = tl.dot(b_x, tl.trans(b_wt), acc, out_dtype=tl.float32)
     p_out = p_y + o_m[:, None] * N + o_y[None, :]
     m_out = m_m[:, None] & (o_y < N)[None, :]
     if ATOMIC:
@@ -316,6 +311,7 @@ class GemmQConfig(NamedTuple):
     num_stages: int
     split_k: int = 1  # > 1: K split over programs, partial sums atomically added into a zeroed out
     half: bool = False  # the decode in float16 (``decode_tile``); False: float32 rounded once
+    mmq: bool = False  # Q4_K through mmq.q4k_product (block_j 32: a step is a block of 256)
 
 
 # Triton's interpreter (CPU tensors) runs the programs one after another: there the fewest
@@ -396,19 +392,40 @@ def gemm_q_config(ggml_type: GGMLType, n: int, k: int, m: int) -> GemmQConfig:
     return GemmQConfig(block_m, block_n, block_j, warps, stages, split, HALF_DECODE)
 
 
+def mmq_config(n: int, k: int, m: int) -> GemmQConfig:
+    """The tile of a Q4_K product through mmq (``GemmQConfig.mmq``), M <= 32 rows: 128 weight
+    rows a program at 16 rows, 64 at 32 (bench/exp_gemm_mmq.py, H100, session 49: the best of
+    six tiles at both), 4 warps, 3 stages, a step a block of 256; K split as ``gemm_q_config``
+    splits it (``_cost``: the fewest bytes for the SMs kept busy), each run two blocks or more."""
+    block_m = 16 if m <= 16 else 32
+    block_n = 128 if m <= 16 else 64
+    bpw = _bits_per_weight(GGMLType.Q4_K)
+    best, split = None, 1
+    while True:
+        c = _cost(n, k, m, bpw, block_n, split)
+        if best is None or c < best[0] * 0.97:
+            best = (c, split)
+        if split >= 16 or k // (2 * split) < 2 * 256:
+            break
+        split *= 2
+    return GemmQConfig(block_m, block_n, 32, 4, 3, best[1], HALF_DECODE, True)
+
+
 def _check_config(cfg: GemmQConfig, m: int, wpg: int) -> None:
     nk = 32 // wpg
     ok = (cfg.block_m in (16, 32, 64) and pow2_at_most(cfg.block_n, 256) and cfg.block_n >= 16
           and pow2_at_most(cfg.block_j, 1024) and cfg.block_j >= wpg and cfg.block_j * nk <= 4096
           and cfg.num_warps in (1, 2, 4, 8) and 1 <= cfg.num_stages <= 6
           and isinstance(cfg.split_k, int) and 1 <= cfg.split_k <= 256
-          and isinstance(cfg.half, bool))  # fmt: skip
+          and isinstance(cfg.half, bool) and isinstance(cfg.mmq, bool))  # fmt: skip
     if not ok:
         raise ValueError(f"gemm_q: bad tile {cfg} (block_m 16, 32 or 64; block_n a power of two in "
                          f"16..256; block_j one from {wpg} (a group's words) with block_j * {nk} "
                          "columns <= 4096; num_warps 1, 2, 4 or 8; 1..6 stages; split_k 1..256; half a bool)")
     if cfg.block_m < m:
         raise ValueError(f"gemm_q: tile {cfg} has block_m {cfg.block_m} < M = {m}")
+    if cfg.mmq and cfg.block_j != 8 * wpg:
+        raise ValueError(f"gemm_q: mmq tile {cfg} needs block_j {8 * wpg} (a step a block of 256)")
 
 
 def k_runs(k: int, wpg: int, cfg: GemmQConfig) -> tuple[int, int, bool]:
@@ -455,6 +472,8 @@ def gemm_q(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = None,
                                             half=HALF_DECODE)
         else:
             cfg = gemm_q_config(w.ggml_type, w.n, w.k, m)
+    if cfg.mmq and w.ggml_type != GGMLType.Q4_K:
+        raise ValueError(f"gemm_q: mmq tiles are for Q4_K, the weight is {w.ggml_type.name}")
     _check_config(cfg, m, wpg)
     s_split, splits, even = k_runs(w.k, wpg, cfg)
     tiles = triton.cdiv(w.n, cfg.block_n)
@@ -462,10 +481,12 @@ def gemm_q(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = None,
         raise ValueError(f"gemm_q: {splits} K splits do not fit a CUDA grid")
     if splits > 1:
         out.zero_()
+    arrays = weight_arrays(w)
     _gemm_q_kernel[(tiles, splits)](
-        x, *weight_arrays(w), out, m, w.n, w.k, x.stride(0), s_split,
+        x, *arrays, out, m, w.n, w.k, x.stride(0), s_split,
         FMT=FMT_ID[w.ggml_type], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_J=cfg.block_j,
         ATOMIC=splits > 1, EVEN=even, SCALE16=scale16(w), ASM=not _INTERPRETED, HALF=cfg.half,
+        MMQ=cfg.mmq, R_QW=arrays[0].stride(0), R_S=arrays[2].stride(0),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_options(pdl_on(out.device)),
     )  # fmt: skip

@@ -37,8 +37,7 @@ import triton
 import triton.language as tl
 
 from deimos.gguf.constants import GGMLType
-from deimos.quant.triton.dequant_gemv import k4_decode
-from deimos.quant.triton.gemm_q import _fma
+from deimos.quant.triton.dequant_gemv import _fma, k4_decode
 
 MMQ_TYPES = (GGMLType.Q4_K, GGMLType.Q6_K)  # the formats with a product here
 
@@ -148,16 +147,17 @@ def halves_columns(k: int):
 
 
 @triton.jit
-def q4k_product(acc, p_qw, p_meta, r_qw, r_meta, o_n, p_xr, m_m, K, X_ORDER: tl.constexpr,
-                HALF: tl.constexpr, ASM: tl.constexpr):
-    """acc ``[BM, BN]`` + x W^T over all K for rows ``o_n`` (int64 ``[BN]``, in range) of a
-    packed Q4_K weight (``p_qw`` int32 words, ``r_qw`` words a row; ``p_meta``, ``r_meta``
-    words a row) and x rows ``p_xr`` (``[BM, 1]`` pointers to each row's first column,
-    float16, its columns in ``X_ORDER``; rows off ``m_m`` read as 0)."""
+def q4k_product(acc, p_qw, p_meta, r_qw, r_meta, o_n, p_xr, m_m, blk_lo, blk_hi,
+                X_ORDER: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
+    """acc ``[BM, BN]`` + x W^T over K's blocks of 256 ``blk_lo .. blk_hi`` (all: 0, K / 256)
+    for rows ``o_n`` (int64 ``[BN]``, in range) of a packed Q4_K weight (``p_qw`` int32 words,
+    ``r_qw`` words a row; ``p_meta``, ``r_meta`` words a row) and x rows ``p_xr`` (``[BM, 1]``
+    pointers to each row's first column, float16, its columns in ``X_ORDER``; rows off ``m_m``
+    read as 0)."""
     o_i = tl.arange(0, 16)
     p_q = p_qw.to(tl.pointer_type(tl.uint8)) + o_n[:, None] * (r_qw * 4) + o_i[None, :]
     p_mt = p_meta + o_n * r_meta
-    for blk in range(K // 256):
+    for blk in range(blk_lo, blk_hi):
         w0 = tl.load(p_mt + blk * 4)
         w1 = tl.load(p_mt + blk * 4 + 1)
         w2 = tl.load(p_mt + blk * 4 + 2)
@@ -181,7 +181,7 @@ def q4k_product(acc, p_qw, p_meta, r_qw, r_meta, o_n, p_xr, m_m, K, X_ORDER: tl.
 
 
 @triton.jit
-def q6k_product(acc, p_qw, p_qh, p_sc, p_d, r_qw, r_qh, r_sc, r_d, o_n, p_xr, m_m, K,
+def q6k_product(acc, p_qw, p_qh, p_sc, p_d, r_qw, r_qh, r_sc, r_d, o_n, p_xr, m_m, blk_lo, blk_hi,
                 X_ORDER: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
     """q4k_product for a packed Q6_K weight (``p_qw`` int32 low-nibble words, ``p_qh`` int16
     high bits, ``p_sc`` int8 scales a 16, ``p_d`` float16 a block; ``r_*`` each array's
@@ -194,7 +194,7 @@ def q6k_product(acc, p_qw, p_qh, p_sc, p_d, r_qw, r_qh, r_sc, r_d, o_n, p_xr, m_
     first = (o_i % 4 < 2)[None, :]  # bytes of the group's first 16 elements
     sel = tl.where(first, 0x0F, 0).to(tl.uint8) + tl.zeros([BN, 16], dtype=tl.uint8)
     p_s = p_sc + o_n * r_sc
-    for blk in range(K // 256):
+    for blk in range(blk_lo, blk_hi):
         d = tl.load(p_d + o_n * r_d + blk).to(tl.float32)
         for j in tl.static_range(8):
             u = blk * 8 + j

@@ -295,11 +295,11 @@ def _moe_gemm_kernel(
                 row = pair // TOP_K
             if MMQ and FMT == Q6_K:
                 acc = q6k_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), p_qw, p_qh, p_s, p_d,
-                                  r_qw, r_qh, r_s, r_d, o_n, p_x + row[:, None] * stride_xm, m_m, K,
-                                  WORDS if X_PERMUTED else ELEMENTS, HALF, ASM)
+                                  r_qw, r_qh, r_s, r_d, o_n, p_x + row[:, None] * stride_xm, m_m, 0,
+                                  K // 256, WORDS if X_PERMUTED else ELEMENTS, HALF, ASM)
             elif MMQ:
                 acc = q4k_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), p_qw, p_s, r_qw, r_s,
-                                  o_n, p_x + row[:, None] * stride_xm, m_m, K,
+                                  o_n, p_x + row[:, None] * stride_xm, m_m, 0, K // 256,
                                   WORDS if X_PERMUTED else ELEMENTS, HALF, ASM)
             else:
                 o_kk = tl.arange(0, BLOCK_K)
