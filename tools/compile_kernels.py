@@ -209,7 +209,8 @@ def _rows_jobs() -> list[Job]:
 def _gemm_q_jobs() -> list[Job]:
     """The batched decode GEMM (quant.triton.gemm_q) per format at the tiles its rule gives
     for llama 8B's matrices at M = 2, 16, 64 (each with the EVEN/ATOMIC flags of that launch),
-    and each tile's masked variant (a K its steps do not divide), unsplit."""
+    and each tile's masked variant (a K its steps do not divide), unsplit; Q4_K's mmq tiles
+    (``mmq_config``) at M = 16 and 32."""
     import importlib
 
     import torch
@@ -233,17 +234,21 @@ def _gemm_q_jobs() -> list[Job]:
                 _, splits, even = g.k_runs(k, wpg, cfg)
                 launches.add((cfg._replace(split_k=1), even, splits > 1))
                 launches.add((cfg._replace(split_k=1), False, False))
+            for m in (16, 32) if kt == GGMLType.Q4_K and t == kt else ():  # mmq's tiles
+                cfg = g.mmq_config(n, k, m)
+                _, splits, even = g.k_runs(k, wpg, cfg)
+                launches.add((cfg._replace(split_k=1), even, splits > 1))
         for cfg, even, atomic in sorted(launches):
             args = [MockTensor(torch.float16)] + [MockTensor(a.dtype) for a in weight_arrays(sample)]
             args += [MockTensor(torch.float32), 16, 4096, 4096, 4096, 32]
             jobs.append(Job("gemm_q_" + t.name,
                             f"M={cfg.block_m} N={cfg.block_n} J={cfg.block_j} w={cfg.num_warps} "
-                            f"st={cfg.num_stages} even={int(even)} atomic={int(atomic)}",
+                            f"st={cfg.num_stages} even={int(even)} atomic={int(atomic)} mmq={int(cfg.mmq)}",
                             _warm_args(g._gemm_q_kernel, args, FMT=FMT_ID[kt], BLOCK_M=cfg.block_m,
                                        BLOCK_N=cfg.block_n, BLOCK_J=cfg.block_j, ATOMIC=atomic,
                                        EVEN=even, SCALE16=scale16(sample), ASM=True,
-                                       HALF=cfg.half, num_warps=cfg.num_warps,
-                                       num_stages=cfg.num_stages, **PDL_KW)))
+                                       HALF=cfg.half, MMQ=cfg.mmq, R_QW=512, R_S=64,
+                                       num_warps=cfg.num_warps, num_stages=cfg.num_stages, **PDL_KW)))
     return jobs
 
 
