@@ -20,7 +20,9 @@ from deimos.gguf import GGUFFile  # noqa: E402
 from deimos.models import ARCHITECTURES, load_model  # noqa: E402
 from deimos.models.gpu.placement import dense_bytes, place_dense, quant_linears  # noqa: E402
 from deimos.models.weights import WeightSource  # noqa: E402
-from deimos.quant.triton.gemm_q import gemm_q_reference  # noqa: E402
+from deimos.gguf.constants import GGMLType  # noqa: E402
+from deimos.models.gpu.linear import GEMV_ROWS  # noqa: E402
+from deimos.quant.triton.gemm_q import MMQ_ROWS, gemm_q_reference  # noqa: E402
 from deimos.synth import write_model  # noqa: E402
 
 DONOR = "models/ggml-vocab-llama-spm.gguf"
@@ -59,9 +61,13 @@ def test_modes_and_memory_checks(kernel_model):
     assert place_dense(kernel_model, "off").dense == 0
 
 
+@pytest.mark.parametrize("which", ["ffn_down", "attn_q"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 70])
-def test_the_rule_with_and_without_the_copy_matches_the_reference(kernel_model, rows):
-    lin = next(lin for lin in quant_linears(kernel_model) if "ffn_down" in lin.name)
+def test_the_rule_with_and_without_the_copy_matches_the_reference(kernel_model, rows, which):
+    """ffn_down (Q4_K: mmq from 5 to 32 rows, copy or not) and attn_q (Q5_0 at this model's
+    K = 128) with and without a copy."""
+    lin = next(lin for lin in quant_linears(kernel_model) if which in lin.name)
+    assert (lin.ggml_type == GGMLType.Q4_K) == (which == "ffn_down")
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, lin.packed.k, generator=g).to(DEVICE)
     want = gemm_q_reference(lin.packed, x)
@@ -79,7 +85,9 @@ def test_the_rule_with_and_without_the_copy_matches_the_reference(kernel_model, 
     # fp16 x (and int8 x for the GEMV rows) against float64: ~1e-3 of the output's scale
     assert (plain - want).abs().max().item() < 2e-2 * scale
     assert (dense - want).abs().max().item() < 2e-2 * scale
-    if rows >= 3:  # the copy's product: fp16 x times the exact fp16 decode, fp32 sums
+    if GEMV_ROWS < rows <= MMQ_ROWS and lin.ggml_type == GGMLType.Q4_K:
+        assert torch.equal(dense, plain)  # Q4_K's 5..32 rows: gemm_q through mmq, copy or not
+    elif rows >= 3:  # the copy's product: fp16 x times the exact fp16 decode, fp32 sums
         from deimos.kernels.triton.matmul import matmul_f16
 
         assert torch.equal(dense, matmul_f16(x.half(), dequantize_fp16(lin.packed)).cpu())

@@ -125,12 +125,12 @@ def test_gemm_q_mmq(cfg: GemmQConfig) -> None:
 
 def test_gemm_q_mmq_config() -> None:
     """mmq's tile rule: 16 rows a tile up to 16 rows of x, then 32; a step a block of 256 (what
-    the kernel's runs need); splits only into runs of two blocks or more."""
+    the kernel's runs need); splits into runs of whole blocks."""
     for n, k in ((4096, 4096), (1024, 4096), (28672, 4096), (4096, 14336), (512, 512)):
         for m in (5, 16, 17, 32):
             cfg = mmq_config(n, k, m)
             assert cfg.mmq and cfg.block_j == 32 and cfg.block_m == (16 if m <= 16 else 32)
-            assert k // cfg.split_k >= 512 or cfg.split_k == 1
+            assert k // cfg.split_k >= 256 and k % (256 * cfg.split_k) == 0
     w, x = _case(GGMLType.Q6_K, 8, 512, 4, seed=0)
     xp = x[:, permuted_columns(w).cpu()].contiguous().to(DEVICE)
     with pytest.raises(ValueError, match="mmq tiles are for Q4_K"):

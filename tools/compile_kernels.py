@@ -208,9 +208,9 @@ def _rows_jobs() -> list[Job]:
 
 def _gemm_q_jobs() -> list[Job]:
     """The batched decode GEMM (quant.triton.gemm_q) per format at the tiles its rule gives
-    for llama 8B's matrices at M = 2, 16, 64 (each with the EVEN/ATOMIC flags of that launch),
-    and each tile's masked variant (a K its steps do not divide), unsplit; Q4_K's mmq tiles
-    (``mmq_config``) at M = 16 and 32."""
+    for llama 8B's matrices at M = 2, 16, 32, 64 (each with the EVEN/ATOMIC flags of that launch),
+    and each tile's masked variant (a K its steps do not divide), unsplit (Q4_K's through mmq
+    up to 32 rows: ``mmq_config``)."""
     import importlib
 
     import torch
@@ -229,15 +229,12 @@ def _gemm_q_jobs() -> list[Job]:
         sample = _packed_sample(t, 4096)
         launches = set()  # what the kernel is specialized on (split_k is only the grid)
         for n, k in shapes:
-            for m in (2, 16, 64):
-                cfg = g.gemm_q_config(kt, n, k, m)
+            for m in (2, 16, 32, 64):
+                cfg = g.gemm_q_config(t, n, k, m)
                 _, splits, even = g.k_runs(k, wpg, cfg)
                 launches.add((cfg._replace(split_k=1), even, splits > 1))
-                launches.add((cfg._replace(split_k=1), False, False))
-            for m in (16, 32) if kt == GGMLType.Q4_K and t == kt else ():  # mmq's tiles
-                cfg = g.mmq_config(n, k, m)
-                _, splits, even = g.k_runs(k, wpg, cfg)
-                launches.add((cfg._replace(split_k=1), even, splits > 1))
+                if not cfg.mmq:  # mmq's runs are whole blocks: never masked
+                    launches.add((cfg._replace(split_k=1), False, False))
         for cfg, even, atomic in sorted(launches):
             args = [MockTensor(torch.float16)] + [MockTensor(a.dtype) for a in weight_arrays(sample)]
             args += [MockTensor(torch.float32), 16, 4096, 4096, 4096, 32]

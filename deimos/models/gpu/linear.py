@@ -5,12 +5,14 @@
   shared by every projection that reads the same activation; weight codes times x codes by
   dp4a; for 2..4 rows gemv_rows, each weight word decoded once for every row); a decode batch of 5 <= T <= 64 rows the batched GEMM that
   reads each packed weight once (gemm_q: a weight tile decoded in registers feeding the
-  tensor cores, x in fp16 with its columns in the weight's word order); longer steps (prefill)
+  tensor cores, x in fp16 with its columns in the weight's word order; Q4_K up to 32 rows
+  through mmq, which beats an fp16 copy too); longer steps (prefill)
   dequantize the weight to a transient fp16 matrix (``dequantize_fp16``, streaming near the
   copy rate) and multiply on the tensor cores (``matmul_f16``). A linear given a resident fp16
   copy (``dense``: the placement's choice, deimos.models.gpu.placement) multiplies every step
   of T >= 3 rows on it (``matmul_f16``: twice gemm_q's speed on the H200, no dequantization
-  at prefill) for the memory of two bytes a weight.
+  at prefill) for the memory of two bytes a weight, but for Q4_K's 5..32-row steps (mmq: 62
+  us against the copy's 87 for llama 8B's gate and up at 16 rows, H100, session 49).
 - ``DenseLinear``: float weights (and formats without a kernel), an fp16 matrix from load:
   ``gemv_f16`` for decode, ``matmul_f16`` for T > 1.
 - ``QuantEmbedding`` / ``DenseEmbedding``: gather the token rows, dequantize only those.
@@ -32,6 +34,7 @@ from deimos.models.gpu.notices import Notices
 from deimos.quant.triton.dequant_gemv import words_per_group
 from deimos.quant.triton import PackedWeight
 from deimos.quant.triton.gemm_q import MAX_ROWS as GEMM_ROWS
+from deimos.quant.triton.gemm_q import MMQ_ROWS
 from deimos.quant.triton.gemm_q import gemm_q
 from deimos.quant.triton.gemv_q8 import QuantizedX, gemv_q8, quantize_x
 from deimos.quant.triton.gemv_rows import gemv_rows
@@ -153,7 +156,7 @@ class QuantLinear:
             y = gemv_q8(self.packed, self.inputs.quantized(x))
         elif t <= GEMV_ROWS and (self.dense is None or t < DENSE_ROWS):
             y = gemv_rows(self.packed, self.inputs.quantized(x))
-        elif self.dense is not None:
+        elif self.dense is not None and not (GEMV_ROWS < t <= MMQ_ROWS and self.ggml_type == GGMLType.Q4_K):
             y = matmul_f16(self.inputs.half(x), self.dense, scratch=self.inputs.split, ahead=True)
         elif t <= GEMM_ROWS:
             y = gemm_q(self.packed, self.inputs.permuted(x, self._words, self._columns()))

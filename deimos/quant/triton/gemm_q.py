@@ -75,6 +75,12 @@ from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 from deimos.switches import env_switch
 
 MAX_ROWS = 64  # activation rows a call (one M tile: block_m <= 64)
+# Q4_K up to this many rows through mmq (``mmq_config``). H100, session 49
+# (bench/exp_gemm_dense_mmq.py, llama 8B's Q4_K matrices, CUDA-graph replays from HBM): at 16
+# rows [28672, 4096] 62 us against the register decode's 149 and an fp16 copy's 87, [4096,
+# 4096] 14 / 23 / 15; at 32 rows 71 / 201 / 129. At 64 rows an expert stack's mmq was slower
+# than the register decode (moe_gemm.MMQ_MAX_BLOCK_M).
+MMQ_ROWS = 32
 # The weight decode of gemm_q's rule and of moe_gemm: float32 rounded once (``decode_tile``);
 # read once, DEIMOS_DECODE_F16=1 the float16 one, for A/B measurements (as DEIMOS_PDL=0)
 HALF_DECODE = env_switch("DEIMOS_DECODE_F16", False)
@@ -365,6 +371,8 @@ def gemm_q_config(ggml_type: GGMLType, n: int, k: int, m: int) -> GemmQConfig:
     the tile stays within twice that (on 8 warps); 4 warps, 3-stage pipelined loads (4 for
     the small tiles, whose stages are cheap). ``ggml_type``: the weight's kernel format (a
     format packed in another's layout, e.g. IQ4_XS, gets that layout's rule)."""
+    if GGMLType(ggml_type) == GGMLType.Q4_K and m <= MMQ_ROWS:
+        return mmq_config(n, k, m)
     t = KERNEL_TYPE.get(GGMLType(ggml_type), GGMLType(ggml_type))
     nk = 32 // words_per_group(t)
     bpw = _bits_per_weight(t)
@@ -394,21 +402,23 @@ def gemm_q_config(ggml_type: GGMLType, n: int, k: int, m: int) -> GemmQConfig:
 
 def mmq_config(n: int, k: int, m: int) -> GemmQConfig:
     """The tile of a Q4_K product through mmq (``GemmQConfig.mmq``), M <= 32 rows: 128 weight
-    rows a program at 16 rows, 64 at 32 (bench/exp_gemm_mmq.py, H100, session 49: the best of
-    six tiles at both), 4 warps, 3 stages, a step a block of 256; K split as ``gemm_q_config``
-    splits it (``_cost``: the fewest bytes for the SMs kept busy), each run two blocks or more."""
+    rows a program at 16 rows (64 where that alone keeps too few programs), 64 at 32
+    (bench/exp_gemm_mmq.py, H100, session 49: the best of six tiles at both), 4 warps, 3
+    stages, a step a block of 256; K split as ``gemm_q_config`` splits it (``_cost``: the
+    fewest bytes for the SMs kept busy) into runs of whole blocks."""
     block_m = 16 if m <= 16 else 32
-    block_n = 128 if m <= 16 else 64
     bpw = _bits_per_weight(GGMLType.Q4_K)
-    best, split = None, 1
-    while True:
-        c = _cost(n, k, m, bpw, block_n, split)
-        if best is None or c < best[0] * 0.97:
-            best = (c, split)
-        if split >= 16 or k // (2 * split) < 2 * 256:
-            break
-        split *= 2
-    return GemmQConfig(block_m, block_n, 32, 4, 3, best[1], HALF_DECODE, True)
+    best = None
+    for block_n in (128, 64) if m <= 16 else (64,):
+        split = 1
+        while True:
+            c = _cost(n, k, m, bpw, block_n, split)
+            if best is None or c < best[0] * 0.97:
+                best = (c, block_n, split)
+            if split >= 16 or k // (2 * split) < 256:
+                break
+            split *= 2
+    return GemmQConfig(block_m, best[1], 32, 4, 3, best[2], HALF_DECODE, True)
 
 
 def _check_config(cfg: GemmQConfig, m: int, wpg: int) -> None:
