@@ -5,6 +5,8 @@
 #     registers (bench/exp_gemm_mmq.py, expert-like stacks); qwen3moe 30B-A3B and qwen35moe
 #     35B-A3B pp512 / tg128 with DEIMOS_MOE_MMQ=0 and 1, llama-bench beside qwen3moe; the MoE
 #     and norm GPU tests
+#   bench/gpu_round_s49.sh dense   # llama 8B, 16 and 64 requests: this tree against dd741d0
+#     (carry .peer/base too: git archive dd741d0 deimos bench/engine_batch.py)
 #   bench/gpu_round_s49.sh ab   # qwen3moe batch 1: DEIMOS_ATTN_MERGE 0 / 1, DEIMOS_MOE_DEFER=0
 #   bench/gpu_round_s49.sh batch   # qwen3moe 30B-A3B, 16 and 64 requests at once, mmq off / on
 . bench/gpu_env.sh
@@ -45,5 +47,15 @@ ab)  # session 46's switches at batch 1 on qwen3moe 30B-A3B (attention merge, th
   b1m $M30 q3 DEIMOS_ATTN_MERGE=0; b1m $M30 q3 DEIMOS_ATTN_MERGE=1; b1m $M30 q3 DEIMOS_MOE_DEFER=0
   gputests "merge" tests/test_triton_paged_attention.py
   idle | say ;;
-*) echo "usage: $0 mmq|batch|ab" >&2; exit 2 ;;
+dense)  # llama 8B Q4_K_M, 16 and 64 requests at once and batch 1: this tree (Q4_K's 5..32-row
+  # steps through mmq) against .peer/base (a git archive of dd741d0: deimos, bench/engine_batch.py)
+  setup; idle | say
+  synth llama-8b $M8 Q4_K_M llama-bpe
+  timeout ${BATCH_S:-150} python3 bench/engine_batch.py $M8 -c 16,64 -n 128 > "$OUT/l8-batch-new.txt" 2>&1
+  grep -E "^\| (default|greedy)" "$OUT/l8-batch-new.txt" | sed "s/^/new /" | say
+  base timeout ${BATCH_S:-150} python3 bench/engine_batch.py $M8 -c 16,64 -n 128 > "$OUT/l8-batch-base.txt" 2>&1
+  grep -E "^\| (default|greedy)" "$OUT/l8-batch-base.txt" | sed "s/^/base /" | say
+  gputests "Q4_K" tests/test_triton_gemm_q.py
+  idle | say ;;
+*) echo "usage: $0 mmq|batch|ab|dense" >&2; exit 2 ;;
 esac

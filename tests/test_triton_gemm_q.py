@@ -256,7 +256,7 @@ PERIOD = 512  # the GPU test's weights: PERIOD random rows repeated (packing 117
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [2, 16, 64], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("m", [2, 16, 32, 64], ids=lambda m: f"m{m}")
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("t", [*FMT_ID, GGMLType.IQ2_XS], ids=lambda t: t.name)
 def test_gemm_q_gpu(t: GGMLType, shape: tuple[int, int], m: int) -> None:
