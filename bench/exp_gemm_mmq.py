@@ -190,7 +190,7 @@ def mmq2_q4k(rp, n: int, k: int, qx, out: torch.Tensor, bm: int, bn: int, warps:
 @triton.jit
 def engine_kernel(p_x, p_qw, p_qh, p_s, p_d, p_y, M, N, K, r_qw, r_qh, r_s, r_d, BM: tl.constexpr,
                   BN: tl.constexpr, Q6: tl.constexpr, X_ORDER: tl.constexpr, HALF: tl.constexpr,
-                  ASM: tl.constexpr):
+                  ASM: tl.constexpr, SWAP: tl.constexpr = False, JOIN: tl.constexpr = False):
     """y = x W^T by the engine's ``mmq.q4k_product`` / ``q6k_product`` (moe_gemm's loop), one
     program a [BM, BN] tile."""
     o_n, o_m, m_m = _tile(M, BM, BN)
@@ -199,14 +199,18 @@ def engine_kernel(p_x, p_qw, p_qh, p_s, p_d, p_y, M, N, K, r_qw, r_qh, r_s, r_d,
     if Q6:
         acc = q6k_product(acc, p_qw, p_qh, p_s, p_d, r_qw, r_qh, r_s, r_d, o_n.to(tl.int64), p_xr, m_m, 0,
                           K // 256, X_ORDER, HALF, ASM)
+    elif SWAP:  # the weights the dot's first operand: acc [BN, BM]
+        acc_t = q4k_product(tl.zeros([BN, BM], tl.float32), p_qw, p_s, r_qw, r_s, o_n.to(tl.int64), p_xr,
+                            m_m, 0, K // 256, X_ORDER, HALF, ASM, True, JOIN)
+        acc = tl.trans(acc_t)
     else:
         acc = q4k_product(acc, p_qw, p_s, r_qw, r_s, o_n.to(tl.int64), p_xr, m_m, 0, K // 256, X_ORDER,
-                          HALF, ASM)
+                          HALF, ASM, False, JOIN)
     tl.store(p_y + o_m[:, None] * N + o_n[None, :], acc, mask=m_m[:, None])
 
 
 def engine_mmq(pw, x, out: torch.Tensor, bm: int, bn: int, warps: int, stages: int, half: bool,
-               x_order: int) -> None:
+               x_order: int, swap: bool = False, join: bool = False) -> None:
     """``engine_kernel`` on a PackedWeight (Q4_K or Q6_K), x in ``x_order``."""
     t = pw.tensors
     q6 = pw.ggml_type == GGMLType.Q6_K
@@ -214,7 +218,8 @@ def engine_mmq(pw, x, out: torch.Tensor, bm: int, bn: int, warps: int, stages: i
     sc, d = (t["sc"], t["d"]) if q6 else (t["meta"], t["meta"])
     grid = (pw.n // bn, triton.cdiv(x.shape[0], bm))
     engine_kernel[grid](x, qw, qh, sc, d, out, x.shape[0], pw.n, pw.k, qw.stride(0), qh.stride(0), sc.stride(0),
-                        d.stride(0), BM=bm, BN=bn, Q6=q6, X_ORDER=x_order, HALF=half, ASM=DEV == "cuda",
+                        d.stride(0), BM=bm, BN=bn, Q6=q6, X_ORDER=x_order, HALF=half, ASM=DEV == "cuda", SWAP=swap,
+                        JOIN=join,
                         num_warps=warps, num_stages=stages)
 
 
@@ -263,11 +268,13 @@ def main() -> None:
     ap.add_argument("--rows", default="16,32,64")
     ap.add_argument("--v1", action="store_true", help="also the integer kernel on GGUF's own blocks")
     ap.add_argument("--q6k", action="store_true", help="also Q6_K against gemm_q")
+    ap.add_argument("--only", default="", help="only the variants whose label holds one of these "
+                    "comma-separated words (e.g. swap,gemm_q)")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     gpu = DEV != "cpu"
-    tiles = ((16, 64, 4, 3), (16, 128, 4, 3), (16, 64, 2, 4), (32, 64, 4, 3), (64, 64, 4, 3),
-             (64, 128, 8, 3)) if gpu else ((16, 32, 4, 1),)
+    tiles = ((16, 64, 4, 3), (16, 128, 4, 3), (16, 64, 2, 4), (32, 64, 4, 3), (32, 128, 4, 3),
+             (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3)) if gpu else ((16, 32, 4, 1),)
     for shape in a.shapes:
         n, k = (int(v) for v in shape.split("x"))
         rows = min(1024, n)
@@ -285,6 +292,8 @@ def main() -> None:
                 ref = x.float() @ wf.T
 
                 def check(label, fn):
+                    if a.only and not any(w in label for w in a.only.split(",")):
+                        return
                     try:
                         out.zero_()
                         fn()
@@ -318,6 +327,10 @@ def main() -> None:
                               lambda: engine_mmq(pw, xh, out, bm, bn, warps, st, half, HALVES))
                     check(f"mmq elements m{bm} n{bn} w{warps} s{st}",
                           lambda: engine_mmq(pw, x, out, bm, bn, warps, st, False, ELEMENTS))
+                    if t == GGMLType.Q4_K:
+                        for swap, join in ((True, False), (False, True), (True, True)):
+                            check(f"mmq elements{' swap' * swap}{' join' * join} m{bm} n{bn} w{warps} s{st}",
+                                  lambda: engine_mmq(pw, x, out, bm, bn, warps, st, False, ELEMENTS, swap, join))
                 if gpu:
                     from deimos.models.gpu.dequant import permuted_columns
                     from deimos.quant.triton.gemm_q import gemm_q

@@ -137,6 +137,21 @@ def x_halves(p_g, m_m, X_ORDER: tl.constexpr):
     return x0, x1
 
 
+@triton.jit
+def x_pairs(p_g, m_m, X_ORDER: tl.constexpr):
+    """A group's x as one ``[BM, 32]`` float16 tile in the pairs' order: column 2 i + h
+    multiplies byte i's nibble h (the packed words' order, WORDS: one contiguous load)."""
+    BM: tl.constexpr = p_g.shape[0]
+    if X_ORDER == 2:
+        x0, x1 = x_halves(p_g, m_m, X_ORDER)
+        x = tl.reshape(tl.join(x0, x1), (BM, 32))
+    else:
+        x = tl.load(p_g + tl.arange(0, 32)[None, :], mask=m_m[:, None], other=0.0)
+        if X_ORDER == 0:
+            x = tl.reshape(tl.permute(tl.reshape(x, (BM, 4, 2, 4)), (0, 3, 1, 2)), (BM, 32))
+    return x
+
+
 def halves_columns(k: int):
     """The element at each column of x in the HALVES order (torch int64 ``[k]``)."""
     import torch
@@ -148,13 +163,19 @@ def halves_columns(k: int):
 
 @triton.jit
 def q4k_product(acc, p_qw, p_meta, r_qw, r_meta, o_n, p_xr, m_m, blk_lo, blk_hi,
-                X_ORDER: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
+                X_ORDER: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr,
+                SWAP: tl.constexpr = False, JOIN: tl.constexpr = False):
     """acc ``[BM, BN]`` + x W^T over K's blocks of 256 ``blk_lo .. blk_hi`` (all: 0, K / 256)
     for rows ``o_n`` (int64 ``[BN]``, in range) of a packed Q4_K weight (``p_qw`` int32 words,
     ``r_qw`` words a row; ``p_meta``, ``r_meta`` words a row) and x rows ``p_xr`` (``[BM, 1]``
     pointers to each row's first column, float16, its columns in ``X_ORDER``; rows off ``m_m``
-    read as 0)."""
+    read as 0). SWAP: acc is ``[BN, BM]`` and gets W x^T, the weights the dot's first operand
+    (the tensor cores' warps then split the weight rows: each warp decodes only its own, where
+    with x first and more than 16 rows of x warps split x's rows and each decodes every weight
+    row of the tile). JOIN: a group's two halves joined into one K = 32 dot (columns in the
+    pairs' order, ``x_pairs``) instead of two K = 16 dots."""
     o_i = tl.arange(0, 16)
+    BN: tl.constexpr = o_n.shape[0]
     p_q = p_qw.to(tl.pointer_type(tl.uint8)) + o_n[:, None] * (r_qw * 4) + o_i[None, :]
     p_mt = p_meta + o_n * r_meta
     for blk in range(blk_lo, blk_hi):
@@ -169,15 +190,34 @@ def q4k_product(acc, p_qw, p_meta, r_qw, r_meta, o_n, p_xr, m_m, blk_lo, blk_hi,
                 sc, mn = k4_decode(w0, w1, w3, j)
             else:
                 sc, mn = k4_decode(w0, w2, w3, j)
-            xs = x_halves(p_xr + u * 32, m_m, X_ORDER)
-            for h in tl.static_range(2):
-                q = codes16(b, h == 1, ASM)
-                if HALF:
-                    w = _fma(q, sc.to(tl.float16)[:, None], -mn.to(tl.float16)[:, None], True, ASM)
+            if JOIN:
+                w = tl.reshape(tl.join(_q4_weights(b, sc, mn, False, HALF, ASM),
+                                       _q4_weights(b, sc, mn, True, HALF, ASM)), (BN, 32))
+                x = x_pairs(p_xr + u * 32, m_m, X_ORDER)
+                if SWAP:
+                    acc = tl.dot(w, tl.trans(x), acc, out_dtype=tl.float32)
                 else:
-                    w = _fma(q.to(tl.float32), sc[:, None], -mn[:, None], False, ASM).to(tl.float16)
-                acc = tl.dot(xs[h], tl.trans(w), acc, out_dtype=tl.float32)
+                    acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.float32)
+            else:
+                xs = x_halves(p_xr + u * 32, m_m, X_ORDER)
+                for h in tl.static_range(2):
+                    w = _q4_weights(b, sc, mn, h == 1, HALF, ASM)
+                    if SWAP:
+                        acc = tl.dot(w, tl.trans(xs[h]), acc, out_dtype=tl.float32)
+                    else:
+                        acc = tl.dot(xs[h], tl.trans(w), acc, out_dtype=tl.float32)
     return acc
+
+
+@triton.jit
+def _q4_weights(b, sc, mn, HIGH: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
+    """A group's float16 weights ``[BN, 16]`` from its code bytes' low (or high) nibbles."""
+    q = codes16(b, HIGH, ASM)
+    if HALF:
+        w = _fma(q, sc.to(tl.float16)[:, None], -mn.to(tl.float16)[:, None], True, ASM)
+    else:
+        w = _fma(q.to(tl.float32), sc[:, None], -mn[:, None], False, ASM).to(tl.float16)
+    return w
 
 
 @triton.jit
