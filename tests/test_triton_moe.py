@@ -309,11 +309,12 @@ def _chunked(w: PackedWeight, n: int, spc: int, missing: int) -> tuple[PackedWei
     return template, ExpertChunks(tables, spc), keep
 
 
-@pytest.mark.parametrize("t", [GGMLType.Q5_K, GGMLType.IQ2_XS],
+@pytest.mark.parametrize("t", [GGMLType.Q5_K, GGMLType.IQ2_XS, GGMLType.Q4_K, GGMLType.Q6_K],
                          ids=lambda t: t.name)
 def test_moe_chunked_slots(t: GGMLType) -> None:
     """Slots in chunks of 2 (3 chunks for 5 slots; slot 4 unused, so its chunk is not
-    allocated): both kernels give exactly what they give on the one stack."""
+    allocated): both kernels give exactly what they give on the one stack (Q4_K through mmq
+    by default, Q6_K asked to)."""
     n, k = 29, 256
     w = _stack(t, n, k, seed=41)
     slot_of_host = [3, -1, 0, -1, -1, 1, 2]  # expert 3 (slot 4, chunk 2) off the device
@@ -327,9 +328,10 @@ def test_moe_chunked_slots(t: GGMLType) -> None:
     assert torch.equal(got, flat)
     tiles = moe_align(ids, E, 16)
     x = torch.randn(4, k, generator=torch.Generator().manual_seed(43)).half().to(DEVICE)
-    flat = moe_gemm(x, w, n, tiles, slot_of, "token", x_permuted=False)
+    mmq = True if t == GGMLType.Q6_K else None
+    flat = moe_gemm(x, w, n, tiles, slot_of, "token", x_permuted=False, mmq=mmq)
     got = moe_gemm(x, template, n, tiles, slot_of, "token", x_permuted=False, chunks=chunks,
-                   out=torch.full_like(flat, float("nan")))  # fmt: skip
+                   out=torch.full_like(flat, float("nan")), mmq=mmq)  # fmt: skip
     assert torch.equal(got, flat)
     assert flat.abs().sum() > 0
     del keep
