@@ -62,7 +62,7 @@ dense)  # llama 8B Q4_K_M, 16 and 64 requests at once and batch 1: this tree (Q4
 join)  # mmq's SWAP / JOIN variants at 16, 32, 64 rows an expert against gemm_q (~3 min)
   setup; idle | say
   timeout ${EXP_S:-240} python3 bench/exp_gemm_mmq.py ${SHAPES:-196608x2048} --rows ${ROWS:-16,32,64} \
-    --only elements,gemm_q > "$OUT/join.txt" 2>&1
+    --only elements,gemm_q --q6k > "$OUT/join.txt" 2>&1
   grep -E "x[0-9]+:|M=" "$OUT/join.txt" | cut -c1-100 | say
   idle | say ;;
 *) echo "usage: $0 mmq|batch|ab|dense|join" >&2; exit 2 ;;

@@ -107,6 +107,12 @@ def codes6(b, hb, sel, HIGH: tl.constexpr, ASM: tl.constexpr):
     return q
 
 
+@triton.jit
+def _byte(w, k: tl.constexpr):
+    """Signed byte k of int32 words ``w`` (little-endian), as int32."""
+    return (w << (24 - 8 * k)) >> 24
+
+
 # x's column orders (``X_ORDER``): as the elements; the packed words' order (gemm_q's contract,
 # dequant.permuted_columns); by halves (``halves_columns``: a group's low-nibble half, then its
 # high one, each in byte order: one contiguous load a half). ``x_halves`` reads each.
@@ -229,19 +235,28 @@ def q6k_product(acc, p_qw, p_qh, p_sc, p_d, r_qw, r_qh, r_sc, r_d, o_n, p_xr, m_
     BN: tl.constexpr = o_n.shape[0]
     o_i = tl.arange(0, 16)
     p_q = p_qw.to(tl.pointer_type(tl.uint8)) + o_n[:, None] * (r_qw * 4) + o_i[None, :]
-    p_h = (p_qh.to(tl.pointer_type(tl.uint8)) + o_n[:, None] * (r_qh * 2)
-           + (2 * (o_i // 4) + o_i % 2)[None, :])  # fmt: skip
+    # a group's 8 high-bit bytes, one contiguous (cp.async) load a row, widened in registers
+    # to byte i's: qh byte 2 (i // 4) + i % 2 (a gather of bytes there is a 2-byte global load
+    # a pair, not pipelined: session 49's SASS)
+    p_h = p_qh.to(tl.pointer_type(tl.uint8)) + o_n[:, None] * (r_qh * 2) + tl.arange(0, 8)[None, :]
     first = (o_i % 4 < 2)[None, :]  # bytes of the group's first 16 elements
     sel = tl.where(first, 0x0F, 0).to(tl.uint8) + tl.zeros([BN, 16], dtype=tl.uint8)
-    p_s = p_sc + o_n * r_sc
+    # a block's 16 scales as 4 words a row (one 16-byte load), not a byte load a group
+    p_s = p_sc.to(tl.pointer_type(tl.int32)) + o_n * (r_sc // 4)
     for blk in range(blk_lo, blk_hi):
         d = tl.load(p_d + o_n * r_d + blk).to(tl.float32)
+        sw0 = tl.load(p_s + blk * 4)
+        sw1 = tl.load(p_s + blk * 4 + 1)
+        sw2 = tl.load(p_s + blk * 4 + 2)
+        sw3 = tl.load(p_s + blk * 4 + 3)
         for j in tl.static_range(8):
             u = blk * 8 + j
             b = tl.load(p_q + u * 16)  # [BN, 16] low-nibble bytes of group u
-            hb = tl.load(p_h + u * 8)  # [BN, 16] each byte's high bits
-            s_a = tl.load(p_s + 2 * u).to(tl.float32) * d
-            s_b = tl.load(p_s + 2 * u + 1).to(tl.float32) * d
+            h8 = tl.reshape(tl.load(p_h + u * 8), (BN, 4, 2))  # [row, w, pair]
+            hb = tl.reshape(tl.permute(tl.join(h8, h8), (0, 1, 3, 2)), (BN, 16))  # byte 4 w + 2 d + p
+            sw = sw0 if j < 2 else (sw1 if j < 4 else (sw2 if j < 6 else sw3))
+            s_a = _byte(sw, (2 * j) % 4).to(tl.float32) * d
+            s_b = _byte(sw, (2 * j + 1) % 4).to(tl.float32) * d
             xs = x_halves(p_xr + u * 32, m_m, X_ORDER)
             for h in tl.static_range(2):
                 q = codes6(b, hb, sel, h == 1, ASM)
