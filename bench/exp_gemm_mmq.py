@@ -45,6 +45,7 @@ from deimos.quant.triton.mmq import (
     WORDS,
     halves_columns,
     q4k_product,
+    q5k_product,
     q6k_product,
 )
 
@@ -190,13 +191,17 @@ def mmq2_q4k(rp, n: int, k: int, qx, out: torch.Tensor, bm: int, bn: int, warps:
 @triton.jit
 def engine_kernel(p_x, p_qw, p_qh, p_s, p_d, p_y, M, N, K, r_qw, r_qh, r_s, r_d, BM: tl.constexpr,
                   BN: tl.constexpr, Q6: tl.constexpr, X_ORDER: tl.constexpr, HALF: tl.constexpr,
-                  ASM: tl.constexpr, SWAP: tl.constexpr = False, JOIN: tl.constexpr = False):
-    """y = x W^T by the engine's ``mmq.q4k_product`` / ``q6k_product`` (moe_gemm's loop), one
-    program a [BM, BN] tile."""
+                  ASM: tl.constexpr, SWAP: tl.constexpr = False, JOIN: tl.constexpr = False,
+                  Q5: tl.constexpr = False):
+    """y = x W^T by the engine's ``mmq.q4k_product`` / ``q5k_product`` / ``q6k_product``
+    (moe_gemm's loop), one program a [BM, BN] tile."""
     o_n, o_m, m_m = _tile(M, BM, BN)
     acc = tl.zeros([BM, BN], tl.float32)
     p_xr = p_x + o_m[:, None] * K
-    if Q6:
+    if Q5:
+        acc = q5k_product(acc, p_qw, p_qh, p_s, r_qw, r_qh, r_s, o_n.to(tl.int64), p_xr, m_m, 0, K // 256,
+                          X_ORDER, HALF, ASM)
+    elif Q6:
         acc = q6k_product(acc, p_qw, p_qh, p_s, p_d, r_qw, r_qh, r_s, r_d, o_n.to(tl.int64), p_xr, m_m, 0,
                           K // 256, X_ORDER, HALF, ASM)
     elif SWAP:  # the weights the dot's first operand: acc [BN, BM]
@@ -211,16 +216,16 @@ def engine_kernel(p_x, p_qw, p_qh, p_s, p_d, p_y, M, N, K, r_qw, r_qh, r_s, r_d,
 
 def engine_mmq(pw, x, out: torch.Tensor, bm: int, bn: int, warps: int, stages: int, half: bool,
                x_order: int, swap: bool = False, join: bool = False) -> None:
-    """``engine_kernel`` on a PackedWeight (Q4_K or Q6_K), x in ``x_order``."""
+    """``engine_kernel`` on a PackedWeight (Q4_K, Q5_K or Q6_K), x in ``x_order``."""
     t = pw.tensors
     q6 = pw.ggml_type == GGMLType.Q6_K
+    q5 = pw.ggml_type == GGMLType.Q5_K
     qw, qh = t["qw"], t.get("qh", t["qw"])
     sc, d = (t["sc"], t["d"]) if q6 else (t["meta"], t["meta"])
     grid = (pw.n // bn, triton.cdiv(x.shape[0], bm))
     engine_kernel[grid](x, qw, qh, sc, d, out, x.shape[0], pw.n, pw.k, qw.stride(0), qh.stride(0), sc.stride(0),
                         d.stride(0), BM=bm, BN=bn, Q6=q6, X_ORDER=x_order, HALF=half, ASM=DEV == "cuda", SWAP=swap,
-                        JOIN=join,
-                        num_warps=warps, num_stages=stages)
+                        JOIN=join, Q5=q5, num_warps=warps, num_stages=stages)
 
 
 def quantize_x8(x: torch.Tensor, planes: int):
@@ -262,15 +267,16 @@ def _packed(t: GGMLType, rows: int, n: int, k: int, rng):
     return blocks, pw, wf.repeat(n // rows, 1).to(DEV)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("shapes", nargs="*", default=["28672x4096", "196608x2048", "262144x768"])
     ap.add_argument("--rows", default="16,32,64")
     ap.add_argument("--v1", action="store_true", help="also the integer kernel on GGUF's own blocks")
     ap.add_argument("--q6k", action="store_true", help="also Q6_K against gemm_q")
+    ap.add_argument("--q5k", action="store_true", help="also Q5_K against gemm_q")
     ap.add_argument("--only", default="", help="only the variants whose label holds one of these "
                     "comma-separated words (e.g. swap,gemm_q)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     gpu = DEV != "cpu"
     tiles = ((16, 64, 4, 3), (16, 128, 4, 3), (16, 64, 2, 4), (32, 64, 4, 3), (32, 128, 4, 3),
@@ -278,8 +284,8 @@ def main() -> None:
     for shape in a.shapes:
         n, k = (int(v) for v in shape.split("x"))
         rows = min(1024, n)
-        mats = {t: _packed(t, rows, n, k, rng) for t in ([GGMLType.Q4_K, GGMLType.Q6_K] if a.q6k
-                                                         else [GGMLType.Q4_K])}
+        types = [GGMLType.Q4_K] + [GGMLType.Q5_K] * a.q5k + [GGMLType.Q6_K] * a.q6k
+        mats = {t: _packed(t, rows, n, k, rng) for t in types}
         blocks = mats[GGMLType.Q4_K][0]
         raw = torch.from_numpy(blocks.copy())
         w = raw.repeat(n // rows, 1).contiguous().to(DEV)

@@ -76,7 +76,7 @@ def main() -> int:
             rule = moe_gemm_config(w.ggml_type, n, w.k, bm)
 
             def run(cfg, tiles=tiles, w=w, n=n, xin=xin, rows=rows):
-                return moe_gemm(xin, w, n, tiles, slot_of, rows, x_permuted=False, cfg=cfg)
+                return moe_gemm(xin, w, n, tiles, slot_of, rows, x_permuted=False, cfg=cfg, mmq=False)
 
             if ref is None:
                 ref = run(rule).double()

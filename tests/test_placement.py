@@ -64,8 +64,9 @@ def test_modes_and_memory_checks(kernel_model):
 @pytest.mark.parametrize("which", ["ffn_down", "attn_q"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 70])
 def test_the_rule_with_and_without_the_copy_matches_the_reference(kernel_model, rows, which):
-    """ffn_down (Q4_K: mmq from 5 to 32 rows, copy or not) and attn_q (Q5_0 at this model's
-    K = 128) with and without a copy."""
+    """ffn_down (Q4_K: from 5 to 32 rows the copy is skipped for gemm_q, whose rule takes mmq
+    on a GPU; the interpreter's tile here) and attn_q (Q5_0 at this model's K = 128) with and
+    without a copy."""
     lin = next(lin for lin in quant_linears(kernel_model) if which in lin.name)
     assert (lin.ggml_type == GGMLType.Q4_K) == (which == "ffn_down")
     g = torch.Generator().manual_seed(rows)

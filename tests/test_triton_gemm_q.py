@@ -26,6 +26,7 @@ from deimos.quant.triton.gemm_q import (
     gemm_q,
     gemm_q_config,
     gemm_q_reference,
+    k_runs,
     mmq_config,
 )
 from deimos.quant.triton.layout import PackedWeight, pack
@@ -108,32 +109,35 @@ def test_gemm_q_tiles(t: GGMLType, cfg: GemmQConfig) -> None:
     _check(w, x, _run(w, x, cfg), f"{t.name} m={m} {cfg}", cfg.half)
 
 
-# Q4_K through mmq.q4k_product: both of mmq_config's tiles, K whole and split into runs of
-# whole blocks (2: even, 3: the last run short), float32 and float16 weights
+# Q4_K, Q5_K and Q6_K through mmq's products: both of mmq_config's tile heights, K of 5 blocks
+# whole and split into runs of whole blocks (2: 3 + 2, 3: 2 + 2 + 1, the last run short),
+# float32 and float16 weights
 MMQ_TILES = [GemmQConfig(16, 32, 32, 4, 1, 1, False, True), GemmQConfig(32, 64, 32, 4, 2, 2, False, True),
              GemmQConfig(16, 16, 32, 4, 2, 3, True, True), GemmQConfig(32, 32, 32, 4, 1, 1, True, True)]
 
 
 @pytest.mark.parametrize("cfg", MMQ_TILES, ids=lambda c: "m{}_n{}_k{}{}".format(
     c.block_m, c.block_n, c.split_k, "_half" if c.half else ""))
-def test_gemm_q_mmq(cfg: GemmQConfig) -> None:
-    n, k = 37, 1536
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_gemm_q_mmq(t: GGMLType, cfg: GemmQConfig) -> None:
+    n, k = 37, 1280
     m = 13 if cfg.block_m == 16 else 27
-    w, x = _case(GGMLType.Q4_K, n, k, m, seed=9)
-    _check(w, x, _run(w, x, cfg), f"Q4_K m={m} {cfg}", cfg.half)
+    w, x = _case(t, n, k, m, seed=9)
+    _check(w, x, _run(w, x, cfg), f"{t.name} m={m} {cfg}", cfg.half)
 
 
 def test_gemm_q_mmq_config() -> None:
     """mmq's tile rule: 16 rows a tile up to 16 rows of x, then 32; a step a block of 256 (what
     the kernel's runs need); splits into runs of whole blocks."""
-    for n, k in ((4096, 4096), (1024, 4096), (28672, 4096), (4096, 14336), (512, 512)):
+    for n, k in ((4096, 4096), (1024, 4096), (28672, 4096), (4096, 14336), (512, 512), (1536, 8960)):
         for m in (5, 16, 17, 32):
             cfg = mmq_config(n, k, m)
             assert cfg.mmq and cfg.block_j == 32 and cfg.block_m == (16 if m <= 16 else 32)
-            assert k // cfg.split_k >= 256 and k % (256 * cfg.split_k) == 0
-    w, x = _case(GGMLType.Q6_K, 8, 512, 4, seed=0)
+            s_split, runs, _ = k_runs(k, 4, cfg)
+            assert s_split % 8 == 0 and runs * s_split >= k // 32 > (runs - 1) * s_split
+    w, x = _case(GGMLType.Q8_0, 8, 512, 4, seed=0)
     xp = x[:, permuted_columns(w).cpu()].contiguous().to(DEVICE)
-    with pytest.raises(ValueError, match="mmq tiles are for Q4_K"):
+    with pytest.raises(ValueError, match="mmq tiles are for Q4_K, Q5_K, Q6_K, the weight is Q8_0"):
         gemm_q(w, xp, cfg=mmq_config(8, 512, 4))
     w, _ = _case(GGMLType.Q4_K, 8, 512, 4, seed=0)
     with pytest.raises(ValueError, match="needs block_j 32"):

@@ -314,7 +314,7 @@ def _chunked(w: PackedWeight, n: int, spc: int, missing: int) -> tuple[PackedWei
 def test_moe_chunked_slots(t: GGMLType) -> None:
     """Slots in chunks of 2 (3 chunks for 5 slots; slot 4 unused, so its chunk is not
     allocated): both kernels give exactly what they give on the one stack (Q4_K through mmq
-    by default, Q6_K asked to)."""
+    by default, Q5_K and Q6_K asked to)."""
     n, k = 29, 256
     w = _stack(t, n, k, seed=41)
     slot_of_host = [3, -1, 0, -1, -1, 1, 2]  # expert 3 (slot 4, chunk 2) off the device
@@ -328,7 +328,7 @@ def test_moe_chunked_slots(t: GGMLType) -> None:
     assert torch.equal(got, flat)
     tiles = moe_align(ids, E, 16)
     x = torch.randn(4, k, generator=torch.Generator().manual_seed(43)).half().to(DEVICE)
-    mmq = True if t == GGMLType.Q6_K else None
+    mmq = True if t in (GGMLType.Q5_K, GGMLType.Q6_K) else None
     flat = moe_gemm(x, w, n, tiles, slot_of, "token", x_permuted=False, mmq=mmq)
     got = moe_gemm(x, template, n, tiles, slot_of, "token", x_permuted=False, chunks=chunks,
                    out=torch.full_like(flat, float("nan")), mmq=mmq)  # fmt: skip
@@ -420,7 +420,9 @@ def test_moe_block_m_rule() -> None:
 
 def _check_gemm(w: PackedWeight, n: int, x: torch.Tensor, ids: torch.Tensor, x_rows: str,
                 permuted: bool, block_m: int, cfg: MoeGemmConfig | None, what: str,
-                mmq: bool | None = None) -> torch.Tensor:
+                mmq: bool | None = False) -> torch.Tensor:
+    """moe_gemm against the oracles; ``mmq`` False by default: the register decode's tests
+    (the default path, mmq for Q4_K up to 32 rows, is tested with None)."""
     tiles = moe_align(ids.to(DEVICE), E, block_m)
     xk = x[:, permuted_columns(w).cpu()].contiguous() if permuted else x
     out = torch.full((ids.numel(), n), float("nan"), device=DEVICE)
@@ -492,9 +494,9 @@ def test_moe_gemm_rule_tiles(t: GGMLType, block_m: int) -> None:
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 @pytest.mark.parametrize("permuted", [True, False], ids=["permuted", "elements"])
 @pytest.mark.parametrize("x_rows", ["token", "pair"])
-@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K], ids=lambda t: t.name)
 def test_moe_gemm_mmq(t: GGMLType, x_rows: str, permuted: bool, block_m: int) -> None:
-    """Q4_K and Q6_K through deimos.quant.triton.mmq (codes decoded in the dot's operand
+    """Q4_K, Q5_K and Q6_K through deimos.quant.triton.mmq (codes decoded in the dot's operand
     layout): the same float16 weights as the other paths (1e-5 of the product on them), token
     and pair rows, x in either column order, every tile height, K of 3 blocks."""
     n, k = 40, 768
@@ -503,6 +505,9 @@ def test_moe_gemm_mmq(t: GGMLType, x_rows: str, permuted: bool, block_m: int) ->
     x = torch.randn(11 if x_rows == "token" else 33, k, generator=torch.Generator().manual_seed(block_m)).half()
     _check_gemm(w, n, x, ids, x_rows, permuted, block_m, None,
                 f"mmq {t.name} {x_rows} permuted={permuted} m={block_m}", mmq=True)
+    if t == GGMLType.Q4_K:  # the default: mmq up to 32 rows an expert, the register decode at 64
+        _check_gemm(w, n, x, ids, x_rows, permuted, block_m, None,
+                    f"default {t.name} {x_rows} permuted={permuted} m={block_m}", mmq=None)
 
 
 def test_moe_gemm_bad_input() -> None:
@@ -742,9 +747,30 @@ def test_moe_gemm_mmq_default_formats(monkeypatch) -> None:
     from deimos.quant.triton import moe_gemm as mg
 
     monkeypatch.setattr(mg, "MMQ_ON", True)
-    types = (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0)
-    assert [mg._use_mmq(None, t, m) for t in types for m in mg.BLOCK_MS] == [True, True, False] + [False] * 6
-    assert [mg._use_mmq(True, t, 64) for t in types] == [True, True, False]
+    types = (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q5_K, GGMLType.Q8_0)
+    assert [mg._use_mmq(None, t, m) for t in types for m in mg.BLOCK_MS] == [True, True, False] + [False] * 9
+    assert [mg._use_mmq(True, t, 64) for t in types] == [True, True, True, False]
     assert not mg._use_mmq(False, GGMLType.Q4_K, 16)
     monkeypatch.setattr(mg, "MMQ_ON", False)
     assert not mg._use_mmq(None, GGMLType.Q4_K, 16)
+
+
+def test_mmq_swap_and_join_variants(capsys: pytest.CaptureFixture[str]) -> None:
+    """mmq.q4k_product's SWAP (weights first) and JOIN (one K = 32 dot a group) variants, through
+    bench/exp_gemm_mmq.py's engine kernel (where they are measured), against the float32
+    product: each within the float16 weights' rounding."""
+    import importlib.util
+    import re
+
+    from testdata import REPO
+
+    spec = importlib.util.spec_from_file_location("exp_gemm_mmq", REPO / "bench" / "exp_gemm_mmq.py")
+    exp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(exp)
+    if exp.DEV != "cpu":
+        pytest.skip("the interpreter's run (on a GPU the bench times it)")
+    exp.main(["256x512", "--rows", "16,32", "--only", "swap,join"])
+    text = capsys.readouterr().out
+    errs = [float(e) for e in re.findall(r"err ([0-9.e+-]+)", text)]
+    assert "FAILED" not in text and len(errs) == 6, text
+    assert max(errs) < 1e-3, text

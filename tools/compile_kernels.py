@@ -232,7 +232,7 @@ def _gemm_q_jobs() -> list[Job]:
             for m in (2, 16, 32, 64):
                 cfg = g.gemm_q_config(t, n, k, m)
                 _, splits, even = g.k_runs(k, wpg, cfg)
-                launches.add((cfg._replace(split_k=1), even, splits > 1))
+                launches.add((cfg._replace(split_k=1), even or cfg.mmq, splits > 1))
                 if not cfg.mmq:  # mmq's runs are whole blocks: never masked
                     launches.add((cfg._replace(split_k=1), False, False))
         for cfg, even, atomic in sorted(launches):
@@ -664,8 +664,8 @@ def _moe_jobs() -> list[Job]:
             args += [MockTensor(i64 if chunked else a.dtype) for a in arrays]
             args += [MockTensor(f32), MockTensor(i32), MockTensor(i32), MockTensor(i32), d_model, k,
                      top_k, k] + [a.stride(0) for a in arrays] + [4 if chunked else 1]
-            # Q4_K and Q6_K also through deimos.quant.triton.mmq (Q4_K by default, Q6_K with mmq=True)
-            for mmq in (False, True) if t in (GGMLType.Q4_K, GGMLType.Q6_K) else (False,):
+            # Q4_K, Q5_K and Q6_K also through deimos.quant.triton.mmq (Q4_K by default, the others with mmq=True)
+            for mmq in (False, True) if t in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K) else (False,):
                 jobs.append(Job("moe_gemm_" + t.name,
                                 f"M={bm} N={c.block_n} J={c.block_j} w={c.num_warps} st={c.num_stages} "
                                 f"K={k} pair={int(pair)} perm={int(perm)} even={int(even)} "

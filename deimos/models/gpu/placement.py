@@ -2,7 +2,8 @@
 
 Every quantized linear keeps its packed GGUF bytes (the decode GEMV reads them). A linear may
 also get a resident fp16 copy (``QuantLinear.dense``): batched decode steps of 3 or more rows
-and every prefill then multiply on it with the tensor cores, with no dequantization in the step
+(but Q4_K's of 5..32 rows: gemm_q's mmq beats the copy there, deimos.models.gpu.linear) and
+every prefill then multiply on it with the tensor cores, with no dequantization in the step
 (H200, llama 8B Q4_K_M: the linears of a 16-row decode step ~9.5 ms on the packed bytes, ~4.9
 on the copies; BENCHMARKS.md). It costs two bytes a weight (8B: ~16 GB beside ~4.9 GB of
 packed weights), taken from what the KV pool would otherwise get.

@@ -30,6 +30,11 @@ default. ``split_k > 1``: K is cut into that many runs of whole steps over the g
 axis and the partial sums are atomically added into a zeroed output (when n / block_n alone
 gives too few programs to keep the memory system busy).
 
+``GemmQConfig.mmq`` (Q4_K, Q5_K, Q6_K; the rule's choice for Q4_K up to ``MMQ_ROWS`` rows,
+``mmq_config``): the loop is ``mmq``'s product instead, the code bytes copied to shared memory
+undecoded and decoded in the dot's operand layout (2-2.4x the register decode on an H100 for
+Q4_K at 8-32 rows), K split into runs of whole blocks of 256.
+
 Rows past n are clamped to row n - 1 for loading (no row masks in the loop) and never stored;
 rows of x past M are masked on load (no memory traffic) and on store.
 
@@ -56,6 +61,7 @@ from deimos.quant.triton.dequant_gemv import (
     Q4_K,
     Q5_1,
     Q5_K,
+    Q6_K,
     Q8_0,
     _codes,
     _fma,
@@ -70,7 +76,7 @@ from deimos.quant.triton.dequant_gemv import (
 )
 from deimos.quant.triton.gemv_q8 import _INTERPRETED
 from deimos.quant.triton.layout import KERNEL_TYPE, PackedWeight
-from deimos.quant.triton.mmq import WORDS, q4k_product
+from deimos.quant.triton.mmq import MMQ_TYPES, WORDS, q4k_product, q5k_product, q6k_product
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 from deimos.switches import env_switch
 
@@ -241,21 +247,21 @@ def decode_tile(b_w, b_h, sc_lo, sc_hi, mn_lo, mn_hi, FMT: tl.constexpr, BN: tl.
 
 # M and S_SPLIT only bound masks and the loop: not specialized on (M = 1, 16 | M), so one
 # compiled kernel serves every batch size of a tile
-@triton.jit(do_not_specialize=["M", "S_SPLIT"])
+@triton.jit(do_not_specialize=["M", "S_SPLIT", "R_S", "R_QH", "R_D"])
 def _gemm_q_kernel(
     p_x, p_qw, p_qh, p_s, p_d, p_m, p_y,
     M, N, K, stride_xm, S_SPLIT,
     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
     ATOMIC: tl.constexpr, EVEN: tl.constexpr, SCALE16: tl.constexpr = False,
     PDL: tl.constexpr = False, ASM: tl.constexpr = False, HALF: tl.constexpr = True,
-    MMQ: tl.constexpr = False, R_QW=0, R_S=0,
+    MMQ: tl.constexpr = False, R_QW=0, R_S=0, R_QH=0, R_D=0,
 ):  # fmt: skip
     """Program (i_n, i_k): weight rows i_n BLOCK_N .. + BLOCK_N, groups i_k S_SPLIT ..
     + S_SPLIT of each row (S_SPLIT a multiple of a step's BLOCK_J / W groups), all M rows of
     x. EVEN: every program's run is S_SPLIT groups (no masks in the loop but x's rows).
     ATOMIC: partial sums added into p_y (zeroed by the caller) instead of stored. MMQ (Q4_K,
-    a step a block of 8 groups): the run through ``mmq.q4k_product`` (``R_QW``, ``R_S``: the
-    code words' and the scale words' row widths)."""
+    Q5_K, Q6_K; a step a block of 8 groups): the run through ``mmq``'s product (``R_*``: the
+    arrays' row widths)."""
     pdl_start(PDL)
     W: tl.constexpr = 8 if FMT == Q8_0 else (2 if FMT == Q2_K else 4)
     BLOCK_S: tl.constexpr = BLOCK_J // W  # groups of 32 a step
@@ -274,7 +280,13 @@ def _gemm_q_kernel(
     s_hi = tl.minimum(s_lo + S_SPLIT, S_TOTAL)
     p_xt = p_x + o_m[:, None] * stride_xm + o_kk[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if MMQ:
+    if MMQ and FMT == Q6_K:
+        acc = q6k_product(acc, p_qw, p_qh, p_s, p_d, R_QW, R_QH, R_S, R_D, o_n, p_x + o_m[:, None] * stride_xm,
+                          m_m, s_lo // 8, s_hi // 8, WORDS, HALF, ASM)
+    elif MMQ and FMT == Q5_K:
+        acc = q5k_product(acc, p_qw, p_qh, p_s, R_QW, R_QH, R_S, o_n, p_x + o_m[:, None] * stride_xm, m_m,
+                          s_lo // 8, s_hi // 8, WORDS, HALF, ASM)
+    elif MMQ:
         acc = q4k_product(acc, p_qw, p_s, R_QW, R_S, o_n, p_x + o_m[:, None] * stride_xm, m_m, s_lo // 8,
                           s_hi // 8, WORDS, HALF, ASM)
     else:
@@ -317,7 +329,7 @@ class GemmQConfig(NamedTuple):
     num_stages: int
     split_k: int = 1  # > 1: K split over programs, partial sums atomically added into a zeroed out
     half: bool = False  # the decode in float16 (``decode_tile``); False: float32 rounded once
-    mmq: bool = False  # Q4_K through mmq.q4k_product (block_j 32: a step is a block of 256)
+    mmq: bool = False  # Q4_K / Q5_K / Q6_K through mmq's products (block_j 8 groups: a block of 256)
 
 
 # Triton's interpreter (CPU tensors) runs the programs one after another: there the fewest
@@ -370,7 +382,8 @@ def gemm_q_config(ggml_type: GGMLType, n: int, k: int, m: int) -> GemmQConfig:
     its x tile within ``X_STAGE_BYTES``), widened to 16 words (64 bytes) of each row where
     the tile stays within twice that (on 8 warps); 4 warps, 3-stage pipelined loads (4 for
     the small tiles, whose stages are cheap). ``ggml_type``: the weight's kernel format (a
-    format packed in another's layout, e.g. IQ4_XS, gets that layout's rule)."""
+    format packed in another's layout, e.g. IQ4_XS, gets that layout's rule). Q4_K up to
+    ``MMQ_ROWS`` rows: ``mmq_config``."""
     if GGMLType(ggml_type) == GGMLType.Q4_K and m <= MMQ_ROWS:
         return mmq_config(n, k, m)
     t = KERNEL_TYPE.get(GGMLType(ggml_type), GGMLType(ggml_type))
@@ -400,25 +413,28 @@ def gemm_q_config(ggml_type: GGMLType, n: int, k: int, m: int) -> GemmQConfig:
     return GemmQConfig(block_m, block_n, block_j, warps, stages, split, HALF_DECODE)
 
 
-def mmq_config(n: int, k: int, m: int) -> GemmQConfig:
+def mmq_config(n: int, k: int, m: int, ggml_type: GGMLType = GGMLType.Q4_K) -> GemmQConfig:
     """The tile of a Q4_K product through mmq (``GemmQConfig.mmq``), M <= 32 rows: 128 weight
     rows a program at 16 rows (64 where that alone keeps too few programs), 64 at 32
     (bench/exp_gemm_mmq.py, H100, session 49: the best of six tiles at both), 4 warps, 3
     stages, a step a block of 256; K split as ``gemm_q_config`` splits it (``_cost``: the
     fewest bytes for the SMs kept busy) into runs of whole blocks."""
     block_m = 16 if m <= 16 else 32
-    bpw = _bits_per_weight(GGMLType.Q4_K)
+    bpw = _bits_per_weight(GGMLType(ggml_type))
     best = None
+    blocks = k // 256
     for block_n in (128, 64) if m <= 16 else (64,):
         split = 1
         while True:
-            c = _cost(n, k, m, bpw, block_n, split)
+            runs = -(-blocks // -(-blocks // split))  # the runs of whole blocks k_runs makes
+            c = _cost(n, k, m, bpw, block_n, runs)
             if best is None or c < best[0] * 0.97:
                 best = (c, block_n, split)
-            if split >= 16 or k // (2 * split) < 256:
+            if split >= 16 or blocks < 2 * split:
                 break
             split *= 2
-    return GemmQConfig(block_m, best[1], 32, 4, 3, best[2], HALF_DECODE, True)
+    return GemmQConfig(block_m, best[1], 8 * words_per_group(GGMLType(ggml_type)), 4, 3, best[2], HALF_DECODE,
+                       True)
 
 
 def _check_config(cfg: GemmQConfig, m: int, wpg: int) -> None:
@@ -482,8 +498,9 @@ def gemm_q(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = None,
                                             half=HALF_DECODE)
         else:
             cfg = gemm_q_config(w.ggml_type, w.n, w.k, m)
-    if cfg.mmq and w.ggml_type != GGMLType.Q4_K:
-        raise ValueError(f"gemm_q: mmq tiles are for Q4_K, the weight is {w.ggml_type.name}")
+    if cfg.mmq and w.ggml_type not in MMQ_TYPES:
+        raise ValueError(f"gemm_q: mmq tiles are for {', '.join(t.name for t in MMQ_TYPES)}, the weight "
+                         f"is {w.ggml_type.name}")
     _check_config(cfg, m, wpg)
     s_split, splits, even = k_runs(w.k, wpg, cfg)
     tiles = triton.cdiv(w.n, cfg.block_n)
@@ -495,8 +512,9 @@ def gemm_q(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = None,
     _gemm_q_kernel[(tiles, splits)](
         x, *arrays, out, m, w.n, w.k, x.stride(0), s_split,
         FMT=FMT_ID[w.ggml_type], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_J=cfg.block_j,
-        ATOMIC=splits > 1, EVEN=even, SCALE16=scale16(w), ASM=not _INTERPRETED, HALF=cfg.half,
-        MMQ=cfg.mmq, R_QW=arrays[0].stride(0), R_S=arrays[2].stride(0),
+        ATOMIC=splits > 1, EVEN=even or cfg.mmq, SCALE16=scale16(w), ASM=not _INTERPRETED, HALF=cfg.half,
+        MMQ=cfg.mmq, R_QW=arrays[0].stride(0), R_S=arrays[2].stride(0), R_QH=arrays[1].stride(0),
+        R_D=arrays[3].stride(0),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_options(pdl_on(out.device)),
     )  # fmt: skip

@@ -39,7 +39,7 @@ import triton.language as tl
 from deimos.gguf.constants import GGMLType
 from deimos.quant.triton.dequant_gemv import _fma, k4_decode
 
-MMQ_TYPES = (GGMLType.Q4_K, GGMLType.Q6_K)  # the formats with a product here
+MMQ_TYPES = (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)  # the formats with a product here
 
 # Four bytes (packed in $2) -> their low (or high) nibbles as four float16 in $0, $1: bytes 0, 1
 # (then 2, 3) copied to bytes 0 and 2 of a register (prmt), the nibble masked into a float16
@@ -216,14 +216,52 @@ def q4k_product(acc, p_qw, p_meta, r_qw, r_meta, o_n, p_xr, m_m, blk_lo, blk_hi,
 
 
 @triton.jit
-def _q4_weights(b, sc, mn, HIGH: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
-    """A group's float16 weights ``[BN, 16]`` from its code bytes' low (or high) nibbles."""
+def _q4_weights(b, sc, mn, HIGH: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr, hi=None):
+    """A group's float16 weights ``[BN, 16]`` from its code bytes' low (or high) nibbles, plus
+    16 where ``hi`` (Q5_K's fifth bits, 0 or 1 a code) is 1."""
     q = codes16(b, HIGH, ASM)
+    if hi is not None:
+        q = q + (hi * 16).to(tl.float16)
     if HALF:
         w = _fma(q, sc.to(tl.float16)[:, None], -mn.to(tl.float16)[:, None], True, ASM)
     else:
         w = _fma(q.to(tl.float32), sc[:, None], -mn[:, None], False, ASM).to(tl.float16)
     return w
+
+
+@triton.jit
+def q5k_product(acc, p_qw, p_qh, p_meta, r_qw, r_qh, r_meta, o_n, p_xr, m_m, blk_lo, blk_hi,
+                X_ORDER: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
+    """q4k_product for a packed Q5_K weight: Q4_K's codes and scales (``p_qw``, ``p_meta``)
+    plus each code's fifth bit (``p_qh`` uint8, ``r_qh`` bytes a row: bit k of byte 4 u + w
+    is code k of word w's, so byte i = 4 w + b's two codes 2 b and 2 b + 1 take bits 2 b and
+    2 b + 1 of the group's byte w). A group's 4 bytes are one contiguous load a row, widened
+    to the 16 code bytes' in registers."""
+    BN: tl.constexpr = o_n.shape[0]
+    o_i = tl.arange(0, 16)
+    p_q = p_qw.to(tl.pointer_type(tl.uint8)) + o_n[:, None] * (r_qw * 4) + o_i[None, :]
+    p_h = p_qh.to(tl.pointer_type(tl.uint8)) + o_n[:, None] * r_qh + tl.arange(0, 4)[None, :]
+    shift = (2 * (o_i % 4))[None, :]
+    p_mt = p_meta + o_n * r_meta
+    for blk in range(blk_lo, blk_hi):
+        w0 = tl.load(p_mt + blk * 4)
+        w1 = tl.load(p_mt + blk * 4 + 1)
+        w2 = tl.load(p_mt + blk * 4 + 2)
+        w3 = tl.load(p_mt + blk * 4 + 3)
+        for j in tl.static_range(8):
+            u = blk * 8 + j
+            b = tl.load(p_q + u * 16)  # [BN, 16] code bytes of group u
+            h4 = tl.load(p_h + u * 4).to(tl.int32)  # [BN, 4] fifth bits, a byte a word
+            hb = tl.reshape(tl.broadcast_to(h4[:, :, None], (BN, 4, 4)), (BN, 16))  # byte 4 w + b
+            if j < 4:
+                sc, mn = k4_decode(w0, w1, w3, j)
+            else:
+                sc, mn = k4_decode(w0, w2, w3, j)
+            xs = x_halves(p_xr + u * 32, m_m, X_ORDER)
+            for h in tl.static_range(2):
+                w = _q4_weights(b, sc, mn, h == 1, HALF, ASM, (hb >> (shift + h)) & 1)
+                acc = tl.dot(xs[h], tl.trans(w), acc, out_dtype=tl.float32)
+    return acc
 
 
 @triton.jit

@@ -19,8 +19,9 @@ Ids outside [0, E) are left out (their output rows are then not written).
 ``moe_gemm``: program (tile, n block) gathers its block_m pairs' activation rows (x row t for
 ``x_rows="token"``, p for ``"pair"``), decodes its expert's packed weight tile in registers
 with gemm_q's helpers (``group_words``, ``group_scales`` / ``q2k_scales``, ``decode_tile``:
-its float16 decode) feeding tl.dot (fp32 accumulation), and stores each pair's row of
-the output [T k, n]. A tile whose expert has no slot (slot_of -1) stores zeros. Slots may be
+its float16 decode) feeding tl.dot (fp32 accumulation), or for Q4_K in tiles of up to 32
+pairs (and Q5_K / Q6_K when asked) through ``mmq``'s products (the code bytes decoded in the
+dot's operand layout), and stores each pair's row of the output [T k, n]. A tile whose expert has no slot (slot_of -1) stores zeros. Slots may be
 stored in chunks (moe_gemv.ExpertChunks: the cache's chunk address tables, read on the device).
 
 Oracles: kernels.moe.moe_align_reference (equal entry for entry) and moe_experts_reference
@@ -40,6 +41,7 @@ from deimos.gguf.constants import GGMLType
 from deimos.quant.triton.dequant_gemv import (
     FMT_ID,
     Q2_K,
+    Q5_K,
     Q6_K,
     Q8_0,
     gemv_out,
@@ -53,7 +55,7 @@ from deimos.quant.triton.dequant_gemv import (
 from deimos.quant.triton.gemm_q import HALF_DECODE, TILE_ELEMENTS, decode_tile
 from deimos.quant.triton.gemv_q8 import _INTERPRETED
 from deimos.quant.triton.layout import KERNEL_TYPE, PackedWeight
-from deimos.quant.triton.mmq import ELEMENTS, MMQ_TYPES, WORDS, q4k_product, q6k_product
+from deimos.quant.triton.mmq import ELEMENTS, MMQ_TYPES, WORDS, q4k_product, q5k_product, q6k_product
 from deimos.quant.triton.moe_gemv import ExpertChunks, check_expert_inputs, slot_arrays, slot_base
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 from deimos.switches import env_switch
@@ -293,7 +295,11 @@ def _moe_gemm_kernel(
                 row = pair
             else:
                 row = pair // TOP_K
-            if MMQ and FMT == Q6_K:
+            if MMQ and FMT == Q5_K:
+                acc = q5k_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), p_qw, p_qh, p_s, r_qw,
+                                  r_qh, r_s, o_n, p_x + row[:, None] * stride_xm, m_m, 0, K // 256,
+                                  WORDS if X_PERMUTED else ELEMENTS, HALF, ASM)
+            elif MMQ and FMT == Q6_K:
                 acc = q6k_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), p_qw, p_qh, p_s, p_d,
                                   r_qw, r_qh, r_s, r_d, o_n, p_x + row[:, None] * stride_xm, m_m, 0,
                                   K // 256, WORDS if X_PERMUTED else ELEMENTS, HALF, ASM)
