@@ -170,7 +170,7 @@ def halves_columns(k: int):
 @triton.jit
 def q4k_product(acc, p_qw, p_meta, r_qw, r_meta, o_n, p_xr, m_m, blk_lo, blk_hi,
                 X_ORDER: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr,
-                SWAP: tl.constexpr = False, JOIN: tl.constexpr = False):
+                SWAP: tl.constexpr = False, JOIN: tl.constexpr = False, p_qh=None, r_qh=0):
     """acc ``[BM, BN]`` + x W^T over K's blocks of 256 ``blk_lo .. blk_hi`` (all: 0, K / 256)
     for rows ``o_n`` (int64 ``[BN]``, in range) of a packed Q4_K weight (``p_qw`` int32 words,
     ``r_qw`` words a row; ``p_meta``, ``r_meta`` words a row) and x rows ``p_xr`` (``[BM, 1]``
@@ -179,11 +179,15 @@ def q4k_product(acc, p_qw, p_meta, r_qw, r_meta, o_n, p_xr, m_m, blk_lo, blk_hi,
     (the tensor cores' warps then split the weight rows: each warp decodes only its own, where
     with x first and more than 16 rows of x warps split x's rows and each decodes every weight
     row of the tile). JOIN: a group's two halves joined into one K = 32 dot (columns in the
-    pairs' order, ``x_pairs``) instead of two K = 16 dots."""
+    pairs' order, ``x_pairs``) instead of two K = 16 dots. ``p_qh``: Q5_K's fifth bits
+    (``q5k_product``)."""
     o_i = tl.arange(0, 16)
     BN: tl.constexpr = o_n.shape[0]
     p_q = p_qw.to(tl.pointer_type(tl.uint8)) + o_n[:, None] * (r_qw * 4) + o_i[None, :]
     p_mt = p_meta + o_n * r_meta
+    if p_qh is not None:
+        p_h = p_qh.to(tl.pointer_type(tl.uint8)) + o_n[:, None] * r_qh + tl.arange(0, 4)[None, :]
+        shift = (2 * (o_i % 4))[None, :]
     for blk in range(blk_lo, blk_hi):
         w0 = tl.load(p_mt + blk * 4)
         w1 = tl.load(p_mt + blk * 4 + 1)
@@ -192,13 +196,18 @@ def q4k_product(acc, p_qw, p_meta, r_qw, r_meta, o_n, p_xr, m_m, blk_lo, blk_hi,
         for j in tl.static_range(8):
             u = blk * 8 + j
             b = tl.load(p_q + u * 16)  # [BN, 16] code bytes of group u
+            hi0, hi1 = None, None
+            if p_qh is not None:  # a group's 4 fifth-bit bytes (one a word), to byte 4 w + b's
+                h4 = tl.load(p_h + u * 4).to(tl.int32)
+                hb = tl.reshape(tl.broadcast_to(h4[:, :, None], (BN, 4, 4)), (BN, 16))
+                hi0, hi1 = (hb >> shift) & 1, (hb >> (shift + 1)) & 1
             if j < 4:
                 sc, mn = k4_decode(w0, w1, w3, j)
             else:
                 sc, mn = k4_decode(w0, w2, w3, j)
             if JOIN:
-                w = tl.reshape(tl.join(_q4_weights(b, sc, mn, False, HALF, ASM),
-                                       _q4_weights(b, sc, mn, True, HALF, ASM)), (BN, 32))
+                w = tl.reshape(tl.join(_q4_weights(b, sc, mn, False, HALF, ASM, hi0),
+                                       _q4_weights(b, sc, mn, True, HALF, ASM, hi1)), (BN, 32))
                 x = x_pairs(p_xr + u * 32, m_m, X_ORDER)
                 if SWAP:
                     acc = tl.dot(w, tl.trans(x), acc, out_dtype=tl.float32)
@@ -207,7 +216,7 @@ def q4k_product(acc, p_qw, p_meta, r_qw, r_meta, o_n, p_xr, m_m, blk_lo, blk_hi,
             else:
                 xs = x_halves(p_xr + u * 32, m_m, X_ORDER)
                 for h in tl.static_range(2):
-                    w = _q4_weights(b, sc, mn, h == 1, HALF, ASM)
+                    w = _q4_weights(b, sc, mn, h == 1, HALF, ASM, hi0 if h == 0 else hi1)
                     if SWAP:
                         acc = tl.dot(w, tl.trans(xs[h]), acc, out_dtype=tl.float32)
                     else:
@@ -237,31 +246,8 @@ def q5k_product(acc, p_qw, p_qh, p_meta, r_qw, r_qh, r_meta, o_n, p_xr, m_m, blk
     is code k of word w's, so byte i = 4 w + b's two codes 2 b and 2 b + 1 take bits 2 b and
     2 b + 1 of the group's byte w). A group's 4 bytes are one contiguous load a row, widened
     to the 16 code bytes' in registers."""
-    BN: tl.constexpr = o_n.shape[0]
-    o_i = tl.arange(0, 16)
-    p_q = p_qw.to(tl.pointer_type(tl.uint8)) + o_n[:, None] * (r_qw * 4) + o_i[None, :]
-    p_h = p_qh.to(tl.pointer_type(tl.uint8)) + o_n[:, None] * r_qh + tl.arange(0, 4)[None, :]
-    shift = (2 * (o_i % 4))[None, :]
-    p_mt = p_meta + o_n * r_meta
-    for blk in range(blk_lo, blk_hi):
-        w0 = tl.load(p_mt + blk * 4)
-        w1 = tl.load(p_mt + blk * 4 + 1)
-        w2 = tl.load(p_mt + blk * 4 + 2)
-        w3 = tl.load(p_mt + blk * 4 + 3)
-        for j in tl.static_range(8):
-            u = blk * 8 + j
-            b = tl.load(p_q + u * 16)  # [BN, 16] code bytes of group u
-            h4 = tl.load(p_h + u * 4).to(tl.int32)  # [BN, 4] fifth bits, a byte a word
-            hb = tl.reshape(tl.broadcast_to(h4[:, :, None], (BN, 4, 4)), (BN, 16))  # byte 4 w + b
-            if j < 4:
-                sc, mn = k4_decode(w0, w1, w3, j)
-            else:
-                sc, mn = k4_decode(w0, w2, w3, j)
-            xs = x_halves(p_xr + u * 32, m_m, X_ORDER)
-            for h in tl.static_range(2):
-                w = _q4_weights(b, sc, mn, h == 1, HALF, ASM, (hb >> (shift + h)) & 1)
-                acc = tl.dot(xs[h], tl.trans(w), acc, out_dtype=tl.float32)
-    return acc
+    return q4k_product(acc, p_qw, p_meta, r_qw, r_meta, o_n, p_xr, m_m, blk_lo, blk_hi, X_ORDER, HALF, ASM,
+                       False, False, p_qh, r_qh)
 
 
 @triton.jit
