@@ -3,6 +3,7 @@ output tokens each (no stop tokens), submitted at once and decoded together, for
 llama.cpp's default sampling (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05) and greedy.
 
     python bench/engine_batch.py MODEL.gguf [-c 1,16,64] [-p 512] [-n 128] [--ctx 1024]
+        [--max-batch-tokens N]
 
 Prints per C: wall time, output tokens/s in all, and the mean time to the first token; then a
 markdown table. A measurement, not a test.
@@ -55,6 +56,8 @@ def main() -> int:
     ap.add_argument("-n", "--gen", type=int, default=128)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--max-seqs", type=int, default=64)
+    ap.add_argument("--max-batch-tokens", type=int, default=None,
+                    help="tokens a step computes (default: the engine's, 2048)")
     ap.add_argument("--compiles", action="store_true",
                     help="list the Triton kernel variants first built in each phase")
     ap.add_argument("--compiles-all", action="store_true", help="with --compiles: the lists uncut")
@@ -67,7 +70,8 @@ def main() -> int:
         trace = CompileTrace()
         trace.install()
         trace.phase = "load"
-    llm = LLM(args.model, n_ctx=args.ctx, device="cuda", max_seqs=args.max_seqs)
+    extra = {} if args.max_batch_tokens is None else {"max_batch_tokens": args.max_batch_tokens}
+    llm = LLM(args.model, n_ctx=args.ctx, device="cuda", max_seqs=args.max_seqs, **extra)
     print(f"pool: {llm.engine.pool.n_blocks} blocks of {llm.engine.pool.block_size}, "
           f"{llm.engine.pool.nbytes / 2**30:.1f} GiB", flush=True)
     if trace:

@@ -10,6 +10,8 @@
 #   bench/gpu_round_s49.sh join   # mmq's weights-first (SWAP) and K = 32 (JOIN) dots at 16-64
 #     rows against gemm_q (the 64-row tiles, where mmq lost: wgmma waits after every K = 16 dot);
 #     Q5_K's mmq (new) and Q6_K's (its high bits now one contiguous load) against gemm_q
+#   bench/gpu_round_s49.sh steps   # a 4,096-token qwen3moe prompt in steps of 2,048 (gemm_q's
+#     64-row tiles) against 512 (mmq): which prefills faster (TTFT)
 #   bench/gpu_round_s49.sh ab   # qwen3moe batch 1: DEIMOS_ATTN_MERGE 0 / 1, DEIMOS_MOE_DEFER=0
 #   bench/gpu_round_s49.sh batch   # qwen3moe 30B-A3B, 16 and 64 requests at once, mmq off / on
 . bench/gpu_env.sh
@@ -58,7 +60,7 @@ dense)  # llama 8B Q4_K_M, 16 and 64 requests at once and batch 1: this tree (Q4
   grep -E "^\| (default|greedy)" "$OUT/l8-batch-new.txt" | sed "s/^/new /" | say
   base timeout ${BATCH_S:-150} python3 bench/engine_batch.py $M8 -c 16,64 -n 128 > "$OUT/l8-batch-base.txt" 2>&1
   grep -E "^\| (default|greedy)" "$OUT/l8-batch-base.txt" | sed "s/^/base /" | say
-  gputests "Q4_K" tests/test_triton_gemm_q.py
+  gputests "Q4_K or greedy_matches or mixed_steps" tests/test_triton_gemm_q.py tests/test_engine_kernels.py
   idle | say ;;
 join)  # mmq's SWAP / JOIN variants at 16, 32, 64 rows an expert against gemm_q (~3 min)
   setup; idle | say
@@ -66,5 +68,15 @@ join)  # mmq's SWAP / JOIN variants at 16, 32, 64 rows an expert against gemm_q 
     --only elements,gemm_q --q5k --q6k > "$OUT/join.txt" 2>&1
   grep -E "x[0-9]+:|M=" "$OUT/join.txt" | cut -c1-100 | say
   idle | say ;;
-*) echo "usage: $0 mmq|batch|ab|dense|join" >&2; exit 2 ;;
+steps)  # qwen3moe 30B-A3B, one 4,096-token prompt in steps of 2,048 tokens (64-row expert
+  # tiles: gemm_q) against steps of 512 (32-row tiles: mmq, the experts read 4x as often): TTFT
+  setup; idle | say
+  synth qwen3moe-30b-a3b $M30 Q4_K_M qwen2
+  for mbt in 2048 512; do
+    timeout ${BATCH_S:-150} python3 bench/engine_batch.py $M30 -c 1,4 -p 4096 -n 16 --ctx 4352 \
+      --max-batch-tokens $mbt > "$OUT/steps-$mbt.txt" 2>&1
+    grep -E "^\| (default|greedy)" "$OUT/steps-$mbt.txt" | sed "s/^/max-batch-tokens $mbt /" | say
+  done
+  idle | say ;;
+*) echo "usage: $0 mmq|batch|ab|dense|join|steps" >&2; exit 2 ;;
 esac
