@@ -38,6 +38,7 @@ import triton.language as tl
 from deimos.gguf.constants import GGMLType
 from deimos.quant import get_format
 from deimos.quant.kquants import _scale_min_k4
+from deimos.quant.triton.dequant_gemv import scale16
 from deimos.quant.triton.layout import PackedWeight, pack
 from deimos.quant.triton.mmq import (
     ELEMENTS,
@@ -47,6 +48,7 @@ from deimos.quant.triton.mmq import (
     q4k_product,
     q5k_product,
     q6k_product,
+    q8_product,
 )
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") == "0" else "cpu"
@@ -192,13 +194,16 @@ def mmq2_q4k(rp, n: int, k: int, qx, out: torch.Tensor, bm: int, bn: int, warps:
 def engine_kernel(p_x, p_qw, p_qh, p_s, p_d, p_y, M, N, K, r_qw, r_qh, r_s, r_d, BM: tl.constexpr,
                   BN: tl.constexpr, Q6: tl.constexpr, X_ORDER: tl.constexpr, HALF: tl.constexpr,
                   ASM: tl.constexpr, SWAP: tl.constexpr = False, JOIN: tl.constexpr = False,
-                  Q5: tl.constexpr = False):
+                  Q5: tl.constexpr = False, Q8: tl.constexpr = False, SCALE16: tl.constexpr = False):
     """y = x W^T by the engine's ``mmq.q4k_product`` / ``q5k_product`` / ``q6k_product``
     (moe_gemm's loop), one program a [BM, BN] tile."""
     o_n, o_m, m_m = _tile(M, BM, BN)
     acc = tl.zeros([BM, BN], tl.float32)
     p_xr = p_x + o_m[:, None] * K
-    if Q5:
+    if Q8:
+        acc = q8_product(acc, p_qw, p_d, r_qw, r_d, o_n.to(tl.int64), p_xr, m_m, 0, K // 256, X_ORDER, HALF, ASM,
+                         SCALE16)
+    elif Q5:
         acc = q5k_product(acc, p_qw, p_qh, p_s, r_qw, r_qh, r_s, o_n.to(tl.int64), p_xr, m_m, 0, K // 256,
                           X_ORDER, HALF, ASM)
     elif Q6:
@@ -220,12 +225,13 @@ def engine_mmq(pw, x, out: torch.Tensor, bm: int, bn: int, warps: int, stages: i
     t = pw.tensors
     q6 = pw.ggml_type == GGMLType.Q6_K
     q5 = pw.ggml_type == GGMLType.Q5_K
+    q8 = pw.ggml_type == GGMLType.Q8_0  # Q8_0's layout: Q8_0, IQ4_XS, ...
     qw, qh = t["qw"], t.get("qh", t["qw"])
-    sc, d = (t["sc"], t["d"]) if q6 else (t["meta"], t["meta"])
+    sc, d = (t["sc"], t["d"]) if q6 else (t["d"], t["d"]) if q8 else (t["meta"], t["meta"])
     grid = (pw.n // bn, triton.cdiv(x.shape[0], bm))
     engine_kernel[grid](x, qw, qh, sc, d, out, x.shape[0], pw.n, pw.k, qw.stride(0), qh.stride(0), sc.stride(0),
                         d.stride(0), BM=bm, BN=bn, Q6=q6, X_ORDER=x_order, HALF=half, ASM=DEV == "cuda", SWAP=swap,
-                        JOIN=join, Q5=q5, num_warps=warps, num_stages=stages)
+                        JOIN=join, Q5=q5, Q8=q8, SCALE16=scale16(pw), num_warps=warps, num_stages=stages)
 
 
 def quantize_x8(x: torch.Tensor, planes: int):
@@ -259,10 +265,10 @@ def _packed(t: GGMLType, rows: int, n: int, k: int, rng):
     """A random [n, k] matrix of format t (``rows`` distinct rows repeated): raw blocks, its
     PackedWeight on DEV and its float32 values on DEV."""
     fmt = get_format(t)
-    blocks = fmt.random_blocks(rows * k // 256, rng).reshape(rows, -1)
+    blocks = fmt.random_blocks(rows * k // fmt.block_size, rng).reshape(rows, -1)
     small = pack(blocks, t)
-    pw = PackedWeight(t, n, k, {name: v.repeat(n // rows, 1).contiguous().to(DEV)
-                                for name, v in small.tensors.items()})
+    pw = PackedWeight(small.ggml_type, n, k, {name: v.repeat(n // rows, 1).contiguous().to(DEV)
+                                              for name, v in small.tensors.items()})
     wf = torch.from_numpy(fmt.decode_blocks(blocks.reshape(-1, fmt.type_size)).reshape(rows, k))
     return blocks, pw, wf.repeat(n // rows, 1).to(DEV)
 
@@ -274,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--v1", action="store_true", help="also the integer kernel on GGUF's own blocks")
     ap.add_argument("--q6k", action="store_true", help="also Q6_K against gemm_q")
     ap.add_argument("--q5k", action="store_true", help="also Q5_K against gemm_q")
+    ap.add_argument("--q8", action="store_true", help="also Q8_0 and IQ4_XS (Q8_0's layout) against gemm_q")
     ap.add_argument("--only", default="", help="only the variants whose label holds one of these "
                     "comma-separated words (e.g. swap,gemm_q)")
     a = ap.parse_args(argv)
@@ -284,7 +291,8 @@ def main(argv: list[str] | None = None) -> None:
     for shape in a.shapes:
         n, k = (int(v) for v in shape.split("x"))
         rows = min(1024, n)
-        types = [GGMLType.Q4_K] + [GGMLType.Q5_K] * a.q5k + [GGMLType.Q6_K] * a.q6k
+        types = ([GGMLType.Q4_K] + [GGMLType.Q5_K] * a.q5k + [GGMLType.Q6_K] * a.q6k
+                 + [GGMLType.Q8_0, GGMLType.IQ4_XS] * a.q8)
         mats = {t: _packed(t, rows, n, k, rng) for t in types}
         blocks = mats[GGMLType.Q4_K][0]
         raw = torch.from_numpy(blocks.copy())
@@ -328,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
                 for bm, bn, warps, st in tiles:
                     if bm > max(16, m):
                         continue
-                    for half in (False, True):
+                    for half in (False, True) if pw.ggml_type != GGMLType.Q8_0 else ():  # no halves there
                         check(f"mmq halves half={int(half)} m{bm} n{bn} w{warps} s{st}",
                               lambda: engine_mmq(pw, xh, out, bm, bn, warps, st, half, HALVES))
                     check(f"mmq elements m{bm} n{bn} w{warps} s{st}",

@@ -9,7 +9,8 @@
 #     (carry .peer/base too: git archive dd741d0 deimos bench/engine_batch.py)
 #   bench/gpu_round_s49.sh join   # mmq's weights-first (SWAP) and K = 32 (JOIN) dots at 16-64
 #     rows against gemm_q (the 64-row tiles, where mmq lost: wgmma waits after every K = 16 dot);
-#     Q5_K's mmq (new) and Q6_K's (its high bits now one contiguous load) against gemm_q
+#     Q5_K's mmq (new), Q6_K's (its high bits now one contiguous load), Q8_0's layout (new:
+#     Q8_0, IQ4_XS) against gemm_q
 #   bench/gpu_round_s49.sh steps   # a 4,096-token qwen3moe prompt in steps of 2,048 (gemm_q's
 #     64-row tiles) against 512 (mmq): which prefills faster (TTFT)
 #   bench/gpu_round_s49.sh ab   # qwen3moe batch 1: DEIMOS_ATTN_MERGE 0 / 1, DEIMOS_MOE_DEFER=0
@@ -65,7 +66,7 @@ dense)  # llama 8B Q4_K_M, 16 and 64 requests at once and batch 1: this tree (Q4
 join)  # mmq's SWAP / JOIN variants at 16, 32, 64 rows an expert against gemm_q (~3 min)
   setup; idle | say
   timeout ${EXP_S:-240} python3 bench/exp_gemm_mmq.py ${SHAPES:-196608x2048} --rows ${ROWS:-16,32,64} \
-    --only elements,gemm_q --q5k --q6k > "$OUT/join.txt" 2>&1
+    --only elements,gemm_q --q5k --q6k --q8 > "$OUT/join.txt" 2>&1
   grep -E "x[0-9]+:|M=" "$OUT/join.txt" | cut -c1-100 | say
   idle | say ;;
 steps)  # qwen3moe 30B-A3B, one 4,096-token prompt in steps of 2,048 tokens (64-row expert

@@ -118,11 +118,15 @@ MMQ_TILES = [GemmQConfig(16, 32, 32, 4, 1, 1, False, True), GemmQConfig(32, 64, 
 
 @pytest.mark.parametrize("cfg", MMQ_TILES, ids=lambda c: "m{}_n{}_k{}{}".format(
     c.block_m, c.block_n, c.split_k, "_half" if c.half else ""))
-@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.IQ4_XS,
+                               GGMLType.IQ2_XS], ids=lambda t: t.name)
 def test_gemm_q_mmq(t: GGMLType, cfg: GemmQConfig) -> None:
+    """Q8_0's layout too: Q8_0 (float16 scales), IQ4_XS (float32), IQ2_XS (one a 16)."""
     n, k = 37, 1280
     m = 13 if cfg.block_m == 16 else 27
     w, x = _case(t, n, k, m, seed=9)
+    wpg = 8 if w.ggml_type == GGMLType.Q8_0 else 4
+    cfg = cfg._replace(block_j=8 * wpg)
     _check(w, x, _run(w, x, cfg), f"{t.name} m={m} {cfg}", cfg.half)
 
 
@@ -135,11 +139,17 @@ def test_gemm_q_mmq_config() -> None:
             assert cfg.mmq and cfg.block_j == 32 and cfg.block_m == (16 if m <= 16 else 32)
             s_split, runs, _ = k_runs(k, 4, cfg)
             assert s_split % 8 == 0 and runs * s_split >= k // 32 > (runs - 1) * s_split
-    w, x = _case(GGMLType.Q8_0, 8, 512, 4, seed=0)
+    w, x = _case(GGMLType.Q2_K, 8, 512, 4, seed=0)
     xp = x[:, permuted_columns(w).cpu()].contiguous().to(DEVICE)
-    with pytest.raises(ValueError, match="mmq tiles are for Q4_K, Q5_K, Q6_K, the weight is Q8_0"):
+    with pytest.raises(ValueError, match="mmq tiles are for Q4_K, Q5_K, Q6_K, Q8_0 with K a multiple of 256, "
+                                         "the weight is Q2_K with K 512"):
         gemm_q(w, xp, cfg=mmq_config(8, 512, 4))
-    w, _ = _case(GGMLType.Q4_K, 8, 512, 4, seed=0)
+    w, x = _case(GGMLType.Q8_0, 8, 800, 4, seed=0)
+    xp = x[:, permuted_columns(w).cpu()].contiguous().to(DEVICE)
+    with pytest.raises(ValueError, match="the weight is Q8_0 with K 800"):
+        gemm_q(w, xp, cfg=mmq_config(8, 800, 4, GGMLType.Q8_0))
+    w, x = _case(GGMLType.Q4_K, 8, 512, 4, seed=0)
+    xp = x[:, permuted_columns(w).cpu()].contiguous().to(DEVICE)
     with pytest.raises(ValueError, match="needs block_j 32"):
         gemm_q(w, xp, cfg=GemmQConfig(16, 16, 16, 4, 2, 1, False, True))
 

@@ -494,9 +494,11 @@ def test_moe_gemm_rule_tiles(t: GGMLType, block_m: int) -> None:
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 @pytest.mark.parametrize("permuted", [True, False], ids=["permuted", "elements"])
 @pytest.mark.parametrize("x_rows", ["token", "pair"])
-@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.IQ4_XS,
+                               GGMLType.IQ2_XS], ids=lambda t: t.name)
 def test_moe_gemm_mmq(t: GGMLType, x_rows: str, permuted: bool, block_m: int) -> None:
-    """Q4_K, Q5_K and Q6_K through deimos.quant.triton.mmq (codes decoded in the dot's operand
+    """Q4_K, Q5_K, Q6_K and Q8_0's layout (Q8_0, IQ4_XS: float32 scales, IQ2_XS: one a 16)
+    through deimos.quant.triton.mmq (codes decoded in the dot's operand
     layout): the same float16 weights as the other paths (1e-5 of the product on them), token
     and pair rows, x in either column order, every tile height, K of 3 blocks."""
     n, k = 40, 768
@@ -747,9 +749,10 @@ def test_moe_gemm_mmq_default_formats(monkeypatch) -> None:
     from deimos.quant.triton import moe_gemm as mg
 
     monkeypatch.setattr(mg, "MMQ_ON", True)
-    types = (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q5_K, GGMLType.Q8_0)
-    assert [mg._use_mmq(None, t, m) for t in types for m in mg.BLOCK_MS] == [True, True, False] + [False] * 9
-    assert [mg._use_mmq(True, t, 64) for t in types] == [True, True, True, False]
+    types = (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q5_K, GGMLType.Q8_0, GGMLType.Q2_K)
+    assert [mg._use_mmq(None, t, m) for t in types for m in mg.BLOCK_MS] == [True, True, False] + [False] * 12
+    assert [mg._use_mmq(True, t, 64) for t in types] == [True, True, True, True, False]
+    assert not mg._use_mmq(True, GGMLType.Q8_0, 16, 800)  # K not whole blocks of 256
     assert not mg._use_mmq(False, GGMLType.Q4_K, 16)
     monkeypatch.setattr(mg, "MMQ_ON", False)
     assert not mg._use_mmq(None, GGMLType.Q4_K, 16)

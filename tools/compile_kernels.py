@@ -640,6 +640,7 @@ def _moe_jobs() -> list[Job]:
                         _warm(mg._align_scatter_kernel, [i32, i32, i32, p, n_exp],
                               CHUNK=mg.ALIGN_CHUNK, num_warps=4, **PDL_KW)))
     gemm_shapes = ((n_ff, d_model, False), (2 * n_ff, d_model, False), (d_model, n_ff, True))
+    mmq_types = importlib.import_module("deimos.quant.triton.mmq").MMQ_TYPES
     for t in [*FMT_ID, GGMLType.IQ4_XS, GGMLType.IQ2_XS]:
         kt = KERNEL_TYPE.get(t, t)
         wpg = words_per_group(kt)
@@ -664,8 +665,9 @@ def _moe_jobs() -> list[Job]:
             args += [MockTensor(i64 if chunked else a.dtype) for a in arrays]
             args += [MockTensor(f32), MockTensor(i32), MockTensor(i32), MockTensor(i32), d_model, k,
                      top_k, k] + [a.stride(0) for a in arrays] + [4 if chunked else 1]
-            # Q4_K, Q5_K and Q6_K also through deimos.quant.triton.mmq (Q4_K by default, the others with mmq=True)
-            for mmq in (False, True) if t in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K) else (False,):
+            # Q4_K, Q5_K, Q6_K and Q8_0's layout also through deimos.quant.triton.mmq (Q4_K by
+            # default, the others with mmq=True)
+            for mmq in (False, True) if kt in mmq_types and k % 256 == 0 else (False,):
                 jobs.append(Job("moe_gemm_" + t.name,
                                 f"M={bm} N={c.block_n} J={c.block_j} w={c.num_warps} st={c.num_stages} "
                                 f"K={k} pair={int(pair)} perm={int(perm)} even={int(even)} "

@@ -76,7 +76,7 @@ from deimos.quant.triton.dequant_gemv import (
 )
 from deimos.quant.triton.gemv_q8 import _INTERPRETED
 from deimos.quant.triton.layout import KERNEL_TYPE, PackedWeight
-from deimos.quant.triton.mmq import MMQ_TYPES, WORDS, q4k_product, q5k_product, q6k_product
+from deimos.quant.triton.mmq import MMQ_TYPES, WORDS, q4k_product, q5k_product, q6k_product, q8_product
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 from deimos.switches import env_switch
 
@@ -280,7 +280,10 @@ def _gemm_q_kernel(
     s_hi = tl.minimum(s_lo + S_SPLIT, S_TOTAL)
     p_xt = p_x + o_m[:, None] * stride_xm + o_kk[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if MMQ and FMT == Q6_K:
+    if MMQ and FMT == Q8_0:
+        acc = q8_product(acc, p_qw, p_d, R_QW, R_D, o_n, p_x + o_m[:, None] * stride_xm, m_m, s_lo // 8,
+                         s_hi // 8, WORDS, HALF, ASM, SCALE16)
+    elif MMQ and FMT == Q6_K:
         acc = q6k_product(acc, p_qw, p_qh, p_s, p_d, R_QW, R_QH, R_S, R_D, o_n, p_x + o_m[:, None] * stride_xm,
                           m_m, s_lo // 8, s_hi // 8, WORDS, HALF, ASM)
     elif MMQ and FMT == Q5_K:
@@ -498,9 +501,9 @@ def gemm_q(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = None,
                                             half=HALF_DECODE)
         else:
             cfg = gemm_q_config(w.ggml_type, w.n, w.k, m)
-    if cfg.mmq and w.ggml_type not in MMQ_TYPES:
-        raise ValueError(f"gemm_q: mmq tiles are for {', '.join(t.name for t in MMQ_TYPES)}, the weight "
-                         f"is {w.ggml_type.name}")
+    if cfg.mmq and (w.ggml_type not in MMQ_TYPES or w.k % 256):
+        raise ValueError(f"gemm_q: mmq tiles are for {', '.join(t.name for t in MMQ_TYPES)} with K a "
+                         f"multiple of 256, the weight is {w.ggml_type.name} with K {w.k}")
     _check_config(cfg, m, wpg)
     s_split, splits, even = k_runs(w.k, wpg, cfg)
     tiles = triton.cdiv(w.n, cfg.block_n)

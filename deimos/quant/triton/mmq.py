@@ -39,7 +39,8 @@ import triton.language as tl
 from deimos.gguf.constants import GGMLType
 from deimos.quant.triton.dequant_gemv import _fma, k4_decode
 
-MMQ_TYPES = (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)  # the formats with a product here
+# the kernel formats with a product here (Q8_0: its layout's formats too)
+MMQ_TYPES = (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0)
 
 # Four bytes (packed in $2) -> their low (or high) nibbles as four float16 in $0, $1: bytes 0, 1
 # (then 2, 3) copied to bytes 0 and 2 of a register (prmt), the nibble masked into a float16
@@ -68,6 +69,25 @@ def codes16(b, HIGH: tl.constexpr, ASM: tl.constexpr):
         q = (b >> 4).to(tl.float16)
     else:
         q = (b & 0xF).to(tl.float16)
+    return q
+
+
+# Q8_0's layout: four signed code bytes (packed in $2) -> four float16 in $0, $1: the sign bits
+# flipped (c + 128 as an unsigned byte), each byte under 0x64 (the float16 1024 + c + 128),
+# then 1152 subtracted: exact
+_I8 = tl.constexpr(
+    "{.reg .b32 x, k, a, b, m; xor.b32 x, $2, 0x80808080; mov.b32 k, 0x64646464;"
+    "prmt.b32 a, x, k, 0x4140; prmt.b32 b, x, k, 0x4342; mov.b32 m, 0x64806480;"
+    "sub.rn.f16x2 $0, a, m; sub.rn.f16x2 $1, b, m;}")
+
+
+@triton.jit
+def codes8(b, ASM: tl.constexpr):
+    """Signed code bytes (uint8 ``b`` holding int8) as float16, exact."""
+    if ASM:
+        q = tl.inline_asm_elementwise(_I8, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        q = (((b.to(tl.int32) + 128) & 255) - 128).to(tl.float16)
     return q
 
 
@@ -248,6 +268,44 @@ def q5k_product(acc, p_qw, p_qh, p_meta, r_qw, r_qh, r_meta, o_n, p_xr, m_m, blk
     to the 16 code bytes' in registers."""
     return q4k_product(acc, p_qw, p_meta, r_qw, r_meta, o_n, p_xr, m_m, blk_lo, blk_hi, X_ORDER, HALF, ASM,
                        False, False, p_qh, r_qh)
+
+
+@triton.jit
+def q8_product(acc, p_qw, p_d, r_qw, r_d, o_n, p_xr, m_m, blk_lo, blk_hi, X_ORDER: tl.constexpr,
+               HALF: tl.constexpr, ASM: tl.constexpr, SCALE16: tl.constexpr = False):
+    """q4k_product for a weight in Q8_0's layout (Q8_0, and the formats packed as its codes:
+    IQ4_XS, MXFP4, IQ4_NL, the ternary and IQ1-IQ3 formats): a group's 32 code bytes (byte
+    i = 4 w + b of word w holds element 8 b + w: the packed words' column order) one K = 32
+    dot; ``p_d`` its scales, float16 or float32, one a group (``r_d`` a row) or with SCALE16
+    one a 16 (bytes with b < 2 hold the first 16). Blocks of 8 groups (K a multiple of 256)."""
+    BN: tl.constexpr = o_n.shape[0]
+    o_i = tl.arange(0, 32)
+    p_q = p_qw.to(tl.pointer_type(tl.uint8)) + o_n[:, None] * (r_qw * 4) + o_i[None, :]
+    NS: tl.constexpr = 16 if SCALE16 else 8  # scales a block
+    p_sc = p_d + o_n[:, None] * r_d + tl.arange(0, NS)[None, :]
+    first = (o_i % 4 < 2)[None, :]
+    for blk in range(blk_lo, blk_hi):
+        sc = tl.load(p_sc + blk * NS).to(tl.float32)  # [BN, NS]: one contiguous load a row
+        if SCALE16:
+            s_lo, s_hi = tl.split(tl.reshape(sc, (BN, 8, 2)))
+        else:
+            s_lo = sc
+            s_hi = sc
+        for j in tl.static_range(8):
+            u = blk * 8 + j
+            q = codes8(tl.load(p_q + u * 32), ASM)  # [BN, 32]
+            sel = (tl.arange(0, 8) == j)[None, :]
+            a = tl.sum(tl.where(sel, s_lo, 0.0), axis=1)  # group j's scale(s), [BN]
+            c = tl.sum(tl.where(sel, s_hi, 0.0), axis=1)
+            if HALF:
+                w = q * tl.where(first, a.to(tl.float16)[:, None], c.to(tl.float16)[:, None])
+            else:
+                w = (q.to(tl.float32) * tl.where(first, a[:, None], c[:, None])).to(tl.float16)
+            x = tl.load(p_xr + u * 32 + o_i[None, :], mask=m_m[:, None], other=0.0)
+            if X_ORDER == 0:  # element order: [b, w] -> [w, b]
+                x = tl.reshape(tl.permute(tl.reshape(x, (x.shape[0], 4, 8)), (0, 2, 1)), (x.shape[0], 32))
+            acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.float32)
+    return acc
 
 
 @triton.jit

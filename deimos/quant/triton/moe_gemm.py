@@ -55,7 +55,15 @@ from deimos.quant.triton.dequant_gemv import (
 from deimos.quant.triton.gemm_q import HALF_DECODE, TILE_ELEMENTS, decode_tile
 from deimos.quant.triton.gemv_q8 import _INTERPRETED
 from deimos.quant.triton.layout import KERNEL_TYPE, PackedWeight
-from deimos.quant.triton.mmq import ELEMENTS, MMQ_TYPES, WORDS, q4k_product, q5k_product, q6k_product
+from deimos.quant.triton.mmq import (
+    ELEMENTS,
+    MMQ_TYPES,
+    WORDS,
+    q4k_product,
+    q5k_product,
+    q6k_product,
+    q8_product,
+)
 from deimos.quant.triton.moe_gemv import ExpertChunks, check_expert_inputs, slot_arrays, slot_base
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 from deimos.switches import env_switch
@@ -295,7 +303,11 @@ def _moe_gemm_kernel(
                 row = pair
             else:
                 row = pair // TOP_K
-            if MMQ and FMT == Q5_K:
+            if MMQ and FMT == Q8_0:
+                acc = q8_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), p_qw, p_d, r_qw, r_d, o_n,
+                                 p_x + row[:, None] * stride_xm, m_m, 0, K // 256,
+                                 WORDS if X_PERMUTED else ELEMENTS, HALF, ASM, SCALE16)
+            elif MMQ and FMT == Q5_K:
                 acc = q5k_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), p_qw, p_qh, p_s, r_qw,
                                   r_qh, r_s, o_n, p_x + row[:, None] * stride_xm, m_m, 0, K // 256,
                                   WORDS if X_PERMUTED else ELEMENTS, HALF, ASM)
@@ -381,9 +393,12 @@ def _check_config(cfg: MoeGemmConfig, wpg: int) -> None:
                          "num_warps 1, 2, 4 or 8; 1..6 stages)")
 
 
-def _use_mmq(mmq: bool | None, ggml_type, block_m: int) -> bool:
+def _use_mmq(mmq: bool | None, ggml_type, block_m: int, k: int = 256) -> bool:
     """moe_gemm's ``mmq``: None, the default (``DEIMOS_MOE_MMQ``, Q4_K, tiles up to
-    MMQ_MAX_BLOCK_M rows); True, any format mmq has a product for; False, none."""
+    MMQ_MAX_BLOCK_M rows); True, any format mmq has a product for (K a multiple of 256, its
+    blocks: Q8_0's layout may have other K); False, none."""
+    if k % 256:
+        return False
     if mmq is None:
         return MMQ_ON and ggml_type in MMQ_DEFAULT_TYPES and block_m <= MMQ_MAX_BLOCK_M
     return bool(mmq) and ggml_type in MMQ_TYPES
@@ -440,7 +455,7 @@ def moe_gemm(x: torch.Tensor, w_stack: PackedWeight, n: int, tiles: MoeTiles, sl
         BLOCK_J=cfg.block_j, PAIR_ROWS=x_rows == "pair", X_PERMUTED=bool(x_permuted),
         EVEN=(w_stack.k // 32) % (cfg.block_j // wpg) == 0, SCALE16=scale16(w_stack),
         CHUNKED=chunked, ASM=not _INTERPRETED, HALF=HALF_DECODE,
-        MMQ=_use_mmq(mmq, w_stack.ggml_type, tiles.block_m),
+        MMQ=_use_mmq(mmq, w_stack.ggml_type, tiles.block_m, w_stack.k),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch_options(pdl_on(out.device)),
     )  # fmt: skip
