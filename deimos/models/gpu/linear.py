@@ -34,7 +34,7 @@ from deimos.models.gpu.notices import Notices
 from deimos.quant.triton.dequant_gemv import words_per_group
 from deimos.quant.triton import PackedWeight
 from deimos.quant.triton.gemm_q import MAX_ROWS as GEMM_ROWS
-from deimos.quant.triton.gemm_q import MMQ_ROWS
+from deimos.quant.triton.gemm_q import uses_mmq
 from deimos.quant.triton.gemm_q import gemm_q
 from deimos.quant.triton.gemv_q8 import QuantizedX, gemv_q8, quantize_x
 from deimos.quant.triton.gemv_rows import gemv_rows
@@ -156,7 +156,7 @@ class QuantLinear:
             y = gemv_q8(self.packed, self.inputs.quantized(x))
         elif t <= GEMV_ROWS and (self.dense is None or t < DENSE_ROWS):
             y = gemv_rows(self.packed, self.inputs.quantized(x))
-        elif self.dense is not None and not (GEMV_ROWS < t <= MMQ_ROWS and self.ggml_type == GGMLType.Q4_K):
+        elif self.dense is not None and not (t > GEMV_ROWS and uses_mmq(self.ggml_type, t)):
             y = matmul_f16(self.inputs.half(x), self.dense, scratch=self.inputs.split, ahead=True)
         elif t <= GEMM_ROWS:
             y = gemm_q(self.packed, self.inputs.permuted(x, self._words, self._columns()))

@@ -229,7 +229,6 @@ def _fma(a, b, c, HALF: tl.constexpr, ASM: tl.constexpr):
     return v
 
 
-
 def weight_arrays(w: PackedWeight) -> tuple:
     """(qw, qh, scales, d, m): the kernels' weight pointers, qw standing in for arrays the
     format does not have (never read)."""

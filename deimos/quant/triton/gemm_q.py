@@ -387,7 +387,7 @@ def gemm_q_config(ggml_type: GGMLType, n: int, k: int, m: int) -> GemmQConfig:
     the small tiles, whose stages are cheap). ``ggml_type``: the weight's kernel format (a
     format packed in another's layout, e.g. IQ4_XS, gets that layout's rule). Q4_K up to
     ``MMQ_ROWS`` rows: ``mmq_config``."""
-    if GGMLType(ggml_type) == GGMLType.Q4_K and m <= MMQ_ROWS:
+    if uses_mmq(ggml_type, m):
         return mmq_config(n, k, m)
     t = KERNEL_TYPE.get(GGMLType(ggml_type), GGMLType(ggml_type))
     nk = 32 // words_per_group(t)
@@ -414,6 +414,12 @@ def gemm_q_config(ggml_type: GGMLType, n: int, k: int, m: int) -> GemmQConfig:
     warps = 8 if block_n * block_j * nk > TILE_ELEMENTS else 4
     stages = 4 if block_n * block_m <= 1024 else 3
     return GemmQConfig(block_m, block_n, block_j, warps, stages, split, HALF_DECODE)
+
+
+def uses_mmq(ggml_type: GGMLType, m: int) -> bool:
+    """Whether the rule (``gemm_q_config``) multiplies ``m`` rows of a ``ggml_type`` weight
+    through mmq: Q4_K up to MMQ_ROWS rows."""
+    return GGMLType(ggml_type) == GGMLType.Q4_K and m <= MMQ_ROWS
 
 
 def mmq_config(n: int, k: int, m: int, ggml_type: GGMLType = GGMLType.Q4_K) -> GemmQConfig:
