@@ -280,18 +280,19 @@ def _gemm_q_kernel(
     s_hi = tl.minimum(s_lo + S_SPLIT, S_TOTAL)
     p_xt = p_x + o_m[:, None] * stride_xm + o_kk[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if MMQ and FMT == Q8_0:
-        acc = q8_product(acc, p_qw, p_d, R_QW, R_D, o_n, p_x + o_m[:, None] * stride_xm, m_m, s_lo // 8,
-                         s_hi // 8, WORDS, HALF, ASM, SCALE16)
-    elif MMQ and FMT == Q6_K:
-        acc = q6k_product(acc, p_qw, p_qh, p_s, p_d, R_QW, R_QH, R_S, R_D, o_n, p_x + o_m[:, None] * stride_xm,
-                          m_m, s_lo // 8, s_hi // 8, WORDS, HALF, ASM)
-    elif MMQ and FMT == Q5_K:
-        acc = q5k_product(acc, p_qw, p_qh, p_s, R_QW, R_QH, R_S, o_n, p_x + o_m[:, None] * stride_xm, m_m,
-                          s_lo // 8, s_hi // 8, WORDS, HALF, ASM)
-    elif MMQ:
-        acc = q4k_product(acc, p_qw, p_s, R_QW, R_S, o_n, p_x + o_m[:, None] * stride_xm, m_m, s_lo // 8,
-                          s_hi // 8, WORDS, HALF, ASM)
+    if MMQ:  # mmq's products over this program's blocks of 256 (x in the words' order)
+        p_xr = p_x + o_m[:, None] * stride_xm
+        b_lo, b_hi = s_lo // 8, s_hi // 8
+        if FMT == Q8_0:
+            acc = q8_product(acc, p_qw, p_d, R_QW, R_D, o_n, p_xr, m_m, b_lo, b_hi, WORDS, HALF, ASM, SCALE16)
+        elif FMT == Q6_K:
+            acc = q6k_product(acc, p_qw, p_qh, p_s, p_d, R_QW, R_QH, R_S, R_D, o_n, p_xr, m_m, b_lo, b_hi,
+                              WORDS, HALF, ASM)
+        elif FMT == Q5_K:
+            acc = q5k_product(acc, p_qw, p_qh, p_s, R_QW, R_QH, R_S, o_n, p_xr, m_m, b_lo, b_hi, WORDS, HALF,
+                              ASM)
+        else:
+            acc = q4k_product(acc, p_qw, p_s, R_QW, R_S, o_n, p_xr, m_m, b_lo, b_hi, WORDS, HALF, ASM)
     else:
         for s0 in range(s_lo, s_hi, BLOCK_S):
             u = s0 + o_s

@@ -20,9 +20,9 @@ Ids outside [0, E) are left out (their output rows are then not written).
 ``x_rows="token"``, p for ``"pair"``), decodes its expert's packed weight tile in registers
 with gemm_q's helpers (``group_words``, ``group_scales`` / ``q2k_scales``, ``decode_tile``:
 its float16 decode) feeding tl.dot (fp32 accumulation), or for Q4_K in tiles of up to 32
-pairs (and Q5_K / Q6_K when asked) through ``mmq``'s products (the code bytes decoded in the
-dot's operand layout), and stores each pair's row of the output [T k, n]. A tile whose expert has no slot (slot_of -1) stores zeros. Slots may be
-stored in chunks (moe_gemv.ExpertChunks: the cache's chunk address tables, read on the device).
+pairs (and Q5_K, Q6_K and Q8_0's layout when asked) through ``mmq``'s products (the code
+bytes decoded in the dot's operand layout), and stores each pair's row of the output [T k, n].
+A tile whose expert has no slot (slot_of -1) stores zeros. Slots may be stored in chunks (moe_gemv.ExpertChunks: the cache's chunk address tables, read on the device).
 
 Oracles: kernels.moe.moe_align_reference (equal entry for entry) and moe_experts_reference
 on the dequantized stack (naive.dequantize_packed; naive.dequantize_packed_half for the
@@ -303,22 +303,24 @@ def _moe_gemm_kernel(
                 row = pair
             else:
                 row = pair // TOP_K
-            if MMQ and FMT == Q8_0:
-                acc = q8_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), p_qw, p_d, r_qw, r_d, o_n,
-                                 p_x + row[:, None] * stride_xm, m_m, 0, K // 256,
-                                 WORDS if X_PERMUTED else ELEMENTS, HALF, ASM, SCALE16)
-            elif MMQ and FMT == Q5_K:
-                acc = q5k_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), p_qw, p_qh, p_s, r_qw,
-                                  r_qh, r_s, o_n, p_x + row[:, None] * stride_xm, m_m, 0, K // 256,
-                                  WORDS if X_PERMUTED else ELEMENTS, HALF, ASM)
-            elif MMQ and FMT == Q6_K:
-                acc = q6k_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), p_qw, p_qh, p_s, p_d,
-                                  r_qw, r_qh, r_s, r_d, o_n, p_x + row[:, None] * stride_xm, m_m, 0,
-                                  K // 256, WORDS if X_PERMUTED else ELEMENTS, HALF, ASM)
-            elif MMQ:
-                acc = q4k_product(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), p_qw, p_s, r_qw, r_s,
-                                  o_n, p_x + row[:, None] * stride_xm, m_m, 0, K // 256,
-                                  WORDS if X_PERMUTED else ELEMENTS, HALF, ASM)
+            if MMQ:  # mmq's products over all of K (its blocks of 256)
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                p_xr = p_x + row[:, None] * stride_xm
+                if X_PERMUTED:
+                    X_ORDER: tl.constexpr = WORDS
+                else:
+                    X_ORDER: tl.constexpr = ELEMENTS
+                if FMT == Q8_0:
+                    acc = q8_product(acc, p_qw, p_d, r_qw, r_d, o_n, p_xr, m_m, 0, K // 256, X_ORDER, HALF, ASM,
+                                     SCALE16)
+                elif FMT == Q5_K:
+                    acc = q5k_product(acc, p_qw, p_qh, p_s, r_qw, r_qh, r_s, o_n, p_xr, m_m, 0, K // 256, X_ORDER,
+                                      HALF, ASM)
+                elif FMT == Q6_K:
+                    acc = q6k_product(acc, p_qw, p_qh, p_s, p_d, r_qw, r_qh, r_s, r_d, o_n, p_xr, m_m, 0, K // 256,
+                                      X_ORDER, HALF, ASM)
+                else:
+                    acc = q4k_product(acc, p_qw, p_s, r_qw, r_s, o_n, p_xr, m_m, 0, K // 256, X_ORDER, HALF, ASM)
             else:
                 o_kk = tl.arange(0, BLOCK_K)
                 if X_PERMUTED:
@@ -420,8 +422,9 @@ def moe_gemm(x: torch.Tensor, w_stack: PackedWeight, n: int, tiles: MoeTiles, sl
     ids. slot_of: int32 ``[E]``, each expert's slot or -1 (its rows are 0). ``out``: optional
     contiguous float32 ``[T * k, n]``; every pair's row with an id in [0, E) is written.
     ``cfg``: the tile (default ``moe_gemm_config``; ``INTERPRETER_TILE`` for a stack on the
-    CPU). ``mmq``: True, Q4_K and Q6_K through deimos.quant.triton.mmq; None, Q4_K in tiles of up
-    to 32 rows unless ``DEIMOS_MOE_MMQ=0``; other formats ignore it."""
+    CPU). ``mmq``: True, Q4_K, Q5_K, Q6_K and Q8_0's layout through deimos.quant.triton.mmq (K
+    a multiple of 256); None, Q4_K in tiles of up to 32 rows unless ``DEIMOS_MOE_MMQ=0``; other
+    formats ignore it."""
     check_expert_inputs(w_stack, n, slot_of, x_rows, "moe_gemm", chunked=chunks is not None)
     if tiles.order.device != w_stack.device:
         raise ValueError(f"moe_gemm: the tiles are on {tiles.order.device}, the weights on "
