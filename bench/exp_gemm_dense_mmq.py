@@ -6,6 +6,8 @@ they come from HBM, not L2), each output checked against the copy's product. A m
 not a test.
 
     python bench/exp_gemm_dense_mmq.py [--rows 8,16,32] [NxK ...]
+
+Past 32 rows (mmq_config's end) mmq runs 64-row tiles at the 32-row rule's width and split.
 """
 
 from __future__ import annotations
@@ -66,7 +68,10 @@ def main(argv: list[str] | None = None) -> None:
             ref = x.float() @ w16.float().T
             out = torch.empty(m, n, device="cuda")
             res = {}
-            cfgs = {"rule": gemm_q_config(w.ggml_type, n, k, m), "mmq": mmq_config(n, k, m)}
+            mq = mmq_config(n, k, min(m, 32))
+            if m > 32:  # past the rule's rows: mmq's 64-row tile, the 32-row rule's width and split
+                mq = mq._replace(block_m=64)
+            cfgs = {"rule": gemm_q_config(w.ggml_type, n, k, m), "mmq": mq}
             cfgs["mmq1"] = cfgs["mmq"]._replace(split_k=1)
             for name, cfg in cfgs.items():
                 gemm_q(w, xp, out=out, cfg=cfg)

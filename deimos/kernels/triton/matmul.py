@@ -146,7 +146,10 @@ def matmul_config(m: int, n: int, k: int) -> MatmulConfig:
     (2026-11-29, llama 8B's matrices at M = 1, 16, 128, 512; BENCHMARKS.md): 16-row tiles
     with long K steps up to 16 rows (the best tile at every N there), then 128-row tiles,
     64 wide for the narrow matrices at ~128 rows (more programs), 256 wide for the wide ones,
-    128 x 128 from 256 rows on. 17-64 rows: 64 x 64, between the measured ends."""
+    128 x 128 from 256 rows on. 17-64 rows: 64 x 64, between the measured ends. Past 1,024 rows
+    (a prompt step of 2,048 tokens) 128 x 256 with 8 warps: bench/sweep_dense.py on an H100
+    (session 50) found it the best tile of eight at 2,048 rows on all four matrices (888 against
+    991 us on [28672, 4096], 430 / 474 on [4096, 14336]), at 512 rows only on [6144, 4096]."""
     del k
     if m <= 16:
         return MatmulConfig(16, 64, 128, 4, 4)
@@ -154,6 +157,8 @@ def matmul_config(m: int, n: int, k: int) -> MatmulConfig:
         return MatmulConfig(64, 64, 64, 4, 4)
     if m <= 256:
         return MatmulConfig(128, 256, 64, 8, 3) if n >= 16384 else MatmulConfig(128, 64, 64, 4, 4)
+    if m > 1024:
+        return MatmulConfig(128, 256, 64, 8, 3)
     return MatmulConfig(128, 128, 64, 4, 4)
 
 
