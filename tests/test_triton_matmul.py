@@ -23,14 +23,15 @@ from pdl_chain import assert_replays_match
 
 def _inputs(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    a = torch.randn(m, k + 16, generator=g)[:, :k].half()  # strided rows
+    a = torch.randn(m, k + 16, generator=g).half()[:, :k]  # strided rows
     b = torch.randn(n, k, generator=g).half()
     return a, b
 
 
 @pytest.mark.parametrize("k", [128, 96], ids=["even-k", "ragged-k"])
-@pytest.mark.parametrize("cfg", [MatmulConfig(16, 32, 32, 4, 2), MatmulConfig(32, 16, 64, 2, 1), None],
-                         ids=["16x32", "32x16", "rule"])
+@pytest.mark.parametrize("cfg", [MatmulConfig(16, 32, 32, 4, 2), MatmulConfig(32, 16, 64, 2, 1), None,
+                                 MatmulConfig(16, 32, 32, 4, 2, tma=True), MatmulConfig(32, 16, 64, 2, 1, tma=True)],
+                         ids=["16x32", "32x16", "rule", "16x32-tma", "32x16-tma"])
 def test_matmul_f16(cfg: MatmulConfig | None, k: int) -> None:
     """M and N not multiples of the tile (clamped loads, masked stores), strided a rows, K
     that the K step divides or not."""
@@ -38,6 +39,20 @@ def test_matmul_f16(cfg: MatmulConfig | None, k: int) -> None:
     out = torch.full((21, 37), float("nan"), device=DEVICE)
     got = matmul_f16(a.to(DEVICE), b.to(DEVICE), out=out, cfg=cfg).cpu()
     torch.testing.assert_close(got, matmul_reference(a, b), rtol=1e-4, atol=1e-4)
+
+
+def test_matmul_f16_tma_unaligned_rows_fall_back() -> None:
+    """A tile asking for TMA loads with rows the TMA unit cannot address (a row stride not a
+    multiple of 16 bytes) runs the pointer loads instead: the same product, and a TMA tile
+    with splits is refused."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(21, 96 + 3, generator=g).half()[:, :96]  # rows 198 bytes apart
+    assert a.stride(0) == 99
+    b = torch.randn(37, 96, generator=g).half()
+    got = matmul_f16(a.to(DEVICE), b.to(DEVICE), cfg=MatmulConfig(16, 32, 32, 4, 2, tma=True)).cpu()
+    torch.testing.assert_close(got, matmul_reference(a, b), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="one with tma"):
+        matmul_f16(a.to(DEVICE), b.to(DEVICE), cfg=MatmulConfig(16, 32, 32, 4, 2, 2, tma=True))
 
 
 @pytest.mark.parametrize("k", [256, 96, 160], ids=["even-k", "ragged-k", "empty-last-split"])

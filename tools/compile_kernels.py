@@ -148,6 +148,18 @@ def _q8_jobs() -> list[Job]:
                                       BLOCK_M=mc.block_m, BLOCK_N=mc.block_n, BLOCK_K=mc.block_k,
                                       GROUP=matmul.GROUP_M, EVEN_K=True, SPLITS=splits, AHEAD=ahead,
                                       num_warps=mc.num_warps, num_stages=mc.num_stages, **PDL_KW)))
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    for mc in dict.fromkeys(matmul.matmul_config(m, 4096, 4096) for m in (512, 2048)):  # prefill's tiles
+        host = torch.empty(256, 4096, dtype=torch.float16)  # descriptors need a tensor's shape only
+        descs = [TensorDescriptor.from_tensor(host, [mc.block_m, mc.block_k]),
+                 TensorDescriptor.from_tensor(host, [mc.block_n, mc.block_k])]
+        jobs.append(Job("matmul_f16_tma", f"M={mc.block_m} N={mc.block_n} K={mc.block_k} "
+                                          f"w={mc.num_warps} st={mc.num_stages}",
+                        _warm(matmul._matmul_tma_kernel, descs + [torch.float32] + [4096] * 4,
+                              BLOCK_M=mc.block_m, BLOCK_N=mc.block_n, BLOCK_K=mc.block_k,
+                              GROUP=matmul.GROUP_M, num_warps=mc.num_warps, num_stages=mc.num_stages,
+                              **PDL_KW)))
     gc = matmul.gemv_config(4096, 4096)
     for even in (True, False):
         jobs.append(Job("gemv_f16", f"N={gc.block_n} K={gc.block_k} w={gc.num_warps} even={int(even)}",

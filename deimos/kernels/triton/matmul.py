@@ -19,11 +19,16 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deimos.quant.triton.dequant_gemv import pow2_at_most
 from deimos.quant.triton.pdl import ahead_on, launch_options, pdl_on, pdl_start
+from deimos.switches import env_switch
 
 GROUP_M = 8
+# prefill's tiles (past 256 rows) through _matmul_tma_kernel on GPUs that have TMA (sm_90 on):
+# bench/exp_matmul_tma.py measures it against the pointer loads and cuBLAS; off until it wins
+TMA_ON = env_switch("DEIMOS_MATMUL_TMA", False)
 
 
 class MatmulConfig(NamedTuple):
@@ -33,6 +38,7 @@ class MatmulConfig(NamedTuple):
     num_warps: int
     num_stages: int
     splits: int = 1  # K ranges computed by separate programs, summed in order by the last
+    tma: bool = False  # tiles loaded by the tensor memory accelerator (_matmul_tma_kernel; no splits)
 
 
 MAX_SPLITS = 8
@@ -141,6 +147,41 @@ def _matmul_kernel(
             tl.atomic_xchg(p_count + pid, 0, sem="relaxed", scope="gpu")
 
 
+@triton.jit
+def _matmul_tma_kernel(a_desc, b_desc, p_y, M, N, K, stride_ym, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                       PDL: tl.constexpr = False):  # fmt: skip
+    """_matmul_kernel's product (one tile a program, the same grouping, K in order) with a's
+    and b's tiles loaded through tensor descriptors: the TMA unit copies each [BLOCK, BLOCK_K]
+    tile to shared memory (zeros past M, N and K), no per-thread address math or masks."""
+    pdl_start(PDL)
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP * tiles_n
+    first_m = (pid // per_group) * GROUP
+    rows = tl.minimum(tiles_m - first_m, GROUP)
+    i_m = first_m + (pid % per_group) % rows
+    i_n = (pid % per_group) // rows
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        b_a = a_desc.load([i_m * BLOCK_M, k0])
+        b_b = b_desc.load([i_n * BLOCK_N, k0])
+        acc = tl.dot(b_a, tl.trans(b_b), acc, out_dtype=tl.float32)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    p_out = p_y + o_m[:, None].to(tl.int64) * stride_ym + o_n[None, :]
+    tl.store(p_out, acc, mask=(o_m < M)[:, None] & (o_n < N)[None, :])
+
+
+def tma_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b can be read through tensor descriptors: a GPU with TMA (sm_90 on; or the
+    interpreter), 16-byte aligned starts and row strides (the TMA unit's rule)."""
+    if a.device.type == "cuda" and torch.cuda.get_device_capability(a.device)[0] < 9:
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (a, b))
+
+
 def matmul_config(m: int, n: int, k: int) -> MatmulConfig:
     """The launch rule, from bench/sweep_gemm.py and bench/sweep_dense.py on the H200
     (2026-11-29, llama 8B's matrices at M = 1, 16, 128, 512; BENCHMARKS.md): 16-row tiles
@@ -158,8 +199,8 @@ def matmul_config(m: int, n: int, k: int) -> MatmulConfig:
     if m <= 256:
         return MatmulConfig(128, 256, 64, 8, 3) if n >= 16384 else MatmulConfig(128, 64, 64, 4, 4)
     if m > 1024:
-        return MatmulConfig(128, 256, 64, 8, 3)
-    return MatmulConfig(128, 128, 64, 4, 4)
+        return MatmulConfig(128, 256, 64, 8, 3, tma=TMA_ON)
+    return MatmulConfig(128, 128, 64, 4, 4, tma=TMA_ON)
 
 
 def matmul_f16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
@@ -187,10 +228,20 @@ def matmul_f16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None
             cfg = cfg._replace(splits=split_count(tiles, k, cfg.block_k, scratch.n_sm))
     elif not (all(pow2_at_most(v, 256) and v >= 16 for v in cfg[:3])
               and cfg.num_warps in (1, 2, 4, 8) and 1 <= cfg.num_stages <= 5
-              and 1 <= cfg.splits <= MAX_SPLITS):  # fmt: skip
+              and 1 <= cfg.splits <= MAX_SPLITS and not (cfg.tma and cfg.splits > 1)):  # fmt: skip
         raise ValueError(f"matmul_f16: bad tile {cfg} (block_m, block_n, block_k powers of two in "
-                         f"16..256, num_warps 1, 2, 4 or 8, 1..5 stages, 1..{MAX_SPLITS} splits)")
+                         f"16..256, num_warps 1, 2, 4 or 8, 1..5 stages, 1..{MAX_SPLITS} splits, "
+                         "one with tma)")
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    if cfg.tma and cfg.splits == 1 and tma_fits(a, b):
+        a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
+        b_desc = TensorDescriptor.from_tensor(b, [cfg.block_n, cfg.block_k])
+        _matmul_tma_kernel[(tiles,)](
+            a_desc, b_desc, out, m, n, k, out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUP=GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **launch_options(pdl_on(a.device)),
+        )  # fmt: skip
+        return out
     k_split = k
     part, count = out, out  # unused without splits
     if cfg.splits > 1:
