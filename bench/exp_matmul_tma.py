@@ -22,18 +22,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from deimos.kernels.triton.matmul import MatmulConfig, matmul_config, matmul_f16
+from deimos.kernels.triton.matmul import MatmulConfig, matmul_config, matmul_f16, tile_of
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
-
-
-@triton.jit
-def _tile_of(tile, tiles_m, tiles_n, GROUP: tl.constexpr):
-    """Tile index -> (row tile, column tile), GROUP row tiles at a time (their b tiles stay in L2)."""
-    per_group = GROUP * tiles_n
-    first_m = (tile // per_group) * GROUP
-    rows = tl.minimum(tiles_m - first_m, GROUP)
-    return first_m + (tile % per_group) % rows, (tile % per_group) // rows
 
 
 @triton.jit
@@ -47,7 +38,7 @@ def _store(p_y, acc, i_m, i_n, M, N, stride_ym, BM: tl.constexpr, BN: tl.constex
 @triton.jit
 def _mm_tma(a_desc, b_desc, p_y, M, N, K, stride_ym, BM: tl.constexpr, BN: tl.constexpr,
             BK: tl.constexpr, GROUP: tl.constexpr):
-    i_m, i_n = _tile_of(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP)
+    i_m, i_n = tile_of(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         a = a_desc.load([i_m * BM, k0])
@@ -73,7 +64,7 @@ def _mm_tma_persistent(a_desc, b_desc, p_y, M, N, K, stride_ym, BM: tl.constexpr
         ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
         if ki == 0:
             tile += N_PROG
-            i_m, i_n = _tile_of(tile, tiles_m, tiles_n, GROUP)
+            i_m, i_n = tile_of(tile, tiles_m, tiles_n, GROUP)
         a = a_desc.load([i_m * BM, ki * BK])
         b = b_desc.load([i_n * BN, ki * BK])
         acc = tl.dot(a, b.T, acc)

@@ -73,6 +73,16 @@ def split_count(tiles: int, k: int, block_k: int, n_sm: int) -> int:
 
 
 @triton.jit
+def tile_of(tile, tiles_m, tiles_n, GROUP: tl.constexpr):
+    """Tile index -> (row tile, column tile), taken GROUP row tiles at a time so that the b
+    tiles a group reads stay in L2."""
+    per_group = GROUP * tiles_n
+    first_m = (tile // per_group) * GROUP
+    rows = tl.minimum(tiles_m - first_m, GROUP)
+    return first_m + (tile % per_group) % rows, (tile % per_group) // rows
+
+
+@triton.jit
 def _matmul_kernel(
     p_a, p_b, p_y, p_part, p_count, M, N, K, K_SPLIT, stride_am, stride_bn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
@@ -84,13 +94,7 @@ def _matmul_kernel(
     if not AHEAD:
         pdl_start(PDL)
     pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP * tiles_n
-    first_m = (pid // per_group) * GROUP
-    rows = tl.minimum(tiles_m - first_m, GROUP)
-    i_m = first_m + (pid % per_group) % rows
-    i_n = (pid % per_group) // rows
+    i_m, i_n = tile_of(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
@@ -156,13 +160,7 @@ def _matmul_tma_kernel(a_desc, b_desc, p_y, M, N, K, stride_ym, BLOCK_M: tl.cons
     tile to shared memory (zeros past M, N and K), no per-thread address math or masks."""
     pdl_start(PDL)
     pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP * tiles_n
-    first_m = (pid // per_group) * GROUP
-    rows = tl.minimum(tiles_m - first_m, GROUP)
-    i_m = first_m + (pid % per_group) % rows
-    i_n = (pid % per_group) // rows
+    i_m, i_n = tile_of(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         b_a = a_desc.load([i_m * BLOCK_M, k0])
