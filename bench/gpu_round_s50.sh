@@ -26,18 +26,18 @@ diag)  # where a 16 / 64-row llama 8B decode step goes; the fp16 matmul's tiles 
   # the TMA matmul at prefill's rows against cuBLAS; mmq's SWAP / JOIN at 64 rows an expert
   setup; idle | say
   synth llama-8b $M8 Q4_K_M llama-bpe
-  timeout ${PROF_S:-120} python3 bench/profile_step.py $M8 -b 16,64 --steps 10 --top 16 > "$OUT/prof-step.txt" 2>&1
-  timeout ${TMA_S:-120} python3 bench/exp_matmul_tma.py -m 512 2048 > "$OUT/tma.txt" 2>&1
+  timeout ${PROF_S:-90} python3 bench/profile_step.py $M8 -b 16,64 --steps 10 --top 16 > "$OUT/prof-step.txt" 2>&1
+  timeout ${TMA_S:-90} python3 bench/exp_matmul_tma.py -m 512 2048 > "$OUT/tma.txt" 2>&1
   grep -E "^\| [0-9]" "$OUT/tma.txt" | say
   for v in 0 1; do
-    DEIMOS_MATMUL_TMA=$v timeout ${BATCH_S:-150} python3 bench/engine_batch.py $M8 -c 16,64 -n 128 > "$OUT/l8-batch-tma$v.txt" 2>&1
+    DEIMOS_MATMUL_TMA=$v timeout ${BATCH_S:-75} python3 bench/engine_batch.py $M8 -c 16,64 -n 128 > "$OUT/l8-batch-tma$v.txt" 2>&1
     grep -E "^\| (default|greedy)" "$OUT/l8-batch-tma$v.txt" | sed "s/^/tma=$v /" | say
   done
-  DEIMOS_MATMUL_TMA=1 timeout ${PROF_S:-100} python3 bench/profile_prefill.py $M8 -p 2048 --top 8 --gaps 2 > "$OUT/prof-prefill-tma.txt" 2>&1
+  DEIMOS_MATMUL_TMA=1 timeout ${PROF_S:-60} python3 bench/profile_prefill.py $M8 -p 2048 --top 8 --gaps 2 > "$OUT/prof-prefill-tma.txt" 2>&1
   grep -E "_matmul|wall" "$OUT/prof-prefill-tma.txt" | cut -c1-60,150-200 | say
-  timeout ${SWEEP_S:-100} python3 bench/sweep_dense.py -m 16 32 64 > "$OUT/sweep-dense-small.txt" 2>&1
+  timeout ${SWEEP_S:-60} python3 bench/sweep_dense.py -m 16 32 64 > "$OUT/sweep-dense-small.txt" 2>&1
   grep -E "^ *[0-9]+ " "$OUT/sweep-dense-small.txt" | say
-  timeout ${EXP_S:-150} python3 bench/exp_gemm_mmq.py 196608x2048 --rows 32,64 --only elements,gemm_q > "$OUT/join.txt" 2>&1
+  timeout ${EXP_S:-60} python3 bench/exp_gemm_mmq.py 196608x2048 --rows 32,64 --only elements,gemm_q > "$OUT/join.txt" 2>&1
   grep -E "x[0-9]+:|M=" "$OUT/join.txt" | cut -c1-100 | say
   idle | say ;;
 *) echo "usage: $0 first|diag" >&2; exit 2 ;;
