@@ -40,5 +40,14 @@ diag)  # where a 16 / 64-row llama 8B decode step goes; the fp16 matmul's tiles 
   timeout ${EXP_S:-60} python3 bench/exp_gemm_mmq.py 196608x2048 --rows 32,64 --only elements,gemm_q > "$OUT/join.txt" 2>&1
   grep -E "x[0-9]+:|M=" "$OUT/join.txt" | cut -c1-100 | say
   idle | say ;;
-*) echo "usage: $0 first|diag" >&2; exit 2 ;;
+last)  # diag's first two parts, for little device time: the TMA matmul at 2,048 rows, then
+  # where a 16 / 64-row decode step goes
+  setup; idle | say
+  (synth llama-8b $M8 Q4_K_M llama-bpe) &
+  timeout ${TMA_S:-70} python3 bench/exp_matmul_tma.py -m 2048 > "$OUT/tma.txt" 2>&1
+  grep -E "^\| [0-9]" "$OUT/tma.txt" | say
+  wait
+  timeout ${PROF_S:-90} python3 bench/profile_step.py $M8 -b 16,64 --steps 10 --top 16 > "$OUT/prof-step.txt" 2>&1
+  idle | say ;;
+*) echo "usage: $0 first|diag|last" >&2; exit 2 ;;
 esac
