@@ -129,39 +129,44 @@ def main(argv: list[str] | None = None) -> None:
     from deimos.quant.triton.bench import time_graph
 
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    print("| M | N x K | cuBLAS us | rule us | mm 128x256 us | best TMA us (tile, persistent) | TFLOP/s best | cuBLAS |")
+    print("| M | N x K | cuBLAS us | rule us | mm 128x256 us | best TMA us (tile, persistent) "
+          "| TFLOP/s best | cuBLAS |")
     print("|---:|---|---:|---:|---:|---|---:|---:|")
     for m in a.m:
         for n, k in SHAPES:
-            x = torch.randn(m, k, device="cuda").half()
-            w = torch.randn(n, k, device="cuda").half()
-            ref = torch.matmul(x, w.T).float()
-            out = torch.empty(m, n, device="cuda")
-            t_cu = time_graph(lambda: torch.matmul(x, w.T), calls=5, reps=10)
-            t_rule = time_graph(lambda: matmul_f16(x, w, out=out, cfg=matmul_config(m, n, k)), calls=5, reps=10)
-            t_wide = time_graph(lambda: matmul_f16(x, w, out=out, cfg=MatmulConfig(128, 256, 64, 8, 3)),
-                                calls=5, reps=10)
-            best = (float("inf"), None)
-            for cfg in TMA_TILES:
-                for persistent in (False, True):
-                    try:
-                        out.zero_()
-                        mm_tma(x, w, out, cfg, persistent, n_sm)
-                        torch.cuda.synchronize()
-                    except Exception as e:  # noqa: BLE001 - a tile that does not fit is skipped
-                        print(f"  skipped {cfg} persistent={persistent}: {type(e).__name__} {str(e)[:80]}")
-                        continue
-                    err = ((out - ref).norm() / ref.norm()).item()
-                    if not err < 1e-3:
-                        print(f"  WRONG {cfg} persistent={persistent}: {err:.1e}")
-                        continue
-                    t = time_graph(lambda cfg=cfg, p=persistent: mm_tma(x, w, out, cfg, p, n_sm), calls=5, reps=10)
-                    print(f"  {m} {n}x{k} {cfg} persistent={persistent}: {t * 1e6:.1f} us", flush=True)
-                    best = min(best, (t, (cfg, persistent)), key=lambda v: v[0])
-            fl = 2 * m * n * k
-            print(f"| {m} | {n}x{k} | {t_cu * 1e6:.1f} | {t_rule * 1e6:.1f} | {t_wide * 1e6:.1f} | "
-                  f"{best[0] * 1e6:.1f} {best[1]} | {fl / best[0] / 1e12:.0f} | {fl / t_cu / 1e12:.0f} |", flush=True)
+            _shape(m, n, k, n_sm, time_graph)
 
+
+def _shape(m: int, n: int, k: int, n_sm: int, time_graph) -> None:
+    """One row of the table: cuBLAS, the pointer kernel's rule and wide tile, the TMA tiles."""
+    x = torch.randn(m, k, device="cuda").half()
+    w = torch.randn(n, k, device="cuda").half()
+    ref = torch.matmul(x, w.T).float()
+    out = torch.empty(m, n, device="cuda")
+    t_cu = time_graph(lambda: torch.matmul(x, w.T), calls=5, reps=10)
+    rule, wide = matmul_config(m, n, k)._replace(tma=False), MatmulConfig(128, 256, 64, 8, 3)
+    t_rule = time_graph(lambda: matmul_f16(x, w, out=out, cfg=rule), calls=5, reps=10)
+    t_wide = time_graph(lambda: matmul_f16(x, w, out=out, cfg=wide), calls=5, reps=10)
+    best = (float("inf"), None)
+    for cfg in TMA_TILES:
+        for persistent in (False, True):
+            try:
+                out.zero_()
+                mm_tma(x, w, out, cfg, persistent, n_sm)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - a tile that does not fit is skipped
+                print(f"  skipped {cfg} persistent={persistent}: {type(e).__name__} {str(e)[:80]}")
+                continue
+            err = ((out - ref).norm() / ref.norm()).item()
+            if not err < 1e-3:
+                print(f"  WRONG {cfg} persistent={persistent}: {err:.1e}")
+                continue
+            t = time_graph(lambda cfg=cfg, p=persistent: mm_tma(x, w, out, cfg, p, n_sm), calls=5, reps=10)
+            print(f"  {m} {n}x{k} {cfg} persistent={persistent}: {t * 1e6:.1f} us", flush=True)
+            best = min(best, (t, (cfg, persistent)), key=lambda v: v[0])
+    fl = 2 * m * n * k
+    print(f"| {m} | {n}x{k} | {t_cu * 1e6:.1f} | {t_rule * 1e6:.1f} | {t_wide * 1e6:.1f} | "
+          f"{best[0] * 1e6:.1f} {best[1]} | {fl / best[0] / 1e12:.0f} | {fl / t_cu / 1e12:.0f} |", flush=True)
 
 if __name__ == "__main__":
     main()

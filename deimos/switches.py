@@ -1,6 +1,7 @@
 """The engine's A/B switches: environment variables read once, at import, by the module whose
 behaviour they choose (DEIMOS_PDL_AHEAD, DEIMOS_ATTN_MERGE, DEIMOS_MOE_DEFER,
-DEIMOS_DECODE_F16, DEIMOS_MOE_MMQ, DEIMOS_MATMUL_TMA). For measurements, not for users: no flag needs them."""
+DEIMOS_DECODE_F16, DEIMOS_MOE_MMQ, DEIMOS_MATMUL_TMA). For measurements, not for users: no
+flag needs them."""
 
 from __future__ import annotations
 
