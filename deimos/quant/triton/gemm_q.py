@@ -61,7 +61,6 @@ from deimos.quant.triton.dequant_gemv import (
     Q4_K,
     Q5_1,
     Q5_K,
-    Q6_K,
     Q8_0,
     _codes,
     _fma,
@@ -76,7 +75,7 @@ from deimos.quant.triton.dequant_gemv import (
 )
 from deimos.quant.triton.gemv_q8 import _INTERPRETED
 from deimos.quant.triton.layout import KERNEL_TYPE, PackedWeight
-from deimos.quant.triton.mmq import MMQ_TYPES, WORDS, q4k_product, q5k_product, q6k_product, q8_product
+from deimos.quant.triton.mmq import MMQ_TYPES, WORDS, mmq_product
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 from deimos.switches import env_switch
 
@@ -283,16 +282,8 @@ def _gemm_q_kernel(
     if MMQ:  # mmq's products over this program's blocks of 256 (x in the words' order)
         p_xr = p_x + o_m[:, None] * stride_xm
         b_lo, b_hi = s_lo // 8, s_hi // 8
-        if FMT == Q8_0:
-            acc = q8_product(acc, p_qw, p_d, R_QW, R_D, o_n, p_xr, m_m, b_lo, b_hi, WORDS, HALF, ASM, SCALE16)
-        elif FMT == Q6_K:
-            acc = q6k_product(acc, p_qw, p_qh, p_s, p_d, R_QW, R_QH, R_S, R_D, o_n, p_xr, m_m, b_lo, b_hi,
-                              WORDS, HALF, ASM)
-        elif FMT == Q5_K:
-            acc = q5k_product(acc, p_qw, p_qh, p_s, R_QW, R_QH, R_S, o_n, p_xr, m_m, b_lo, b_hi, WORDS, HALF,
-                              ASM)
-        else:
-            acc = q4k_product(acc, p_qw, p_s, R_QW, R_S, o_n, p_xr, m_m, b_lo, b_hi, WORDS, HALF, ASM)
+        acc = mmq_product(acc, FMT, p_qw, p_qh, p_s, p_d, R_QW, R_QH, R_S, R_D, o_n, p_xr, m_m, b_lo, b_hi, WORDS,
+                          HALF, ASM, SCALE16)
     else:
         for s0 in range(s_lo, s_hi, BLOCK_S):
             u = s0 + o_s

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from deimos.gguf.constants import GGMLType
-from deimos.quant.triton.dequant_gemv import _fma, k4_decode
+from deimos.quant.triton.dequant_gemv import Q5_K, Q6_K, Q8_0, _fma, k4_decode
 
 # the kernel formats with a product here (Q8_0: its layout's formats too)
 MMQ_TYPES = (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0)
@@ -347,4 +347,23 @@ def q6k_product(acc, p_qw, p_qh, p_sc, p_d, r_qw, r_qh, r_sc, r_d, o_n, p_xr, m_
                 else:
                     w = (q.to(tl.float32) * tl.where(first, s_a[:, None], s_b[:, None])).to(tl.float16)
                 acc = tl.dot(xs[h], tl.trans(w), acc, out_dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def mmq_product(acc, FMT: tl.constexpr, p_qw, p_qh, p_s, p_d, r_qw, r_qh, r_s, r_d, o_n, p_xr, m_m,
+                blk_lo, blk_hi, X_ORDER: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr,
+                SCALE16: tl.constexpr = False):  # fmt: skip
+    """The product of kernel format FMT over blocks blk_lo..blk_hi (Q8_0's layout, Q6_K, Q5_K,
+    else Q4_K): the one dispatch gemm_q's and moe_gemm's kernels share."""
+    if FMT == Q8_0:
+        acc = q8_product(acc, p_qw, p_d, r_qw, r_d, o_n, p_xr, m_m, blk_lo, blk_hi, X_ORDER, HALF, ASM, SCALE16)
+    elif FMT == Q6_K:
+        acc = q6k_product(acc, p_qw, p_qh, p_s, p_d, r_qw, r_qh, r_s, r_d, o_n, p_xr, m_m, blk_lo, blk_hi,
+                          X_ORDER, HALF, ASM)
+    elif FMT == Q5_K:
+        acc = q5k_product(acc, p_qw, p_qh, p_s, r_qw, r_qh, r_s, o_n, p_xr, m_m, blk_lo, blk_hi, X_ORDER, HALF,
+                          ASM)
+    else:
+        acc = q4k_product(acc, p_qw, p_s, r_qw, r_s, o_n, p_xr, m_m, blk_lo, blk_hi, X_ORDER, HALF, ASM)
     return acc

@@ -41,8 +41,6 @@ from deimos.gguf.constants import GGMLType
 from deimos.quant.triton.dequant_gemv import (
     FMT_ID,
     Q2_K,
-    Q5_K,
-    Q6_K,
     Q8_0,
     gemv_out,
     group_scales,
@@ -55,15 +53,7 @@ from deimos.quant.triton.dequant_gemv import (
 from deimos.quant.triton.gemm_q import HALF_DECODE, TILE_ELEMENTS, decode_tile
 from deimos.quant.triton.gemv_q8 import _INTERPRETED
 from deimos.quant.triton.layout import KERNEL_TYPE, PackedWeight
-from deimos.quant.triton.mmq import (
-    ELEMENTS,
-    MMQ_TYPES,
-    WORDS,
-    q4k_product,
-    q5k_product,
-    q6k_product,
-    q8_product,
-)
+from deimos.quant.triton.mmq import ELEMENTS, MMQ_TYPES, WORDS, mmq_product
 from deimos.quant.triton.moe_gemv import ExpertChunks, check_expert_inputs, slot_arrays, slot_base
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 from deimos.switches import env_switch
@@ -310,17 +300,8 @@ def _moe_gemm_kernel(
                     X_ORDER: tl.constexpr = WORDS
                 else:
                     X_ORDER: tl.constexpr = ELEMENTS
-                if FMT == Q8_0:
-                    acc = q8_product(acc, p_qw, p_d, r_qw, r_d, o_n, p_xr, m_m, 0, K // 256, X_ORDER, HALF, ASM,
-                                     SCALE16)
-                elif FMT == Q5_K:
-                    acc = q5k_product(acc, p_qw, p_qh, p_s, r_qw, r_qh, r_s, o_n, p_xr, m_m, 0, K // 256, X_ORDER,
-                                      HALF, ASM)
-                elif FMT == Q6_K:
-                    acc = q6k_product(acc, p_qw, p_qh, p_s, p_d, r_qw, r_qh, r_s, r_d, o_n, p_xr, m_m, 0, K // 256,
-                                      X_ORDER, HALF, ASM)
-                else:
-                    acc = q4k_product(acc, p_qw, p_s, r_qw, r_s, o_n, p_xr, m_m, 0, K // 256, X_ORDER, HALF, ASM)
+                acc = mmq_product(acc, FMT, p_qw, p_qh, p_s, p_d, r_qw, r_qh, r_s, r_d, o_n, p_xr, m_m, 0, K // 256,
+                                  X_ORDER, HALF, ASM, SCALE16)
             else:
                 o_kk = tl.arange(0, BLOCK_K)
                 if X_PERMUTED:
