@@ -28,6 +28,7 @@ from deimos.quant.triton.gemm_q import (
     gemm_q_reference,
     k_runs,
     mmq_config,
+    takes_elements,
 )
 from deimos.quant.triton.layout import PackedWeight, pack
 from deimos.quant.triton.naive import dequantize_packed, dequantize_packed_half
@@ -51,10 +52,12 @@ def _case(t: GGMLType, n: int, k: int, m: int, seed: int) -> tuple[PackedWeight,
     return w, x
 
 
-def _run(w: PackedWeight, x: torch.Tensor, cfg: GemmQConfig | None) -> torch.Tensor:
-    xp = x[:, permuted_columns(w).cpu()].contiguous().to(DEVICE)
+def _run(w: PackedWeight, x: torch.Tensor, cfg: GemmQConfig | None, elements: bool = False) -> torch.Tensor:
+    """gemm_q's output (CPU) for x in element order: permuted for it, or (``elements``) as it
+    is, reordered by mmq's loop."""
+    xp = (x if elements else x[:, permuted_columns(w).cpu()]).contiguous().to(DEVICE)
     out = torch.full((x.shape[0], w.n), float("nan"), device=DEVICE)
-    y = gemm_q(w, xp, out=out, cfg=cfg)
+    y = gemm_q(w, xp, out=out, cfg=cfg, x_permuted=not elements)
     assert y is out
     assert torch.isfinite(out).all(), "outputs left unwritten"
     return y.cpu()
@@ -128,6 +131,20 @@ def test_gemm_q_mmq(t: GGMLType, cfg: GemmQConfig) -> None:
     wpg = 8 if w.ggml_type == GGMLType.Q8_0 else 4
     cfg = cfg._replace(block_j=8 * wpg)
     _check(w, x, _run(w, x, cfg), f"{t.name} m={m} {cfg}", cfg.half)
+
+
+@pytest.mark.parametrize("cfg", MMQ_TILES[:2], ids=lambda c: f"m{c.block_m}_n{c.block_n}_k{c.split_k}")
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0], ids=lambda t: t.name)
+def test_gemm_q_mmq_elements(t: GGMLType, cfg: GemmQConfig) -> None:
+    """x in the elements' order (``x_permuted=False``: no permuted copy), reordered in mmq's
+    loop: the same product; a tile that is not mmq's refuses it."""
+    n, k = 37, 1280
+    m = 13 if cfg.block_m == 16 else 27
+    w, x = _case(t, n, k, m, seed=11)
+    cfg = cfg._replace(block_j=8 * (8 if w.ggml_type == GGMLType.Q8_0 else 4))
+    _check(w, x, _run(w, x, cfg, elements=True), f"{t.name} m={m} {cfg} elements", cfg.half)
+    with pytest.raises(ValueError, match="elements' order needs an mmq tile"):
+        gemm_q(w, x.to(DEVICE), cfg=cfg._replace(mmq=False, block_j=16), x_permuted=False)
 
 
 def test_gemm_q_mmq_config() -> None:
@@ -289,6 +306,10 @@ def test_gemm_q_gpu(t: GGMLType, shape: tuple[int, int], m: int) -> None:
     ref = gemm_q_reference(small, x).double()[:, torch.arange(n) % PERIOD]
     rel = ((y.double() - ref).norm() / ref.norm()).item()
     assert rel < 1e-3, f"{t.name} {n}x{k} m={m}: relative RMS error {rel:.2e}"
+    if takes_elements(w, m):  # the engine's call: x in element order
+        y = _run(w, x, None, elements=True)
+        rel = ((y.double() - ref).norm() / ref.norm()).item()
+        assert rel < 1e-3, f"{t.name} {n}x{k} m={m} (x in element order): relative RMS error {rel:.2e}"
     xp = x[:, permuted_columns(w).cpu()].contiguous().cuda()
     out = torch.empty(m, n, device="cuda")
     sec = time_graph(lambda: gemm_q(w, xp, out=out))

@@ -149,8 +149,8 @@ def test_matmul_f16_bad_input() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRETED, reason="real shapes need the GPU")
-@pytest.mark.parametrize("m,n,k", [(2048, 6144, 4096), (512, 14336, 4096), (77, 4096, 14336), (16, 6144, 4096),
-                                   (1, 1024, 4096)])
+@pytest.mark.parametrize("m,n,k", [(2048, 6144, 4096), (512, 14336, 4096), (512, 4096, 4096),
+                                   (77, 4096, 14336), (16, 6144, 4096), (1, 1024, 4096)])
 def test_matmul_f16_gpu(m: int, n: int, k: int) -> None:
     """The launch rule at llama 8B's shapes against the oracle."""
     a, b = _inputs(m, n, k, seed=4)

@@ -26,9 +26,14 @@ from deimos.quant.triton.pdl import ahead_on, launch_options, pdl_on, pdl_start
 from deimos.switches import env_switch
 
 GROUP_M = 8
-# prefill's tiles (past 256 rows) through _matmul_tma_kernel on GPUs that have TMA (sm_90 on):
-# bench/exp_matmul_tma.py measures it against the pointer loads and cuBLAS; off until it wins
-TMA_ON = env_switch("DEIMOS_MATMUL_TMA", False)
+# prefill's tiles (past 256 rows) through _matmul_tma_kernel on GPUs that have TMA (sm_90 on);
+# DEIMOS_MATMUL_TMA=0 the pointer loads (bench/exp_matmul_tma.py, H100, session 51: 5-27% faster
+# on llama 8B's four matrices at 512 and 2,048 rows; llama 8B at 16 / 64 requests +2% / +4%)
+TMA_ON = env_switch("DEIMOS_MATMUL_TMA", True)
+# 128 x 256 TMA tiles from this many of them (fewer: 128 x 128, twice the programs). H100,
+# session 51, 512 rows: 96 tiles ([6144, 4096]) 46.6 us against 56.0, 64 ([4096, 4096]) 44.2
+# against 30.7
+WIDE_TILES = 96
 
 
 class MatmulConfig(NamedTuple):
@@ -185,10 +190,12 @@ def matmul_config(m: int, n: int, k: int) -> MatmulConfig:
     (2026-11-29, llama 8B's matrices at M = 1, 16, 128, 512; BENCHMARKS.md): 16-row tiles
     with long K steps up to 16 rows (the best tile at every N there), then 128-row tiles,
     64 wide for the narrow matrices at ~128 rows (more programs), 256 wide for the wide ones,
-    128 x 128 from 256 rows on. 17-64 rows: 64 x 64, between the measured ends. Past 1,024 rows
-    (a prompt step of 2,048 tokens) 128 x 256 with 8 warps: bench/sweep_dense.py on an H100
-    (session 50) found it the best tile of eight at 2,048 rows on all four matrices (888 against
-    991 us on [28672, 4096], 430 / 474 on [4096, 14336]), at 512 rows only on [6144, 4096]."""
+    128 x 128 from 256 rows on. 17-64 rows: 64 x 64, between the measured ends. Past 256 rows
+    the TMA kernel (``TMA_ON``; bench/exp_matmul_tma.py, H100, session 51): 128 x 256 with 8
+    warps where that makes ``WIDE_TILES`` tiles (3 stages past 1,024 rows: 755.7 against
+    782.4 us on [28672, 4096] at 2,048 rows, 4 below), else 128 x 128 with 4 warps. The
+    pointer kernel past 1,024 rows: 128 x 256 with 8 warps (bench/sweep_dense.py, H100,
+    session 50: 888 against 991 us on [28672, 4096])."""
     del k
     if m <= 16:
         return MatmulConfig(16, 64, 128, 4, 4)
@@ -196,9 +203,13 @@ def matmul_config(m: int, n: int, k: int) -> MatmulConfig:
         return MatmulConfig(64, 64, 64, 4, 4)
     if m <= 256:
         return MatmulConfig(128, 256, 64, 8, 3) if n >= 16384 else MatmulConfig(128, 64, 64, 4, 4)
+    if TMA_ON:
+        if triton.cdiv(m, 128) * triton.cdiv(n, 256) >= WIDE_TILES:
+            return MatmulConfig(128, 256, 64, 8, 3 if m > 1024 else 4, tma=True)
+        return MatmulConfig(128, 128, 64, 4, 4, tma=True)
     if m > 1024:
-        return MatmulConfig(128, 256, 64, 8, 3, tma=TMA_ON)
-    return MatmulConfig(128, 128, 64, 4, 4, tma=TMA_ON)
+        return MatmulConfig(128, 256, 64, 8, 3)
+    return MatmulConfig(128, 128, 64, 4, 4)
 
 
 def matmul_f16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,

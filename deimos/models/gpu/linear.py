@@ -34,10 +34,11 @@ from deimos.models.gpu.notices import Notices
 from deimos.quant.triton.dequant_gemv import words_per_group
 from deimos.quant.triton import PackedWeight
 from deimos.quant.triton.gemm_q import MAX_ROWS as GEMM_ROWS
-from deimos.quant.triton.gemm_q import uses_mmq
+from deimos.quant.triton.gemm_q import takes_elements, uses_mmq
 from deimos.quant.triton.gemm_q import gemm_q
 from deimos.quant.triton.gemv_q8 import QuantizedX, gemv_q8, quantize_x
 from deimos.quant.triton.gemv_rows import gemv_rows
+from deimos.switches import env_switch
 
 
 class InputCache:
@@ -109,6 +110,10 @@ class InputCache:
 # every row: 2 rows ~0.75x gemv_q8 a row, 4 rows ~0.57x; bench/sweep_gemv.py --rows, 2026-12-02)
 GEMV_ROWS = 4
 DENSE_ROWS = 3
+# read once: gemm_q's mmq tiles take x in the elements' order and reorder it in registers (no
+# permuted copy: a gather launch per matrix, ~6 us each, 0.68 ms of a 16-row llama 8B step on
+# an H100, session 51's profile); DEIMOS_MMQ_ELEMENTS=0 the permuted copy
+MMQ_ELEMENTS = env_switch("DEIMOS_MMQ_ELEMENTS", True)
 
 
 def _check_input(x: torch.Tensor, k: int, name: str) -> None:
@@ -158,6 +163,8 @@ class QuantLinear:
             y = gemv_rows(self.packed, self.inputs.quantized(x))
         elif self.dense is not None and not (t > GEMV_ROWS and uses_mmq(self.ggml_type, t)):
             y = matmul_f16(self.inputs.half(x), self.dense, scratch=self.inputs.split, ahead=True)
+        elif t <= GEMM_ROWS and MMQ_ELEMENTS and takes_elements(self.packed, t):
+            y = gemm_q(self.packed, self.inputs.half(x), x_permuted=False)
         elif t <= GEMM_ROWS:
             y = gemm_q(self.packed, self.inputs.permuted(x, self._words, self._columns()))
         else:

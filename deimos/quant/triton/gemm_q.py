@@ -75,7 +75,7 @@ from deimos.quant.triton.dequant_gemv import (
 )
 from deimos.quant.triton.gemv_q8 import _INTERPRETED
 from deimos.quant.triton.layout import KERNEL_TYPE, PackedWeight
-from deimos.quant.triton.mmq import MMQ_TYPES, WORDS, mmq_product
+from deimos.quant.triton.mmq import ELEMENTS, MMQ_TYPES, WORDS, mmq_product
 from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 from deimos.switches import env_switch
 
@@ -253,14 +253,15 @@ def _gemm_q_kernel(
     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
     ATOMIC: tl.constexpr, EVEN: tl.constexpr, SCALE16: tl.constexpr = False,
     PDL: tl.constexpr = False, ASM: tl.constexpr = False, HALF: tl.constexpr = True,
-    MMQ: tl.constexpr = False, R_QW=0, R_S=0, R_QH=0, R_D=0,
+    MMQ: tl.constexpr = False, R_QW=0, R_S=0, R_QH=0, R_D=0, X_ORDER: tl.constexpr = WORDS,
 ):  # fmt: skip
     """Program (i_n, i_k): weight rows i_n BLOCK_N .. + BLOCK_N, groups i_k S_SPLIT ..
     + S_SPLIT of each row (S_SPLIT a multiple of a step's BLOCK_J / W groups), all M rows of
     x. EVEN: every program's run is S_SPLIT groups (no masks in the loop but x's rows).
     ATOMIC: partial sums added into p_y (zeroed by the caller) instead of stored. MMQ (Q4_K,
     Q5_K, Q6_K; a step a block of 8 groups): the run through ``mmq``'s product (``R_*``: the
-    arrays' row widths)."""
+    arrays' row widths), x's columns in ``X_ORDER`` (mmq's WORDS or ELEMENTS; the register
+    decode: WORDS)."""
     pdl_start(PDL)
     W: tl.constexpr = 8 if FMT == Q8_0 else (2 if FMT == Q2_K else 4)
     BLOCK_S: tl.constexpr = BLOCK_J // W  # groups of 32 a step
@@ -279,10 +280,10 @@ def _gemm_q_kernel(
     s_hi = tl.minimum(s_lo + S_SPLIT, S_TOTAL)
     p_xt = p_x + o_m[:, None] * stride_xm + o_kk[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if MMQ:  # mmq's products over this program's blocks of 256 (x in the words' order)
+    if MMQ:  # mmq's products over this program's blocks of 256
         p_xr = p_x + o_m[:, None] * stride_xm
         b_lo, b_hi = s_lo // 8, s_hi // 8
-        acc = mmq_product(acc, FMT, p_qw, p_qh, p_s, p_d, R_QW, R_QH, R_S, R_D, o_n, p_xr, m_m, b_lo, b_hi, WORDS,
+        acc = mmq_product(acc, FMT, p_qw, p_qh, p_s, p_d, R_QW, R_QH, R_S, R_D, o_n, p_xr, m_m, b_lo, b_hi, X_ORDER,
                           HALF, ASM, SCALE16)
     else:
         for s0 in range(s_lo, s_hi, BLOCK_S):
@@ -414,6 +415,12 @@ def uses_mmq(ggml_type: GGMLType, m: int) -> bool:
     return GGMLType(ggml_type) == GGMLType.Q4_K and m <= MMQ_ROWS
 
 
+def takes_elements(w: PackedWeight, m: int) -> bool:
+    """Whether ``gemm_q``'s rule takes ``m`` rows of x for ``w`` in the elements' order
+    (``x_permuted=False``): its tile is mmq's (``uses_mmq``; the interpreter's tile is not)."""
+    return w.device.type != "cpu" and uses_mmq(w.ggml_type, m)
+
+
 def mmq_config(n: int, k: int, m: int, ggml_type: GGMLType = GGMLType.Q4_K) -> GemmQConfig:
     """The tile of a Q4_K product through mmq (``GemmQConfig.mmq``), M <= 32 rows: 128 weight
     rows a program at 16 rows (64 where that alone keeps too few programs), 64 at 32
@@ -467,14 +474,15 @@ def k_runs(k: int, wpg: int, cfg: GemmQConfig) -> tuple[int, int, bool]:
 
 
 def gemm_q(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = None,
-           cfg: GemmQConfig | None = None) -> torch.Tensor:
+           cfg: GemmQConfig | None = None, x_permuted: bool = True) -> torch.Tensor:
     """y = x @ W^T: x fp16 [M, k] (1 <= M <= 64) with its COLUMNS ALREADY PERMUTED to the weight's
     word order (x[:, permuted_columns(w)], contiguous), W packed [n, k] -> float32 [M, n].
 
     ``x``: float16 ``[M, k]`` with unit column stride (rows may be strided), on w's device.
     ``out``: optional contiguous float32 ``[M, n]``, written in full (zeroed first when the
     tile splits K). ``cfg``: the tile (default ``gemm_q_config``, or ``INTERPRETER_TILE`` for
-    a weight on the CPU, block_m lowered to fit M)."""
+    a weight on the CPU, block_m lowered to fit M). ``x_permuted=False``: x in the elements'
+    order, reordered in registers by mmq's loop (an mmq tile only: ``takes_elements``)."""
     if w.ggml_type not in FMT_ID:
         raise ValueError(f"gemm_q: no kernel for {w.ggml_type.name}")
     if x.dim() != 2 or x.shape[1] != w.k:
@@ -503,6 +511,8 @@ def gemm_q(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = None,
         raise ValueError(f"gemm_q: mmq tiles are for {', '.join(t.name for t in MMQ_TYPES)} with K a "
                          f"multiple of 256, the weight is {w.ggml_type.name} with K {w.k}")
     _check_config(cfg, m, wpg)
+    if not x_permuted and not cfg.mmq:
+        raise ValueError(f"gemm_q: x in the elements' order needs an mmq tile, got {cfg}")
     s_split, splits, even = k_runs(w.k, wpg, cfg)
     tiles = triton.cdiv(w.n, cfg.block_n)
     if splits > 65535:
@@ -515,7 +525,7 @@ def gemm_q(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = None,
         FMT=FMT_ID[w.ggml_type], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_J=cfg.block_j,
         ATOMIC=splits > 1, EVEN=even or cfg.mmq, SCALE16=scale16(w), ASM=not _INTERPRETED, HALF=cfg.half,
         MMQ=cfg.mmq, R_QW=arrays[0].stride(0), R_S=arrays[2].stride(0), R_QH=arrays[1].stride(0),
-        R_D=arrays[3].stride(0),
+        R_D=arrays[3].stride(0), X_ORDER=WORDS if x_permuted else ELEMENTS,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_options(pdl_on(out.device)),
     )  # fmt: skip

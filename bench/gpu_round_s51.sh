@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Session 51's GPU round (from the repository root on the GPU machine; carry .whl .peer/tdz .peer/lc):
+#   bench/gpu_round_s51.sh first   # the TMA matmul at prefill's rows against the pointer loads and
+#     cuBLAS; mmq's 64-row tiles (plain / SWAP / JOIN) against the fp16 copy; where a 16 / 64-row
+#     llama 8B decode step goes (fp16 copies on and off); llama 8B at 16 / 64 requests, TMA off / on
+. bench/gpu_env.sh
+case "${1:-}" in
+first)
+  setup; idle | say
+  (synth llama-8b $M8 Q4_K_M llama-bpe) &
+  timeout ${TMA_S:-100} python3 bench/exp_matmul_tma.py -m 512 2048 > "$OUT/tma.txt" 2>&1
+  grep -E "^\| [0-9]" "$OUT/tma.txt" | say
+  timeout ${EXP_S:-110} python3 bench/exp_gemm_mmq.py 28672x4096 --rows 64 --only "m64 n,gemm_q,torch" \
+    > "$OUT/mmq64.txt" 2>&1
+  grep -E "M=" "$OUT/mmq64.txt" | cut -c1-100 | say
+  wait
+  timeout ${PROF_S:-90} python3 bench/profile_step.py $M8 -b 16,64 --steps 10 --top 16 > "$OUT/prof-step.txt" 2>&1
+  timeout ${PROF_S:-60} python3 bench/profile_step.py $M8 -b 64 --steps 10 --top 10 --dense-weights off \
+    > "$OUT/prof-step-q.txt" 2>&1
+  for v in 0 1; do
+    DEIMOS_MATMUL_TMA=$v timeout ${BATCH_S:-75} python3 bench/engine_batch.py $M8 -c 16,64 -n 128 > "$OUT/l8-batch-tma$v.txt" 2>&1
+    grep -E "^\| (default|greedy)" "$OUT/l8-batch-tma$v.txt" | sed "s/^/tma=$v /" | say
+  done
+  idle | say ;;
+*) echo "usage: $0 first" >&2; exit 2 ;;
+esac
