@@ -113,6 +113,28 @@ def test_kernel_linears_match_reference(synth_dir, typ: str) -> None:
     assert isinstance(k0.mlp.gate, LinearPart) and k0.mlp.gate.group is k0.mlp.up.group
 
 
+def test_kernel_gated_mlp_one_launch(synth_dir) -> None:
+    """A gated MLP whose gate and up are one fused matrix: past 16 rows on the matmul path
+    (prompt rows, past gemm_q's 64) its activation comes from one launch (matmul_gated, float16)
+    equal to the reference's; a few rows take the two products and the activation instead."""
+    from deimos.models.gpu.linear import gated_pair
+
+    ref, kern = _kernel_model(_synth(synth_dir, "llama", "Q8_0"))
+    r, k = ref.layers[0].mlp, kern.layers[0].mlp
+    pair = gated_pair(k.gate, k.up)
+    assert pair is not None and pair is k.gate.group.linear
+    assert gated_pair(k.up, k.gate) is None and gated_pair(k.gate, k.down) is None
+    g = torch.Generator().manual_seed(3)
+    for t, fused in ((65, True), (3, False)):
+        x = torch.randn(t, ref.config.n_embd, generator=g)
+        want = r.ops.gated_act(r.gate(x), r.up(x), r.activation)
+        assert (pair.gated(x.to(DEVICE), k.activation) is not None) == fused
+        got = k.ops.gated_mlp(x.to(DEVICE), k.gate, k.up, k.activation)
+        assert got.dtype == (torch.float16 if fused else torch.float32)
+        rel = _rel(want, got)
+        assert rel < 3e-3, f"T={t}: relative RMS error {rel:.2e}"
+
+
 def test_kernel_input_prepared_once(synth_dir) -> None:
     """One activation is quantized once for every projection reading it (q/k/v of one format
     are even one launch: parts of one LinearGroup)."""

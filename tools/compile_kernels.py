@@ -138,7 +138,8 @@ def _q8_jobs() -> list[Job]:
     shapes = [(m, n) for m in (2, 16, 64, 128, 512) for n in (4096, 28672)]
     for mc in dict.fromkeys(matmul.matmul_config(m, n, 4096) for m, n in shapes):
         for splits in (1, 4) if mc.block_m * mc.block_n <= 64 * 64 else (1,):  # split-K: decode rows
-            for ahead in (True, False):  # a resident weight, or one just dequantized
+            # a resident weight, or one just dequantized (matmul_f16 loads ahead in 16-row tiles only)
+            for ahead in (True, False) if mc.block_m == 16 else (False,):
                 jobs.append(Job("matmul_f16", f"M={mc.block_m} N={mc.block_n} K={mc.block_k} "
                                               f"w={mc.num_warps} st={mc.num_stages} splits={splits} "
                                               f"ahead={int(ahead)}",
@@ -150,7 +151,7 @@ def _q8_jobs() -> list[Job]:
                                       num_warps=mc.num_warps, num_stages=mc.num_stages, **PDL_KW)))
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    for mc in dict.fromkeys(matmul.matmul_config(m, 4096, 4096) for m in (512, 2048)):  # prefill's tiles
+    for mc in dict.fromkeys(matmul.matmul_config(m, n, 4096) for m in (512, 2048) for n in (4096, 28672)):
         host = torch.empty(256, 4096, dtype=torch.float16)  # descriptors need a tensor's shape only
         descs = [TensorDescriptor.from_tensor(host, [mc.block_m, mc.block_k]),
                  TensorDescriptor.from_tensor(host, [mc.block_n, mc.block_k])]
@@ -160,6 +161,22 @@ def _q8_jobs() -> list[Job]:
                               BLOCK_M=mc.block_m, BLOCK_N=mc.block_n, BLOCK_K=mc.block_k,
                               GROUP=matmul.GROUP_M, num_warps=mc.num_warps, num_stages=mc.num_stages,
                               **PDL_KW)))
+    from deimos.kernels.triton import matmul_gated as mg
+
+    for gcfg in dict.fromkeys(mg.gated_config(m, 14336, 4096) for m in (20, 64, 200, 512, 2048)):
+        bf = gcfg.block_n // 2
+        what = f"M={gcfg.block_m} F={bf} K={gcfg.block_k} w={gcfg.num_warps} st={gcfg.num_stages}"
+        kw = dict(BLOCK_M=gcfg.block_m, BLOCK_F=bf, BLOCK_K=gcfg.block_k, GROUP=matmul.GROUP_M, ACT=0,
+                  num_warps=gcfg.num_warps, num_stages=gcfg.num_stages, **PDL_KW)
+        if gcfg.tma:
+            host = torch.empty(256, 4096, dtype=torch.float16)
+            descs = [TensorDescriptor.from_tensor(host, [gcfg.block_m, gcfg.block_k]),
+                     TensorDescriptor.from_tensor(host, [bf, gcfg.block_k])]
+            jobs.append(Job("matmul_gated_tma", what, _warm(mg._gated_tma_kernel, descs + [torch.float16]
+                                                            + [4096] * 4, **kw)))
+        else:
+            jobs.append(Job("matmul_gated", what, _warm(mg._gated_kernel, [torch.float16] * 3 + [4096] * 6,
+                                                        EVEN_K=True, **kw)))
     gc = matmul.gemv_config(4096, 4096)
     for even in (True, False):
         jobs.append(Job("gemv_f16", f"N={gc.block_n} K={gc.block_k} w={gc.num_warps} even={int(even)}",

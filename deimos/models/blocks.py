@@ -67,7 +67,7 @@ class GatedMLP:
         self.ops = w.ops
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.ops.gated_act(self.gate(x), self.up(x), self.activation))
+        return self.down(self.ops.gated_mlp(x, self.gate, self.up, self.activation))
 
 
 class DecoderModel:

@@ -55,6 +55,11 @@ class Ops(Protocol):
         follows (the output projection reads the gate's output, not this one's)."""
         ...
     def gated_act(self, gate, up, activation: str) -> torch.Tensor: ...
+    def gated_mlp(self, x, gate, up, activation: str) -> torch.Tensor:
+        """A gated MLP's input half, ``gated_act(gate(x), up(x), activation)`` (``gate`` and
+        ``up`` its linears; a backend may compute the two products and the activation in one
+        launch)."""
+        ...
     def moe(self, x: torch.Tensor, block, defer: bool = False) -> torch.Tensor | ExpertSum:
         """Routed experts: x [T, D] -> [T, D] through ``block`` (deimos.models.moe.MoE: its
         router, expert weights, k, normalization and activation); moe_reference is the oracle.
@@ -128,6 +133,9 @@ class ReferenceOps:
 
     def gated_act(self, gate, up, activation):
         return gated_act(gate, up, activation)
+
+    def gated_mlp(self, x, gate, up, activation):
+        return self.gated_act(gate(x), up(x), activation)
 
     def moe(self, x, block, defer=False):
         return moe_reference(x, block)

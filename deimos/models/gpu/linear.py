@@ -29,6 +29,7 @@ import torch
 
 from deimos.gguf.constants import GGMLType
 from deimos.kernels.triton.matmul import SplitScratch, gemv_f16, matmul_f16
+from deimos.kernels.triton.matmul_gated import matmul_gated
 from deimos.models.gpu.dequant import dequantize_fp16, gather_rows, permuted_columns
 from deimos.models.gpu.notices import Notices
 from deimos.quant.triton.dequant_gemv import words_per_group
@@ -110,6 +111,10 @@ class InputCache:
 # every row: 2 rows ~0.75x gemv_q8 a row, 4 rows ~0.57x; bench/sweep_gemv.py --rows, 2026-12-02)
 GEMV_ROWS = 4
 DENSE_ROWS = 3
+# a gated MLP's gate/up product and activation in one launch (matmul_gated) past this many
+# rows: up to 16 matmul_f16's 16-row tiles load a resident weight's first tile before their
+# PDL wait (``ahead``), which matmul_gated does not
+GATED_ROWS = 16
 # read once: gemm_q's mmq tiles take x in the elements' order and reorder it in registers (no
 # permuted copy: a gather launch per matrix, ~6 us each, 0.68 ms of a 16-row llama 8B step on
 # an H100, session 51's profile); DEIMOS_MMQ_ELEMENTS=0 the permuted copy
@@ -157,20 +162,41 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.packed.k, self.name)
         t = x.shape[0]
-        if t == 1:
+        operands = self._matmul_operands(x)
+        if operands is not None:
+            a, w, resident = operands
+            y = matmul_f16(a, w, scratch=self.inputs.split, ahead=resident)
+        elif t == 1:
             y = gemv_q8(self.packed, self.inputs.quantized(x))
-        elif t <= GEMV_ROWS and (self.dense is None or t < DENSE_ROWS):
+        elif t <= GEMV_ROWS:
             y = gemv_rows(self.packed, self.inputs.quantized(x))
-        elif self.dense is not None and not (t > GEMV_ROWS and uses_mmq(self.ggml_type, t)):
-            y = matmul_f16(self.inputs.half(x), self.dense, scratch=self.inputs.split, ahead=True)
-        elif t <= GEMM_ROWS and MMQ_ELEMENTS and takes_elements(self.packed, t):
+        elif MMQ_ELEMENTS and takes_elements(self.packed, t):
             y = gemm_q(self.packed, self.inputs.half(x), x_permuted=False)
-        elif t <= GEMM_ROWS:
-            y = gemm_q(self.packed, self.inputs.permuted(x, self._words, self._columns()))
         else:
-            w16 = dequantize_fp16(self.packed, permuted=True)
-            y = matmul_f16(self.inputs.half(x)[:, self._columns()], w16, scratch=self.inputs.split)
+            y = gemm_q(self.packed, self.inputs.permuted(x, self._words, self._columns()))
         return y if self.bias is None else y + self.bias
+
+    def _matmul_operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+        """(a, b, resident) of matmul_f16 where ``x``'s rows take that path: the resident fp16
+        copy (3..64 rows, but Q4_K's 5..32, which mmq multiplies), or past GEMM_ROWS the
+        weight dequantized to a transient fp16 matrix in the words' column order, x's columns
+        permuted to match; None where a GEMV or gemm_q takes them."""
+        t = x.shape[0]
+        if t == 1 or (t <= GEMV_ROWS and (self.dense is None or t < DENSE_ROWS)):
+            return None
+        if self.dense is not None and not (t > GEMV_ROWS and uses_mmq(self.ggml_type, t)):
+            return self.inputs.half(x), self.dense, True
+        if t <= GEMM_ROWS:
+            return None
+        return self.inputs.half(x)[:, self._columns()], dequantize_fp16(self.packed, permuted=True), False
+
+    def gated(self, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+        """A fused gate/up matrix's (``gated_pair``) activation for ``x`` in one launch
+        (``matmul_gated``, float16 ``[T, n / 2]``), where its rows take the matmul path and
+        are more than ``GATED_ROWS``; else None (the caller multiplies, then activates)."""
+        _check_input(x, self.packed.k, self.name)
+        operands = self._matmul_operands(x) if x.shape[0] > GATED_ROWS else None
+        return None if operands is None else matmul_gated(operands[0], operands[1], activation)
 
 
 class DenseLinear:
@@ -191,6 +217,11 @@ class DenseLinear:
     @property
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
+
+    def gated(self, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+        """As ``QuantLinear.gated``: more than ``GATED_ROWS`` rows in one launch, else None."""
+        _check_input(x, self.weight.shape[1], self.name)
+        return matmul_gated(self.inputs.half(x), self.weight, activation) if x.shape[0] > GATED_ROWS else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.weight.shape[1], self.name)
@@ -287,3 +318,17 @@ class LinearPart:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.group.output(x)[:, self.lo : self.hi]
         return y if self.bias is None else y + self.bias
+
+
+def gated_pair(gate, up) -> QuantLinear | DenseLinear | None:
+    """The one matrix behind a gated MLP's ``gate`` and ``up`` when they are a LinearGroup's
+    two parts, gate's rows first, up's next and as many, without biases (``matmul_gated``'s
+    [2F, K] operand: its ``gated``); else None."""
+    if not (isinstance(gate, LinearPart) and isinstance(up, LinearPart) and gate.group is up.group):
+        return None
+    linear = gate.group.linear
+    if (gate.group.n_parts == 2 and gate.lo == 0 and gate.hi == up.lo and up.hi == 2 * gate.hi
+            and linear.out_features == up.hi and gate.bias is None and up.bias is None
+            and hasattr(linear, "gated")):  # fmt: skip
+        return linear
+    return None

@@ -27,7 +27,7 @@ from deimos.kernels.triton.rope import apply_rope, rope_inv_freq
 from deimos.kernels.triton.shared_gate import shared_gate_add
 from deimos.models.batch import Batch
 from deimos.models.config import ModelConfig
-from deimos.models.gpu.linear import GEMV_ROWS, InputCache
+from deimos.models.gpu.linear import GEMV_ROWS, InputCache, gated_pair
 from deimos.models.gpu.moe_ops import FUSED, ResidentSlots, moe_step
 from deimos.models.ops import ExpertSum, StepState
 from deimos.quant.triton.gemv_q8 import empty_quantized
@@ -179,6 +179,14 @@ class TritonOps:
         if half is not None:
             self.inputs.put_half(y, half)
         return y
+
+    def gated_mlp(self, x, gate, up, activation):
+        """One launch (``matmul_gated``) where gate and up are one fused matrix whose rows take
+        the matmul path (``linear.gated_pair``, ``gated``), else the two products and
+        ``gated_act``."""
+        pair = gated_pair(gate, up)
+        y = pair.gated(x, activation) if pair is not None else None
+        return y if y is not None else self.gated_act(gate(x), up(x), activation)
 
     def rms_norm_gated(self, o, z, weight, eps):
         """The Gated DeltaNet block's output norm; a decode row's also as the output
