@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 51's GPU round (from the repository root on the GPU machine; carry .whl .peer/tdz .peer/lc):
+# Session 51's GPU rounds (from the repository root on the GPU machine; carry .whl .peer/tdz .peer/lc,
+# second also .peer/base):
 #   bench/gpu_round_s51.sh first   # the TMA matmul at prefill's rows against the pointer loads and
 #     cuBLAS; mmq's 64-row tiles (plain / SWAP / JOIN) against the fp16 copy; where a 16 / 64-row
 #     llama 8B decode step goes (fp16 copies on and off); llama 8B at 16 / 64 requests, TMA off / on
@@ -22,5 +23,30 @@ first)
     grep -E "^\| (default|greedy)" "$OUT/l8-batch-tma$v.txt" | sed "s/^/tma=$v /" | say
   done
   idle | say ;;
-*) echo "usage: $0 first" >&2; exit 2 ;;
+second)  # this session's changes on the GPU: the kernels' and whole models' GPU tests, then llama 8B
+  # at 16 / 64 requests against the session start (carry .peer/base: git archive 086b9ac deimos
+  # bench/engine_batch.py bench/profile_prefill.py) and with each change switched off; where a
+  # 2,048-token prompt goes; a 16 / 64-row decode step's kernels without PDL (their own times)
+  setup; idle | say
+  (synth llama-8b $M8 Q4_K_M llama-bpe) &
+  timeout ${TEST_S:-200} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_triton_matmul.py \
+    tests/test_triton_matmul_gated.py tests/test_gpu_model.py "tests/test_triton_gemm_q.py::test_gemm_q_gpu" \
+    -k "not IQ2_XS and not Q2_K and not Q3_K and not real and not generate" > "$OUT/tests.txt" 2>&1
+  tail -3 "$OUT/tests.txt" | say
+  wait
+  for who in base new mmqe0 tma0; do
+    case $who in
+    base) base timeout ${BATCH_S:-75} python3 bench/engine_batch.py $M8 -c 16,64 -n 128 > "$OUT/l8-$who.txt" 2>&1 ;;
+    new) timeout ${BATCH_S:-75} python3 bench/engine_batch.py $M8 -c 16,64 -n 128 > "$OUT/l8-$who.txt" 2>&1 ;;
+    mmqe0) DEIMOS_MMQ_ELEMENTS=0 timeout ${BATCH_S:-75} python3 bench/engine_batch.py $M8 -c 16,64 -n 128 > "$OUT/l8-$who.txt" 2>&1 ;;
+    tma0) DEIMOS_MATMUL_TMA=0 timeout ${BATCH_S:-75} python3 bench/engine_batch.py $M8 -c 16,64 -n 128 > "$OUT/l8-$who.txt" 2>&1 ;;
+    esac
+    grep -E "^\| (default|greedy)" "$OUT/l8-$who.txt" | sed "s/^/$who /" | say
+  done
+  timeout ${PROF_S:-60} python3 bench/profile_prefill.py $M8 -p 2048 --top 10 --gaps 2 > "$OUT/prof-prefill.txt" 2>&1
+  grep -E "wall|tok/s" "$OUT/prof-prefill.txt" | head -3 | say
+  DEIMOS_PDL=0 timeout ${PROF_S:-90} python3 bench/profile_step.py $M8 -b 16,64 --steps 10 --top 14 > "$OUT/prof-step-nopdl.txt" 2>&1
+  grep -E "a step" "$OUT/prof-step-nopdl.txt" | say
+  idle | say ;;
+*) echo "usage: $0 first|second" >&2; exit 2 ;;
 esac
