@@ -147,13 +147,35 @@ def test_gemm_q_mmq_elements(t: GGMLType, cfg: GemmQConfig) -> None:
         gemm_q(w, x.to(DEVICE), cfg=cfg._replace(mmq=False, block_j=16), x_permuted=False)
 
 
+# Q4_K's 64-row forms: the weights the dot's first operand (SWAP), a group one K = 32 dot
+# (JOIN), K whole and split into runs (3: 2 + 2 + 1 blocks)
+WIDE_TILES = [GemmQConfig(64, 32, 32, 4, 1, 1, False, True, True, True),
+              GemmQConfig(64, 16, 32, 4, 2, 3, False, True, True, False),
+              GemmQConfig(64, 32, 32, 4, 1, 3, True, True, False, True)]
+
+
+@pytest.mark.parametrize("elements", [False, True], ids=["words", "elements"])
+@pytest.mark.parametrize("cfg", WIDE_TILES, ids=lambda c: f"n{c.block_n}_k{c.split_k}_swap{int(c.swap)}"
+                                                          f"_join{int(c.join)}")
+def test_gemm_q_mmq_swap_join(cfg: GemmQConfig, elements: bool) -> None:
+    """The 64-row mmq tiles, x permuted or in element order; swap / join on another format
+    than Q4_K is refused."""
+    n, k, m = 37, 1280, 45
+    w, x = _case(GGMLType.Q4_K, n, k, m, seed=13)
+    _check(w, x, _run(w, x, cfg, elements=elements), f"Q4_K m={m} {cfg}", cfg.half)
+    w6, x6 = _case(GGMLType.Q6_K, n, k, m, seed=13)
+    with pytest.raises(ValueError, match="swap and join are Q4_K's mmq forms"):
+        _run(w6, x6, cfg, elements=elements)
+
+
 def test_gemm_q_mmq_config() -> None:
-    """mmq's tile rule: 16 rows a tile up to 16 rows of x, then 32; a step a block of 256 (what
-    the kernel's runs need); splits into runs of whole blocks."""
+    """mmq's tile rule: 16 rows a tile up to 16 rows of x, then 32, then 64 with SWAP and JOIN;
+    a step a block of 256 (what the kernel's runs need); splits into runs of whole blocks."""
     for n, k in ((4096, 4096), (1024, 4096), (28672, 4096), (4096, 14336), (512, 512), (1536, 8960)):
-        for m in (5, 16, 17, 32):
+        for m in (5, 16, 17, 32, 33, 64):
             cfg = mmq_config(n, k, m)
-            assert cfg.mmq and cfg.block_j == 32 and cfg.block_m == (16 if m <= 16 else 32)
+            assert cfg.mmq and cfg.block_j == 32 and cfg.block_m == (16 if m <= 16 else 32 if m <= 32 else 64)
+            assert cfg.swap == cfg.join == (m > 32)
             s_split, runs, _ = k_runs(k, 4, cfg)
             assert s_split % 8 == 0 and runs * s_split >= k // 32 > (runs - 1) * s_split
     w, x = _case(GGMLType.Q2_K, 8, 512, 4, seed=0)

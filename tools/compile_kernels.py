@@ -238,8 +238,8 @@ def _rows_jobs() -> list[Job]:
 def _gemm_q_jobs() -> list[Job]:
     """The batched decode GEMM (quant.triton.gemm_q) per format at the tiles its rule gives
     for llama 8B's matrices at M = 2, 16, 32, 64 (each with the EVEN/ATOMIC flags of that launch),
-    and each tile's masked variant (a K its steps do not divide), unsplit (Q4_K's through mmq
-    up to 32 rows: ``mmq_config``)."""
+    and each tile's masked variant (a K its steps do not divide), unsplit (Q4_K's through mmq:
+    ``mmq_config``)."""
     import importlib
 
     import torch
@@ -269,11 +269,14 @@ def _gemm_q_jobs() -> list[Job]:
             args += [MockTensor(torch.float32), 16, 4096, 4096, 4096, 32]
             jobs.append(Job("gemm_q_" + t.name,
                             f"M={cfg.block_m} N={cfg.block_n} J={cfg.block_j} w={cfg.num_warps} "
-                            f"st={cfg.num_stages} even={int(even)} atomic={int(atomic)} mmq={int(cfg.mmq)}",
+                            f"st={cfg.num_stages} even={int(even)} atomic={int(atomic)} mmq={int(cfg.mmq)}"
+                            + (f" swap={int(cfg.swap)} join={int(cfg.join)}" if cfg.mmq else ""),
                             _warm_args(g._gemm_q_kernel, args, FMT=FMT_ID[kt], BLOCK_M=cfg.block_m,
                                        BLOCK_N=cfg.block_n, BLOCK_J=cfg.block_j, ATOMIC=atomic,
                                        EVEN=even, SCALE16=scale16(sample), ASM=True,
                                        HALF=cfg.half, MMQ=cfg.mmq, R_QW=512, R_S=64,
+                                       # mmq's x as the linears hand it: in element order
+                                       X_ORDER=g.ELEMENTS if cfg.mmq else g.WORDS, SWAP=cfg.swap, JOIN=cfg.join,
                                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **PDL_KW)))
     return jobs
 

@@ -35,7 +35,7 @@ from deimos.models.gpu.notices import Notices
 from deimos.quant.triton.dequant_gemv import words_per_group
 from deimos.quant.triton import PackedWeight
 from deimos.quant.triton.gemm_q import MAX_ROWS as GEMM_ROWS
-from deimos.quant.triton.gemm_q import takes_elements, uses_mmq
+from deimos.quant.triton.gemm_q import MMQ_ROWS, takes_elements, uses_mmq
 from deimos.quant.triton.gemm_q import gemm_q
 from deimos.quant.triton.gemv_q8 import QuantizedX, gemv_q8, quantize_x
 from deimos.quant.triton.gemv_rows import gemv_rows
@@ -178,13 +178,13 @@ class QuantLinear:
 
     def _matmul_operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
         """(a, b, resident) of matmul_f16 where ``x``'s rows take that path: the resident fp16
-        copy (3..64 rows, but Q4_K's 5..32, which mmq multiplies), or past GEMM_ROWS the
+        copy (3..64 rows, but Q4_K's 5..MMQ_ROWS, which mmq multiplies), or past GEMM_ROWS the
         weight dequantized to a transient fp16 matrix in the words' column order, x's columns
         permuted to match; None where a GEMV or gemm_q takes them."""
         t = x.shape[0]
         if t == 1 or (t <= GEMV_ROWS and (self.dense is None or t < DENSE_ROWS)):
             return None
-        if self.dense is not None and not (t > GEMV_ROWS and uses_mmq(self.ggml_type, t)):
+        if self.dense is not None and not (GEMV_ROWS < t <= MMQ_ROWS and uses_mmq(self.ggml_type, t)):
             return self.inputs.half(x), self.dense, True
         if t <= GEMM_ROWS:
             return None

@@ -80,11 +80,13 @@ from deimos.quant.triton.pdl import launch_options, pdl_on, pdl_start
 from deimos.switches import env_switch
 
 MAX_ROWS = 64  # activation rows a call (one M tile: block_m <= 64)
-# Q4_K up to this many rows through mmq (``mmq_config``). H100, session 49
+# Q4_K up to this many rows through mmq rather than an fp16 copy (``mmq_config``; past them mmq
+# only where the linear has no copy: ``uses_mmq``). H100, session 49
 # (bench/exp_gemm_dense_mmq.py, llama 8B's Q4_K matrices, CUDA-graph replays from HBM): at 16
 # rows [28672, 4096] 62 us against the register decode's 149 and an fp16 copy's 87, [4096,
-# 4096] 14 / 23 / 15; at 32 rows 71 / 201 / 129. At 64 rows an expert stack's mmq was slower
-# than the register decode (moe_gemm.MMQ_MAX_BLOCK_M).
+# 4096] 14 / 23 / 15; at 32 rows 71 / 201 / 129. At 64 rows an expert stack's plain mmq was
+# slower than the register decode (moe_gemm.MMQ_MAX_BLOCK_M); the SWAP + JOIN form is not
+# (session 51, dense [28672, 4096]: 107 against 167 us; an fp16 copy 105).
 MMQ_ROWS = 32
 # The weight decode of gemm_q's rule and of moe_gemm: float32 rounded once (``decode_tile``);
 # read once, DEIMOS_DECODE_F16=1 the float16 one, for A/B measurements (as DEIMOS_PDL=0)
@@ -254,6 +256,7 @@ def _gemm_q_kernel(
     ATOMIC: tl.constexpr, EVEN: tl.constexpr, SCALE16: tl.constexpr = False,
     PDL: tl.constexpr = False, ASM: tl.constexpr = False, HALF: tl.constexpr = True,
     MMQ: tl.constexpr = False, R_QW=0, R_S=0, R_QH=0, R_D=0, X_ORDER: tl.constexpr = WORDS,
+    SWAP: tl.constexpr = False, JOIN: tl.constexpr = False,
 ):  # fmt: skip
     """Program (i_n, i_k): weight rows i_n BLOCK_N .. + BLOCK_N, groups i_k S_SPLIT ..
     + S_SPLIT of each row (S_SPLIT a multiple of a step's BLOCK_J / W groups), all M rows of
@@ -261,7 +264,7 @@ def _gemm_q_kernel(
     ATOMIC: partial sums added into p_y (zeroed by the caller) instead of stored. MMQ (Q4_K,
     Q5_K, Q6_K; a step a block of 8 groups): the run through ``mmq``'s product (``R_*``: the
     arrays' row widths), x's columns in ``X_ORDER`` (mmq's WORDS or ELEMENTS; the register
-    decode: WORDS)."""
+    decode: WORDS); SWAP, JOIN: Q4_K's 64-row forms (``q4k_product``)."""
     pdl_start(PDL)
     W: tl.constexpr = 8 if FMT == Q8_0 else (2 if FMT == Q2_K else 4)
     BLOCK_S: tl.constexpr = BLOCK_J // W  # groups of 32 a step
@@ -283,8 +286,13 @@ def _gemm_q_kernel(
     if MMQ:  # mmq's products over this program's blocks of 256
         p_xr = p_x + o_m[:, None] * stride_xm
         b_lo, b_hi = s_lo // 8, s_hi // 8
-        acc = mmq_product(acc, FMT, p_qw, p_qh, p_s, p_d, R_QW, R_QH, R_S, R_D, o_n, p_xr, m_m, b_lo, b_hi, X_ORDER,
-                          HALF, ASM, SCALE16)
+        if SWAP:  # the weights the dot's first operand: W x^T, transposed once at the end
+            acc_t = mmq_product(tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), FMT, p_qw, p_qh, p_s, p_d, R_QW,
+                                R_QH, R_S, R_D, o_n, p_xr, m_m, b_lo, b_hi, X_ORDER, HALF, ASM, SCALE16, True, JOIN)
+            acc = tl.trans(acc_t)
+        else:
+            acc = mmq_product(acc, FMT, p_qw, p_qh, p_s, p_d, R_QW, R_QH, R_S, R_D, o_n, p_xr, m_m, b_lo, b_hi,
+                              X_ORDER, HALF, ASM, SCALE16, False, JOIN)
     else:
         for s0 in range(s_lo, s_hi, BLOCK_S):
             u = s0 + o_s
@@ -326,6 +334,8 @@ class GemmQConfig(NamedTuple):
     split_k: int = 1  # > 1: K split over programs, partial sums atomically added into a zeroed out
     half: bool = False  # the decode in float16 (``decode_tile``); False: float32 rounded once
     mmq: bool = False  # Q4_K / Q5_K / Q6_K through mmq's products (block_j 8 groups: a block of 256)
+    swap: bool = False  # mmq, Q4_K: the decoded weights the dot's first operand (q4k_product's SWAP)
+    join: bool = False  # mmq, Q4_K: a group one K = 32 dot (q4k_product's JOIN)
 
 
 # Triton's interpreter (CPU tensors) runs the programs one after another: there the fewest
@@ -411,8 +421,9 @@ def gemm_q_config(ggml_type: GGMLType, n: int, k: int, m: int) -> GemmQConfig:
 
 def uses_mmq(ggml_type: GGMLType, m: int) -> bool:
     """Whether the rule (``gemm_q_config``) multiplies ``m`` rows of a ``ggml_type`` weight
-    through mmq: Q4_K up to MMQ_ROWS rows."""
-    return GGMLType(ggml_type) == GGMLType.Q4_K and m <= MMQ_ROWS
+    through mmq: Q4_K (up to MMQ_ROWS rows it also beats an fp16 copy; past them, to 64 rows,
+    it beats gemm_q's register decode: ``mmq_config``)."""
+    return GGMLType(ggml_type) == GGMLType.Q4_K and m <= MAX_ROWS
 
 
 def takes_elements(w: PackedWeight, m: int) -> bool:
@@ -422,16 +433,19 @@ def takes_elements(w: PackedWeight, m: int) -> bool:
 
 
 def mmq_config(n: int, k: int, m: int, ggml_type: GGMLType = GGMLType.Q4_K) -> GemmQConfig:
-    """The tile of a Q4_K product through mmq (``GemmQConfig.mmq``), M <= 32 rows: 128 weight
-    rows a program at 16 rows (64 where that alone keeps too few programs), 64 at 32
-    (bench/exp_gemm_mmq.py, H100, session 49: the best of six tiles at both), 4 warps, 3
-    stages, a step a block of 256; K split as ``gemm_q_config`` splits it (``_cost``: the
-    fewest bytes for the SMs kept busy) into runs of whole blocks."""
-    block_m = 16 if m <= 16 else 32
+    """The tile of a Q4_K product through mmq (``GemmQConfig.mmq``): 128 weight rows a program
+    at 16 rows (64 where that alone keeps too few programs), 64 at 32 (bench/exp_gemm_mmq.py,
+    H100, session 49: the best of six tiles at both), 4 warps, 3 stages, a step a block of
+    256. Past 32 rows 64-row tiles of 128 weight rows with SWAP and JOIN (session 51, H100,
+    [28672, 4096] at 64 rows: 107.1 us against the plain form's 143.1 and gemm_q's register
+    decode's 167.2; an fp16 copy's product 105.1, which the linears keep where they have one).
+    K split as ``gemm_q_config`` splits it (``_cost``: the fewest bytes for the SMs kept busy)
+    into runs of whole blocks."""
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     bpw = _bits_per_weight(GGMLType(ggml_type))
     best = None
     blocks = k // 256
-    for block_n in (128, 64) if m <= 16 else (64,):
+    for block_n in (128, 64) if m <= 16 else ((64,) if m <= 32 else (128,)):
         split = 1
         while True:
             runs = -(-blocks // -(-blocks // split))  # the runs of whole blocks k_runs makes
@@ -441,8 +455,9 @@ def mmq_config(n: int, k: int, m: int, ggml_type: GGMLType = GGMLType.Q4_K) -> G
             if split >= 16 or blocks < 2 * split:
                 break
             split *= 2
+    wide = block_m == 64 and GGMLType(ggml_type) == GGMLType.Q4_K
     return GemmQConfig(block_m, best[1], 8 * words_per_group(GGMLType(ggml_type)), 4, 3, best[2], HALF_DECODE,
-                       True)
+                       True, wide, wide)
 
 
 def _check_config(cfg: GemmQConfig, m: int, wpg: int) -> None:
@@ -451,7 +466,8 @@ def _check_config(cfg: GemmQConfig, m: int, wpg: int) -> None:
           and pow2_at_most(cfg.block_j, 1024) and cfg.block_j >= wpg and cfg.block_j * nk <= 4096
           and cfg.num_warps in (1, 2, 4, 8) and 1 <= cfg.num_stages <= 6
           and isinstance(cfg.split_k, int) and 1 <= cfg.split_k <= 256
-          and isinstance(cfg.half, bool) and isinstance(cfg.mmq, bool))  # fmt: skip
+          and isinstance(cfg.half, bool) and isinstance(cfg.mmq, bool)
+          and isinstance(cfg.swap, bool) and isinstance(cfg.join, bool))  # fmt: skip
     if not ok:
         raise ValueError(f"gemm_q: bad tile {cfg} (block_m 16, 32 or 64; block_n a power of two in "
                          f"16..256; block_j one from {wpg} (a group's words) with block_j * {nk} "
@@ -507,6 +523,8 @@ def gemm_q(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = None,
                                             half=HALF_DECODE)
         else:
             cfg = gemm_q_config(w.ggml_type, w.n, w.k, m)
+    if (cfg.swap or cfg.join) and not (cfg.mmq and w.ggml_type == GGMLType.Q4_K):
+        raise ValueError(f"gemm_q: swap and join are Q4_K's mmq forms, got {cfg} for {w.ggml_type.name}")
     if cfg.mmq and (w.ggml_type not in MMQ_TYPES or w.k % 256):
         raise ValueError(f"gemm_q: mmq tiles are for {', '.join(t.name for t in MMQ_TYPES)} with K a "
                          f"multiple of 256, the weight is {w.ggml_type.name} with K {w.k}")
@@ -525,7 +543,7 @@ def gemm_q(w: PackedWeight, x: torch.Tensor, out: torch.Tensor | None = None,
         FMT=FMT_ID[w.ggml_type], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_J=cfg.block_j,
         ATOMIC=splits > 1, EVEN=even or cfg.mmq, SCALE16=scale16(w), ASM=not _INTERPRETED, HALF=cfg.half,
         MMQ=cfg.mmq, R_QW=arrays[0].stride(0), R_S=arrays[2].stride(0), R_QH=arrays[1].stride(0),
-        R_D=arrays[3].stride(0), X_ORDER=WORDS if x_permuted else ELEMENTS,
+        R_D=arrays[3].stride(0), X_ORDER=WORDS if x_permuted else ELEMENTS, SWAP=cfg.swap, JOIN=cfg.join,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_options(pdl_on(out.device)),
     )  # fmt: skip

@@ -353,9 +353,11 @@ def q6k_product(acc, p_qw, p_qh, p_sc, p_d, r_qw, r_qh, r_sc, r_d, o_n, p_xr, m_
 @triton.jit
 def mmq_product(acc, FMT: tl.constexpr, p_qw, p_qh, p_s, p_d, r_qw, r_qh, r_s, r_d, o_n, p_xr, m_m,
                 blk_lo, blk_hi, X_ORDER: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr,
-                SCALE16: tl.constexpr = False):  # fmt: skip
+                SCALE16: tl.constexpr = False, SWAP: tl.constexpr = False,
+                JOIN: tl.constexpr = False):  # fmt: skip
     """The product of kernel format FMT over blocks blk_lo..blk_hi (Q8_0's layout, Q6_K, Q5_K,
-    else Q4_K): the one dispatch gemm_q's and moe_gemm's kernels share."""
+    else Q4_K): the one dispatch gemm_q's and moe_gemm's kernels share. SWAP and JOIN: Q4_K's
+    (``q4k_product``; acc ``[BN, BM]`` with SWAP)."""
     if FMT == Q8_0:
         acc = q8_product(acc, p_qw, p_d, r_qw, r_d, o_n, p_xr, m_m, blk_lo, blk_hi, X_ORDER, HALF, ASM, SCALE16)
     elif FMT == Q6_K:
@@ -365,5 +367,6 @@ def mmq_product(acc, FMT: tl.constexpr, p_qw, p_qh, p_s, p_d, r_qw, r_qh, r_s, r
         acc = q5k_product(acc, p_qw, p_qh, p_s, r_qw, r_qh, r_s, o_n, p_xr, m_m, blk_lo, blk_hi, X_ORDER, HALF,
                           ASM)
     else:
-        acc = q4k_product(acc, p_qw, p_s, r_qw, r_s, o_n, p_xr, m_m, blk_lo, blk_hi, X_ORDER, HALF, ASM)
+        acc = q4k_product(acc, p_qw, p_s, r_qw, r_s, o_n, p_xr, m_m, blk_lo, blk_hi, X_ORDER, HALF, ASM, SWAP,
+                          JOIN)
     return acc
