@@ -29,7 +29,7 @@ second)  # this session's changes on the GPU: the kernels' and whole models' GPU
   # 2,048-token prompt goes; a 16 / 64-row decode step's kernels without PDL (their own times)
   setup; idle | say
   (synth llama-8b $M8 Q4_K_M llama-bpe) &
-  timeout ${TEST_S:-200} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_triton_matmul.py \
+  timeout ${TEST_S:-150} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_triton_matmul.py \
     tests/test_triton_matmul_gated.py tests/test_gpu_model.py "tests/test_triton_gemm_q.py::test_gemm_q_gpu" \
     -k "not IQ2_XS and not Q2_K and not Q3_K and not real and not generate" > "$OUT/tests.txt" 2>&1
   tail -3 "$OUT/tests.txt" | say
@@ -47,6 +47,12 @@ second)  # this session's changes on the GPU: the kernels' and whole models' GPU
   grep -E "wall|tok/s" "$OUT/prof-prefill.txt" | head -3 | say
   DEIMOS_PDL=0 timeout ${PROF_S:-90} python3 bench/profile_step.py $M8 -b 16,64 --steps 10 --top 14 > "$OUT/prof-step-nopdl.txt" 2>&1
   grep -E "a step" "$OUT/prof-step-nopdl.txt" | say
+  timeout ${PROF_S:-60} python3 bench/profile_step.py $M8 -b 64 --steps 10 --top 10 --dense-weights off \
+    > "$OUT/prof-step-q.txt" 2>&1
+  grep -E "a step" "$OUT/prof-step-q.txt" | sed "s/^/no copies: /" | say
+  timeout ${EXP_S:-60} python3 bench/exp_gemm_dense_mmq.py 28672x4096 4096x14336 6144x4096 4096x4096 --rows 48,64 \
+    > "$OUT/dense-mmq.txt" 2>&1
+  grep -E "^\| [0-9]" "$OUT/dense-mmq.txt" | say
   idle | say ;;
 *) echo "usage: $0 first|second" >&2; exit 2 ;;
 esac
