@@ -7,7 +7,8 @@ not a test.
 
     python bench/exp_gemm_dense_mmq.py [--rows 8,16,32] [NxK ...]
 
-Past 32 rows (mmq_config's end) mmq runs 64-row tiles at the 32-row rule's width and split.
+Past 32 rows the rule is mmq's 64-row SWAP + JOIN tile, "mmq" the plain 64-row tile at the
+32-row rule's width and split, "mmq no split" the rule's tile unsplit.
 """
 
 from __future__ import annotations
@@ -69,10 +70,10 @@ def main(argv: list[str] | None = None) -> None:
             out = torch.empty(m, n, device="cuda")
             res = {}
             mq = mmq_config(n, k, min(m, 32))
-            if m > 32:  # past the rule's rows: mmq's 64-row tile, the 32-row rule's width and split
+            if m > 32:  # the rule's SWAP + JOIN tile against the plain 64-row tile (32 rows' width, split)
                 mq = mq._replace(block_m=64)
             cfgs = {"rule": gemm_q_config(w.ggml_type, n, k, m), "mmq": mq}
-            cfgs["mmq1"] = cfgs["mmq"]._replace(split_k=1)
+            cfgs["mmq1"] = (cfgs["rule"] if m > 32 else cfgs["mmq"])._replace(split_k=1)
             for name, cfg in cfgs.items():
                 gemm_q(w, xp, out=out, cfg=cfg)
                 err = ((out - ref).norm() / ref.norm()).item()
