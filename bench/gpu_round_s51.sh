@@ -54,5 +54,11 @@ second)  # this session's changes on the GPU: the kernels' and whole models' GPU
     > "$OUT/dense-mmq.txt" 2>&1
   grep -E "^\| [0-9]" "$OUT/dense-mmq.txt" | say
   idle | say ;;
-*) echo "usage: $0 first|second" >&2; exit 2 ;;
+tests)  # the GPU tests second's time limit cut: gemm_q's at real shapes for the K-quants (Q4_K's
+  # 64-row SWAP + JOIN rule, x in element order), a whole qwen3moe-tiny (moe_gemm through mmq_product)
+  setup
+  timeout ${TEST_S:-240} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider "tests/test_triton_gemm_q.py::test_gemm_q_gpu" \
+    tests/test_moe_gpu.py -k "Q4_K or Q5_K or Q6_K or moe" > "$OUT/tests2.txt" 2>&1
+  tail -4 "$OUT/tests2.txt" ;;
+*) echo "usage: $0 first|second|tests" >&2; exit 2 ;;
 esac
