@@ -60,5 +60,13 @@ tests)  # the GPU tests second's time limit cut: gemm_q's at real shapes for the
   timeout ${TEST_S:-240} python3 -m pytest -q -rfE -m gpu -p no:cacheprovider "tests/test_triton_gemm_q.py::test_gemm_q_gpu" \
     tests/test_moe_gpu.py -k "Q4_K or Q5_K or Q6_K or moe" > "$OUT/tests2.txt" 2>&1
   tail -4 "$OUT/tests2.txt" ;;
-*) echo "usage: $0 first|second|tests" >&2; exit 2 ;;
+attn)  # the decode attention's tiles, warps, stages and splits at llama 8B's heads, 16 and 64 rows
+  # of ~600 keys in a 1,024-key table (what engine_batch's steps run)
+  setup
+  for b in 64 16; do
+    timeout ${SWEEP_S:-85} python3 bench/sweep_decode_attention.py --heads 32,8,128 -b $b --pos 600 --width 1024 \
+      --budget ${BUDGET:-70} > "$OUT/attn-b$b.txt" 2>&1
+    echo "B=$b"; grep -E "rule|^best|^\| 600" "$OUT/attn-b$b.txt" | head -9
+  done ;;
+*) echo "usage: $0 first|second|tests|attn" >&2; exit 2 ;;
 esac
