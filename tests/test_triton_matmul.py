@@ -55,6 +55,22 @@ def test_matmul_f16_tma_unaligned_rows_fall_back() -> None:
         matmul_f16(a.to(DEVICE), b.to(DEVICE), cfg=MatmulConfig(16, 32, 32, 4, 2, 2, tma=True))
 
 
+def test_matmul_rule_takes_pointer_tiles_where_tma_cannot_run() -> None:
+    """Past 256 rows the rule's TMA tiles (128 x 256 where that makes enough tiles) only where
+    the TMA kernel runs; rows it cannot address (or a GPU without it) get the pointer kernel's
+    own tiles, and the product is right."""
+    assert matmul_config(2048, 28672, 4096, tma=True) == MatmulConfig(128, 256, 64, 8, 3, tma=True)
+    assert matmul_config(512, 28672, 4096, tma=True) == MatmulConfig(128, 256, 64, 8, 4, tma=True)
+    assert matmul_config(512, 4096, 4096, tma=True) == MatmulConfig(128, 128, 64, 4, 4, tma=True)
+    assert matmul_config(512, 28672, 4096, tma=False) == MatmulConfig(128, 128, 64, 4, 4)
+    assert matmul_config(2048, 28672, 4096, tma=False) == MatmulConfig(128, 256, 64, 8, 3)
+    g = torch.Generator().manual_seed(6)
+    a = torch.randn(300, 64 + 3, generator=g).half()[:, :64]  # rows 134 bytes apart: no TMA
+    b = torch.randn(40, 64, generator=g).half()
+    got = matmul_f16(a.to(DEVICE), b.to(DEVICE)).cpu()
+    torch.testing.assert_close(got, matmul_reference(a, b), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("k", [256, 96, 160], ids=["even-k", "ragged-k", "empty-last-split"])
 @pytest.mark.parametrize("splits", [2, 3, 5])
 def test_matmul_f16_split_k(splits: int, k: int) -> None:

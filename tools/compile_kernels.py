@@ -136,7 +136,7 @@ def _q8_jobs() -> list[Job]:
     from deimos.kernels.triton import matmul
 
     shapes = [(m, n) for m in (2, 16, 64, 128, 512) for n in (4096, 28672)]
-    for mc in dict.fromkeys(matmul.matmul_config(m, n, 4096) for m, n in shapes):
+    for mc in dict.fromkeys(matmul.matmul_config(m, n, 4096, tma=False) for m, n in shapes + [(2048, 28672)]):
         for splits in (1, 4) if mc.block_m * mc.block_n <= 64 * 64 else (1,):  # split-K: decode rows
             # a resident weight, or one just dequantized (matmul_f16 loads ahead in 16-row tiles only)
             for ahead in (True, False) if mc.block_m == 16 else (False,):
@@ -151,7 +151,7 @@ def _q8_jobs() -> list[Job]:
                                       num_warps=mc.num_warps, num_stages=mc.num_stages, **PDL_KW)))
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    for mc in dict.fromkeys(matmul.matmul_config(m, n, 4096) for m in (512, 2048) for n in (4096, 28672)):
+    for mc in dict.fromkeys(matmul.matmul_config(m, n, 4096, tma=True) for m in (512, 2048) for n in (4096, 28672)):
         host = torch.empty(256, 4096, dtype=torch.float16)  # descriptors need a tensor's shape only
         descs = [TensorDescriptor.from_tensor(host, [mc.block_m, mc.block_k]),
                  TensorDescriptor.from_tensor(host, [mc.block_n, mc.block_k])]
@@ -163,10 +163,12 @@ def _q8_jobs() -> list[Job]:
                               **PDL_KW)))
     from deimos.kernels.triton import matmul_gated as mg
 
-    for gcfg in dict.fromkeys(mg.gated_config(m, 14336, 4096) for m in (20, 64, 200, 512, 2048)):
+    gated = [mg.gated_config(m, 14336, 4096, tma=m > 256) for m in (20, 64, 200, 512, 2048)]
+    gated += [mg.gated_config(m, 14336, 4096, tma=False) for m in (512, 2048)]  # rows TMA cannot address
+    for gcfg, act in ((c, a) for c in dict.fromkeys(gated) for a in mg.ACTIVATIONS.values()):
         bf = gcfg.block_n // 2
-        what = f"M={gcfg.block_m} F={bf} K={gcfg.block_k} w={gcfg.num_warps} st={gcfg.num_stages}"
-        kw = dict(BLOCK_M=gcfg.block_m, BLOCK_F=bf, BLOCK_K=gcfg.block_k, GROUP=matmul.GROUP_M, ACT=0,
+        what = f"M={gcfg.block_m} F={bf} K={gcfg.block_k} w={gcfg.num_warps} st={gcfg.num_stages} act={act}"
+        kw = dict(BLOCK_M=gcfg.block_m, BLOCK_F=bf, BLOCK_K=gcfg.block_k, GROUP=matmul.GROUP_M, ACT=act,
                   num_warps=gcfg.num_warps, num_stages=gcfg.num_stages, **PDL_KW)
         if gcfg.tma:
             host = torch.empty(256, 4096, dtype=torch.float16)

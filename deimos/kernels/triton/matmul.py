@@ -185,13 +185,14 @@ def tma_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (a, b))
 
 
-def matmul_config(m: int, n: int, k: int) -> MatmulConfig:
+def matmul_config(m: int, n: int, k: int, tma: bool = TMA_ON) -> MatmulConfig:
     """The launch rule, from bench/sweep_gemm.py and bench/sweep_dense.py on the H200
     (2026-11-29, llama 8B's matrices at M = 1, 16, 128, 512; BENCHMARKS.md): 16-row tiles
     with long K steps up to 16 rows (the best tile at every N there), then 128-row tiles,
     64 wide for the narrow matrices at ~128 rows (more programs), 256 wide for the wide ones,
     128 x 128 from 256 rows on. 17-64 rows: 64 x 64, between the measured ends. Past 256 rows
-    the TMA kernel (``TMA_ON``; bench/exp_matmul_tma.py, H100, session 51): 128 x 256 with 8
+    the TMA kernel where ``tma`` (``TMA_ON``, and the operands fit it: ``tma_fits``; its tiles
+    are not the pointer kernel's) (bench/exp_matmul_tma.py, H100, session 51): 128 x 256 with 8
     warps where that makes ``WIDE_TILES`` tiles (3 stages past 1,024 rows: 755.7 against
     782.4 us on [28672, 4096] at 2,048 rows, 4 below), else 128 x 128 with 4 warps. The
     pointer kernel past 1,024 rows: 128 x 256 with 8 warps (bench/sweep_dense.py, H100,
@@ -203,7 +204,7 @@ def matmul_config(m: int, n: int, k: int) -> MatmulConfig:
         return MatmulConfig(64, 64, 64, 4, 4)
     if m <= 256:
         return MatmulConfig(128, 256, 64, 8, 3) if n >= 16384 else MatmulConfig(128, 64, 64, 4, 4)
-    if TMA_ON:
+    if tma:
         if triton.cdiv(m, 128) * triton.cdiv(n, 256) >= WIDE_TILES:
             return MatmulConfig(128, 256, 64, 8, 3 if m > 1024 else 4, tma=True)
         return MatmulConfig(128, 128, 64, 4, 4, tma=True)
@@ -231,7 +232,7 @@ def matmul_f16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None
     if k == 0:
         return out.zero_()
     if cfg is None:
-        cfg = matmul_config(m, n, k)
+        cfg = matmul_config(m, n, k, tma=TMA_ON and m > 256 and tma_fits(a, b))
         if scratch is not None and m <= 64:
             tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
             cfg = cfg._replace(splits=split_count(tiles, k, cfg.block_k, scratch.n_sm))

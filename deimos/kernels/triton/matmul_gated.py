@@ -25,6 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from deimos.kernels.triton.activation import ACTIVATIONS, gated_value
 from deimos.kernels.triton.matmul import (
     GROUP_M,
+    TMA_ON,
     MatmulConfig,
     _check,
     matmul_config,
@@ -95,10 +96,10 @@ def _gated_tma_kernel(a_desc, b_desc, p_y, M, F, K, stride_ym, BLOCK_M: tl.const
     tl.store(p_out, y, mask=(o_m < M)[:, None] & (o_f < F)[None, :])
 
 
-def gated_config(m: int, f: int, k: int) -> MatmulConfig:
-    """The tile: matmul_f16's rule for [M, 2F] without splits, its block_n the gate and up
-    rows together (``block_n / 2`` of each, at least 16)."""
-    cfg = matmul_config(m, 2 * f, k)
+def gated_config(m: int, f: int, k: int, tma: bool = TMA_ON) -> MatmulConfig:
+    """The tile: matmul_f16's rule for [M, 2F] without splits (``tma``: its TMA tiles), its
+    block_n the gate and up rows together (``block_n / 2`` of each, at least 16)."""
+    cfg = matmul_config(m, 2 * f, k, tma)
     return cfg._replace(block_n=max(32, cfg.block_n), splits=1)
 
 
@@ -123,7 +124,7 @@ def matmul_gated(a: torch.Tensor, b: torch.Tensor, activation: str, out: torch.T
     if m == 0 or f == 0:
         return out
     if cfg is None:
-        cfg = gated_config(m, f, k)
+        cfg = gated_config(m, f, k, tma=TMA_ON and m > 256 and tma_fits(a, b))
     elif not (all(v >= 16 and v & (v - 1) == 0 and v <= 256 for v in (cfg.block_m, cfg.block_k))
               and cfg.block_n in (32, 64, 128, 256, 512) and cfg.num_warps in (1, 2, 4, 8)
               and 1 <= cfg.num_stages <= 5 and cfg.splits == 1):  # fmt: skip
