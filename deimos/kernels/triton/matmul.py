@@ -88,6 +88,17 @@ def tile_of(tile, tiles_m, tiles_n, GROUP: tl.constexpr):
 
 
 @triton.jit
+def load_k(p, k0, o_k, K, EVEN_K: tl.constexpr):
+    """The ``[rows, BLOCK_K]`` tile at pointers ``p`` (K step k0, columns k0 + o_k): as is
+    where the steps divide K (EVEN_K), else with the columns past K read as 0."""
+    if EVEN_K:
+        b = tl.load(p)
+    else:
+        b = tl.load(p, mask=(k0 + o_k < K)[None, :], other=0.0)
+    return b
+
+
+@triton.jit
 def _matmul_kernel(
     p_a, p_b, p_y, p_part, p_count, M, N, K, K_SPLIT, stride_am, stride_bn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
@@ -125,13 +136,8 @@ def _matmul_kernel(
         p_bt += BLOCK_K
         first = k_lo + BLOCK_K
     for k0 in range(first, k_hi, BLOCK_K):
-        if EVEN_K:
-            b_a = tl.load(p_at)
-            b_b = tl.load(p_bt)
-        else:
-            m_k = (k0 + o_k < K)[None, :]
-            b_a = tl.load(p_at, mask=m_k, other=0.0)
-            b_b = tl.load(p_bt, mask=m_k, other=0.0)
+        b_a = load_k(p_at, k0, o_k, K, EVEN_K)
+        b_b = load_k(p_bt, k0, o_k, K, EVEN_K)
         acc = tl.dot(b_a, tl.trans(b_b), acc, out_dtype=tl.float32)
         p_at += BLOCK_K
         p_bt += BLOCK_K

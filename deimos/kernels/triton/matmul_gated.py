@@ -28,6 +28,7 @@ from deimos.kernels.triton.matmul import (
     TMA_ON,
     MatmulConfig,
     _check,
+    load_k,
     matmul_config,
     tile_of,
     tma_fits,
@@ -54,15 +55,9 @@ def _gated_kernel(p_a, p_b, p_y, M, F, K, stride_am, stride_bn, stride_ym, BLOCK
     acc_g = tl.zeros([BLOCK_M, BLOCK_F], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_F], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            b_a = tl.load(p_at)
-            b_g = tl.load(p_gt)
-            b_u = tl.load(p_ut)
-        else:
-            m_k = (k0 + o_k < K)[None, :]
-            b_a = tl.load(p_at, mask=m_k, other=0.0)
-            b_g = tl.load(p_gt, mask=m_k, other=0.0)
-            b_u = tl.load(p_ut, mask=m_k, other=0.0)
+        b_a = load_k(p_at, k0, o_k, K, EVEN_K)
+        b_g = load_k(p_gt, k0, o_k, K, EVEN_K)
+        b_u = load_k(p_ut, k0, o_k, K, EVEN_K)
         acc_g = tl.dot(b_a, tl.trans(b_g), acc_g, out_dtype=tl.float32)
         acc_u = tl.dot(b_a, tl.trans(b_u), acc_u, out_dtype=tl.float32)
         p_at += BLOCK_K
