@@ -283,11 +283,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--q8", action="store_true", help="also Q8_0 and IQ4_XS (Q8_0's layout) against gemm_q")
     ap.add_argument("--only", default="", help="only the variants whose label holds one of these "
                     "comma-separated words (e.g. swap,gemm_q)")
+    ap.add_argument("--tiles", default="", help="the tiles tried, as 'x rows,weight rows,warps,stages' "
+                    "separated by ';' (e.g. '16,128,4,3;16,256,8,3'; default: eight on a GPU)")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     gpu = DEV != "cpu"
     tiles = ((16, 64, 4, 3), (16, 128, 4, 3), (16, 64, 2, 4), (32, 64, 4, 3), (32, 128, 4, 3),
              (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3)) if gpu else ((16, 32, 4, 1),)
+    if a.tiles:
+        tiles = tuple(tuple(int(v) for v in t.split(",")) for t in a.tiles.split(";"))
+        if any(len(t) != 4 for t in tiles):
+            ap.error(f"--tiles: four numbers a tile, got {a.tiles!r}")
     for shape in a.shapes:
         n, k = (int(v) for v in shape.split("x"))
         rows = min(1024, n)

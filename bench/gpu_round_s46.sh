@@ -19,24 +19,6 @@
 #     (Hermes-3's tool-use template) and qwen3 4B Q4_K_M (Qwen3's), tools sent as the field
 . bench/gpu_env.sh
 Q3=/tmp/m/qwen3-4b-Q4_K_M-qwen3.gguf
-# serve_round FILE: deimos serve then llama-server, each driven by deimos bench serve
-serve_round() {
-  python3 -m deimos serve $1 --listen 127.0.0.1:8090 --no-tui -c 1024 > "$OUT/deimos-serve.log" 2>&1 &
-  local D=$!
-  for i in $(seq 150); do curl -sf 127.0.0.1:8090/health > /dev/null && break; kill -0 $D 2>/dev/null || break; sleep 1; done
-  kill -0 $D 2>/dev/null || tail -3 "$OUT/deimos-serve.log"
-  timeout ${DS_S:-150} python3 -m deimos bench serve --url http://127.0.0.1:8090 --concurrency ${DLEVELS:-1,16,64} \
-    --prompt-tokens 512 --max-tokens 128 --json "$OUT/serve-deimos.json" 2>&1 | grep -E "^\| *[0-9]" | sed 's/^/deimos /' | say
-  kill -INT $D; wait $D; idle
-  [ -x /tmp/lc/llama-server ] || [ -f .peer/lc/llama-cuda-sm90.tar.xz ] || return 0
-  /tmp/lc/llama-server -m $1 -ngl 99 -fa on --parallel 64 -c 65536 --host 127.0.0.1 --port 8091 \
-    > "$OUT/llama-serve.log" 2>&1 &
-  local L=$!
-  for i in $(seq 180); do curl -sf 127.0.0.1:8091/health > /dev/null && break; kill -0 $L 2>/dev/null || break; sleep 1; done
-  timeout ${LS_S:-200} python3 -m deimos bench serve --url http://127.0.0.1:8091 --concurrency ${LLEVELS:-16,64} \
-    --prompt-tokens 512 --max-tokens 128 --json "$OUT/serve-llama.json" 2>&1 | grep -E "^\| *[0-9]" | sed 's/^/llama /' | say
-  kill $L; wait $L; idle
-}
 case "${1:-}" in
 first)
   setup; idle | say
