@@ -351,6 +351,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# chat lines that end the session (besides an empty line and end of input): llama-cli's and
+# ollama's words, which users type out of habit (sent as a message they got an answer instead)
+QUIT_COMMANDS = ("/exit", "/quit", "/bye")
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
     llm = _llm(args)
@@ -362,14 +367,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
         _say(f"{llm.path.name} has no chat template (a base model, not tuned for chat): using "
              "the default template for its vocabulary; expect it not to follow the turns")
     if interactive:
-        print(f"deimos chat: {llm.path.name} (empty line or Ctrl-D to quit, /reset to start over)",
+        print(f"deimos chat: {llm.path.name} (empty line, /exit or Ctrl-D to quit, /reset to start over)",
               file=sys.stderr)
     while True:
         try:
             line = input("> " if interactive else "")
         except EOFError:
             break
-        if not line.strip():
+        if not line.strip() or line.strip() in QUIT_COMMANDS:
             break
         if line.strip() == "/reset":
             messages = messages[:1] if args.system else []

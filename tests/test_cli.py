@@ -209,6 +209,19 @@ def test_run_with_m_f_and_a_context_past_the_trained_one(capsys, caplog, tmp_pat
     assert "-n 8" in err  # the cap cut the answer, and stderr says so
 
 
+def test_chat_ends_at_exit_and_reset_forgets(capsys, monkeypatch):
+    """``deimos chat`` reads turns from stdin: /reset starts over (the same first answer again,
+    greedy), /exit ends the session (nothing after it is answered)."""
+    turns = "Hello\n/reset\nHello\n/exit\nHello again\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(turns))
+    code, out, err = run_cli(capsys, "chat", "-m", str(model_path(SMOL)), "-n", "4", "--temperature", "0",
+                             "--device", "cpu")
+    assert code == 0, err
+    assert err.count("-n 4") == 2, err  # two answers, each cut at the cap
+    answers = [a for a in out.split("\n") if a.strip()]
+    assert len(answers) == 2 and answers[0] == answers[1], out
+
+
 def test_cli_module_keeps_torch_out_of_the_light_commands():
     import subprocess
     import sys
