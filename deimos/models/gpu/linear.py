@@ -218,11 +218,6 @@ class DenseLinear:
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
 
-    def gated(self, x: torch.Tensor, activation: str) -> torch.Tensor | None:
-        """As ``QuantLinear.gated``: more than ``GATED_ROWS`` rows in one launch, else None."""
-        _check_input(x, self.weight.shape[1], self.name)
-        return matmul_gated(self.inputs.half(x), self.weight, activation) if x.shape[0] > GATED_ROWS else None
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.weight.shape[1], self.name)
         if x.shape[0] == 1:
@@ -320,15 +315,15 @@ class LinearPart:
         return y if self.bias is None else y + self.bias
 
 
-def gated_pair(gate, up) -> QuantLinear | DenseLinear | None:
+def gated_pair(gate, up) -> QuantLinear | None:
     """The one matrix behind a gated MLP's ``gate`` and ``up`` when they are a LinearGroup's
-    two parts, gate's rows first, up's next and as many, without biases (``matmul_gated``'s
-    [2F, K] operand: its ``gated``); else None."""
+    two parts (a group's matrix is a QuantLinear: source.py fuses packed weights only), gate's
+    rows first, up's next and as many, without biases (``matmul_gated``'s [2F, K] operand:
+    its ``gated``); else None."""
     if not (isinstance(gate, LinearPart) and isinstance(up, LinearPart) and gate.group is up.group):
         return None
     linear = gate.group.linear
     if (gate.group.n_parts == 2 and gate.lo == 0 and gate.hi == up.lo and up.hi == 2 * gate.hi
-            and linear.out_features == up.hi and gate.bias is None and up.bias is None
-            and hasattr(linear, "gated")):  # fmt: skip
+            and linear.out_features == up.hi and gate.bias is None and up.bias is None):  # fmt: skip
         return linear
     return None
